@@ -1,0 +1,122 @@
+"""The two plain data objects a forward pass needs: what to run (ForwardBatch) and where per-sequence
+state lives (CacheBuffers). Layers read both; they never allocate state themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .config import ModelConfig
+
+
+@dataclasses.dataclass
+class ForwardBatch:
+    """N sequences packed into T tokens. The first `num_prefills` sequences are prefill chunks (any
+    length, possibly continuing from saved state); the remaining N - num_prefills are decodes (exactly
+    one token each, always continuing from saved state), so the decode tokens are the last
+    T - num_prefill_tokens tokens.
+
+    Device tensors:
+      input_ids [T] int64, positions [T] int64,
+      cu_seqlens [N + 1] int32      token offsets of the sequences in the packed batch
+      seq_lens [N] int32            context length of each sequence after this step (cached + new)
+      state_slots [N] int32         GDN state slot of each sequence (-1 = padded row)
+      has_initial_state [N] bool    continue from the slot's saved state (False: start from zero)
+      slot_mapping [T] int64        flat KV-cache slot of each token (-1 = padded token)
+      block_tables [N, max_blocks] int32
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    seq_lens: torch.Tensor
+    state_slots: torch.Tensor
+    has_initial_state: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    num_prefills: int
+    num_prefill_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.state_slots.shape[0])
+
+    @property
+    def num_decodes(self) -> int:
+        return self.num_seqs - self.num_prefills
+
+    def prefill_part(self) -> "ForwardBatch":
+        """The prefill sequences only (a view; offsets are unchanged since they come first)."""
+        n, t = self.num_prefills, self.num_prefill_tokens
+        return dataclasses.replace(
+            self, input_ids=self.input_ids[:t], positions=self.positions[:t],
+            cu_seqlens=self.cu_seqlens[: n + 1], seq_lens=self.seq_lens[:n], state_slots=self.state_slots[:n],
+            has_initial_state=self.has_initial_state[:n], slot_mapping=self.slot_mapping[:t],
+            block_tables=self.block_tables[:n], num_prefills=n, num_prefill_tokens=t,
+        )
+
+
+@dataclasses.dataclass
+class CacheBuffers:
+    """Per-sequence model state, owned by the caller and indexed by slot / block ids.
+
+      ssm  [L_gdn, S, HV, K, V]   fp32 recurrent state of every GDN layer (state slot S)
+      conv [L_gdn, S, W-1, D]     conv window (last W-1 pre-conv inputs) of every GDN layer
+      kv   [L_attn, 2, B, BS, NKV, HD]  paged K/V of every full-attention layer
+    """
+
+    ssm: torch.Tensor
+    conv: torch.Tensor
+    kv: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls, config: ModelConfig, *, num_slots: int, num_blocks: int, block_size: int,
+        device: torch.device | str, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32,
+        num_attention_layers: int | None = None,
+    ) -> "CacheBuffers":
+        n_gdn = len(config.gdn_layer_ids)
+        n_attn = len(config.attention_layer_ids) if num_attention_layers is None else num_attention_layers
+        ssm = torch.zeros(
+            (n_gdn, num_slots, config.linear_num_value_heads, config.linear_key_head_dim,
+             config.linear_value_head_dim), dtype=state_dtype, device=device)
+        conv = torch.zeros(
+            (n_gdn, num_slots, config.linear_conv_kernel_dim - 1, config.gdn_conv_dim), dtype=dtype, device=device)
+        kv = torch.zeros(
+            (n_attn, 2, num_blocks, block_size, config.num_key_value_heads, config.head_dim),
+            dtype=dtype, device=device)
+        return cls(ssm=ssm, conv=conv, kv=kv)
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.ssm.shape[1])
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.kv.shape[2])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.kv.shape[3])
+
+    def slot_bytes(self) -> int:
+        return (self.ssm[:, 0].numel() * self.ssm.element_size()
+                + self.conv[:, 0].numel() * self.conv.element_size())
+
+    def snapshot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of one slot's GDN state across all layers (prefix caching, speculation)."""
+        return self.ssm[:, slot].clone(), self.conv[:, slot].clone()
+
+    def restore(self, slot: int, snap: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.ssm[:, slot].copy_(snap[0])
+        self.conv[:, slot].copy_(snap[1])
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        self.ssm[:, dst].copy_(self.ssm[:, src])
+        self.conv[:, dst].copy_(self.conv[:, src])

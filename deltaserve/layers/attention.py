@@ -1,0 +1,59 @@
+"""Gated full attention (model_spec.md §4): q/k RMSNorm, partial RoPE, GQA, sigmoid output gate.
+
+q_proj rows are grouped per query head, [query head h | gate head h] each head_dim rows; we keep
+q_proj, k_proj and v_proj as one fused projection (rows q_proj | k_proj | v_proj).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..batch import ForwardBatch
+from ..config import ModelConfig
+from ..ops import Kernels
+from .linear import Linear
+from .norm import RMSNorm
+from .rotary import RotaryEmbedding
+from .weights import WeightMap, rows, whole
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: ModelConfig, kernels: Kernels, *, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.kernels = kernels
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        self.q_size = 2 * self.num_heads * self.head_dim          # queries and gates
+        self.kv_size = self.num_kv_heads * self.head_dim
+        h = config.hidden_size
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, dtype=dtype, device=device)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, dtype=dtype, device=device)
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps, kernels, dtype=dtype, device=device)
+        self.k_norm = RMSNorm(self.head_dim, eps, kernels, dtype=dtype, device=device)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
+                rope: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        T = x.shape[0]
+        qg, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, gate = qg.view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = rope.apply(self.q_norm(q), *cos_sin)
+        k = rope.apply(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), *cos_sin)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        self.kernels.store_kv(k, v, kv_cache, batch.slot_mapping)
+        o = self.kernels.paged_attention(q.contiguous(), kv_cache, cu_seqlens=batch.cu_seqlens,
+                                         seq_lens=batch.seq_lens, block_tables=batch.block_tables, scale=self.scale)
+        o = o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
+        return self.o_proj(o)
+
+    def checkpoint_weights(self) -> WeightMap:
+        return {
+            "q_proj.weight": rows(self.qkv_proj, 0, self.q_size),
+            "k_proj.weight": rows(self.qkv_proj, self.q_size, self.kv_size),
+            "v_proj.weight": rows(self.qkv_proj, self.q_size + self.kv_size, self.kv_size),
+            "o_proj.weight": whole(self.o_proj.weight),
+            "q_norm.weight": whole(self.q_norm.weight),
+            "k_norm.weight": whole(self.k_norm.weight),
+        }

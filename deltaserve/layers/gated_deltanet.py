@@ -1,0 +1,125 @@
+"""Gated DeltaNet layer (model_spec.md §3): projections, causal conv + SiLU, gates, L2-norm, delta rule,
+gated RMSNorm, output projection.
+
+The recurrent state and conv window of each sequence live outside the layer, in the CacheBuffers pools
+indexed by the batch's state slots: prefill chunks continue from a saved state, decode tokens update
+it in place. The input projections are fused into one matrix with rows
+    q (nk*dk) | k (nk*dk) | v (nv*dv) | z (nv*dv) | b (nv) | a (nv)
+i.e. Qwen3.5's split layout; Qwen3-Next's interleaved in_proj_qkvz / in_proj_ba are de-interleaved on load.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..batch import ForwardBatch
+from ..config import ModelConfig
+from ..ops import Kernels
+from .linear import Linear
+from .weights import Target, WeightMap, rows, whole
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: ModelConfig, kernels: Kernels, *, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.kernels = kernels
+        self.family = config.family
+        self.nk, self.nv = config.linear_num_key_heads, config.linear_num_value_heads
+        self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_dim, self.value_dim = config.gdn_key_dim, config.gdn_value_dim
+        self.conv_dim = config.gdn_conv_dim
+        self.conv_width = config.linear_conv_kernel_dim
+        self.eps = config.rms_norm_eps
+        self.norm_activation = config.gdn_norm_activation
+        h = config.hidden_size
+        self.split_sizes = [self.conv_dim, self.value_dim, self.nv, self.nv]
+        self.in_proj = Linear(h, sum(self.split_sizes), dtype=dtype, device=device)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.conv_width, dtype=dtype, device=device),
+                                        requires_grad=False)
+        # Gate parameters stay fp32 whatever the activation dtype (as vLLM keeps A_log).
+        self.A_log = nn.Parameter(torch.empty(self.nv, dtype=torch.float32, device=device), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.nv, dtype=torch.float32, device=device), requires_grad=False)
+        self.norm_weight = nn.Parameter(torch.empty(self.dv, dtype=dtype, device=device), requires_grad=False)
+        self.out_proj = Linear(self.value_dim, h, dtype=dtype, device=device)
+        self.scale = self.dk ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, ssm_state: torch.Tensor,
+                conv_state: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]; ssm_state [S, HV, K, V] and conv_state [S, W-1, D] are this layer's pools."""
+        T = x.shape[0]
+        mixed, z, b, a = self.in_proj(x).split(self.split_sizes, dim=-1)
+        P, n_pre = batch.num_prefill_tokens, batch.num_prefills
+        k = self.kernels
+        parts = []
+        if n_pre:
+            parts.append(k.causal_conv1d_fn(
+                mixed[:P], self.conv_weight, conv_state=conv_state, cu_seqlens=batch.cu_seqlens[: n_pre + 1],
+                state_indices=batch.state_slots[:n_pre], has_initial_state=batch.has_initial_state[:n_pre]))
+        if P < T:
+            parts.append(k.causal_conv1d_update(
+                mixed[P:], self.conv_weight, conv_state=conv_state, state_indices=batch.state_slots[n_pre:]))
+        mixed = parts[0] if len(parts) == 1 else torch.cat(parts)
+        q, key, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, key = q.view(T, self.nk, self.dk), key.view(T, self.nk, self.dk)
+        v = v.view(T, self.nv, self.dv)
+        g, beta = k.gdn_gating(self.A_log, a, self.dt_bias, b)
+
+        outs = []
+        if n_pre:
+            outs.append(k.chunk_gated_delta_rule(
+                q[:P], key[:P], v[:P], g[:P], beta[:P], scale=self.scale, cu_seqlens=batch.cu_seqlens[: n_pre + 1],
+                ssm_state=ssm_state, state_indices=batch.state_slots[:n_pre],
+                has_initial_state=batch.has_initial_state[:n_pre]))
+        if P < T:
+            outs.append(k.fused_recurrent_gated_delta_rule(
+                q[P:], key[P:], v[P:], g[P:], beta[P:], scale=self.scale, ssm_state=ssm_state,
+                state_indices=batch.state_slots[n_pre:]))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        o = k.rms_norm_gated(o, z.view(T, self.nv, self.dv), self.norm_weight, self.eps,
+                             activation=self.norm_activation)
+        return self.out_proj(o.reshape(T, self.value_dim))
+
+    # ---- checkpoint layout --------------------------------------------------------------------
+    def checkpoint_weights(self) -> WeightMap:
+        h = self.in_proj.in_features
+        offsets = {"qkv": 0, "z": self.conv_dim, "b": self.conv_dim + self.value_dim,
+                   "a": self.conv_dim + self.value_dim + self.nv}
+        common = {
+            "conv1d.weight": Target((self.conv_dim, 1, self.conv_width),
+                                    lambda t: self.conv_weight.data.copy_(t[:, 0, :])),
+            "A_log": whole(self.A_log),
+            "dt_bias": whole(self.dt_bias),
+            "norm.weight": whole(self.norm_weight),
+            "out_proj.weight": whole(self.out_proj.weight),
+        }
+        if self.family != "qwen3_next":
+            return {
+                "in_proj_qkv.weight": rows(self.in_proj, offsets["qkv"], self.conv_dim),
+                "in_proj_z.weight": rows(self.in_proj, offsets["z"], self.value_dim),
+                "in_proj_b.weight": rows(self.in_proj, offsets["b"], self.nv),
+                "in_proj_a.weight": rows(self.in_proj, offsets["a"], self.nv),
+                **common,
+            }
+        return {
+            "in_proj_qkvz.weight": Target((2 * self.key_dim + 2 * self.value_dim, h), self._load_qkvz),
+            "in_proj_ba.weight": Target((2 * self.nv, h), self._load_ba),
+            **common,
+        }
+
+    def _load_qkvz(self, t: torch.Tensor) -> None:
+        """Qwen3-Next: rows grouped per key head g as [q_g | k_g | v_{g r..g r+r-1} | z_{g r..}] (§2.4)."""
+        r = self.nv // self.nk
+        grouped = t.view(self.nk, 2 * self.dk + 2 * r * self.dv, -1)
+        q, k, v, z = grouped.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=1)
+        flat = lambda x: x.reshape(-1, t.shape[-1])  # noqa: E731  (group-major = head-major order)
+        self.in_proj.load_rows(0, flat(q))
+        self.in_proj.load_rows(self.key_dim, flat(k))
+        self.in_proj.load_rows(2 * self.key_dim, flat(v))
+        self.in_proj.load_rows(self.conv_dim, flat(z))
+
+    def _load_ba(self, t: torch.Tensor) -> None:
+        r = self.nv // self.nk
+        b, a = t.view(self.nk, 2 * r, -1).split([r, r], dim=1)
+        self.in_proj.load_rows(self.conv_dim + self.value_dim, b.reshape(-1, t.shape[-1]))
+        self.in_proj.load_rows(self.conv_dim + self.value_dim + self.nv, a.reshape(-1, t.shape[-1]))

@@ -1,0 +1,20 @@
+"""RMSNorm modules (zero-centred `x̂·(1+w)` for every Qwen3-Next / 3.5 layer norm)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops import Kernels
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, kernels: Kernels, *, dtype: torch.dtype,
+                 device: torch.device | str, zero_centered: bool = True):
+        super().__init__()
+        self.eps, self.zero_centered, self.kernels = eps, zero_centered, kernels
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Normalise x; with `residual`, normalise x + residual and also return that sum."""
+        return self.kernels.rms_norm(x, self.weight, self.eps, zero_centered=self.zero_centered, residual=residual)

@@ -1,0 +1,83 @@
+"""Public op API. Every op has a plain-torch reference (the CPU path and the test oracle); a Triton
+implementation with the same signature replaces it on CUDA devices where one exists.
+
+The choice is made once, by `select_kernels`, when a model is built, and logged once. Nothing here
+falls back silently at call time: a Triton op that cannot handle its inputs raises.
+This package imports nothing from the rest of deltaserve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable
+
+import torch
+
+from .attention import reference as attention_ref
+from .conv1d import reference as conv1d_ref
+from .gdn import reference as gdn_ref
+from .moe import reference as moe_ref
+from .norm import reference as norm_ref
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """One implementation of every op, chosen together. `backend` names the source of each op."""
+
+    backend: dict[str, str]
+    causal_conv1d_fn: Callable
+    causal_conv1d_update: Callable
+    gdn_gating: Callable
+    chunk_gated_delta_rule: Callable
+    fused_recurrent_gated_delta_rule: Callable
+    rms_norm: Callable
+    rms_norm_gated: Callable
+    store_kv: Callable
+    paged_attention: Callable
+    topk_softmax: Callable
+    fused_moe: Callable
+
+
+REFERENCE_OPS: dict[str, Callable] = {
+    "causal_conv1d_fn": conv1d_ref.causal_conv1d_fn,
+    "causal_conv1d_update": conv1d_ref.causal_conv1d_update,
+    "gdn_gating": gdn_ref.gdn_gating,
+    "chunk_gated_delta_rule": gdn_ref.chunk_gated_delta_rule,
+    "fused_recurrent_gated_delta_rule": gdn_ref.fused_recurrent_gated_delta_rule,
+    "rms_norm": norm_ref.rms_norm,
+    "rms_norm_gated": norm_ref.rms_norm_gated,
+    "store_kv": attention_ref.store_kv,
+    "paged_attention": attention_ref.paged_attention,
+    "topk_softmax": moe_ref.topk_softmax,
+    "fused_moe": moe_ref.fused_moe,
+}
+
+
+def _triton_ops(device: torch.device) -> dict[str, Callable]:
+    """The Triton implementations usable on `device` (empty where Triton or the device cannot run them)."""
+    if device.type != "cuda":
+        return {}
+    try:
+        from . import triton_registry
+    except ImportError as exc:  # triton missing from this install
+        logger.warning("Triton unavailable (%s); every op uses its torch reference", exc)
+        return {}
+    return triton_registry.available_ops(device)
+
+
+def select_kernels(device: torch.device | str, *, force_reference: bool = False) -> Kernels:
+    """Pick each op's implementation once for `device`; log the choice."""
+    device = torch.device(device)
+    chosen = dict(REFERENCE_OPS)
+    backend = {name: "reference" for name in chosen}
+    if not force_reference:
+        for name, fn in _triton_ops(device).items():
+            chosen[name] = fn
+            backend[name] = "triton"
+    kernels = Kernels(backend=backend, **chosen)
+    summary = ", ".join(f"{k}={v}" for k, v in sorted(backend.items()))
+    logger.info("ops on %s%s: %s", device, " (reference forced)" if force_reference else "", summary)
+    return kernels

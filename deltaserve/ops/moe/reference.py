@@ -1,0 +1,43 @@
+"""Mixture-of-experts routing and expert compute in plain PyTorch.
+
+  router_logits [T, E]; topk_softmax -> weights [T, k] (fp32), ids [T, k] (int64)
+  w13 [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up), w2 [E, H, I]
+  fused_moe: y_t = sum_j weights[t, j] * w2[e] (silu(gate_e x_t) * up_e x_t), e = ids[t, j]
+Weighted expert outputs are accumulated in fp32 and rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    inter = w2.shape[-1]
+    flat_ids = topk_ids.flatten()
+    order = flat_ids.argsort(stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    token_of = order // topk_ids.shape[1]
+    start = 0
+    for e, cnt in enumerate(counts):
+        if cnt == 0:
+            continue
+        picks = order[start : start + cnt]
+        tokens = token_of[start : start + cnt]
+        start += cnt
+        h = x[tokens] @ w13[e].t()
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        y = h @ w2[e].t()
+        out.index_add_(0, tokens, y.float() * topk_weights.flatten()[picks, None].float())
+    return out.to(x.dtype)
