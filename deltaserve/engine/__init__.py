@@ -1,0 +1,1 @@
+"""Request lifecycle: scheduling, detokenization, outputs."""

@@ -1,0 +1,66 @@
+"""Incremental detokenization with stop strings.
+
+Text is produced from token ids a few at a time: decode a window starting a few tokens back (so
+tokenizers that merge spaces or bytes across tokens render correctly) and emit only what is new once it
+no longer ends in an incomplete UTF-8 sequence. Stop strings cut the text before the match (or after it
+with include_stop_str_in_output); the tail that could still become a stop string is held back from
+`stream_text` so a streaming client never sees text that is later retracted.
+"""
+
+from __future__ import annotations
+
+from ..tokenizer import Tokenizer
+
+_CONTEXT_TOKENS = 5
+_INCOMPLETE = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], *, skip_special_tokens: bool = True,
+                 stop: list[str] | None = None, include_stop_str_in_output: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = list(stop or [])
+        self.include_stop = include_stop_str_in_output
+        self.tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.text = ""
+        self.stop_reason: str | None = None
+
+    def add_token(self, token_id: int) -> bool:
+        """Append one generated token; returns True when a stop string has ended the text."""
+        self.tokens.append(token_id)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)  # noqa: E731
+        prefix_text = decode(self.tokens[self.prefix_offset : self.read_offset])
+        new_text = decode(self.tokens[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_INCOMPLETE):
+            return False
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        return self._append(delta)
+
+    def _append(self, delta: str) -> bool:
+        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        self.text += delta
+        hits = [(self.text.find(s, start), s) for s in self.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        idx, stop = min(hits)
+        self.text = self.text[: idx + len(stop)] if self.include_stop else self.text[:idx]
+        self.stop_reason = stop
+        return True
+
+    @property
+    def stream_text(self) -> str:
+        """Text safe to show now: without a trailing partial match of a stop string."""
+        if self.stop_reason is not None or not self.stop:
+            return self.text
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        return self.text[: len(self.text) - hold]

@@ -1,0 +1,23 @@
+"""Every DELTASERVE_* environment variable, typed, read in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    force_reference_ops: bool     # DELTASERVE_REFERENCE_OPS=1: torch references everywhere, even on CUDA
+    log_level: str                # DELTASERVE_LOG_LEVEL (default INFO)
+
+
+def settings() -> Settings:
+    return Settings(
+        force_reference_ops=_flag("DELTASERVE_REFERENCE_OPS"),
+        log_level=os.environ.get("DELTASERVE_LOG_LEVEL", "INFO").upper(),
+    )

@@ -1,0 +1,1 @@
+"""Turns scheduled sequences into model forwards and sampled tokens."""
