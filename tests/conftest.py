@@ -30,11 +30,12 @@ class TinySpec:
     fused_experts: bool = False       # rewrite experts as experts.gate_up_proj / experts.down_proj
     mtp: bool = False                 # add an mtp.* head (model_spec.md §2.7)
     seed: int = 0
+    vocab: int = 160
 
 
 def _text_config(spec: TinySpec) -> dict:
     cfg = dict(
-        vocab_size=160, hidden_size=64, num_hidden_layers=spec.num_layers, num_attention_heads=4,
+        vocab_size=spec.vocab, hidden_size=64, num_hidden_layers=spec.num_layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2 * spec.ratio,
         linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
         max_position_embeddings=4096, tie_word_embeddings=spec.tie, initializer_range=0.08,
@@ -194,6 +195,43 @@ def check_greedy(hf_lp: torch.Tensor, prompt_len: int, continuation: list[int]) 
 
 def random_ids(n: int, vocab: int = 160, seed: int = 0) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+TOKENIZER_TEXT = (
+    "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
+    "To be or not to be, that is the question. All that glitters is not gold. Héllo wörld, ünïcode ✓ 你好."
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def add_tiny_tokenizer(path: Path, vocab_size: int = 300) -> Path:
+    """Write a byte-level BPE tokenizer (Qwen style special tokens, a chat template) into a model dir."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TOKENIZER_TEXT] * 4, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE}))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_with_tokenizer(tiny_model, tmp_path_factory):
+    import shutil
+
+    dst = tmp_path_factory.mktemp("with-tokenizer") / "model"
+    shutil.copytree(tiny_model(TinySpec(family="qwen3_next", ratio=2, vocab=320, seed=9)), dst)
+    return add_tiny_tokenizer(dst)
 
 
 def has_cuda() -> bool:
