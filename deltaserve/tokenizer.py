@@ -43,7 +43,7 @@ class Tokenizer:
         self.eos_token_id = self.token_to_id(self.eos_token)
         self.bos_token_id = self.token_to_id(self.bos_token)
         self.add_bos = bool(self.config.get("add_bos_token", False)) and self.bos_token_id is not None
-        self.special_ids = {t.id for t in self._tok.get_added_tokens_decoder().values() if t.special} \
+        self.special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special} \
             if hasattr(self._tok, "get_added_tokens_decoder") else set()
 
     @classmethod

@@ -28,8 +28,9 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop_reason: str | None = None
 
-    def add_token(self, token_id: int) -> bool:
-        """Append one generated token; returns True when a stop string has ended the text."""
+    def add_token(self, token_id: int, check_stop: bool = True) -> bool:
+        """Append one generated token; returns True when a stop string has ended the text. With
+        check_stop False (min_tokens not reached yet) the text grows but is not searched."""
         self.tokens.append(token_id)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)  # noqa: E731
         prefix_text = decode(self.tokens[self.prefix_offset : self.read_offset])
@@ -38,11 +39,13 @@ class IncrementalDetokenizer:
             return False
         delta = new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-        return self._append(delta)
+        return self._append(delta, check_stop)
 
-    def _append(self, delta: str) -> bool:
+    def _append(self, delta: str, check_stop: bool) -> bool:
         start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
         self.text += delta
+        if not check_stop or not self.stop:
+            return False
         hits = [(self.text.find(s, start), s) for s in self.stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:

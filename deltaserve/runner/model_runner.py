@@ -1,115 +1,184 @@
-"""One forward step: a list of scheduled sequences -> packed ForwardBatch -> model -> sampled tokens.
+"""One forward step: SchedulerOutput -> packed ForwardBatch -> model -> sampler -> RunnerOutput.
 
-The runner owns the model and the cache buffers; it knows nothing about request lifecycles. Each
-SeqInput says which new tokens to feed, how many tokens of the sequence are already cached, where its
-state lives (GDN slot, KV blocks), and what to return (a sampled token, prompt logprobs).
+The runner owns the model, the cache buffers and a little state per running sequence (its tokens, state
+slot, block table row, how to sample it), set up from `NewSequence` and dropped when the scheduler says
+the sequence was freed. It knows nothing about request lifecycles. All host work (packing the batch)
+happens before the forward, and the only host sync after it is reading the sampled tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from ..batch import CacheBuffers, ForwardBatch
+from ..engine.interfaces import NewSequence, RunnerOutput, ScheduledChunk, SchedulerOutput
 from ..models.qwen3_next import HybridForCausalLM
 from ..outputs import PositionLogprobs
-from .sampler import SampleResult, SamplingRow, sample, top_logprobs
+from .sampler import Sampler, SamplingRow, top_logprobs
 
 
 @dataclasses.dataclass
-class SeqInput:
-    token_ids: list[int]                 # new tokens fed this step (a prompt chunk or the last sampled token)
-    num_computed: int                    # tokens of this sequence already in the cache
+class _SeqState:
+    sampling: SamplingRow            # holds the token list (prompt + generated), appended as we sample
+    prompt_logprobs: int | None
     state_slot: int
-    block_ids: list[int]                 # KV blocks covering positions [0, num_computed + len(token_ids))
-    sampling: SamplingRow | None = None  # set: sample the next token after the last fed token
-    prompt_logprobs: int | None = None   # set: logprobs (top-n) of each next prompt token in this chunk
-    next_prompt_token_ids: list[int] | None = None  # targets for prompt logprobs: the tokens that follow each fed token
+    block_ids: list[int]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.sampling.token_ids
 
 
-@dataclasses.dataclass
-class SeqOutput:
-    sampled: SampleResult | None
-    prompt_logprobs: list[PositionLogprobs] | None
+def allocate_cache(model: HybridForCausalLM, *, num_slots: int, num_blocks: int, block_size: int,
+                   device: torch.device, dtype: torch.dtype) -> CacheBuffers:
+    """The pools, laid out by CacheBuffers.allocate. On CPU they are left uninitialised (pages are only
+    touched once used; nothing reads a slot or block position before writing it)."""
+    layout = CacheBuffers.allocate(model.config, num_slots=num_slots, num_blocks=num_blocks, block_size=block_size,
+                                   device="meta", dtype=dtype)
+    make = torch.zeros if device.type == "cuda" else torch.empty
+    return CacheBuffers(*(make(t.shape, dtype=t.dtype, device=device) for t in (layout.ssm, layout.conv, layout.kv)))
 
 
 class ModelRunner:
-    def __init__(self, model: HybridForCausalLM, cache: CacheBuffers, *, device: torch.device,
-                 seed: int | None = None):
+    def __init__(self, model: HybridForCausalLM, cache: CacheBuffers, *, device: torch.device | str,
+                 max_model_len: int, seed: int | None = 0):
         self.model, self.cache, self.device = model, cache, torch.device(device)
-        self.generator = torch.Generator(device=self.device)
-        if seed is not None:
-            self.generator.manual_seed(seed)
-        else:
-            self.generator.seed()
+        self.block_size = cache.block_size
+        self.sampler = Sampler(self.device, seed)
+        self._seqs: dict[int, _SeqState] = {}
+        # Block table row of each state slot (a sequence keeps its slot for life), kept on the host and
+        # updated as blocks are added; a step gathers the rows of its sequences.
+        self._block_table = np.zeros((cache.num_slots, -(-max_model_len // self.block_size)), dtype=np.int32)
 
-    def new_generator(self, seed: int) -> torch.Generator:
-        """A per-request generator on the model's device."""
-        return torch.Generator(device=self.device).manual_seed(seed)
+    @property
+    def num_live_seqs(self) -> int:
+        return len(self._seqs)
 
+    # ---- per-sequence state -------------------------------------------------------------------
+    def _add(self, new: NewSequence) -> None:
+        row = SamplingRow(new.params, new.seed, list(new.token_ids), new.num_prompt_tokens, new.stop_token_ids)
+        self._seqs[new.seq_id] = _SeqState(row, new.prompt_logprobs, new.state_slot, list(new.block_ids))
+        self._block_table[new.state_slot, : len(new.block_ids)] = new.block_ids
+
+    def _grow(self, state: _SeqState, new_blocks: list[int]) -> None:
+        start = len(state.block_ids)
+        state.block_ids.extend(new_blocks)
+        self._block_table[state.state_slot, start : start + len(new_blocks)] = new_blocks
+
+    def _apply_changes(self, out: SchedulerOutput) -> None:
+        for seq_id in out.freed_seq_ids:
+            self._seqs.pop(seq_id, None)
+        for new in out.new_seqs:
+            self._add(new)
+        for chunk in out.chunks:
+            if chunk.new_block_ids:
+                self._grow(self._seqs[chunk.seq_id], chunk.new_block_ids)
+
+    # ---- packing ------------------------------------------------------------------------------
     @staticmethod
-    def is_decode(seq: SeqInput) -> bool:
-        return len(seq.token_ids) == 1 and seq.num_computed > 0
+    def is_decode(chunk: ScheduledChunk) -> bool:
+        return chunk.num_new == 1 and chunk.num_computed > 0
 
-    def build_batch(self, seqs: list[SeqInput]) -> ForwardBatch:
-        """Pack sequences (prefills first, then decodes, in the given order within each group)."""
-        bs = self.cache.block_size
-        ids, pos, slots_map, cu = [], [], [], [0]
-        max_blocks = max(len(s.block_ids) for s in seqs)
-        tables = []
-        for s in seqs:
-            n = len(s.token_ids)
-            ids.extend(s.token_ids)
-            positions = range(s.num_computed, s.num_computed + n)
-            pos.extend(positions)
-            slots_map.extend(s.block_ids[p // bs] * bs + p % bs for p in positions)
-            cu.append(cu[-1] + n)
-            tables.append(s.block_ids + [0] * (max_blocks - len(s.block_ids)))
-        num_prefills = sum(not self.is_decode(s) for s in seqs)
-        as_tensor = lambda x, dt: torch.tensor(x, dtype=dt, device=self.device)  # noqa: E731
+    def build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
+        """Pack chunks, which must be prefills first, then decodes."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_map: list[int] = []
+        cu = [0]
+        seq_lens, slots, has_init = [], [], []
+        max_blocks = 0
+        for c in chunks:
+            st = self._seqs[c.seq_id]
+            start, end = c.num_computed, c.num_computed + c.num_new
+            blocks = st.block_ids
+            if c.num_new == 1:
+                ids.append(st.token_ids[start])
+                pos.append(start)
+                slot_map.append(blocks[start // bs] * bs + start % bs)
+            else:
+                ids.extend(st.token_ids[start:end])
+                pos.extend(range(start, end))
+                p = start
+                while p < end:                       # one range per block touched, not per token
+                    off = p % bs
+                    take = min(bs - off, end - p)
+                    base = blocks[p // bs] * bs + off
+                    slot_map.extend(range(base, base + take))
+                    p += take
+            cu.append(cu[-1] + c.num_new)
+            seq_lens.append(end)
+            slots.append(st.state_slot)
+            has_init.append(start > 0)
+            max_blocks = max(max_blocks, -(-end // bs))
+        num_prefills = sum(not self.is_decode(c) for c in chunks)
+        dev = self.device
+        tables = torch.from_numpy(self._block_table[slots, :max_blocks])
         return ForwardBatch(
-            input_ids=as_tensor(ids, torch.long), positions=as_tensor(pos, torch.long),
-            cu_seqlens=as_tensor(cu, torch.int32),
-            seq_lens=as_tensor([s.num_computed + len(s.token_ids) for s in seqs], torch.int32),
-            state_slots=as_tensor([s.state_slot for s in seqs], torch.int32),
-            has_initial_state=as_tensor([s.num_computed > 0 for s in seqs], torch.bool),
-            slot_mapping=as_tensor(slots_map, torch.long), block_tables=as_tensor(tables, torch.int32),
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(pos, dtype=torch.long, device=dev),
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            state_slots=torch.tensor(slots, dtype=torch.int32, device=dev),
+            has_initial_state=torch.tensor(has_init, dtype=torch.bool, device=dev),
+            slot_mapping=torch.tensor(slot_map, dtype=torch.long, device=dev),
+            block_tables=tables.to(dev, non_blocking=True),
             num_prefills=num_prefills, num_prefill_tokens=cu[num_prefills],
         )
 
+    # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, seqs: list[SeqInput]) -> list[SeqOutput]:
-        """Run one step; outputs come back in the order of `seqs`."""
-        order = sorted(range(len(seqs)), key=lambda i: self.is_decode(seqs[i]))  # stable: prefills first
-        packed = [seqs[i] for i in order]
-        batch = self.build_batch(packed)
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self._apply_changes(out)
+        if not out.chunks:
+            return RunnerOutput([], [], [])
+        chunks = sorted(out.chunks, key=self.is_decode)     # stable: prefills first, then decodes
+        batch = self.build_batch(chunks)
         hidden = self.model(batch, self.cache)
-        bounds = batch.cu_seqlens.tolist()
 
-        # Rows needing logits: the last token of sampling sequences, every token of prompt-logprob chunks.
-        rows, sample_rows, prompt_rows = [], [], {}
-        for k, s in enumerate(packed):
-            if s.prompt_logprobs is not None and s.next_prompt_token_ids:
-                start = len(rows)
-                rows.extend(range(bounds[k], bounds[k] + len(s.next_prompt_token_ids)))
-                prompt_rows[k] = start
-            if s.sampling is not None:
-                sample_rows.append((k, len(rows)))
-                rows.append(bounds[k + 1] - 1)
-        outputs: list[SeqOutput] = [SeqOutput(None, None) for _ in packed]
-        if rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
-            sampled = sample(logits[[r for _, r in sample_rows]], [packed[k].sampling for k, _ in sample_rows],
-                             self.generator) if sample_rows else []
-            for (k, _), result in zip(sample_rows, sampled):
-                outputs[k].sampled = result
-            for k, start in prompt_rows.items():
-                s = packed[k]
-                lp = torch.log_softmax(logits[start : start + len(s.next_prompt_token_ids)], dim=-1)
-                outputs[k].prompt_logprobs = [top_logprobs(lp[j], t, s.prompt_logprobs)
-                                              for j, t in enumerate(s.next_prompt_token_ids)]
-        result: list[SeqOutput] = [None] * len(seqs)  # type: ignore[list-item]
-        for k, i in enumerate(order):
-            result[i] = outputs[k]
+        # Rows needing logits: every position of a prompt-logprob chunk whose next token is in the
+        # prompt, and the last position of each chunk that reaches the end of its sequence's tokens.
+        rows: list[int] = []
+        sample_at: list[int] = []                  # index into rows
+        sample_seqs: list[_SeqState] = []
+        sample_ids: list[int] = []
+        prompt_parts: list[tuple[int, _SeqState, int, int, int]] = []  # seq id, state, first row, count, start
+        offset = 0
+        for c in chunks:
+            st = self._seqs[c.seq_id]
+            end = c.num_computed + c.num_new
+            if st.prompt_logprobs is not None:
+                count = min(end, st.sampling.num_prompt_tokens - 1) - c.num_computed
+                if count > 0:
+                    prompt_parts.append((c.seq_id, st, len(rows), count, c.num_computed))
+                    rows.extend(range(offset, offset + count))
+            if end == len(st.token_ids):
+                sample_at.append(len(rows))
+                sample_seqs.append(st)
+                sample_ids.append(c.seq_id)
+                rows.append(offset + c.num_new - 1)
+            offset += c.num_new
+        if not rows:
+            return RunnerOutput([], [], [])
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+
+        result = RunnerOutput(sample_ids, [], [])
+        if sample_seqs:
+            sampled = self.sampler(logits[sample_at] if len(sample_at) < len(rows) else logits,
+                                   [st.sampling for st in sample_seqs])
+            result.token_ids, result.logprobs = sampled.token_ids, sampled.logprobs
+            for st, tok in zip(sample_seqs, sampled.token_ids):
+                st.token_ids.append(tok)
+        for seq_id, st, first, count, start in prompt_parts:
+            result.prompt_logprobs[seq_id] = self._prompt_logprobs(logits[first : first + count], st, start)
         return result
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, st: _SeqState, start: int) -> list[PositionLogprobs]:
+        """Logprobs of prompt tokens start + 1, start + 2, ... each given everything before it."""
+        targets = st.token_ids[start + 1 : start + 1 + logits.shape[0]]
+        lp = torch.log_softmax(logits, dim=-1)
+        return top_logprobs(lp, targets, [st.prompt_logprobs] * len(targets))

@@ -1,10 +1,14 @@
-"""Logits -> next tokens (+ logprobs), per row with its own SamplingParams.
+"""Logits -> next tokens (+ logprobs), each row with its own SamplingParams, vectorised over the batch.
 
 Order of operations (vLLM's): returned logprobs come from the raw model distribution; then penalties
-(repetition over prompt + output, presence / frequency over output), min_tokens suppression of stop
-tokens, then greedy argmax or temperature -> top-k -> top-p -> min-p -> sample. Sampling uses the
-exponential race (argmax p / E with E ~ Exp(1)) with the row's own generator when it has a seed, so a
-seeded request draws the same tokens whatever else is in the batch.
+(repetition over prompt + output, presence / frequency over output) and min_tokens suppression of stop
+tokens, then greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample.
+
+Sampling is the exponential race: token = argmax p / E with E ~ Exp(1) i.i.d. per vocabulary entry,
+which draws from p (normalisation does not change the argmax). A row with a seed draws its E from a
+generator seeded by (seed, index of the token being sampled), so its tokens do not depend on what else
+is in the batch, on chunking, or on preemption and recomputation. Rows without a seed share one
+generator. The only host sync is reading the sampled tokens (and the logprobs, when asked for).
 """
 
 from __future__ import annotations
@@ -16,87 +20,144 @@ import torch
 from ..outputs import Logprob, PositionLogprobs
 from ..sampling_params import SamplingParams
 
+_MASK64 = (1 << 64) - 1
+
 
 @dataclasses.dataclass
 class SamplingRow:
     params: SamplingParams
-    generator: torch.Generator | None      # the request's own (seeded) generator, or None: the shared one
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    seed: int | None                 # the sequence's own seed; None: the shared generator
+    token_ids: list[int]             # prompt + generated so far (penalties read these)
+    num_prompt_tokens: int
     stop_token_ids: frozenset[int] = frozenset()  # EOS + stop_token_ids, suppressed until min_tokens
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def adjusts_logits(self) -> bool:
+        p = self.params
+        return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                or (bool(self.stop_token_ids) and self.num_generated < p.min_tokens))
 
 
 @dataclasses.dataclass
-class SampleResult:
-    token_id: int
-    logprobs: PositionLogprobs | None
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None]
 
 
-def top_logprobs(logprobs: torch.Tensor, token_id: int, n: int) -> PositionLogprobs:
-    """The chosen token's logprob and rank plus the top-n alternatives, for one position [V]."""
-    chosen = float(logprobs[token_id])
-    rank = int((logprobs > chosen).sum()) + 1
-    result: PositionLogprobs = {token_id: Logprob(chosen, rank)}
-    if n > 0:
-        values, ids = logprobs.topk(n)
-        for r, (v, i) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
-            result.setdefault(i, Logprob(v, r))
-    return result
+def draw_seed(seed: int, index: int) -> int:
+    """A 63-bit generator seed for token `index` of a sequence seeded with `seed` (splitmix64 mixing)."""
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
 
 
-def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
-    p = row.params
+def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], ns: list[int]) -> list[PositionLogprobs]:
+    """For rows of logprobs [R, V]: the chosen token's logprob and rank plus the top-n alternatives."""
+    targets = torch.tensor(token_ids, dtype=torch.long, device=logprobs.device)
+    chosen = logprobs.gather(1, targets[:, None])
+    ranks = (logprobs > chosen).sum(1) + 1
+    k = min(max(ns, default=0), logprobs.shape[1])
+    top_v, top_i = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+    chosen, ranks = chosen[:, 0].tolist(), ranks.tolist()
+    top_v, top_i = (top_v.tolist(), top_i.tolist()) if k > 0 else ([], [])
+    out = []
+    for r, (tok, n) in enumerate(zip(token_ids, ns)):
+        entry: PositionLogprobs = {tok: Logprob(chosen[r], ranks[r])}
+        for rank in range(min(n, k)):
+            entry.setdefault(top_i[r][rank], Logprob(top_v[r][rank], rank + 1))
+        out.append(entry)
+    return out
+
+
+def _adjust(logits: torch.Tensor, row: SamplingRow) -> None:
+    """Penalties and min_tokens suppression on one row [V], in place."""
+    p, V = row.params, logits.shape[0]
+    dev = logits.device
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)),
-                            dtype=torch.long, device=logits.device)
-        if seen.numel():
-            vals = logits[seen]
-            logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
-        out = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
-        counts = torch.bincount(out, minlength=logits.shape[0]).to(logits.dtype)
+        seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long, device=dev)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and row.num_generated:
+        out = torch.tensor(row.token_ids[row.num_prompt_tokens:], dtype=torch.long, device=dev)
+        counts = torch.bincount(out, minlength=V)[:V].to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-    if len(row.output_token_ids) < p.min_tokens and row.stop_token_ids:
-        ids = torch.tensor(sorted(row.stop_token_ids), dtype=torch.long, device=logits.device)
-        logits[ids[ids < logits.shape[0]]] = float("-inf")
-    return logits
+    if row.num_generated < p.min_tokens and row.stop_token_ids:
+        ids = [t for t in row.stop_token_ids if t < V]
+        if ids:
+            logits[torch.tensor(ids, dtype=torch.long, device=dev)] = float("-inf")
 
 
-def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p on one row; returns probabilities."""
-    logits = logits / p.temperature
-    if 0 < p.top_k < logits.shape[0]:
-        kth = logits.topk(p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        mass_before = sorted_probs.cumsum(0) - sorted_probs
-        drop = mass_before > p.top_p
-        drop[0] = False
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-    if p.min_p > 0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    return probs / probs.sum()
-
-
-def sample(logits: torch.Tensor, rows: list[SamplingRow], shared_generator: torch.Generator | None = None
-           ) -> list[SampleResult]:
-    """logits [N, V] (any float dtype) for N rows -> one sampled token per row."""
-    logits = logits.float()
-    raw = torch.log_softmax(logits, dim=-1)
-    results = []
-    for i, row in enumerate(rows):
-        p = row.params
-        row_logits = _apply_penalties(logits[i].clone(), row)
-        if p.greedy:
-            token = int(row_logits.argmax())
+class Sampler:
+    def __init__(self, device: torch.device, seed: int | None):
+        self.device = torch.device(device)
+        self.shared = torch.Generator(device=self.device)
+        if seed is None:
+            self.shared.seed()
         else:
-            probs = _filter(row_logits, p)
-            gen = row.generator or shared_generator
-            u = torch.rand(probs.shape, generator=gen, device=probs.device, dtype=torch.float64)
-            race = -torch.log1p(-u).clamp_min(1e-30)  # Exp(1)
-            token = int((probs.double() / race).argmax())
-        lp = top_logprobs(raw[i], token, p.logprobs) if p.logprobs is not None else None
-        results.append(SampleResult(token, lp))
-    return results
+            self.shared.manual_seed(seed)
+        self._row_generator = torch.Generator(device=self.device)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits [N, V] (any float dtype) for N rows -> one token per row."""
+        logits = logits.float()
+        lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        raw = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+        adjust = [i for i, r in enumerate(rows) if r.adjusts_logits()]
+        if adjust:
+            logits = logits.clone()
+            for i in adjust:
+                _adjust(logits[i], rows[i])
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, rows, greedy)
+        token_ids = tokens.tolist()
+        logprobs: list[PositionLogprobs | None] = [None] * len(rows)
+        if lp_rows:
+            tops = top_logprobs(raw, [token_ids[i] for i in lp_rows], [rows[i].params.logprobs for i in lp_rows])
+            for i, entry in zip(lp_rows, tops):
+                logprobs[i] = entry
+        return SamplerOutput(token_ids, logprobs)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
+        N, V = logits.shape
+        dev = logits.device
+        params = [r.params for r in rows]
+        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=dev)
+        x = logits / temps[:, None]
+        top_k = [p.top_k if 0 < p.top_k < V else V for p in params]
+        if min(top_k) < V:
+            kth = x.topk(max(k for k in top_k if k < V), dim=-1).values   # [N, kmax], descending
+            kth = kth.gather(1, torch.tensor([min(k, kth.shape[1]) - 1 for k in top_k], device=dev)[:, None])
+            keep_all = torch.tensor([k >= V for k in top_k], device=dev)[:, None]
+            x = x.masked_fill((x < kth) & ~keep_all, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        top_p = [p.top_p for p in params]
+        if min(top_p) < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+            drop = mass_before > torch.tensor(top_p, device=dev)[:, None]
+            drop[:, 0] = False
+            probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
+        min_p = [p.min_p for p in params]
+        if max(min_p) > 0:
+            floor = torch.tensor(min_p, device=dev)[:, None] * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < floor, 0.0)
+
+        race = torch.ones_like(probs)
+        shared_rows = [i for i, r in enumerate(rows) if r.seed is None and not greedy[i]]
+        if shared_rows:
+            race[shared_rows] = torch.empty((len(shared_rows), V), device=dev).exponential_(generator=self.shared)
+        for i, r in enumerate(rows):
+            if r.seed is not None and not greedy[i]:
+                self._row_generator.manual_seed(draw_seed(r.seed, r.num_generated))
+                race[i].exponential_(generator=self._row_generator)
+        sampled = (probs / race.clamp_min_(1e-30)).argmax(dim=-1)
+        if any(greedy):
+            sampled = torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), sampled)
+        return sampled

@@ -1,0 +1,312 @@
+"""LLMEngine: the request registry and the step loop (schedule -> run -> update).
+
+Requests are validated where they are added (the caller's thread) and queued; `step()` applies queued
+adds and aborts, asks the scheduler what to run, runs it, appends the sampled tokens, applies the stop
+rules, frees whatever finished in the same step, and returns a RequestOutput for every request that
+moved. `add_request` and `abort_request` may be called from other threads while `step()` runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from ..cache.manager import HybridCacheManager
+from ..cache.memory import CachePlan, plan_cache
+from ..cache.spec import CacheSpec
+from ..config import ModelConfig
+from ..env import settings
+from ..models.loader import load_model
+from ..ops import select_kernels
+from ..outputs import PositionLogprobs, RequestOutput
+from ..sampling_params import SamplingParams
+from ..tokenizer import NoTokenizerError, Tokenizer
+from .config import DEFAULT_CPU_CACHE_BYTES, EngineConfig, resolve_device, resolve_dtype
+from .detokenizer import IncrementalDetokenizer
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import Request, Sequence, SeqStatus
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PATH = Path(__file__).resolve().parent.parent / "default_model"
+
+
+@dataclasses.dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_preempted_total: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    state_slots_total: int
+    state_slots_used: int
+    prompt_tokens_total: int          # prompt tokens of requests whose prompt has been processed
+    generation_tokens_total: int      # sampled tokens
+    num_finished_total: dict[str, int]  # completions by finish reason ("stop", "length", "abort")
+    num_steps_total: int = 0
+    num_batched_tokens_total: int = 0  # tokens run through the model, recomputation included
+
+
+class LLMEngine:
+    def __init__(self, *, model_config: ModelConfig, tokenizer: Tokenizer | None, runner: Any,
+                 cache: HybridCacheManager, plan: CachePlan, config: EngineConfig, model_path: Path | None = None):
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.cache = cache
+        self.plan = plan
+        self.config = config
+        self.model_path = model_path
+        self.max_model_len = plan.max_model_len
+        self.max_num_seqs = plan.max_num_seqs
+        self.scheduler = Scheduler(SchedulerConfig(plan.max_num_seqs, config.token_budget), cache)
+        self.eos_token_ids = frozenset(model_config.eos_token_ids) | frozenset(
+            [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else [])
+        self._requests: dict[str, Request] = {}          # live (added and not yet reported finished)
+        self._seqs: dict[int, Sequence] = {}
+        self._seq_ids = itertools.count()
+        self._lock = threading.Lock()                    # guards the pending queues and _live_ids
+        self._step_lock = threading.Lock()               # held while the engine state changes
+        self._pending_adds: list[Request] = []
+        self._pending_aborts: list[str] = []
+        self._live_ids: set[str] = set()                 # pending + live request ids
+        self._outbox: list[RequestOutput] = []           # outputs made between steps (aborts)
+        self._finished_by_reason: collections.Counter[str] = collections.Counter()
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._steps_total = 0
+        self._batched_tokens_total = 0
+
+    # ---- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_args(cls, model: str | Path | None = None, *, device: str | torch.device = "auto",
+                  dtype: str | torch.dtype = "auto", max_model_len: int | None = None, max_num_seqs: int = 64,
+                  max_num_batched_tokens: int | None = None, block_size: int = 16,
+                  gpu_memory_utilization: float = 0.9, cpu_cache_bytes: int | None = None,
+                  num_gpu_blocks: int | None = None, seed: int | None = 0,
+                  enforce_reference_ops: bool = False) -> "LLMEngine":
+        """Load a checkpoint directory (default: the embedded model) and size the cache."""
+        from ..runner.memory import profile_gpu_cache_budget
+        from ..runner.model_runner import ModelRunner, allocate_cache
+
+        config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                              gpu_memory_utilization=gpu_memory_utilization, cpu_cache_bytes=cpu_cache_bytes,
+                              num_kv_blocks=num_gpu_blocks, seed=seed, enforce_reference_ops=enforce_reference_ops)
+        path = Path(model) if model is not None else DEFAULT_MODEL_PATH
+        model_config = ModelConfig.from_hf(path)
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, model_config, dev)
+        limit = model_config.max_position_embeddings
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
+        kernels = select_kernels(dev, force_reference=enforce_reference_ops or settings().force_reference_ops)
+        net = load_model(path, device=dev, dtype=dt, kernels=kernels, config=model_config)
+        tokenizer = Tokenizer.from_dir(path)
+
+        if dev.type == "cuda":
+            budget = profile_gpu_cache_budget(
+                net, device=dev, dtype=dt, max_num_batched_tokens=config.token_budget, max_num_seqs=max_num_seqs,
+                block_size=block_size, utilization=gpu_memory_utilization)
+        else:
+            budget = cpu_cache_bytes or DEFAULT_CPU_CACHE_BYTES
+        elem = torch.empty((), dtype=dt).element_size()
+        spec = CacheSpec.from_model(model_config, block_size=block_size, kv_dtype_bytes=elem, conv_dtype_bytes=elem)
+        plan = plan_cache(spec, budget_bytes=budget, max_num_seqs=max_num_seqs,
+                          max_model_len=max_model_len or limit, num_blocks=num_gpu_blocks)
+        buffers = allocate_cache(net, num_slots=plan.num_slots, num_blocks=plan.num_blocks, block_size=block_size,
+                                 device=dev, dtype=dt)
+        runner = ModelRunner(net, buffers, device=dev, max_model_len=plan.max_model_len, seed=seed)
+        manager = HybridCacheManager(num_blocks=plan.num_blocks, block_size=block_size, num_slots=plan.num_slots)
+        if config.token_budget < plan.max_num_seqs:
+            logger.info("max_num_batched_tokens %d < max_num_seqs %d: a full batch decodes over several steps",
+                        config.token_budget, plan.max_num_seqs)
+        return cls(model_config=model_config, tokenizer=tokenizer, runner=runner, cache=manager, plan=plan,
+                   config=config, model_path=path)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams,
+                    arrival_time: float | None = None, *, stream: bool = True) -> None:
+        """Validate and queue a request; it joins the batch at the next step. `prompt` is text, token ids,
+        or {"prompt_token_ids": [...], "prompt": optional text}. stream=False: report only the final
+        output (saves building an output per token)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._prompt_ids(prompt)
+        if params.stop and (self.tokenizer is None or not params.detokenize):
+            raise ValueError("stop strings need detokenized text: the model directory has no tokenizer.json"
+                             if self.tokenizer is None else "stop strings need detokenize=True")
+        max_new = self.max_model_len - len(ids)
+        if params.max_tokens is not None:
+            max_new = min(max_new, params.max_tokens)
+        if not self.cache.can_ever_fit(len(ids) + max_new):
+            raise ValueError(
+                f"request needs {len(ids) + max_new} tokens of KV cache ({len(ids)} prompt + {max_new} new) but the "
+                f"whole pool holds {self.cache.blocks.num_blocks * self.cache.block_size}; lower max_tokens")
+        req = Request(request_id, text, ids, params, time.monotonic() if arrival_time is None else arrival_time,
+                      stream=stream)
+        with self._lock:
+            if request_id in self._live_ids:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._live_ids.add(request_id)
+            req.seqs = [Sequence(next(self._seq_ids), req, i, max_new_tokens=max_new, eos_token_ids=self.eos_token_ids,
+                                 detokenizer=self._detokenizer(ids, params)) for i in range(params.n)]
+            self._pending_adds.append(req)
+
+    def _prompt_ids(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                return self._prompt_ids(prompt["prompt"])
+            else:
+                raise ValueError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
+        elif isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise NoTokenizerError(f"text prompt given but {self.model_path} has no tokenizer.json; "
+                                       "pass token ids instead")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, prompt
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(ids).__name__}")
+        ids = list(ids)
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(ids) + 1 > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context limit is {self.max_model_len} "
+                             "(prompt + at least one generated token)")
+        return text, ids
+
+    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None or not params.detokenize:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
+                                      stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests (unknown or finished ids are ignored). Their blocks and slots are freed now when
+        no step is running, else as the next step starts; the abort output comes with the next step()."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        with self._lock:
+            self._pending_aborts.extend(ids)
+        if self._step_lock.acquire(blocking=False):
+            try:
+                self._apply_pending()
+            finally:
+                self._step_lock.release()
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            adds, self._pending_adds = self._pending_adds, []
+            aborts, self._pending_aborts = self._pending_aborts, []
+        for req in adds:
+            self._requests[req.request_id] = req
+            for seq in req.seqs:
+                self._seqs[seq.seq_id] = seq
+                self.scheduler.add(seq)
+        for rid in aborts:
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            live = [s for s in req.seqs if s.status is not SeqStatus.FINISHED]
+            for seq in live:
+                seq.finish_reason, seq.stop_reason = "abort", None
+            self.scheduler.finish_many(live)
+            req.metrics["finished_time"] = time.monotonic()
+            self._retire(req)
+            self._outbox.append(req.output())
+
+    def _retire(self, req: Request) -> None:
+        for seq in req.seqs:
+            self._seqs.pop(seq.seq_id, None)
+            self._finished_by_reason[seq.finish_reason or "abort"] += 1
+        del self._requests[req.request_id]
+        with self._lock:
+            self._live_ids.discard(req.request_id)
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            pending = bool(self._pending_adds or self._pending_aborts or self._outbox)
+        return pending or self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        with self._step_lock:
+            self._apply_pending()
+            outputs, self._outbox = self._outbox, []
+            sched = self.scheduler.schedule()
+            if sched.is_empty and not sched.freed_seq_ids:
+                if self.scheduler.waiting and not self.scheduler.running:
+                    raise RuntimeError("scheduler admitted nothing with an idle batch (a request cannot fit)")
+                return outputs
+            now = time.monotonic()
+            for new in sched.new_seqs:
+                self._seqs[new.seq_id].request.metrics.setdefault("first_scheduled_time", now)
+            result = self.runner.execute(sched)
+            self.scheduler.update(sched)
+            self._steps_total += 1
+            self._batched_tokens_total += sched.num_tokens
+            outputs.extend(self._process(result))
+            return outputs
+
+    def _process(self, result) -> list[RequestOutput]:
+        now = time.monotonic()
+        moved: dict[str, Request] = {}
+        for seq_id, lps in result.prompt_logprobs.items():
+            req = self._seqs[seq_id].request
+            req.prompt_logprobs.extend(self._with_text(lp) for lp in lps)
+        finished: list[Sequence] = []
+        for seq_id, token, lp in zip(result.seq_ids, result.token_ids, result.logprobs):
+            seq = self._seqs[seq_id]
+            req = seq.request
+            if seq.append_token(token, self._with_text(lp)):
+                finished.append(seq)
+            if "first_token_time" not in req.metrics:
+                req.metrics["first_token_time"] = now
+                self._prompt_tokens_total += len(req.prompt_token_ids)
+            req.metrics["last_token_time"] = now
+            moved[req.request_id] = req
+        self._generation_tokens_total += len(result.token_ids)
+        self.scheduler.finish_many(finished)
+        outputs = []
+        for req in moved.values():
+            done = req.finished
+            if done:
+                req.metrics["finished_time"] = now
+                self._retire(req)
+            if done or req.stream:
+                outputs.append(req.output())
+        return outputs
+
+    def _with_text(self, entry: PositionLogprobs | None) -> PositionLogprobs | None:
+        if entry is None or self.tokenizer is None:
+            return entry
+        for token_id, lp in entry.items():
+            lp.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return entry
+
+    # ---- introspection ------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_preempted_total=self.scheduler.num_preempted_total,
+            kv_blocks_total=self.cache.blocks.num_blocks, kv_blocks_used=self.cache.blocks.num_used,
+            state_slots_total=self.cache.slots.num_slots, state_slots_used=self.cache.slots.num_used,
+            prompt_tokens_total=self._prompt_tokens_total, generation_tokens_total=self._generation_tokens_total,
+            num_finished_total=dict(self._finished_by_reason), num_steps_total=self._steps_total,
+            num_batched_tokens_total=self._batched_tokens_total)

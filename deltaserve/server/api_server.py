@@ -1,0 +1,147 @@
+"""The FastAPI app: routes, OpenAI-style errors, API-key check, and `run_server` (uvicorn).
+
+Every error a client can cause is answered with {"error": {...}} and a 4xx status; an unexpected
+exception is a 500 with the same shape (and is logged), never a bare traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from .. import __version__
+from .async_engine import AsyncEngine, EngineDeadError, EngineLike
+from .metrics import ServerMetrics
+from .protocol import APIError
+from .serving_chat import create_chat_completion
+from .serving_completions import create_completion
+from .state import ClientGone, ServerConfig, ServerState, now
+
+logger = logging.getLogger(__name__)
+
+PUBLIC_PATHS = ("/health",)
+
+
+def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
+    """An app serving `engine`; its engine thread starts and stops with the app's lifespan."""
+    metrics = ServerMetrics(engine.get_stats)
+    async_engine = AsyncEngine(engine, metrics)
+    state = ServerState(async_engine, config, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.shutdown()
+
+    app = FastAPI(title="deltaserve", version=__version__, lifespan=lifespan)
+    app.state.server = state
+    if config.api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=config.api_key, on_reject=metrics)
+    _add_error_handlers(app, metrics)
+    _add_routes(app, state)
+    return app
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        try:
+            return await create_completion(state, request)
+        except ClientGone:
+            return Response(status_code=499)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        try:
+            return await create_chat_completion(state, request)
+        except ClientGone:
+            return Response(status_code=499)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": state.config.served_model_name, "object": "model", "created": now(),
+                "owned_by": "deltaserve", "root": state.config.model_path, "max_model_len": state.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        if not state.engine.healthy:
+            return JSONResponse(APIError("the engine loop is not running", status=503,
+                                         type="internal_server_error").body(), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    def reply(error: APIError) -> JSONResponse:
+        metrics.requests.labels(outcome="rejected" if error.status < 500 else "error").inc()
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return reply(exc)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError):
+        return reply(APIError(str(exc), status=503, type="internal_server_error"))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return reply(APIError(f"invalid request: {exc.errors()[:3]}"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return reply(APIError(f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code,
+                              type=kind))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return reply(APIError(f"internal error: {type(exc).__name__}: {exc}", status=500,
+                              type="internal_server_error"))
+
+
+class _APIKeyMiddleware:
+    """Plain ASGI middleware (keeps streaming and disconnect detection untouched): every path but
+    /health needs `Authorization: Bearer <key>`."""
+
+    def __init__(self, app: Any, api_key: str, on_reject: ServerMetrics):
+        self.app, self.expected, self.metrics = app, f"Bearer {api_key}".encode(), on_reject
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        self.metrics.requests.labels(outcome="rejected").inc()
+        error = APIError("invalid or missing API key (send 'Authorization: Bearer <key>')", status=401,
+                         code="invalid_api_key")
+        await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+
+
+def run_server(engine: EngineLike, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
+               log_level: str = "info") -> None:
+    import uvicorn
+
+    app = build_app(engine, config)
+    logger.info("serving %r on http://%s:%d/v1", config.served_model_name, host, port)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

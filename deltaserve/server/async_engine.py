@@ -1,0 +1,228 @@
+"""Runs one LLMEngine in a background thread and hands its outputs to asyncio consumers.
+
+`engine.step()` blocks on compute, so it runs in a thread of its own that sleeps on a condition while
+the engine has nothing to do. Requests are added from the event loop (`LLMEngine.add_request` is
+thread-safe and validates synchronously, so a bad request fails before anything is streamed). Each
+HTTP request owns a `RequestGroup`: one asyncio queue fed by the engine thread through
+`loop.call_soon_threadsafe`, covering the engine requests of that HTTP request (one per prompt). Closing
+a group that has not finished (client gone, handler cancelled) aborts its requests at once, which frees
+their KV blocks and state slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from typing import Any, AsyncIterator, Protocol
+
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class EngineLike(Protocol):
+    """What the server needs from an engine (LLMEngine's contract)."""
+
+    tokenizer: Any
+    max_model_len: int
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None: ...
+    def abort_request(self, request_ids: Any) -> None: ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def get_stats(self) -> Any: ...
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; requests in flight cannot complete."""
+
+
+@dataclasses.dataclass
+class _Route:
+    """Where the engine thread sends one engine request's outputs."""
+
+    group: "RequestGroup"
+    num_tokens: dict[int, int] = dataclasses.field(default_factory=dict)   # per choice index
+    last_token_time: dict[int, float] = dataclasses.field(default_factory=dict)
+    first_token_seen: bool = False
+
+
+class AsyncEngine:
+    def __init__(self, engine: EngineLike, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self._cond = threading.Condition()
+        self._routes: dict[str, _Route] = {}   # guarded by _cond
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # set when the engine loop died
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._stop = True
+            ids = list(self._routes)
+            self._cond.notify_all()
+        if ids:
+            self._safe_abort(ids)
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def open_group(self) -> "RequestGroup":
+        return RequestGroup(self, asyncio.get_running_loop())
+
+    def _add(self, group: "RequestGroup", request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine loop has failed: {self.error!r}")
+        with self._cond:
+            self._routes[request_id] = _Route(group)
+            try:
+                self.engine.add_request(request_id, prompt, params)
+            except BaseException:
+                del self._routes[request_id]
+                raise
+            self._cond.notify_all()
+
+    def _abort(self, request_ids: list[str]) -> None:
+        with self._cond:
+            for rid in request_ids:
+                self._routes.pop(rid, None)
+        self._safe_abort(request_ids)
+
+    def _safe_abort(self, request_ids: list[str]) -> None:
+        try:
+            self.engine.abort_request(request_ids)
+        except Exception:
+            logger.exception("aborting %s failed", request_ids)
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self.engine.has_unfinished_requests():
+                    self._cond.wait()
+                if self._stop:
+                    return
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # the engine is in an unknown state: fail everyone, stop stepping
+                logger.exception("engine step failed")
+                self.error = exc
+                self._fail_all(exc)
+                return
+            for out in outputs:
+                self._dispatch(out)
+
+    def _dispatch(self, out: RequestOutput) -> None:
+        with self._cond:
+            route = self._routes.get(out.request_id)
+            if route is not None and out.finished:
+                del self._routes[out.request_id]
+        if route is None:
+            return  # aborted by its consumer meanwhile
+        if self.metrics is not None:
+            self._observe(route, out)
+        route.group._put(out)
+
+    def _observe(self, route: _Route, out: RequestOutput) -> None:
+        times = out.metrics or {}
+        first, last, arrival = times.get("first_token_time"), times.get("last_token_time"), times.get("arrival_time")
+        if not route.first_token_seen and first is not None and arrival is not None:
+            route.first_token_seen = True
+            self.metrics.time_to_first_token.observe(max(0.0, first - arrival))
+        for c in out.outputs:
+            seen, now = route.num_tokens.get(c.index, 0), len(c.token_ids)
+            prev_time = route.last_token_time.get(c.index)
+            if now > seen and prev_time is not None and last is not None and seen > 0:
+                gap = max(0.0, last - prev_time) / (now - seen)
+                for _ in range(now - seen):
+                    self.metrics.inter_token_latency.observe(gap)
+            if now > seen and last is not None:
+                route.last_token_time[c.index] = last
+            route.num_tokens[c.index] = now
+        if out.finished:
+            self.metrics.requests.labels(outcome=_outcome(out)).inc()
+            if arrival is not None and last is not None:
+                self.metrics.e2e_latency.observe(max(0.0, last - arrival))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cond:
+            routes = list(self._routes.items())
+            self._routes.clear()
+        for _, route in routes:
+            route.group._put(EngineDeadError(f"the engine loop has failed: {exc!r}"))
+
+
+def _outcome(out: RequestOutput) -> str:
+    reasons = {c.finish_reason for c in out.outputs}
+    for reason in ("abort", "length", "stop"):
+        if reason in reasons:
+            return reason
+    return "stop"
+
+
+class RequestGroup:
+    """The engine requests of one HTTP request, read as one stream of RequestOutputs."""
+
+    def __init__(self, engine: AsyncEngine, loop: asyncio.AbstractEventLoop):
+        self._engine, self._loop = engine, loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._pending: set[str] = set()
+        self._closed = False
+        self.aborted = False
+
+    def add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Submit one request; raises ValueError (bad request) before anything runs."""
+        self._engine._add(self, request_id, prompt, params)
+        self._pending.add(request_id)
+
+    def _put(self, item: RequestOutput | BaseException) -> None:  # called from the engine thread
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    @property
+    def finished(self) -> bool:
+        return not self._pending
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        while self._pending:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._pending.clear()
+                raise item
+            if item.finished:
+                self._pending.discard(item.request_id)
+            yield item
+
+    def close(self) -> None:
+        """Abort whatever has not finished (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pending:
+            self.aborted = True
+            pending, self._pending = list(self._pending), set()
+            self._engine._abort(pending)
+            if self._engine.metrics is not None:
+                self._engine.metrics.requests.labels(outcome="abort").inc(len(pending))

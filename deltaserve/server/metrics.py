@@ -1,0 +1,82 @@
+"""Prometheus metrics of one server, in a registry of its own (never the process-global default).
+
+Latencies are observed by the engine thread as outputs arrive; engine-side numbers (running / waiting
+requests, token counters, KV-block and state-slot usage) are read from `engine.get_stats()` at scrape
+time, so they are current without a polling loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "deltaserve"
+OUTCOMES = ("stop", "length", "abort", "rejected", "error")
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+# (EngineStats attribute, metric name, help); gauges first, then counters.
+_GAUGES = (
+    ("num_running", "num_requests_running", "Requests currently scheduled (prefill or decode)."),
+    ("num_waiting", "num_requests_waiting", "Requests waiting to be scheduled."),
+    ("kv_blocks_total", "kv_blocks_total", "Paged KV-cache blocks in the pool."),
+    ("kv_blocks_used", "kv_blocks_used", "Paged KV-cache blocks in use."),
+    ("state_slots_total", "state_slots_total", "GDN recurrent-state slots in the pool."),
+    ("state_slots_used", "state_slots_used", "GDN recurrent-state slots in use."),
+)
+_COUNTERS = (
+    ("prompt_tokens_total", "prompt_tokens", "Prompt tokens processed."),
+    ("generation_tokens_total", "generation_tokens", "Tokens generated."),
+)
+
+
+class ServerMetrics:
+    def __init__(self, get_stats: Callable[[], Any] | None = None):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(f"{PREFIX}_requests", "Finished requests by outcome (rejected: invalid "
+                                "input, error: server failure, abort: client gone or engine abort).",
+                                ["outcome"], registry=self.registry)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome=outcome)
+        hist = lambda name, doc: Histogram(f"{PREFIX}_{name}", doc, buckets=_LATENCY_BUCKETS,  # noqa: E731
+                                           registry=self.registry)
+        self.time_to_first_token = hist("time_to_first_token_seconds", "Arrival to first generated token.")
+        self.inter_token_latency = hist("inter_token_latency_seconds", "Time between generated tokens.")
+        self.e2e_latency = hist("e2e_request_latency_seconds", "Arrival to last token of finished requests.")
+        if get_stats is not None:
+            self.registry.register(_EngineStatsCollector(get_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineStatsCollector:
+    def __init__(self, get_stats: Callable[[], Any]):
+        self._get_stats = get_stats
+
+    def describe(self):
+        return []  # names are only known from the live stats object
+
+    def collect(self):
+        try:
+            stats = self._get_stats()
+        except Exception:  # a scrape must never take the server down
+            logger.exception("engine.get_stats() failed")
+            return
+        for attr, name, doc in _GAUGES:
+            value = getattr(stats, attr, None)
+            if value is not None:
+                yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
+        total, used = getattr(stats, "kv_blocks_total", None), getattr(stats, "kv_blocks_used", None)
+        if total and used is not None:
+            yield GaugeMetricFamily(f"{PREFIX}_kv_cache_usage_ratio", "Fraction of KV blocks in use.",
+                                    value=used / total)
+        for attr, name, doc in _COUNTERS:
+            value = getattr(stats, attr, None)
+            if value is not None:
+                yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))

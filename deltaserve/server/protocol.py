@@ -1,0 +1,307 @@
+"""OpenAI request schemas, validated strictly: an unknown field, a wrong type or a value we cannot honour
+is an `APIError` (HTTP 400) naming the field. Standard OpenAI fields that deltaserve does not implement
+are accepted only with values that make them no-ops (`user`, `best_of == n`, an empty `logit_bias`, ...).
+
+`to_sampling_params` maps the OpenAI names (and vLLM's extras) onto `SamplingParams`, whose own
+validation errors become 400s too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..sampling_params import SamplingParams
+
+_INT64 = dict(ge=-(2**63), le=2**63 - 1)
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by both endpoints: OpenAI's sampling fields and vLLM's extras."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: Union[str, list[str], None] = None
+    seed: int | None = Field(default=None, **_INT64)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None                       # accepted, not used
+    logit_bias: dict[str, float] | None = None    # only empty: biasing is not implemented
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def check_common(self) -> None:
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed with stream=true", param="stream_options")
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(n=self.n, stop=self.stop, seed=self.seed, presence_penalty=self.presence_penalty,
+                      frequency_penalty=self.frequency_penalty, ignore_eos=self.ignore_eos,
+                      min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
+                      include_stop_str_in_output=self.include_stop_str_in_output,
+                      skip_special_tokens=self.skip_special_tokens)
+        optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                        repetition_penalty=self.repetition_penalty)
+        kwargs.update({k: v for k, v in optional.items() if v is not None})
+        return kwargs
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None                    # only == n: no server-side best-of selection
+    suffix: str | None = None                     # not supported (no fill-in-the-middle)
+
+    def check(self, max_logprobs: int) -> None:
+        self.check_common()
+        if self.suffix is not None:
+            raise APIError("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(f"best_of must equal n ({self.n}); best-of selection is not supported", param="best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
+            raise APIError(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}", param="logprobs")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise APIError("prompt must not be empty", param="prompt")
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None       # only true: calls are not limited to one
+    response_format: ResponseFormat | None = None  # only {"type": "text"}
+    # vLLM / transformers chat-template extras
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def check(self, max_logprobs: int) -> None:
+        self.check_common()
+        if not self.messages:
+            raise APIError("messages must not be empty", param="messages")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise APIError("give max_tokens or max_completion_tokens, not both", param="max_tokens")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+            if not 0 <= self.top_logprobs <= max_logprobs:
+                raise APIError(f"top_logprobs must be in [0, {max_logprobs}], got {self.top_logprobs}",
+                               param="top_logprobs")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise APIError(f"response_format {self.response_format.type!r} is not supported (structured output "
+                           "is not implemented); only 'text'", param="response_format")
+        if self.parallel_tool_calls is False:
+            raise APIError("parallel_tool_calls=false is not supported", param="parallel_tool_calls")
+        self._check_tools()
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError("continue_final_message needs add_generation_prompt=false", param="continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise APIError("continue_final_message needs a final assistant message", param="continue_final_message")
+        reserved = {"messages", "tools", "add_generation_prompt"} & set(self.chat_template_kwargs or {})
+        if reserved:
+            raise APIError(f"chat_template_kwargs must not set {sorted(reserved)}", param="chat_template_kwargs")
+
+    def _check_tools(self) -> None:
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) or choice == "required":
+            what = "a named tool_choice" if isinstance(choice, NamedToolChoice) else "tool_choice='required'"
+            raise APIError(f"{what} is not supported (forcing a call needs structured output); use 'auto' or "
+                           "'none'", param="tool_choice")
+        if choice == "auto" and not self.tools:
+            raise APIError("tool_choice='auto' needs tools", param="tool_choice")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise APIError("tools contain duplicate function names", param="tools")
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as chat templates expect them: text parts joined, tool-call arguments as dicts."""
+        out = []
+        for i, m in enumerate(self.messages):
+            msg: dict[str, Any] = {"role": m.role, "content": _text_content(m.content)}
+            for key in ("name", "tool_call_id", "reasoning_content"):
+                if getattr(m, key) is not None:
+                    msg[key] = getattr(m, key)
+            if m.tool_calls:
+                msg["tool_calls"] = [
+                    {"id": c.id, "type": "function",
+                     "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments, i, j)}}
+                    for j, c in enumerate(m.tool_calls)]
+            out.append(msg)
+        return out
+
+
+def _text_content(content: str | list[TextPart] | None) -> str:
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "\n".join(p.text for p in content)
+
+
+def _arguments(text: str, i: int, j: int) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise APIError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object",
+                       param=f"messages.{i}.tool_calls.{j}.function.arguments")
+    return value
+
+
+# ---- parsing and mapping ------------------------------------------------------------------------
+def parse_request(model_cls: type[_Strict], body: bytes) -> Any:
+    """Validate a raw JSON body; every problem becomes an APIError naming the field."""
+    try:
+        return model_cls.model_validate_json(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def _validation_error(exc: ValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return APIError(f"request body is not valid JSON: {first['msg']}")
+    if first["type"] == "model_type" and not first["loc"]:
+        return APIError("request body must be a JSON object")
+    field, tag = _field_path(first["loc"])
+    if first["type"] == "missing":
+        return APIError(f"'{field}' is required", param=field)
+    if first["type"] == "extra_forbidden":
+        return APIError(f"'{field}' is not a supported field", param=field)
+    if tag is None:
+        return APIError(f"invalid value for '{field}': {first['msg']}", param=field)
+    forms: dict[str, str] = {}  # a union: say why each accepted form did not fit
+    for e in errors:
+        f, t = _field_path(e["loc"])
+        if f == field and t is not None:
+            forms.setdefault(t, e["msg"])
+    detail = "; ".join(f"as {t}: {msg}" for t, msg in forms.items())
+    return APIError(f"invalid value for '{field}': {detail}", param=field)
+
+
+def _field_path(loc: tuple) -> tuple[str, str | None]:
+    """('messages', 0, 'content', 'list[TextPart]', 0, 'type') -> ('messages.0.content', 'list[TextPart]'):
+    the path up to the first union-member tag pydantic puts in `loc`, and that tag."""
+    parts: list[str] = []
+    for p in loc:
+        if isinstance(p, str) and _is_union_tag(p):
+            return ".".join(parts), p
+        parts.append(str(p))
+    return ".".join(parts), None
+
+
+def _is_union_tag(part: str) -> bool:
+    """Type names such as 'str', 'list[int]', 'NamedToolChoice'; field names are lower_snake_case."""
+    return "[" in part or part in ("str", "int", "float", "bool") or part[:1].isupper()
+
+
+def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, **extra: Any) -> SamplingParams:
+    kwargs = request.sampling_kwargs()
+    kwargs.update(extra)
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        message = str(exc)
+        m = re.match(r"SamplingParams\.(\w+):", message)
+        raise APIError(message.replace("SamplingParams.", "", 1), param=m.group(1) if m else None) from None

@@ -1,0 +1,209 @@
+"""POST /v1/chat/completions: render the chat template, generate, and turn each choice's text into an
+assistant message (content, reasoning_content, tool_calls) with `MessageParser`, streamed or collected."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from ..outputs import CompletionOutput, RequestOutput
+from .async_engine import EngineDeadError, RequestGroup
+from .logprobs import chat_logprobs
+from .output_parser import MessageDelta, MessageParser
+from .protocol import APIError, ChatCompletionRequest, parse_request, to_sampling_params
+from .reasoning import ReasoningParser, starts_in_reasoning
+from .state import SSE_DONE, ServerState, now, sse, unless_disconnected, usage
+from .tool_parsers import QwenToolParser, ToolCallDelta
+
+
+async def create_chat_completion(state: ServerState, http: Request):
+    req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await http.body())
+    req.check(state.config.max_logprobs)
+    state.check_model(req.model)
+    if req.uses_tools and not state.tools_enabled:
+        raise APIError("tool calling is not enabled on this server (start it with --tool-call-parser qwen)",
+                       param="tools")
+    prompt = render_prompt(state, req)
+    token_ids = state.encode(prompt, add_special_tokens=False)
+    max_tokens = req.max_output_tokens
+    max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    state.check_length(len(token_ids), max_tokens, prompt_field="messages", max_field=max_field)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = to_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    group = state.engine.open_group()
+    try:
+        group.add(request_id, token_ids, params)
+    except ValueError as exc:
+        group.close()
+        raise APIError(str(exc)) from None
+    run = _Run(state, req, request_id, in_reasoning=starts_in_reasoning(prompt))
+    if req.stream:
+        return StreamingResponse(run.stream(group), media_type="text/event-stream")
+    return JSONResponse(await unless_disconnected(http, run.collect(group)))
+
+
+def render_prompt(state: ServerState, req: ChatCompletionRequest) -> str:
+    tokenizer = state.tokenizer
+    if tokenizer is None or not tokenizer.chat_template:
+        raise APIError("this model has no chat template: use /v1/completions", param="messages")
+    messages = req.template_messages()
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.uses_tools else None
+    try:
+        prompt = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt, tools=tools,
+            **(req.chat_template_kwargs or {}))
+    except Exception as exc:  # the template's own raise_exception, or a template bug on odd input
+        raise APIError(f"the chat template failed on these messages: {exc}", param="messages") from None
+    if req.continue_final_message:
+        final = messages[-1]["content"]
+        end = prompt.rfind(final) if final else -1
+        if end < 0:
+            raise APIError("continue_final_message: the final message's text was not found in the rendered "
+                           "prompt", param="continue_final_message")
+        prompt = prompt[: end + len(final)]
+    return prompt
+
+
+class _Choice:
+    """Streaming state of one choice."""
+
+    def __init__(self, parser: MessageParser):
+        self.parser = parser
+        self.sent_text = 0
+        self.sent_tokens = 0
+        self.done = False
+
+    def feed(self, c: CompletionOutput) -> MessageDelta:
+        delta = self.parser.feed(c.text[self.sent_text:])
+        self.sent_text = len(c.text)
+        if c.finish_reason is not None:
+            delta.extend(self.parser.finish())
+        return delta
+
+
+class _Run:
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, in_reasoning: bool):
+        self.state, self.req, self.id, self.in_reasoning = state, req, request_id, in_reasoning
+        self.created = now()
+        self.choices = [_Choice(self._parser()) for _ in range(req.n)]
+        self.final: RequestOutput | None = None
+
+    def _parser(self) -> MessageParser:
+        tools = QwenToolParser([t.model_dump() for t in self.req.tools]) if self.req.uses_tools else None
+        reasoning = ReasoningParser(self.in_reasoning) if self.state.reasoning_enabled else None
+        return MessageParser(tools, reasoning)
+
+    def _finish_reason(self, c: CompletionOutput, choice: _Choice) -> str | None:
+        if c.finish_reason == "stop" and choice.parser.num_tool_calls:
+            return "tool_calls"
+        return c.finish_reason
+
+    def _logprobs(self, c: CompletionOutput, start: int) -> dict[str, Any] | None:
+        if not self.req.logprobs:
+            return None
+        positions = list((c.logprobs or [])[start:len(c.token_ids)])
+        content = chat_logprobs(c.token_ids[start:], positions, self.state.token_text, self.req.top_logprobs or 0)
+        return {"content": content}
+
+    def _usage(self) -> dict[str, int]:
+        out = self.final
+        return usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)) if out else usage(0, 0)
+
+    # ---- non-streaming -------------------------------------------------------------------------
+    async def collect(self, group: RequestGroup) -> dict[str, Any]:
+        try:
+            async for out in group:
+                if out.finished:
+                    self.final = out
+        except EngineDeadError as exc:
+            raise APIError(str(exc), status=500, type="internal_server_error") from None
+        finally:
+            group.close()
+        choices = []
+        for c in sorted(self.final.outputs, key=lambda c: c.index):
+            choice = self.choices[c.index]
+            delta = choice.feed(c)
+            message: dict[str, Any] = {"role": "assistant", "content": delta.content,
+                                       "reasoning_content": delta.reasoning or None}
+            if delta.tool_calls:
+                message["tool_calls"] = _merge_tool_calls(delta.tool_calls, full=True)
+                message["content"] = delta.content or None
+            choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c, 0),
+                            "finish_reason": self._finish_reason(c, choice), "stop_reason": c.stop_reason})
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.state.config.served_model_name, "choices": choices, "usage": self._usage()}
+
+    # ---- streaming -----------------------------------------------------------------------------
+    async def stream(self, group: RequestGroup) -> AsyncIterator[str]:
+        include_usage = self.req.stream_options is not None and self.req.stream_options.include_usage
+        try:
+            yield sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None} for i in range(self.req.n)],
+                                  include_usage))
+            async for out in group:
+                if out.finished:
+                    self.final = out
+                choices = [self._delta(c) for c in out.outputs]
+                choices = [ch for ch in choices if ch is not None]
+                if choices:
+                    yield sse(self._chunk(choices, include_usage))
+            if include_usage:
+                yield sse({**self._chunk([], False), "usage": self._usage()})
+        except EngineDeadError as exc:
+            yield sse(APIError(str(exc), status=500, type="internal_server_error").body())
+        finally:
+            group.close()
+        yield SSE_DONE
+
+    def _chunk(self, choices: list[dict[str, Any]], include_usage: bool) -> dict[str, Any]:
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                 "model": self.state.config.served_model_name, "choices": choices}
+        if include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _delta(self, c: CompletionOutput) -> dict[str, Any] | None:
+        choice = self.choices[c.index]
+        if choice.done:
+            return None
+        start = choice.sent_tokens
+        choice.sent_tokens = len(c.token_ids)
+        delta = choice.feed(c)
+        logprobs = self._logprobs(c, start)
+        finish_reason = self._finish_reason(c, choice)
+        choice.done = finish_reason is not None
+        body: dict[str, Any] = {}
+        if delta.reasoning:
+            body["reasoning_content"] = delta.reasoning
+        if delta.content:
+            body["content"] = delta.content
+        if delta.tool_calls:
+            body["tool_calls"] = _merge_tool_calls(delta.tool_calls, full=False)
+        if not body and finish_reason is None and not (logprobs and logprobs["content"]):
+            return None
+        return {"index": c.index, "delta": body, "logprobs": logprobs, "finish_reason": finish_reason,
+                **({"stop_reason": c.stop_reason} if finish_reason is not None else {})}
+
+
+def _merge_tool_calls(deltas: list[ToolCallDelta], full: bool) -> list[dict[str, Any]]:
+    """Tool-call deltas -> OpenAI tool_calls entries, one per call index. `full`: a complete message
+    (no `index` field); otherwise stream deltas (id, type and name only in a call's first delta)."""
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        call = calls.get(d.index)
+        if call is None:
+            call = calls[d.index] = {"index": d.index, "function": {"arguments": ""}}
+        if d.id is not None:
+            call.update(id=d.id, type="function")
+            call["function"]["name"] = d.name
+        call["function"]["arguments"] += d.arguments
+    out = [calls[i] for i in sorted(calls)]
+    if full:
+        for call in out:
+            del call["index"]
+    return out
