@@ -20,6 +20,8 @@ from .gdn import reference as gdn_ref
 from .moe import reference as moe_ref
 from .norm import reference as norm_ref
 
+VerifyStash = gdn_ref.VerifyStash
+
 logger = logging.getLogger(__name__)
 
 
@@ -33,6 +35,10 @@ class Kernels:
     gdn_gating: Callable
     chunk_gated_delta_rule: Callable
     fused_recurrent_gated_delta_rule: Callable
+    gdn_prefill: Callable            # gates + L2 norm + chunked delta rule (prefill core of a GDN layer)
+    gdn_decode: Callable             # conv update + gates + L2 norm + delta rule + gated norm, 1 token/seq
+    gdn_verify: Callable             # gdn_decode over K+1 draft tokens/seq into a VerifyStash, pools untouched
+    gdn_commit: Callable             # state + conv window of each sequence's accepted prefix into its slot
     rms_norm: Callable
     rms_norm_gated: Callable
     store_kv: Callable
@@ -47,6 +53,10 @@ REFERENCE_OPS: dict[str, Callable] = {
     "gdn_gating": gdn_ref.gdn_gating,
     "chunk_gated_delta_rule": gdn_ref.chunk_gated_delta_rule,
     "fused_recurrent_gated_delta_rule": gdn_ref.fused_recurrent_gated_delta_rule,
+    "gdn_prefill": gdn_ref.gdn_prefill,
+    "gdn_decode": gdn_ref.gdn_decode,
+    "gdn_verify": gdn_ref.gdn_verify,
+    "gdn_commit": gdn_ref.gdn_commit,
     "rms_norm": norm_ref.rms_norm,
     "rms_norm_gated": norm_ref.rms_norm_gated,
     "store_kv": attention_ref.store_kv,

@@ -17,8 +17,13 @@ All arithmetic is fp32; o is returned in v's dtype.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
+
+from ..conv1d import reference as _conv  # the layer-level ops below compose these
+from ..norm import reference as _norm
 
 L2NORM_EPS = 1e-6
 
@@ -174,3 +179,187 @@ def fused_recurrent_gated_delta_rule(
     out[live] = torch.einsum("nhkv,nhk->nhv", S, qt).to(v.dtype)
     ssm_state[slots] = S.to(ssm_state.dtype)
     return out
+
+
+# ---- layer-level fused ops ----------------------------------------------------------------------
+# The ops below cover what one GDN layer does between its input projection and its output projection,
+# in the shapes the layer holds. Their references are compositions of the ops above (and of the conv
+# and norm references), so a fused kernel is tested against exactly what the unfused layer computes.
+#
+#   mixed_qkv [T, D]       pre-conv q|k|v channels, D = 2*HK*K + HV*V (head-major within each part)
+#   z         [T, HV, V]   output-gate input;  a, b [T, HV]: gate / write-strength pre-activations
+#   conv_weight [D, W], A_log, dt_bias [HV] fp32, norm_weight [V]
+#   conv_state [S, W-1, D], ssm_state [S, HV, K, V] fp32: the layer's pools, indexed by state_indices
+
+def num_key_heads(conv_dim: int, num_v_heads: int, head_k_dim: int, head_v_dim: int) -> int:
+    """HK from the conv channel count D = 2*HK*K + HV*V; raises when D does not fit that layout."""
+    qk = conv_dim - num_v_heads * head_v_dim
+    if qk <= 0 or qk % (2 * head_k_dim) or num_v_heads % (qk // (2 * head_k_dim)):
+        raise ValueError(
+            f"mixed_qkv width {conv_dim} is not 2*HK*{head_k_dim} + {num_v_heads}*{head_v_dim} "
+            f"for a key-head count HK dividing {num_v_heads}")
+    return qk // (2 * head_k_dim)
+
+
+def gdn_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    *, A_log: torch.Tensor, dt_bias: torch.Tensor, scale: float, cu_seqlens: torch.Tensor,
+    ssm_state: torch.Tensor, state_indices: torch.Tensor, has_initial_state: torch.Tensor,
+) -> torch.Tensor:
+    """chunk_gated_delta_rule with the gates computed from their pre-activations (gdn_gating) and the
+    q/k L2 norm applied: the prefill core of a GDN layer. Same layouts and pool contract."""
+    g, beta = gdn_gating(A_log, a, dt_bias, b)
+    return chunk_gated_delta_rule(
+        q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens, ssm_state=ssm_state,
+        state_indices=state_indices, has_initial_state=has_initial_state, use_qk_l2norm_in_kernel=True)
+
+
+def _split_qkv(x: torch.Tensor, hk: int, hv: int, dk: int, dv: int):
+    q, k, v = x.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    T = x.shape[0]
+    return q.reshape(T, hk, dk), k.reshape(T, hk, dk), v.reshape(T, hv, dv)
+
+
+def gdn_decode(
+    mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
+    conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
+    eps: float, scale: float, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+    state_indices: torch.Tensor, norm_activation: str = "silu",
+) -> torch.Tensor:
+    """One decode token for each of N sequences, the whole recurrent part of the layer: conv update +
+    SiLU, split, gates, q/k L2 norm, delta rule on the slot state, gated RMSNorm. Returns [N, HV, V] in
+    mixed_qkv's dtype; updates conv_state and ssm_state in place. Rows with slot -1 are skipped (zero
+    output, no state touched). Equal to the layer's unfused decode path op by op (o is rounded to the
+    activation dtype before the norm, as there)."""
+    N = mixed_qkv.shape[0]
+    HV, K, V = ssm_state.shape[1:]
+    HK = num_key_heads(mixed_qkv.shape[1], HV, K, V)
+    x = _conv.causal_conv1d_update(mixed_qkv, conv_weight, conv_state=conv_state, state_indices=state_indices)
+    q, k, v = _split_qkv(x, HK, HV, K, V)
+    g, beta = gdn_gating(A_log, a, dt_bias, b)
+    o = fused_recurrent_gated_delta_rule(
+        q, k, v, g, beta, scale=scale, ssm_state=ssm_state, state_indices=state_indices,
+        use_qk_l2norm_in_kernel=True)
+    return _norm.rms_norm_gated(o, z.reshape(N, HV, V), norm_weight, eps, activation=norm_activation)
+
+
+# ---- speculative verification -------------------------------------------------------------------
+#
+# Contract. A verify step runs T_n = K_n + 1 tokens of each sequence n (ragged, packed with
+# cu_seqlens) from the sequence's slot state WITHOUT changing either pool, and records in a
+# caller-owned VerifyStash what is needed to commit any accepted prefix later:
+#   x     [T, D]       the pre-conv inputs (the conv window of a prefix is the last W-1 of
+#                      [old window, x_0 .. x_{a-1}], so the window rollback is a copy),
+#   k     [T, HK, K]   fp32 L2-normalised keys,
+#   g     [T, HV]      fp32 log decays,
+#   delta [T, HV, V]   fp32 written values beta * (v - S^T k) of each step.
+# Since every step is S_t = exp(g_t) S_{t-1} + k_t delta_t^T, gdn_commit rebuilds the state after the
+# first a_n tokens from the slot state with a rank-1 update per accepted token: one state read and one
+# state write, no re-run of the conv, gates or outputs, and nothing at all for rejected tokens (the pools
+# still hold the pre-verify state). Commit with a_n = T_n equals running the T_n tokens through
+# gdn_decode one at a time. State traffic per sequence: verify reads the state once, commit reads and
+# writes it once (vs T_n full states written by the per-step-state scheme).
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyStash:
+    """Caller-owned scratch of one layer's verify step (see the contract above); rows = packed tokens.
+    Capacity may exceed the step's token count; rows of padded sequences are left unspecified."""
+
+    x: torch.Tensor       # [T, D] activation dtype
+    k: torch.Tensor       # [T, HK, K] fp32
+    g: torch.Tensor       # [T, HV] fp32
+    delta: torch.Tensor   # [T, HV, V] fp32
+
+    @classmethod
+    def empty(cls, num_tokens: int, *, conv_dim: int, num_k_heads: int, head_k_dim: int, num_v_heads: int,
+              head_v_dim: int, dtype: torch.dtype, device: torch.device | str) -> "VerifyStash":
+        f32 = torch.float32
+        return cls(
+            x=torch.empty(num_tokens, conv_dim, dtype=dtype, device=device),
+            k=torch.empty(num_tokens, num_k_heads, head_k_dim, dtype=f32, device=device),
+            g=torch.empty(num_tokens, num_v_heads, dtype=f32, device=device),
+            delta=torch.empty(num_tokens, num_v_heads, head_v_dim, dtype=f32, device=device),
+        )
+
+    def check(self, num_tokens: int, conv_dim: int, num_k_heads: int, head_k_dim: int, num_v_heads: int,
+              head_v_dim: int) -> None:
+        want = {"x": (conv_dim,), "k": (num_k_heads, head_k_dim), "g": (num_v_heads,),
+                "delta": (num_v_heads, head_v_dim)}
+        for name, tail in want.items():
+            t = getattr(self, name)
+            if tuple(t.shape[1:]) != tail or t.shape[0] < num_tokens or not t.is_contiguous():
+                raise ValueError(f"VerifyStash.{name} must be contiguous [>= {num_tokens}, {tail}], got "
+                                 f"{tuple(t.shape)}")
+            if name != "x" and t.dtype != torch.float32:
+                raise ValueError(f"VerifyStash.{name} must be float32, got {t.dtype}")
+
+
+def gdn_verify(
+    mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
+    conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
+    eps: float, scale: float, cu_seqlens: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+    state_indices: torch.Tensor, stash: VerifyStash, norm_activation: str = "silu",
+) -> torch.Tensor:
+    """Speculative verify: gdn_decode over T_n tokens per sequence (packed, cu_seqlens), token by token,
+    starting from the slot's conv window and state, leaving both pools unchanged and filling `stash`.
+    Returns [T, HV, V] (the gated-norm outputs of every token)."""
+    T, D = mixed_qkv.shape
+    HV, K, V = ssm_state.shape[1:]
+    HK = num_key_heads(D, HV, K, V)
+    stash.check(T, D, HK, K, HV, V)
+    W = conv_weight.shape[1]
+    r = HV // HK
+    o = torch.zeros((T, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+    g_all, beta_all = gdn_gating(A_log, a, dt_bias, b)
+    bounds = cu_seqlens.tolist()
+    for n, slot in enumerate(state_indices.tolist()):
+        s, e = bounds[n], bounds[n + 1]
+        if slot < 0 or e == s:
+            continue
+        seq = torch.cat([conv_state[slot].float(), mixed_qkv[s:e].float()], dim=0)
+        conv = (seq.unfold(0, W, 1) * conv_weight.float()).sum(-1)
+        x = F.silu(conv).to(mixed_qkv.dtype)                          # as causal_conv1d_update rounds
+        q, k, v = _split_qkv(x, HK, HV, K, V)
+        q, k = l2norm(q), l2norm(k)
+        S = ssm_state[slot].float()
+        for i, t in enumerate(range(s, e)):
+            qt, kt = q[i].repeat_interleave(r, 0) * scale, k[i].repeat_interleave(r, 0)
+            S = S * g_all[t].exp()[:, None, None]
+            u = torch.einsum("hkv,hk->hv", S, kt)
+            delta = beta_all[t][:, None] * (v[i].float() - u)
+            S = S + kt[:, :, None] * delta[:, None, :]
+            o[t] = torch.einsum("hkv,hk->hv", S, qt).to(o.dtype)
+            stash.delta[t] = delta
+        stash.x[s:e] = mixed_qkv[s:e].to(stash.x.dtype)
+        stash.k[s:e] = k
+        stash.g[s:e] = g_all[s:e]
+    return _norm.rms_norm_gated(o, z.reshape(T, HV, V), norm_weight, eps, activation=norm_activation)
+
+
+def gdn_commit(
+    num_accepted: torch.Tensor, *, cu_seqlens: torch.Tensor, state_indices: torch.Tensor,
+    conv_state: torch.Tensor, ssm_state: torch.Tensor, stash: VerifyStash,
+) -> None:
+    """Write the state and conv window after the first num_accepted[n] (0..T_n) verified tokens of each
+    sequence into its slot (see the contract above). 0 leaves the slot as it was; padded rows skipped."""
+    HV, K, V = ssm_state.shape[1:]
+    HK = stash.k.shape[1]
+    r = HV // HK
+    Wm1 = conv_state.shape[1]
+    bounds = cu_seqlens.tolist()
+    for n, (slot, acc) in enumerate(zip(state_indices.tolist(), num_accepted.tolist())):
+        s, e = bounds[n], bounds[n + 1]
+        if slot < 0:
+            continue
+        if not 0 <= acc <= e - s:
+            raise ValueError(f"gdn_commit: num_accepted[{n}] = {acc} outside 0..{e - s}")
+        if acc == 0:
+            continue
+        S = ssm_state[slot].float()
+        for t in range(s, s + acc):
+            kt = stash.k[t].repeat_interleave(r, 0)
+            S = S * stash.g[t].exp()[:, None, None] + kt[:, :, None] * stash.delta[t][:, None, :]
+        ssm_state[slot] = S.to(ssm_state.dtype)
+        window = torch.cat([conv_state[slot], stash.x[s : s + acc].to(conv_state.dtype)], dim=0)
+        conv_state[slot] = window[-Wm1:]

@@ -1,0 +1,438 @@
+"""Triton kernels for the token-by-token forms of the gated delta rule (same signatures as reference.py):
+gates, plain decode, the fused decode of a whole GDN layer, speculative verify and its commit.
+
+Layout of the work: one program per (sequence, value head, V-slice of BV columns). The slot's [K, BV]
+fp32 state slice lives in registers (rows of BV contiguous floats: coalesced, 16-byte vector loads);
+every column of the state is independent, so splitting V costs nothing but the redundant (cheap)
+q/k work, and gives enough programs at batch 1. No host sync anywhere: all launches are CUDA-graph
+capturable once the batch shape is known; padded rows (slot -1) are masked out on the device.
+
+The fused decode/verify are two launches: (1) conv + SiLU + gates + L2 norm + delta rule per
+(sequence, head, V-slice), writing the un-normalised output; (2) the gated RMSNorm (it needs a full V
+row, i.e. all slices) and the conv-window update (it must wait until every program of (1) has read the
+old window) -- or, in verify, the copy of the inputs into the stash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton_common import (
+    L2NORM_EPS, check, check_head_dim, check_index, check_last_contiguous, check_pool, check_same_device,
+    next_pow2, sigmoid, silu, softplus,
+)
+from .reference import VerifyStash, num_key_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentConfig:
+    """Launch shape of the per-token kernels. bv: state columns per program; num_warps per program."""
+
+    bv: int = 32
+    num_warps: int = 4
+
+
+def default_recurrent_config(num_programs_bv32: int, v: int) -> RecurrentConfig:
+    """Enough programs to cover the SMs a few times over at small batch; wider slices at large batch."""
+    if num_programs_bv32 >= 1024:
+        return RecurrentConfig(bv=min(32, v), num_warps=4)
+    return RecurrentConfig(bv=min(16, v), num_warps=2)
+
+
+# ---- shared device pieces -----------------------------------------------------------------------
+
+@triton.jit
+def _delta_step(S, kh, qh, v, g, beta):
+    """One token on a [K, BV] fp32 state slice: decay, delta write, read-out (reference order)."""
+    S = S * tl.exp(g)
+    u = tl.sum(S * kh[:, None], axis=0)
+    delta = beta * (v - u)
+    S = S + kh[:, None] * delta[None, :]
+    o = tl.sum(S * qh[:, None], axis=0)
+    return S, o, delta
+
+
+@triton.jit
+def _l2norm(x):
+    return x * tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6)
+
+
+@triton.jit
+def _conv_token(x, s_x_t, win, D, conv_w, ch, t, bos, live, C: tl.constexpr, W: tl.constexpr):
+    """SiLU(depthwise causal conv) of token t on channels ch ([C]); inputs before the sequence start
+    (token bos) come from the slot's window `win` ([W-1, D], oldest first). Rounded to x's dtype."""
+    acc = tl.zeros([C], dtype=tl.float32)
+    for i in tl.static_range(W):
+        p = t - (W - 1) + i
+        in_x = (ch >= 0) & live & (p >= bos)
+        in_w = (ch >= 0) & live & (p < bos)
+        xv = tl.load(x + p * s_x_t + ch, mask=in_x, other=0.0).to(tl.float32)
+        wv = tl.load(win + (W - 1 + p - bos) * D + ch, mask=in_w, other=0.0).to(tl.float32)
+        acc += (xv + wv) * tl.load(conv_w + ch * W + i).to(tl.float32)
+    return silu(acc).to(x.dtype.element_ty).to(tl.float32)
+
+
+# ---- gates --------------------------------------------------------------------------------------
+
+@triton.jit
+def _gating_kernel(A_log, a, dt_bias, b, g, beta, T, HV, s_a_t, s_b_t,
+                   BH: tl.constexpr, BT: tl.constexpr):
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    h = tl.arange(0, BH)
+    m = (rows[:, None] < T) & (h[None, :] < HV)
+    av = tl.load(a + rows[:, None].to(tl.int64) * s_a_t + h[None, :], mask=m, other=0.0).to(tl.float32)
+    bv = tl.load(b + rows[:, None].to(tl.int64) * s_b_t + h[None, :], mask=m, other=0.0).to(tl.float32)
+    A = tl.load(A_log + h, mask=h < HV, other=0.0).to(tl.float32)
+    dtb = tl.load(dt_bias + h, mask=h < HV, other=0.0).to(tl.float32)
+    gv = -tl.exp(A)[None, :] * softplus(av + dtb[None, :])
+    out = rows[:, None] * HV + h[None, :]
+    tl.store(g + out, gv, mask=m)
+    tl.store(beta + out, sigmoid(bv), mask=m)
+
+
+def gdn_gating(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, b: torch.Tensor):
+    op = "gdn_gating"
+    check(a.dim() == 2 and a.shape == b.shape, op, f"a and b must be [T, HV], got {tuple(a.shape)}, {tuple(b.shape)}")
+    T, HV = a.shape
+    check(A_log.shape == (HV,) and dt_bias.shape == (HV,), op, f"A_log and dt_bias must be [{HV}]")
+    check_last_contiguous(op, a=a, b=b)
+    check_same_device(op, A_log, a, dt_bias, b)
+    g = torch.empty((T, HV), dtype=torch.float32, device=a.device)
+    beta = torch.empty_like(g)
+    if T == 0:
+        return g, beta
+    BT = 32
+    _gating_kernel[(triton.cdiv(T, BT),)](A_log, a, dt_bias, b, g, beta, T, HV, a.stride(0), b.stride(0),
+                                          BH=next_pow2(HV), BT=BT)
+    return g, beta
+
+
+# ---- plain decode (FLA's fused_recurrent contract, pooled) --------------------------------------
+
+@triton.jit
+def _recurrent_kernel(q, k, v, g, beta, o, ssm, idx, scale,
+                      s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_g_t, s_b_t, HV,
+                      R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                      L2NORM: tl.constexpr):
+    j = tl.program_id(0)
+    nh = tl.program_id(1)
+    n = nh // HV
+    hv = nh % HV
+    hk = hv // R
+    slot = tl.load(idx + n).to(tl.int64)
+    live = slot >= 0
+    ok = tl.arange(0, K)
+    ov = j * BV + tl.arange(0, BV)
+    qv = tl.load(q + n * s_q_t + hk * s_q_h + ok).to(tl.float32)
+    kv = tl.load(k + n * s_k_t + hk * s_k_h + ok).to(tl.float32)
+    if L2NORM:
+        qv = _l2norm(qv)
+        kv = _l2norm(kv)
+    qv = qv * scale
+    vv = tl.load(v + n * s_v_t + hv * s_v_h + ov).to(tl.float32)
+    gv = tl.load(g + n * s_g_t + hv).to(tl.float32)
+    bv = tl.load(beta + n * s_b_t + hv).to(tl.float32)
+    sp = ssm + slot * (HV * K * V) + hv * (K * V) + ok[:, None] * V + ov[None, :]
+    smask = (ok[:, None] >= 0) & live
+    S = tl.load(sp, mask=smask, other=0.0)
+    S, out, _ = _delta_step(S, kv, qv, vv, gv, bv)
+    tl.store(o + (n * HV + hv) * V + ov, tl.where(live, out, 0.0).to(o.dtype.element_ty))
+    tl.store(sp, S, mask=smask)
+
+
+def _check_token_inputs(op, q, k, v, g, beta, ssm_state):
+    check(q.dim() == 3 and k.shape == q.shape and v.dim() == 3, op,
+          f"q, k must be [N, HK, K] and v [N, HV, V], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    N, HK, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    check(v.shape[0] == N and HV % HK == 0, op, f"v heads {HV} must be a multiple of key heads {HK}")
+    check(g.shape == (N, HV) and beta.shape == (N, HV), op, f"g and beta must be [{N}, {HV}]")
+    check_head_dim(op, "K", K)
+    check_head_dim(op, "V", V)
+    check(q.dtype in (torch.bfloat16, torch.float16, torch.float32) and k.dtype == q.dtype and v.dtype == q.dtype,
+          op, f"q, k, v must share a float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_last_contiguous(op, q=q, k=k, v=v, g=g, beta=beta)
+    check_pool(op, ssm_state, HV, K, V)
+    check_same_device(op, q, k, v, g, beta, ssm_state)
+    return N, HK, K, HV, V
+
+
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    *, scale: float, ssm_state: torch.Tensor, state_indices: torch.Tensor,
+    use_qk_l2norm_in_kernel: bool = True, config: RecurrentConfig | None = None,
+) -> torch.Tensor:
+    op = "fused_recurrent_gated_delta_rule"
+    N, HK, K, HV, V = _check_token_inputs(op, q, k, v, g, beta, ssm_state)
+    check_index(op, "state_indices", state_indices, N)
+    cfg = config or default_recurrent_config(N * HV * max(V // 32, 1), V)
+    check(V % cfg.bv == 0, op, f"config bv={cfg.bv} must divide V={V}")
+    o = torch.empty((N, HV, V), dtype=v.dtype, device=v.device)
+    if N == 0:
+        return o
+    _recurrent_kernel[(V // cfg.bv, N * HV)](
+        q, k, v, g, beta, o, ssm_state, state_indices, float(scale),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+        beta.stride(0), HV, R=HV // HK, K=K, V=V, BV=cfg.bv, L2NORM=bool(use_qk_l2norm_in_kernel),
+        num_warps=cfg.num_warps)
+    return o
+
+
+# ---- fused decode / verify: launch 1 (conv + gates + norm + delta rule) -------------------------
+
+@triton.jit
+def _tokens_kernel(x, s_x_t, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, conv_state, ssm, idx, cu,
+                   o_tmp, st_k, st_g, st_d, scale, HK, HV, D,
+                   R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
+                   VERIFY: tl.constexpr):
+    j = tl.program_id(0)
+    nh = tl.program_id(1)
+    n = nh // HV
+    hv = nh % HV
+    hk = hv // R
+    slot = tl.load(idx + n).to(tl.int64)
+    live = slot >= 0
+    if VERIFY:
+        bos = tl.load(cu + n).to(tl.int32)
+        eos = tl.load(cu + n + 1).to(tl.int32)
+    else:
+        bos = n
+        eos = n + 1
+    ok = tl.arange(0, K)
+    ov = j * BV + tl.arange(0, BV)
+    cq = hk * K + ok
+    ck = HK * K + hk * K + ok
+    cv = 2 * HK * K + hv * V + ov
+    win = conv_state + slot * ((W - 1) * D)
+    sp = ssm + slot * (HV * K * V) + hv * (K * V) + ok[:, None] * V + ov[None, :]
+    smask = (ok[:, None] >= 0) & live
+    S = tl.load(sp, mask=smask, other=0.0)
+    neg_a = -tl.exp(tl.load(A_log + hv).to(tl.float32))
+    dtb = tl.load(dt_bias + hv).to(tl.float32)
+    bos64 = bos.to(tl.int64)
+    for i in range(0, eos - bos):
+        t = bos64 + i
+        qh = _l2norm(_conv_token(x, s_x_t, win, D, conv_w, cq, t, bos, live, K, W)) * scale
+        kh = _l2norm(_conv_token(x, s_x_t, win, D, conv_w, ck, t, bos, live, K, W))
+        vv = _conv_token(x, s_x_t, win, D, conv_w, cv, t, bos, live, BV, W)
+        gt = neg_a * softplus(tl.load(a + t * s_a_t + hv).to(tl.float32) + dtb)
+        bt = sigmoid(tl.load(b + t * s_b_t + hv).to(tl.float32))
+        S, out, delta = _delta_step(S, kh, qh, vv, gt, bt)
+        row = t * HV + hv
+        tl.store(o_tmp + row * V + ov, tl.where(live, out, 0.0).to(o_tmp.dtype.element_ty))
+        if VERIFY:
+            tl.store(st_d + row * V + ov, delta, mask=(ov >= 0) & live)
+            tl.store(st_k + (t * HK + hk) * K + ok, kh, mask=(ok >= 0) & live & (j == 0) & (hv % R == 0))
+            tl.store(st_g + row, gt, mask=live & (j == 0))
+    if not VERIFY:
+        tl.store(sp, S, mask=smask)
+
+
+# ---- fused decode / verify: launch 2 (gated RMSNorm + conv window / stash) ----------------------
+
+@triton.jit
+def _finish_kernel(o_tmp, z, s_z_t, s_z_h, norm_w, out, x, s_x_t, conv_state, idx, st_x, eps, HV, D,
+                   NORM_BLOCKS, V: tl.constexpr, HB: tl.constexpr, BD: tl.constexpr, W: tl.constexpr,
+                   WP: tl.constexpr, VERIFY: tl.constexpr, SIGMOID: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    if p < NORM_BLOCKS:
+        heads = p * HB + tl.arange(0, HB)
+        ov = tl.arange(0, V)
+        hm = (heads[:, None] < HV) & (ov[None, :] >= 0)
+        ot = tl.load(o_tmp + (t * HV + heads[:, None]) * V + ov[None, :], mask=hm, other=0.0).to(tl.float32)
+        zt = tl.load(z + t * s_z_t + heads[:, None] * s_z_h + ov[None, :], mask=hm, other=0.0).to(tl.float32)
+        w = tl.load(norm_w + ov).to(tl.float32)
+        y = ot * tl.rsqrt(tl.sum(ot * ot, axis=1) / V + eps)[:, None] * w[None, :]
+        if SIGMOID:
+            gate = sigmoid(zt)
+        else:
+            gate = silu(zt)
+        tl.store(out + (t * HV + heads[:, None]) * V + ov[None, :], (y * gate).to(out.dtype.element_ty), mask=hm)
+    else:
+        ch = (p - NORM_BLOCKS) * BD + tl.arange(0, BD)
+        cm = ch < D
+        xt = tl.load(x + t * s_x_t + ch, mask=cm, other=0.0)
+        if VERIFY:
+            tl.store(st_x + t * D + ch, xt.to(st_x.dtype.element_ty), mask=cm)
+        else:
+            # window <- [window[1:], x_t]; read the whole old window before any thread overwrites it
+            slot = tl.load(idx + t).to(tl.int64)
+            r = tl.arange(0, WP)
+            win = conv_state + slot * ((W - 1) * D) + r[:, None] * D + ch[None, :]
+            live = slot >= 0
+            shifted = tl.load(win + D, mask=(r[:, None] + 1 < W - 1) & cm[None, :] & live, other=0.0)
+            new = tl.where(r[:, None] == W - 2, xt[None, :].to(tl.float32), shifted.to(tl.float32))
+            tl.debug_barrier()
+            dst_m = (r[:, None] < W - 1) & cm[None, :] & live
+            tl.store(win, new.to(conv_state.dtype.element_ty), mask=dst_m)
+
+
+def _check_layer_inputs(op, mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, ssm_state):
+    check(mixed_qkv.dim() == 2, op, f"mixed_qkv must be [T, D], got {tuple(mixed_qkv.shape)}")
+    T, D = mixed_qkv.shape
+    check(ssm_state.dim() == 4, op, f"ssm_state must be [S, HV, K, V], got {tuple(ssm_state.shape)}")
+    HV, K, V = ssm_state.shape[1:]
+    check_head_dim(op, "K", K)
+    check_head_dim(op, "V", V)
+    try:
+        HK = num_key_heads(D, HV, K, V)
+    except ValueError as exc:
+        raise ValueError(f"{op} (triton): {exc}") from None
+    check(z.shape in ((T, HV, V), (T, HV * V)), op, f"z must be [{T}, {HV}, {V}], got {tuple(z.shape)}")
+    check(a.shape == (T, HV) and b.shape == (T, HV), op, f"a and b must be [{T}, {HV}]")
+    check(conv_weight.dim() == 2 and conv_weight.shape[0] == D and conv_weight.is_contiguous(), op,
+          f"conv_weight must be contiguous [{D}, W], got {tuple(conv_weight.shape)}")
+    W = conv_weight.shape[1]
+    check(2 <= W <= 8, op, f"conv width {W} outside 2..8")
+    check(tuple(conv_state.shape[1:]) == (W - 1, D) and conv_state.is_contiguous(), op,
+          f"conv_state must be contiguous [S, {W - 1}, {D}], got {tuple(conv_state.shape)}")
+    check(A_log.shape == (HV,) and dt_bias.shape == (HV,) and norm_weight.shape == (V,), op,
+          f"A_log, dt_bias must be [{HV}] and norm_weight [{V}]")
+    check(mixed_qkv.dtype in (torch.bfloat16, torch.float16, torch.float32), op,
+          f"unsupported activation dtype {mixed_qkv.dtype}")
+    check_last_contiguous(op, mixed_qkv=mixed_qkv, z=z, a=a, b=b)
+    check_pool(op, ssm_state, HV, K, V)
+    check_same_device(op, mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, ssm_state)
+    z3 = z.view(T, HV, V) if z.dim() == 2 else z
+    return T, D, HK, HV, K, V, W, z3
+
+
+def _norm_activation(op: str, name: str) -> bool:
+    check(name in ("silu", "swish", "sigmoid"), op, f"unsupported gate activation {name!r}")
+    return name == "sigmoid"
+
+
+def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, eps, scale, conv_state,
+                  ssm_state, state_indices, cu_seqlens, stash, norm_activation, config, op):
+    T, D, HK, HV, K, V, W, z3 = _check_layer_inputs(
+        op, mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, ssm_state)
+    sigmoid_gate = _norm_activation(op, norm_activation)
+    verify = cu_seqlens is not None
+    N = state_indices.shape[0]
+    check_index(op, "state_indices", state_indices, N if verify else T)
+    if verify:
+        check_index(op, "cu_seqlens", cu_seqlens, N + 1)
+        stash.check(T, D, HK, K, HV, V)
+    out = torch.empty((T, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+    if T == 0 or N == 0:
+        return out
+    cfg = config or default_recurrent_config(N * HV * max(V // 32, 1), V)
+    check(V % cfg.bv == 0, op, f"config bv={cfg.bv} must divide V={V}")
+    o_tmp = torch.empty((T, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+    dummy = o_tmp  # pointer arguments that the decode variant never touches
+    _tokens_kernel[(V // cfg.bv, N * HV)](
+        mixed_qkv, mixed_qkv.stride(0), a, a.stride(0), b, b.stride(0), conv_weight, A_log, dt_bias, conv_state,
+        ssm_state, state_indices, cu_seqlens if verify else state_indices, o_tmp,
+        stash.k if verify else dummy, stash.g if verify else dummy, stash.delta if verify else dummy,
+        float(scale), HK, HV, D, R=HV // HK, K=K, V=V, BV=cfg.bv, W=W, VERIFY=verify, num_warps=cfg.num_warps)
+    HB = max(1, min(next_pow2(HV), 4096 // V))
+    BD = 1024
+    norm_blocks = triton.cdiv(HV, HB)
+    _finish_kernel[(T, norm_blocks + triton.cdiv(D, BD))](
+        o_tmp, z3, z3.stride(0), z3.stride(1), norm_weight, out, mixed_qkv, mixed_qkv.stride(0), conv_state,
+        state_indices, stash.x if verify else dummy, float(eps), HV, D, norm_blocks, V=V, HB=HB, BD=BD, W=W,
+        WP=next_pow2(W - 1), VERIFY=verify, SIGMOID=sigmoid_gate, num_warps=4)
+    return out
+
+
+def gdn_decode(
+    mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
+    conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
+    eps: float, scale: float, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+    state_indices: torch.Tensor, norm_activation: str = "silu", config: RecurrentConfig | None = None,
+) -> torch.Tensor:
+    return _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, eps, scale, conv_state,
+                         ssm_state, state_indices, None, None, norm_activation, config, "gdn_decode")
+
+
+def gdn_verify(
+    mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
+    conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
+    eps: float, scale: float, cu_seqlens: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+    state_indices: torch.Tensor, stash: VerifyStash, norm_activation: str = "silu",
+    config: RecurrentConfig | None = None,
+) -> torch.Tensor:
+    return _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, eps, scale, conv_state,
+                         ssm_state, state_indices, cu_seqlens, stash, norm_activation, config, "gdn_verify")
+
+
+# ---- commit -------------------------------------------------------------------------------------
+
+@triton.jit
+def _commit_kernel(num_acc, cu, idx, conv_state, ssm, st_x, st_k, st_g, st_d, HK, HV, D, STATE_BLOCKS,
+                   R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
+                   WP: tl.constexpr, BD: tl.constexpr):
+    n = tl.program_id(0)
+    p = tl.program_id(1)
+    slot = tl.load(idx + n).to(tl.int64)
+    bos = tl.load(cu + n).to(tl.int32)
+    eos = tl.load(cu + n + 1).to(tl.int32)
+    acc = tl.minimum(tl.maximum(tl.load(num_acc + n).to(tl.int32), 0), eos - bos)
+    go = (slot >= 0) & (acc > 0)
+    if p < STATE_BLOCKS:
+        nsl = V // BV
+        hv = p // nsl
+        j = p % nsl
+        hk = hv // R
+        ok = tl.arange(0, K)
+        ov = j * BV + tl.arange(0, BV)
+        sp = ssm + slot * (HV * K * V) + hv * (K * V) + ok[:, None] * V + ov[None, :]
+        smask = (ok[:, None] >= 0) & go
+        S = tl.load(sp, mask=smask, other=0.0)
+        bos64 = bos.to(tl.int64)
+        for i in range(0, tl.where(go, acc, 0)):
+            t = bos64 + i
+            row = t * HV + hv
+            kh = tl.load(st_k + (t * HK + hk) * K + ok)
+            dl = tl.load(st_d + row * V + ov)
+            S = S * tl.exp(tl.load(st_g + row)) + kh[:, None] * dl[None, :]
+        tl.store(sp, S, mask=smask)
+    else:
+        ch = (p - STATE_BLOCKS) * BD + tl.arange(0, BD)
+        cm = ch < D
+        r = tl.arange(0, WP)
+        src = acc + r  # row of [old window (W-1 rows), accepted inputs]
+        rm = (r[:, None] < W - 1) & cm[None, :] & go
+        win = conv_state + slot * ((W - 1) * D)
+        from_old = tl.load(win + src[:, None] * D + ch[None, :], mask=rm & (src[:, None] < W - 1), other=0.0)
+        from_x = tl.load(st_x + (bos + src[:, None] - (W - 1)).to(tl.int64) * D + ch[None, :],
+                         mask=rm & (src[:, None] >= W - 1), other=0.0)
+        new = from_old.to(tl.float32) + from_x.to(tl.float32)
+        tl.debug_barrier()
+        tl.store(win + r[:, None] * D + ch[None, :], new.to(conv_state.dtype.element_ty), mask=rm)
+
+
+def gdn_commit(
+    num_accepted: torch.Tensor, *, cu_seqlens: torch.Tensor, state_indices: torch.Tensor,
+    conv_state: torch.Tensor, ssm_state: torch.Tensor, stash: VerifyStash, config: RecurrentConfig | None = None,
+) -> None:
+    """Triton commit. num_accepted is clamped to 0..T_n on the device (no host sync: graph capturable);
+    the reference raises on out-of-range counts instead."""
+    op = "gdn_commit"
+    N = state_indices.shape[0]
+    check_index(op, "state_indices", state_indices, N)
+    check_index(op, "cu_seqlens", cu_seqlens, N + 1)
+    check_index(op, "num_accepted", num_accepted, N)
+    HV, K, V = ssm_state.shape[1:]
+    HK = stash.k.shape[1]
+    check_pool(op, ssm_state, HV, K, V)
+    D = conv_state.shape[2]
+    W = conv_state.shape[1] + 1
+    check(conv_state.is_contiguous(), op, "conv_state must be contiguous")
+    stash.check(0, D, HK, K, HV, V)
+    check(HV % HK == 0, op, f"stash key heads {HK} must divide value heads {HV}")
+    check_same_device(op, num_accepted, cu_seqlens, state_indices, conv_state, ssm_state, stash.x)
+    if N == 0:
+        return
+    cfg = config or RecurrentConfig(bv=min(32, V), num_warps=4)
+    state_blocks = HV * (V // cfg.bv)
+    BD = 1024
+    _commit_kernel[(N, state_blocks + triton.cdiv(D, BD))](
+        num_accepted, cu_seqlens, state_indices, conv_state, ssm_state, stash.x, stash.k, stash.g, stash.delta,
+        HK, HV, D, state_blocks, R=HV // HK, K=K, V=V, BV=cfg.bv, W=W, WP=next_pow2(W - 1), BD=BD,
+        num_warps=cfg.num_warps)

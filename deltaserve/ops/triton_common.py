@@ -1,0 +1,93 @@
+"""Helpers shared by the Triton ops: small @triton.jit math functions and host-side input checks.
+
+Only the Triton implementations import this module (it imports triton).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+L2NORM_EPS: float = 1e-6
+# Head sizes the kernels are built for (tile dimensions must be powers of two, tensor-core dots >= 16).
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def check(cond: bool, op: str, msg: str) -> None:
+    """Raise a ValueError naming the op when an input is outside what the kernel supports."""
+    if not cond:
+        raise ValueError(f"{op} (triton): {msg}")
+
+
+def check_head_dim(op: str, name: str, d: int) -> None:
+    check(d in SUPPORTED_HEAD_DIMS, op, f"{name} = {d} is not one of {SUPPORTED_HEAD_DIMS}")
+
+
+def check_last_contiguous(op: str, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        check(t.stride(-1) == 1, op, f"{name} must be contiguous in its last dim (strides {tuple(t.stride())})")
+
+
+def check_same_device(op: str, *tensors: torch.Tensor) -> None:
+    devs = {t.device for t in tensors}
+    check(len(devs) == 1, op, f"all tensors must be on one device, got {sorted(map(str, devs))}")
+
+
+def check_pool(op: str, ssm_state: torch.Tensor, hv: int, k: int, v: int) -> None:
+    check(ssm_state.dtype == torch.float32, op, f"ssm_state must be float32, got {ssm_state.dtype}")
+    check(ssm_state.is_contiguous(), op, "ssm_state must be contiguous [S, HV, K, V]")
+    check(tuple(ssm_state.shape[1:]) == (hv, k, v), op,
+          f"ssm_state shape {tuple(ssm_state.shape)} does not match [S, {hv}, {k}, {v}]")
+
+
+def check_index(op: str, name: str, t: torch.Tensor, n: int) -> None:
+    check(t.dim() == 1 and t.shape[0] == n, op, f"{name} must be 1-D of length {n}, got {tuple(t.shape)}")
+    check(t.dtype in (torch.int32, torch.int64), op, f"{name} must be int32/int64, got {t.dtype}")
+    check(t.is_contiguous(), op, f"{name} must be contiguous")
+
+
+# ---- device helpers -----------------------------------------------------------------------------
+
+@triton.jit
+def softplus(x):
+    """torch.nn.functional.softplus (beta 1, threshold 20) with an accurate log1p for tiny exp(-|x|)."""
+    y = tl.exp(-tl.abs(x))
+    u = 1.0 + y
+    log1p = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))
+    return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p)
+
+
+@triton.jit
+def sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def silu(x):
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def locate_chunk(cu_seqlens, N, p, BT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Map program p of a grid over 'chunks of BT tokens aligned to sequence starts' to (n, c, bos, eos):
+    sequence n, chunk c inside it, and the sequence's token bounds. The grid is sized on the host with
+    the bound cdiv(T, BT) + N, so no device->host sync is needed; programs past the last chunk get
+    n >= N and bos = eos = 0 (every mask false)."""
+    offs = tl.arange(0, BLOCK_N)
+    m = offs < N
+    bos_v = tl.load(cu_seqlens + offs, mask=m, other=0).to(tl.int32)
+    eos_v = tl.load(cu_seqlens + offs + 1, mask=m, other=0).to(tl.int32)
+    nck = (eos_v - bos_v + BT - 1) // BT
+    cend = tl.cumsum(nck, 0)
+    n = tl.sum((cend <= p).to(tl.int32), 0)
+    sel = offs == n
+    cstart = tl.sum(tl.where(sel, cend - nck, 0), 0)
+    bos = tl.sum(tl.where(sel, bos_v, 0), 0)
+    eos = tl.sum(tl.where(sel, eos_v, 0), 0)
+    return n, p - cstart, bos, eos

@@ -1,0 +1,49 @@
+"""Random inputs in the ops' layouts and a relative-error check."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| (fp32); 0 when both are zero."""
+    got, want = got.float(), want.float()
+    scale = want.abs().max().item()
+    diff = (got - want).abs().max().item()
+    return diff / scale if scale else diff
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str = "") -> None:
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    assert torch.isfinite(got.float()).all(), f"{what}: non-finite values"
+    err = rel_err(got, want)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
+
+
+def cu_seqlens(lengths: list[int], device) -> torch.Tensor:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, g: torch.Generator, dtype=torch.float32, device="cpu", scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=device)
+
+
+def gdn_inputs(T: int, hk: int, hv: int, dk: int, dv: int, slots: int, *, g: torch.Generator, dtype, device):
+    """q, k, v activations, pre-activation gates (a, b), gate parameters and an initial state pool.
+    A_log / dt_bias span slow and fast decays as trained models do (g from ~-0.001 to ~-10)."""
+    q = randn(T, hk, dk, g=g, dtype=dtype, device=device)
+    k = randn(T, hk, dk, g=g, dtype=dtype, device=device)
+    v = randn(T, hv, dv, g=g, dtype=dtype, device=device)
+    a = randn(T, hv, g=g, dtype=dtype, device=device)
+    b = randn(T, hv, g=g, dtype=dtype, device=device)
+    A_log = torch.linspace(-3.0, 1.5, hv).to(device)
+    dt_bias = randn(hv, g=g, device=device, scale=0.5)
+    pool = randn(slots, hv, dk, dv, g=g, device=device, scale=0.3)
+    return q, k, v, a, b, A_log, dt_bias, pool

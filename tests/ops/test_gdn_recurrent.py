@@ -1,0 +1,226 @@
+"""Token-by-token kernels (Triton) against the references: gates, plain decode, the fused layer decode,
+speculative verify and commit -- checked against the token-by-token recurrence, with padded rows and
+slots out of order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.ops.conv1d import reference as conv_ref
+from deltaserve.ops.gdn import reference as ref
+from deltaserve.ops.gdn import triton_recurrent as tr
+from deltaserve.ops.norm import reference as norm_ref
+
+from .helpers import assert_close, cu_seqlens, gen, randn
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def test_gating_matches_reference(device):
+    g = gen(0)
+    a, b = randn(37, 6, g=g, device=device, scale=8.0), randn(37, 6, g=g, device=device, scale=4.0)
+    a[0, 0], a[0, 1] = 30.0, -30.0                          # softplus threshold and its tiny tail
+    A_log, dt_bias = randn(6, g=g, device=device), randn(6, g=g, device=device)
+    g_ref, b_ref = ref.gdn_gating(A_log, a, dt_bias, b)
+    g_tri, b_tri = tr.gdn_gating(A_log, a, dt_bias, b)
+    assert_close(g_tri, g_ref, 1e-6, "g")
+    assert_close(b_tri, b_ref, 1e-6, "beta")
+    assert (g_tri[0, 1] < 0).item(), "softplus of a very negative input must stay > 0 (log1p tail)"
+
+
+@pytest.mark.parametrize("ratio", [1, 2, 4])
+def test_fused_recurrent_matches_reference(ratio, device):
+    g = gen(ratio)
+    N, hk, dk, dv, S = 6, 1, 16, 32, 9
+    hv = hk * ratio
+    q, k = randn(N, hk, dk, g=g, device=device), randn(N, hk, dk, g=g, device=device)
+    v = randn(N, hv, dv, g=g, device=device)
+    gg, beta = -torch.rand(N, hv, generator=g).to(device), torch.rand(N, hv, generator=g).to(device)
+    pool = randn(S, hv, dk, dv, g=g, device=device, scale=0.3)
+    idx = torch.tensor([4, -1, 0, 8, 2, -1], dtype=torch.int32, device=device)
+    p_ref, p_tri = pool.clone(), pool.clone()
+    kw = dict(scale=dk ** -0.5, state_indices=idx)
+    o_ref = ref.fused_recurrent_gated_delta_rule(q, k, v, gg, beta, ssm_state=p_ref, **kw)
+    o_tri = tr.fused_recurrent_gated_delta_rule(q, k, v, gg, beta, ssm_state=p_tri, **kw)
+    assert_close(o_tri, o_ref, 1e-5, "output")
+    assert torch.equal(p_tri, p_ref) or (p_tri - p_ref).abs().max() < 1e-6
+    assert (o_tri[1] == 0).all() and (o_tri[5] == 0).all(), "padded rows give zeros"
+
+
+class Layer:
+    """Random GDN-layer parameters and pools at a small shape."""
+
+    def __init__(self, device, dtype, *, hk=1, ratio=2, dk=16, dv=16, slots=8, seed=0, activation="silu"):
+        g = gen(seed)
+        self.hk, self.hv, self.dk, self.dv = hk, hk * ratio, dk, dv
+        self.D = 2 * hk * dk + self.hv * dv
+        self.dtype, self.device, self.g = dtype, device, g
+        self.conv_weight = randn(self.D, 4, g=g, dtype=dtype, device=device, scale=0.5)
+        self.A_log = torch.linspace(-3.0, 1.0, self.hv).to(device)
+        self.dt_bias = randn(self.hv, g=g, device=device, scale=0.5)
+        self.norm_weight = (torch.rand(dv, generator=g) + 0.5).to(dtype=dtype, device=device)
+        self.conv_state = randn(slots, 3, self.D, g=g, dtype=dtype, device=device)
+        self.ssm_state = randn(slots, self.hv, dk, dv, g=g, device=device, scale=0.3)
+        self.activation = activation
+
+    def tokens(self, T, extra_cols=3):
+        """mixed_qkv / z / a / b as column views of one projection output (strided rows, like the layer)."""
+        width = self.D + self.hv * self.dv + 2 * self.hv + extra_cols
+        proj = randn(T, width, g=self.g, dtype=self.dtype, device=self.device)
+        mixed, z, b, a, _ = proj.split([self.D, self.hv * self.dv, self.hv, self.hv, extra_cols], dim=-1)
+        return mixed, z.view(T, self.hv, self.dv), a, b
+
+    def kw(self):
+        return dict(conv_weight=self.conv_weight, A_log=self.A_log, dt_bias=self.dt_bias,
+                    norm_weight=self.norm_weight, eps=1e-6, scale=self.dk ** -0.5, norm_activation=self.activation)
+
+    def pools(self):
+        return self.conv_state.clone(), self.ssm_state.clone()
+
+    def stash(self, T):
+        return ref.VerifyStash.empty(T, conv_dim=self.D, num_k_heads=self.hk, head_k_dim=self.dk,
+                                     num_v_heads=self.hv, head_v_dim=self.dv, dtype=self.dtype, device=self.device)
+
+
+def unfused_decode(layer: Layer, mixed, z, a, b, conv_state, ssm_state, idx):
+    """The layer's decode path op by op (what gdn_decode fuses), from the references."""
+    x = conv_ref.causal_conv1d_update(mixed, layer.conv_weight, conv_state=conv_state, state_indices=idx)
+    q, k, v = x.split([layer.hk * layer.dk, layer.hk * layer.dk, layer.hv * layer.dv], dim=-1)
+    N = x.shape[0]
+    g, beta = ref.gdn_gating(layer.A_log, a, layer.dt_bias, b)
+    o = ref.recurrent_gated_delta_rule(
+        q.reshape(N, layer.hk, layer.dk), k.reshape(N, layer.hk, layer.dk), v.reshape(N, layer.hv, layer.dv),
+        g, beta, scale=layer.dk ** -0.5, cu_seqlens=torch.arange(N + 1, dtype=torch.int32, device=x.device),
+        ssm_state=ssm_state, state_indices=idx, has_initial_state=torch.ones(N, dtype=torch.bool, device=x.device))
+    return norm_ref.rms_norm_gated(o, z, layer.norm_weight, 1e-6, activation=layer.activation)
+
+
+@pytest.mark.parametrize("ratio,dtype,activation", [(2, torch.float32, "silu"), (4, torch.bfloat16, "silu"),
+                                                    (1, torch.float32, "sigmoid")])
+def test_decode_matches_token_recurrence(ratio, dtype, activation, device):
+    """Three decode steps through gdn_decode (Triton) == the unfused reference ops step by step."""
+    layer = Layer(device, dtype, ratio=ratio, seed=ratio, activation=activation)
+    idx = torch.tensor([5, -1, 0, 3], dtype=torch.int32, device=device)
+    c_ref, s_ref = layer.pools()
+    c_tri, s_tri = layer.pools()
+    for step in range(3):
+        mixed, z, a, b = layer.tokens(4)
+        want = unfused_decode(layer, mixed, z, a, b, c_ref, s_ref, idx)
+        got = tr.gdn_decode(mixed, z, a, b, conv_state=c_tri, ssm_state=s_tri, state_indices=idx, **layer.kw())
+        assert_close(got, want, TOL[dtype], f"output step {step}")
+        assert (got[1] == 0).all(), "padded row gives zeros"
+    assert_close(s_tri, s_ref, TOL[dtype], "state pool")
+    assert_close(c_tri, c_ref, 0.0, "conv pool")
+    assert torch.equal(s_tri[1], layer.ssm_state[1]), "untouched slot changed"
+
+
+def test_decode_reference_equals_unfused(device):
+    """The fused-decode reference is the layer's unfused path (so the CPU path is unchanged by fusion)."""
+    layer = Layer(device, torch.float32, seed=9)
+    idx = torch.tensor([2, 6, -1], dtype=torch.int32, device=device)
+    mixed, z, a, b = layer.tokens(3)
+    c1, s1 = layer.pools()
+    c2, s2 = layer.pools()
+    want = unfused_decode(layer, mixed, z, a, b, c1, s1, idx)
+    got = ref.gdn_decode(mixed, z, a, b, conv_state=c2, ssm_state=s2, state_indices=idx, **layer.kw())
+    assert_close(got, want, 1e-6, "output")
+    assert_close(s2, s1, 1e-6, "state")
+
+
+def _verify_case(layer: Layer, lengths, idx_list):
+    device = layer.device
+    cu = cu_seqlens(lengths, device)
+    idx = torch.tensor(idx_list, dtype=torch.int32, device=device)
+    mixed, z, a, b = layer.tokens(sum(lengths))
+    return cu, idx, mixed, z, a, b
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_verify_then_commit_equals_sequential_decode(impl, device):
+    """verify(T_n tokens) outputs == T_n decode steps; commit(a_n) leaves pools == after a_n decode steps;
+    verify itself leaves the pools untouched. Ragged T_n = K_n + 1, K_n in 1..7, a padded row."""
+    dtype = torch.float32
+    layer = Layer(device, dtype, ratio=2, seed=21)
+    lengths = [2, 8, 4, 5]
+    idx_list = [6, 1, -1, 3]
+    accepted = [1, 8, 2, 0]
+    cu, idx, mixed, z, a, b = _verify_case(layer, lengths, idx_list)
+    ops = ref if impl == "reference" else tr
+    c_v, s_v = layer.pools()
+    stash = layer.stash(sum(lengths))
+    out = ops.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=c_v, ssm_state=s_v, state_indices=idx,
+                         stash=stash, **layer.kw())
+    assert torch.equal(c_v, layer.conv_state) and torch.equal(s_v, layer.ssm_state), "verify must not touch pools"
+    ops.gdn_commit(torch.tensor(accepted, dtype=torch.int32, device=device), cu_seqlens=cu, state_indices=idx,
+                   conv_state=c_v, ssm_state=s_v, stash=stash)
+    # oracle: decode one token at a time (reference), snapshotting pools after each sequence's accepted prefix
+    c_d, s_d = layer.pools()
+    want_c, want_s = layer.conv_state.clone(), layer.ssm_state.clone()
+    bounds = cu.tolist()
+    for n, slot in enumerate(idx_list):
+        for i in range(lengths[n]):
+            t = bounds[n] + i
+            sl = torch.tensor([slot], dtype=torch.int32, device=device)
+            o = ref.gdn_decode(mixed[t:t + 1], z[t:t + 1], a[t:t + 1], b[t:t + 1], conv_state=c_d, ssm_state=s_d,
+                               state_indices=sl, **layer.kw())
+            assert_close(out[t:t + 1], o, 1e-5, f"verify output of token {t}")
+            if slot >= 0 and i + 1 == accepted[n]:
+                want_c[slot], want_s[slot] = c_d[slot], s_d[slot]
+    assert_close(s_v, want_s, 1e-5, "committed states")
+    assert_close(c_v, want_c, 0.0, "committed conv windows")
+
+
+def test_verify_triton_matches_reference_bf16(device):
+    layer = Layer(device, torch.bfloat16, ratio=4, seed=5)
+    lengths, idx_list = [3, 1, 6], [0, 7, 4]
+    cu, idx, mixed, z, a, b = _verify_case(layer, lengths, idx_list)
+    outs, stashes, pools = [], [], []
+    for ops in (ref, tr):
+        c, s = layer.pools()
+        st = layer.stash(sum(lengths))
+        outs.append(ops.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=c, ssm_state=s, state_indices=idx,
+                                   stash=st, **layer.kw()))
+        acc = torch.tensor([3, 0, 4], dtype=torch.int32, device=device)
+        ops.gdn_commit(acc, cu_seqlens=cu, state_indices=idx, conv_state=c, ssm_state=s, stash=st)
+        stashes.append(st)
+        pools.append((c, s))
+    assert_close(outs[1], outs[0], TOL[torch.bfloat16], "output")
+    for name in ("x", "k", "g", "delta"):
+        assert_close(getattr(stashes[1], name), getattr(stashes[0], name), 1e-2, f"stash.{name}")
+    assert_close(pools[1][1], pools[0][1], 1e-2, "state")
+    assert_close(pools[1][0], pools[0][0], 0.0, "conv")
+
+
+def test_commit_clamps_and_reference_rejects_bad_counts(device):
+    layer = Layer(device, torch.float32, seed=3)
+    cu, idx, mixed, z, a, b = _verify_case(layer, [3], [2])
+    st = layer.stash(3)
+    tr.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=layer.conv_state, ssm_state=layer.ssm_state,
+                  state_indices=idx, stash=st, **layer.kw())
+    with pytest.raises(ValueError, match="outside 0..3"):
+        ref.gdn_commit(torch.tensor([4], device=device), cu_seqlens=cu, state_indices=idx,
+                       conv_state=layer.conv_state.clone(), ssm_state=layer.ssm_state.clone(), stash=st)
+    c1, s1 = layer.pools()
+    c2, s2 = layer.pools()
+    tr.gdn_commit(torch.tensor([9], dtype=torch.int32, device=device), cu_seqlens=cu, state_indices=idx,
+                  conv_state=c1, ssm_state=s1, stash=st)
+    tr.gdn_commit(torch.tensor([3], dtype=torch.int32, device=device), cu_seqlens=cu, state_indices=idx,
+                  conv_state=c2, ssm_state=s2, stash=st)
+    assert torch.equal(s1, s2) and torch.equal(c1, c2), "the kernel clamps counts to T_n"
+
+
+def test_layer_ops_raise_on_bad_shapes(device):
+    layer = Layer(device, torch.float32, seed=1)
+    mixed, z, a, b = layer.tokens(2)
+    idx = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    c, s = layer.pools()
+    with pytest.raises(ValueError, match="mixed_qkv width"):
+        tr.gdn_decode(mixed[:, :-2], z, a, b, conv_state=c, ssm_state=s, state_indices=idx, **layer.kw())
+    with pytest.raises(ValueError, match="unsupported gate activation"):
+        tr.gdn_decode(mixed, z, a, b, conv_state=c, ssm_state=s, state_indices=idx,
+                      **dict(layer.kw(), norm_activation="relu"))
+    with pytest.raises(ValueError, match="VerifyStash"):
+        st = layer.stash(1)
+        tr.gdn_verify(mixed, z, a, b, cu_seqlens=cu_seqlens([2], device), conv_state=c, ssm_state=s,
+                      state_indices=idx[:1], stash=st, **layer.kw())
