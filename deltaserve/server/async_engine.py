@@ -104,6 +104,8 @@ class AsyncEngine:
             for rid in request_ids:
                 self._routes.pop(rid, None)
         self._safe_abort(request_ids)
+        with self._cond:
+            self._cond.notify_all()  # the engine may have abort outputs to hand out
 
     def _safe_abort(self, request_ids: list[str]) -> None:
         try:

@@ -43,7 +43,10 @@ def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs |
             continue
         chosen = position.get(token_id)
         out["token_logprobs"].append(None if chosen is None else chosen.logprob)
-        out["top_logprobs"].append({text(t): lp for t, lp in _ranked(position)})
+        top: dict[str, float] = {}
+        for t, lp in _ranked(position):
+            top.setdefault(text(t), lp)  # distinct ids can share a text (byte pieces): keep the likeliest
+        out["top_logprobs"].append(top)
     return out
 
 

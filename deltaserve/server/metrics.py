@@ -32,6 +32,7 @@ _GAUGES = (
 _COUNTERS = (
     ("prompt_tokens_total", "prompt_tokens", "Prompt tokens processed."),
     ("generation_tokens_total", "generation_tokens", "Tokens generated."),
+    ("num_preempted_total", "num_preemptions", "Requests preempted (their cache dropped, recomputed later)."),
 )
 
 

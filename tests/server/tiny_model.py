@@ -1,6 +1,6 @@
 """A tiny model directory for server tests: a BPE tokenizer trained here on a few sentences, with Qwen's
 special tokens and a Qwen-style chat template (tools, <think>, enable_thinking), plus a tiny random
-Qwen3-Next checkpoint saved by transformers."""
+dense Qwen3.5 checkpoint saved by transformers."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def build_tokenizer(path: Path) -> int:
 
 
 def build_model_dir(path: Path) -> Path:
-    """Tokenizer + a tiny random Qwen3-Next checkpoint (3 GDN layers + 1 attention layer)."""
+    """Tokenizer + a tiny random dense Qwen3.5 text checkpoint (3 GDN layers + 1 attention layer)."""
     import torch
     import transformers as tf
 
@@ -85,14 +85,13 @@ def build_model_dir(path: Path) -> Path:
     eos = json.loads((path / "tokenizer.json").read_text())
     eos_id = next(t["id"] for t in eos["added_tokens"] if t["content"] == "<|im_end|>")
     torch.manual_seed(0)
-    config = tf.Qwen3NextConfig(
+    config = tf.Qwen3_5TextConfig(
         vocab_size=vocab, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4, intermediate_size=96, num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-        max_position_embeddings=4096, initializer_range=0.08, eos_token_id=eos_id, bos_token_id=None,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, intermediate_size=96, max_position_embeddings=4096,
+        initializer_range=0.08, eos_token_id=eos_id, bos_token_id=None, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
-    model = tf.Qwen3NextForCausalLM(config)
+    model = tf.Qwen3_5ForCausalLM(config)
     with torch.no_grad():  # peakier logits: greedy choices far from ties, so batching can't flip them
         for name, p in model.named_parameters():
             if "embed_tokens" in name or "lm_head" in name:
