@@ -94,10 +94,12 @@ def load_model(path: str | Path, *, device: torch.device | str, dtype: torch.dty
     _check_shapes(per_file, by_name, expected)
     # A bar only when loading takes more than a moment (hundreds of MB or more).
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # Read straight onto the target device (safetensors memory-maps the file and copies one tensor at a time).
+    read_device = str(torch.device(device)) if torch.device(device).type == "cuda" else "cpu"
     with tqdm(total=len(expected), desc="Loading weights", unit="tensor",
               disable=not show_progress or total_bytes < (256 << 20)) as bar:
         for file, names in per_file.items():
-            with safe_open(str(file), framework="pt") as st:
+            with safe_open(str(file), framework="pt", device=read_device) as st:
                 for name in names:
                     expected[name].load(st.get_tensor(by_name[name][0]))
                     bar.update(1)
