@@ -41,10 +41,10 @@ async def create_completion(state: ServerState, http: Request):
     except ValueError as exc:
         group.close()
         raise APIError(str(exc)) from None
-    if req.echo:  # token-id prompts are known to be valid now
+    if req.echo and state.tokenizer is not None:  # token-id prompts are known to be valid now
         for p in prompts:
             if p.text is None:
-                p.text = "" if state.tokenizer is None else state.tokenizer.decode(p.token_ids, skip_special_tokens=False)
+                p.text = state.tokenizer.decode(p.token_ids, skip_special_tokens=False)
     run = _Run(state, req, base_id, prompts)
     if req.stream:
         return StreamingResponse(run.stream(group), media_type="text/event-stream")
@@ -109,7 +109,7 @@ class _Run:
             i = self._prompt_index(out)
             prompt = self.prompts[i]
             for c in out.outputs:
-                text = prompt.text + c.text if self.req.echo else c.text
+                text = (prompt.text or "") + c.text if self.req.echo else c.text
                 choices.append({"index": i * self.req.n + c.index, "text": text,
                                 "logprobs": self._logprobs(out, c, 0, self.req.echo, 0),
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
@@ -150,10 +150,11 @@ class _Run:
         sent_text, sent_tokens = self.sent_text.get(index, 0), self.sent_tokens.get(index, 0)
         text = c.text[sent_text:]
         echo = first and self.req.echo
-        offset = 0 if echo else sent_text + (len(self.prompts[i].text) if self.req.echo else 0)
+        prompt_text = self.prompts[i].text or ""
+        offset = 0 if echo else sent_text + (len(prompt_text) if self.req.echo else 0)
         logprobs = self._logprobs(out, c, sent_tokens, echo, offset)
         if echo:
-            text = self.prompts[i].text + text
+            text = prompt_text + text
         self.sent_text[index], self.sent_tokens[index] = len(c.text), len(c.token_ids)
         if not text and not c.finish_reason and not (logprobs and logprobs["tokens"]) and not first:
             return None

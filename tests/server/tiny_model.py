@@ -40,10 +40,13 @@ CHAT_TEMPLATE = r"""
 {{- '<|im_start|>user\n' + message.content + '<|im_end|>\n' }}
 {%- elif message.role == 'assistant' %}
 {{- '<|im_start|>assistant\n' }}
-{%- if message.reasoning_content and loop.last %}{{- '<think>\n' + message.reasoning_content + '\n</think>\n\n' }}{%- endif %}
+{%- if message.reasoning_content and loop.last %}
+{{- '<think>\n' + message.reasoning_content + '\n</think>\n\n' }}
+{%- endif %}
 {{- message.content }}
 {%- for tc in message.tool_calls or [] %}
-{{- '\n<tool_call>\n{"name": "' + tc.function.name + '", "arguments": ' + (tc.function.arguments | tojson) + '}\n</tool_call>' }}
+{{- '\n<tool_call>\n{"name": "' + tc.function.name + '", "arguments": ' }}
+{{- (tc.function.arguments | tojson) + '}\n</tool_call>' }}
 {%- endfor %}
 {%- if not loop.last or add_generation_prompt %}{{- '<|im_end|>\n' }}{%- endif %}
 {%- elif message.role == 'tool' %}
@@ -52,7 +55,8 @@ CHAT_TEMPLATE = r"""
 {%- endfor %}
 {%- if add_generation_prompt %}
 {{- '<|im_start|>assistant\n' }}
-{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- else %}{{- '<think>\n' }}{%- endif %}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}
+{%- else %}{{- '<think>\n' }}{%- endif %}
 {%- endif %}
 """
 
