@@ -38,9 +38,12 @@ async def create_chat_completion(state: ServerState, http: Request):
     group = state.engine.open_group()
     try:
         group.add(request_id, token_ids, params)
-    except ValueError as exc:
+    except ValueError as exc:  # the engine's own validation
         group.close()
         raise APIError(str(exc)) from None
+    except BaseException:
+        group.close()
+        raise
     run = _Run(state, req, request_id, in_reasoning=starts_in_reasoning(prompt))
     if req.stream:
         return StreamingResponse(run.stream(group), media_type="text/event-stream")

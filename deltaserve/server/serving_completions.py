@@ -38,9 +38,12 @@ async def create_completion(state: ServerState, http: Request):
     try:
         for i, p in enumerate(prompts):
             group.add(f"{base_id}-{i}", p.token_ids, params)
-    except ValueError as exc:
+    except ValueError as exc:  # the engine's own validation (token ids out of range, too long, ...)
         group.close()
         raise APIError(str(exc)) from None
+    except BaseException:
+        group.close()
+        raise
     if req.echo and state.tokenizer is not None:  # token-id prompts are known to be valid now
         for p in prompts:
             if p.text is None:

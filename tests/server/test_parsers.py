@@ -6,8 +6,6 @@ from __future__ import annotations
 import itertools
 import json
 
-import pytest
-
 from deltaserve.server.output_parser import MessageDelta, MessageParser
 from deltaserve.server.reasoning import ReasoningParser, starts_in_reasoning
 from deltaserve.server.tool_parsers import QwenToolParser, ToolCallDelta, held_prefix_len
