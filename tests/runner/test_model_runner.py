@@ -1,0 +1,109 @@
+"""The model runner: the packed batch it builds from a SchedulerOutput, and that packing sequences together
+(prefill chunks with decodes, in any scheduling order) gives what running them separately gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.engine.interfaces import NewSequence, ScheduledChunk, SchedulerOutput
+from deltaserve.models.loader import load_model
+from deltaserve.ops import select_kernels
+from deltaserve.runner.model_runner import ModelRunner, allocate_cache
+from deltaserve.sampling_params import SamplingParams
+from tests.conftest import TinySpec, random_ids
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    path = tiny_model(TinySpec(family="qwen3_5", layout="text", ratio=2, seed=3))
+    return load_model(path, device="cpu", dtype=torch.float32, kernels=select_kernels("cpu"), show_progress=False)
+
+
+def make_runner(model, num_slots=4, num_blocks=32) -> ModelRunner:
+    cache = allocate_cache(model, num_slots=num_slots, num_blocks=num_blocks, block_size=BS, device=torch.device("cpu"),
+                           dtype=torch.float32)
+    return ModelRunner(model, cache, device="cpu", max_model_len=128, seed=0)
+
+
+def new(seq_id, tokens, slot, blocks, logprobs=5, prompt_logprobs=None):
+    return NewSequence(seq_id, list(tokens), len(tokens), SamplingParams(temperature=0, logprobs=logprobs),
+                       None, frozenset(), prompt_logprobs, slot, list(blocks))
+
+
+def test_batch_layout_packs_prefills_first(model):
+    runner = make_runner(model)
+    a, b = random_ids(6, seed=1), random_ids(9, seed=2)
+    runner.execute(SchedulerOutput([new(0, a, 2, [5, 1])], [ScheduledChunk(0, 0, 6, [])], []))
+    # step 2: seq 0 decodes (scheduled first), seq 1 prefills its first 5 tokens in slot 0, blocks 7, 3
+    out = SchedulerOutput([new(1, b, 0, [7, 3])], [ScheduledChunk(0, 6, 1, []), ScheduledChunk(1, 0, 5, [])], [])
+    runner._apply_changes(out)
+    batch = runner.build_batch(sorted(out.chunks, key=runner.is_decode))
+    assert batch.num_prefills == 1 and batch.num_prefill_tokens == 5 and batch.num_decodes == 1
+    assert batch.input_ids.tolist() == b[:5] + [runner._seqs[0].token_ids[6]]
+    assert batch.positions.tolist() == [0, 1, 2, 3, 4, 6]
+    assert batch.cu_seqlens.tolist() == [0, 5, 6] and batch.seq_lens.tolist() == [5, 7]
+    assert batch.state_slots.tolist() == [0, 2] and batch.has_initial_state.tolist() == [False, True]
+    assert batch.slot_mapping.tolist() == [7 * BS + 0, 7 * BS + 1, 7 * BS + 2, 7 * BS + 3, 3 * BS + 0, 1 * BS + 2]
+    assert batch.block_tables.tolist() == [[7, 3], [5, 1]]
+
+
+def test_mixed_batch_equals_separate_runs(model):
+    a, b, c = random_ids(11, seed=3), random_ids(7, seed=4), random_ids(13, seed=5)
+    # together: a prefills, then a decodes while b prefills (two chunks) and c prefills in one go
+    together = make_runner(model)
+    first = together.execute(SchedulerOutput([new(0, a, 3, [0, 1, 2])], [ScheduledChunk(0, 0, 11, [])], []))
+    step2 = together.execute(SchedulerOutput(
+        [new(1, b, 1, [4, 5]), new(2, c, 0, [8, 9, 10, 11])],
+        [ScheduledChunk(0, 11, 1, [3]), ScheduledChunk(1, 0, 4, []), ScheduledChunk(2, 0, 13, [])], []))
+    step3 = together.execute(SchedulerOutput([], [ScheduledChunk(1, 4, 3, []), ScheduledChunk(0, 12, 1, [])], []))
+    # separately, each sequence alone with its own runner, other slots and blocks
+    alone_a = make_runner(model)
+    ra = [alone_a.execute(SchedulerOutput([new(0, a, 0, [6, 2, 9, 1])], [ScheduledChunk(0, 0, 11, [])], [])),
+          alone_a.execute(SchedulerOutput([], [ScheduledChunk(0, 11, 1, [])], [])),
+          alone_a.execute(SchedulerOutput([], [ScheduledChunk(0, 12, 1, [])], []))]
+    alone_b = make_runner(model)
+    rb = alone_b.execute(SchedulerOutput([new(1, b, 2, [0, 1])], [ScheduledChunk(1, 0, 7, [])], []))
+    alone_c = make_runner(model)
+    rc = alone_c.execute(SchedulerOutput([new(2, c, 3, [0, 1, 2, 3])], [ScheduledChunk(2, 0, 13, [])], []))
+
+    def result(out, seq_id):
+        i = out.seq_ids.index(seq_id)
+        return out.token_ids[i], out.logprobs[i]
+
+    pairs = [(result(first, 0), result(ra[0], 0)), (result(step2, 0), result(ra[1], 0)),
+             (result(step3, 0), result(ra[2], 0)), (result(step2, 2), result(rc, 2)), (result(step3, 1), result(rb, 1))]
+    assert 1 not in step2.seq_ids                  # b's first chunk does not reach its end: no token
+    for (tok_t, lp_t), (tok_a, lp_a) in pairs:
+        assert tok_t == tok_a
+        assert lp_t.keys() == lp_a.keys()
+        assert all(abs(lp_t[k].logprob - lp_a[k].logprob) < 1e-5 for k in lp_t)
+
+
+def test_prompt_logprobs_across_chunks_equal_one_chunk(model):
+    p = random_ids(10, seed=6)
+    one = make_runner(model).execute(SchedulerOutput([new(0, p, 0, [0, 1, 2], prompt_logprobs=2)],
+                                                     [ScheduledChunk(0, 0, 10, [])], []))
+    r = make_runner(model)
+    parts = [r.execute(SchedulerOutput([new(0, p, 1, [4, 5, 6], prompt_logprobs=2)],
+                                       [ScheduledChunk(0, 0, 4, [])], [])),
+             r.execute(SchedulerOutput([], [ScheduledChunk(0, 4, 5, [])], [])),
+             r.execute(SchedulerOutput([], [ScheduledChunk(0, 9, 1, [])], []))]
+    chunked = [lp for part in parts for lp in part.prompt_logprobs.get(0, [])]
+    whole = one.prompt_logprobs[0]
+    assert len(whole) == len(chunked) == 9
+    for x, y, target in zip(whole, chunked, p[1:]):
+        assert target in x and x.keys() == y.keys()
+        assert all(abs(x[k].logprob - y[k].logprob) < 1e-5 for k in x)
+    assert parts[2].token_ids == one.token_ids
+
+
+def test_freed_sequences_are_forgotten_and_slots_reusable(model):
+    r = make_runner(model, num_slots=1)
+    p = random_ids(5, seed=7)
+    t1 = r.execute(SchedulerOutput([new(0, p, 0, [0, 1])], [ScheduledChunk(0, 0, 5, [])], [])).token_ids
+    # seq 0 is freed and seq 1 (same prompt) reuses slot 0 and block 0 from a fresh state
+    t2 = r.execute(SchedulerOutput([new(1, p, 0, [1, 0])], [ScheduledChunk(1, 0, 5, [])], [0])).token_ids
+    assert t1 == t2 and r.num_live_seqs == 1
