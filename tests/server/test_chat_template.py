@@ -80,3 +80,56 @@ def test_serve_subcommand_is_registered():
     args = build_parser().parse_args(["serve", "--model", "/models/Qwen3-Next-80B/"])
     assert served_model_name(args) == "Qwen3-Next-80B" and args.host == "127.0.0.1" and args.port == 8000
     assert served_model_name(build_parser().parse_args(["serve"])) == DEFAULT_SERVED_NAME
+
+
+# Jinja constructs published Qwen templates rely on (namespace, reversed slices, string methods, `items`,
+# `is mapping`, tojson with arguments, loop controls), to check our renderer against transformers' own.
+CONSTRUCTS_TEMPLATE = r"""
+{%- set ns = namespace(last_user=-1) %}
+{%- for m in messages[::-1] %}{%- if ns.last_user < 0 and m.role == 'user' %}
+{%- set ns.last_user = (messages|length - 1) - loop.index0 %}{%- endif %}{%- endfor %}
+{%- for m in messages %}
+{%- if m.role == 'skip' %}{% continue %}{% endif %}
+{{- '<|im_start|>' + m.role + '\n' }}
+{%- if m.content is string and m.content.startswith('<think>') %}
+{{- m.content.split('</think>')[-1].lstrip('\n') }}{%- else %}{{- m.content | string }}{%- endif %}
+{%- for tc in m.tool_calls or [] %}{%- set tc = tc.function if tc.function is defined else tc %}
+{{- '\n<tool_call>\n<function=' + tc.name + '>' }}
+{%- for k, v in tc.arguments|items %}{{- '\n<parameter=' + k + '>\n' }}
+{{- (v | tojson(indent=None, ensure_ascii=False)) if v is mapping or v is sequence and v is not string else v }}
+{{- '\n</parameter>' }}{%- endfor %}{{- '\n</function>\n</tool_call>' }}{%- endfor %}
+{{- '<|im_end|>\n' }}{%- if loop.index0 == ns.last_user %}{{- '' }}{%- endif %}
+{%- endfor %}
+{%- if tools %}{{- tools | tojson(indent=2) }}{%- endif %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
+
+@pytest.mark.parametrize("template", ["test-template", CONSTRUCTS_TEMPLATE])
+def test_rendering_matches_transformers(state, template):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = state.tokenizer.chat_template if template == "test-template" else template
+    conversation = [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "<think>\nhm\n</think>\n\nChecking.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": {"city": "Paris", "opts": {"d": [1, 2]}}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 20°C"}]
+    for tools in (None, TOOLS):
+        for kwargs in ({}, {"enable_thinking": False}):
+            ours = state.tokenizer.__class__.apply_chat_template(
+                _with_template(state.tokenizer, template), conversation, add_generation_prompt=True, tools=tools,
+                **kwargs)
+            theirs = render_jinja_template([conversation], chat_template=template, tools=tools,
+                                           add_generation_prompt=True, bos_token="", eos_token="<|im_end|>",
+                                           **kwargs)[0][0]
+            assert ours == theirs
+
+
+def _with_template(tokenizer, template: str):
+    import copy
+
+    clone = copy.copy(tokenizer)
+    clone.chat_template = template
+    return clone
