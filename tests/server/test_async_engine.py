@@ -129,3 +129,24 @@ def test_engine_failure_reaches_every_consumer(engine):
             a.shutdown()
 
     asyncio.run(main())
+
+
+def test_engine_failure_over_http(engine):
+    """A dead engine loop: the request in flight gets a 500 error body, /health turns 503, new requests 503."""
+    from starlette.testclient import TestClient
+
+    from deltaserve.server.api_server import build_app
+    from deltaserve.server.state import ServerConfig
+
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    engine.step = broken_step
+    with TestClient(build_app(engine, ServerConfig("m"))) as client:
+        assert client.get("/health").status_code == 200
+        r = client.post("/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
+        assert client.get("/health").status_code == 503
+        assert client.post("/v1/completions", json={"prompt": "hi"}).status_code == 503
+        text = client.get("/metrics").text
+        assert 'deltaserve_requests_total{outcome="error"} 2.0' in text
