@@ -23,6 +23,7 @@ def add_serve_parser(subparsers, add_model_arguments: Callable[[argparse.Argumen
     p.add_argument("--block-size", type=int, default=16, help="tokens per paged-KV block")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks (default: from free memory)")
+    p.add_argument("--cpu-cache-bytes", type=int, default=None, help="cache budget on CPU (default: the engine's)")
     p.add_argument("--enforce-reference-ops", action="store_true", help="torch reference ops even on CUDA")
     p.add_argument("--tool-call-parser", choices=("auto", "qwen", "none"), default="auto",
                    help="parse <tool_call> / <function=...> output into tool_calls (auto: when the tokenizer "
@@ -55,7 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-        num_gpu_blocks=args.num_gpu_blocks, seed=args.seed, enforce_reference_ops=args.enforce_reference_ops)
+        num_gpu_blocks=args.num_gpu_blocks, cpu_cache_bytes=args.cpu_cache_bytes, seed=args.seed, enforce_reference_ops=args.enforce_reference_ops)
     config = ServerConfig(served_model_name=served_model_name(args), model_path=str(args.model or DEFAULT_MODEL_PATH),
                           api_key=args.api_key, max_logprobs=args.max_logprobs,
                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
