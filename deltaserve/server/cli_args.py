@@ -56,7 +56,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-        num_gpu_blocks=args.num_gpu_blocks, cpu_cache_bytes=args.cpu_cache_bytes, seed=args.seed, enforce_reference_ops=args.enforce_reference_ops)
+        num_gpu_blocks=args.num_gpu_blocks, cpu_cache_bytes=args.cpu_cache_bytes, seed=args.seed,
+        enforce_reference_ops=args.enforce_reference_ops)
     config = ServerConfig(served_model_name=served_model_name(args), model_path=str(args.model or DEFAULT_MODEL_PATH),
                           api_key=args.api_key, max_logprobs=args.max_logprobs,
                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
