@@ -236,30 +236,50 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     o = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)
     if T == 0 or N == 0:
         return o
+    bufs = _launch_prep(q, k, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_seqlens, N, HV,
+                        use_qk_l2norm_in_kernel, cfg)
+    _launch_state(q, k, v, o, bufs, scale, cu_seqlens, ssm_state, state_indices, has_initial_state, cfg)
+    return o
+
+
+def _launch_prep(q, k, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_seqlens, N, HV, l2norm, cfg):
+    """Kernel 1: per (chunk, key head) norms, gates, T and P for every value head of the group."""
+    T, HK, K = q.shape
     dev = q.device
     f32 = torch.float32
     mat_dtype = f32 if cfg.prec != "bf16" else torch.bfloat16
-    Tb = torch.empty((T, HV, CHUNK), dtype=mat_dtype, device=dev)
-    Pb = torch.empty((T, HV, CHUNK), dtype=mat_dtype, device=dev)
-    Gb = torch.empty((T, HV), dtype=f32, device=dev)
-    Bb = torch.empty((T, HV), dtype=f32, device=dev)
-    rq = torch.empty((T, HK), dtype=f32, device=dev)
-    rk = torch.empty((T, HK), dtype=f32, device=dev)
-    has_init = has_initial_state if has_initial_state.dtype != torch.bool else has_initial_state.view(torch.uint8)
-    dummy = Gb
-    qk_prec = "ieee" if q.dtype == torch.float32 else "native"
+    bufs = dict(
+        Tb=torch.empty((T, HV, CHUNK), dtype=mat_dtype, device=dev),
+        Pb=torch.empty((T, HV, CHUNK), dtype=mat_dtype, device=dev),
+        Gb=torch.empty((T, HV), dtype=f32, device=dev),
+        Bb=torch.empty((T, HV), dtype=f32, device=dev),
+        rq=torch.empty((T, HK), dtype=f32, device=dev),
+        rk=torch.empty((T, HK), dtype=f32, device=dev),
+    )
+    dummy = bufs["Gb"]
     _chunk_prep_kernel[(triton.cdiv(T, CHUNK) + N, HK)](
         q, k, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         g, beta, g.stride(0), beta.stride(0), A_log if gates_in_kernel else dummy,
-        dt_bias if gates_in_kernel else dummy, cu_seqlens, N, Tb, Pb, Gb, Bb, rq, rk, float(scale), HK, HV,
-        R=HV // HK, K=K, BT=CHUNK, BLOCK_N=max(16, next_pow2(N)), L2NORM=bool(use_qk_l2norm_in_kernel),
-        GATES=bool(gates_in_kernel), QK_PREC=qk_prec, SOLVE_PREC=cfg.solve_prec, num_warps=cfg.warps_prep)
+        dt_bias if gates_in_kernel else dummy, cu_seqlens, N, bufs["Tb"], bufs["Pb"], bufs["Gb"], bufs["Bb"],
+        bufs["rq"], bufs["rk"], float(scale), HK, HV,
+        R=HV // HK, K=K, BT=CHUNK, BLOCK_N=max(16, next_pow2(N)), L2NORM=bool(l2norm),
+        GATES=bool(gates_in_kernel), QK_PREC="ieee" if q.dtype == torch.float32 else "native",
+        SOLVE_PREC=cfg.solve_prec, num_warps=cfg.warps_prep)
+    return bufs
+
+
+def _launch_state(q, k, v, o, bufs, scale, cu_seqlens, ssm_state, state_indices, has_initial_state, cfg):
+    """Kernel 2: per (sequence, value head, V-slice) the chunk recurrence, outputs and final state."""
+    HK, K = q.shape[1:]
+    HV, V = v.shape[1:]
+    N = state_indices.shape[0]
+    has_init = has_initial_state if has_initial_state.dtype != torch.bool else has_initial_state.view(torch.uint8)
     _chunk_state_kernel[(V // cfg.bv, N * HV)](
         q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o,
-        Tb, Pb, Gb, Bb, rq, rk, ssm_state, cu_seqlens, state_indices, has_init, float(scale), HK, HV,
+        bufs["Tb"], bufs["Pb"], bufs["Gb"], bufs["Bb"], bufs["rq"], bufs["rk"], ssm_state, cu_seqlens,
+        state_indices, has_init, float(scale), HK, HV,
         R=HV // HK, K=K, V=V, BV=cfg.bv, BT=CHUNK, PREC=cfg.prec, STAGES=cfg.stages_state,
         num_warps=cfg.warps_state)
-    return o
 
 
 def chunk_gated_delta_rule(

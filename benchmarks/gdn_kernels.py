@@ -1,0 +1,478 @@
+"""GDN kernels against flash-linear-attention 0.6.0 in the same process, on the same GPU and inputs.
+
+Qwen3-Next shape per layer: 16 key heads, 32 value heads, dk = dv = 128, bf16 activations, fp32 state.
+Every time is `triton.testing.do_bench` (median, L2 flushed before each replay) around the replay of a
+CUDA graph holding `calls` invocations, divided by `calls`. Decode/verify invocations inside one graph
+use disjoint state slots, so no call finds its state in L2.
+
+  prefill  1x32768, 4x8192, 32x1024: ns/token, ours vs FLA chunk_gated_delta_rule (FLA_FLASH_QLA=0,
+           use_qk_l2norm_in_kernel, fp32 beta and initial state already gathered per sequence)
+  decode   B = 1, 16, 64, 256, 512: TB/s of state traffic (read + write of B fp32 states), ours vs FLA
+           fused_recurrent_gated_delta_rule; plus our whole fused layer decode (gdn_decode)
+  verify   T = 2, 4 tokens at B = 1, 64: gdn_verify (+ gdn_commit) vs gdn_decode at the same B
+  ceilings device-to-device copy bandwidth and bf16 matmul rate, measured in the same run
+
+Run (GPU):  PYTHONPATH=.:$FLA python benchmarks/gdn_kernels.py --out DIR [--sweep] [--workers 8]
+The warm-up phase compiles every kernel variant in parallel worker processes (shared Triton cache) and
+lets FLA autotune, so the timed phase only replays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from deltaserve.ops.conv1d import triton as conv_t
+from deltaserve.ops.gdn import reference as ref
+from deltaserve.ops.gdn import triton_chunk as tc
+from deltaserve.ops.gdn import triton_recurrent as tr
+from deltaserve.ops.norm import triton as norm_t
+
+HK, HV, DK, DV = 16, 32, 128, 128
+D_CONV = 2 * HK * DK + HV * DV
+STATE_BYTES = HV * DK * DV * 4
+SCALE = DK ** -0.5
+PREFILL = {"1x32768": [32768], "4x8192": [8192] * 4, "32x1024": [1024] * 32}
+DECODE_B = [1, 16, 64, 256, 512]
+VERIFY = [(2, 1), (2, 64), (4, 1), (4, 64)]
+DEV = "cuda"
+
+
+def fla():
+    """FLA's two ops (imported lazily: the import takes ~10 s)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+# ---- inputs -------------------------------------------------------------------------------------
+
+def _gen(seed):
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def prefill_inputs(lengths, seed=0):
+    g = _gen(seed)
+    T, N = sum(lengths), len(lengths)
+    bf = torch.bfloat16
+    d = dict(
+        q=torch.randn(T, HK, DK, device=DEV, dtype=bf, generator=g),
+        k=torch.randn(T, HK, DK, device=DEV, dtype=bf, generator=g),
+        v=torch.randn(T, HV, DV, device=DEV, dtype=bf, generator=g),
+        g=F.logsigmoid(torch.randn(T, HV, device=DEV, generator=g)) / 16,
+        beta=torch.rand(T, HV, device=DEV, generator=g),
+        a=torch.randn(T, HV, device=DEV, dtype=bf, generator=g),
+        b=torch.randn(T, HV, device=DEV, dtype=bf, generator=g),
+        A_log=torch.linspace(-3.0, 1.0, HV, device=DEV),
+        dt_bias=torch.zeros(HV, device=DEV),
+        pool=torch.randn(N, HV, DK, DV, device=DEV, generator=g) * 0.1,
+        idx=torch.arange(N, dtype=torch.int32, device=DEV),
+        has_init=torch.ones(N, dtype=torch.bool, device=DEV),
+    )
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    d["cu"] = torch.tensor(cu, dtype=torch.int32, device=DEV)
+    d["cu64"] = d["cu"].long()
+    d["init"] = d["pool"].clone()
+    return d
+
+
+def token_inputs(B, calls, T=1, seed=1):
+    """B sequences x T tokens; pools with B * calls slots (call i uses slots i*B .. i*B + B - 1)."""
+    g = _gen(seed)
+    bf = torch.bfloat16
+    n = B * T
+    S = B * calls
+    d = dict(
+        q=torch.randn(n, HK, DK, device=DEV, dtype=bf, generator=g),
+        k=torch.randn(n, HK, DK, device=DEV, dtype=bf, generator=g),
+        v=torch.randn(n, HV, DV, device=DEV, dtype=bf, generator=g),
+        g=F.logsigmoid(torch.randn(n, HV, device=DEV, generator=g)) / 16,
+        beta=torch.rand(n, HV, device=DEV, generator=g),
+        mixed=torch.randn(n, D_CONV, device=DEV, dtype=bf, generator=g),
+        z=torch.randn(n, HV, DV, device=DEV, dtype=bf, generator=g),
+        a=torch.randn(n, HV, device=DEV, dtype=bf, generator=g),
+        b=torch.randn(n, HV, device=DEV, dtype=bf, generator=g),
+        conv_w=torch.randn(D_CONV, 4, device=DEV, dtype=bf, generator=g) * 0.5,
+        A_log=torch.linspace(-3.0, 1.0, HV, device=DEV),
+        dt_bias=torch.zeros(HV, device=DEV),
+        norm_w=torch.ones(DV, device=DEV, dtype=bf),
+        pool=torch.randn(S, HV, DK, DV, device=DEV, generator=g) * 0.1,
+        conv_pool=torch.randn(S, 3, D_CONV, device=DEV, dtype=bf, generator=g),
+        idx=[torch.arange(i * B, (i + 1) * B, dtype=torch.int32, device=DEV) for i in range(calls)],
+        cu=torch.arange(0, n + 1, T, dtype=torch.int32, device=DEV),
+    )
+    d["stash"] = ref.VerifyStash.empty(n, conv_dim=D_CONV, num_k_heads=HK, head_k_dim=DK, num_v_heads=HV,
+                                       head_v_dim=DV, dtype=bf, device=DEV)
+    d["accepted"] = torch.full((B,), T, dtype=torch.int32, device=DEV)
+    return d
+
+
+def layer_kw(d):
+    return dict(conv_weight=d["conv_w"], A_log=d["A_log"], dt_bias=d["dt_bias"], norm_weight=d["norm_w"],
+                eps=1e-6, scale=SCALE)
+
+
+# ---- measurements -------------------------------------------------------------------------------
+
+@dataclass
+class Case:
+    group: str                 # prefill | decode | verify
+    name: str                  # shape, e.g. "4x8192" or "B=64"
+    impl: str                  # ours | fla | variant label
+    calls: int
+    setup: Callable            # (calls) -> fn(i)
+    tokens: int = 0            # prefill tokens per call
+    state_bytes: int = 0       # state bytes moved per call
+    sweep: bool = False
+
+
+def prefill_cases(sweep: bool) -> list[Case]:
+    cases = []
+    variants = [("ours", None)]
+    if sweep:
+        variants += [
+            (f"bv{bv}/w{w}/s{s}/{prec}/prep-w{pw}/{solve}",
+             tc.ChunkConfig(bv=bv, warps_state=w, stages_state=s, prec=prec, warps_prep=pw, solve_prec=solve))
+            for bv, w, s, prec, pw, solve in [
+                (32, 4, 1, "bf16", 4, "tf32"), (32, 4, 2, "bf16", 4, "tf32"), (64, 4, 1, "bf16", 4, "tf32"),
+                (64, 8, 1, "bf16", 4, "tf32"), (64, 8, 2, "bf16", 8, "tf32"), (16, 4, 1, "bf16", 4, "tf32"),
+                (32, 8, 1, "bf16", 8, "tf32"), (32, 4, 1, "tf32", 4, "tf32"), (64, 8, 1, "tf32", 8, "tf32"),
+                (32, 4, 1, "bf16", 4, "tf32x3")]]
+    for name, lengths in PREFILL.items():
+        T = sum(lengths)
+
+        def ours(calls, lengths=lengths, cfg=None):
+            d = prefill_inputs(lengths)
+            return lambda i: tc.chunk_gated_delta_rule(
+                d["q"], d["k"], d["v"], d["g"], d["beta"], scale=SCALE, cu_seqlens=d["cu"], ssm_state=d["pool"],
+                state_indices=d["idx"], has_initial_state=d["has_init"], config=cfg)
+
+        def ours_gates(calls, lengths=lengths):
+            d = prefill_inputs(lengths)
+            return lambda i: tc.gdn_prefill(
+                d["q"], d["k"], d["v"], d["a"], d["b"], A_log=d["A_log"], dt_bias=d["dt_bias"], scale=SCALE,
+                cu_seqlens=d["cu"], ssm_state=d["pool"], state_indices=d["idx"], has_initial_state=d["has_init"])
+
+        def parts(calls, lengths=lengths, which="prep"):
+            d = prefill_inputs(lengths)
+            N = len(lengths)
+            cfg = tc.default_chunk_config(N, HV, DV, torch.bfloat16)
+            bufs = tc._launch_prep(d["q"], d["k"], d["g"], d["beta"], False, None, None, SCALE, d["cu"], N, HV,
+                                   True, cfg)
+            o = torch.empty_like(d["v"])
+            if which == "prep":
+                return lambda i: tc._launch_prep(d["q"], d["k"], d["g"], d["beta"], False, None, None, SCALE,
+                                                 d["cu"], N, HV, True, cfg)
+            return lambda i: tc._launch_state(d["q"], d["k"], d["v"], o, bufs, SCALE, d["cu"], d["pool"], d["idx"],
+                                              d["has_init"], cfg)
+
+        def fla_chunk(calls, lengths=lengths):
+            chunk, _ = fla()
+            d = prefill_inputs(lengths)
+            return lambda i: chunk(d["q"][None], d["k"][None], d["v"][None], d["g"][None], d["beta"][None],
+                                   scale=SCALE, initial_state=d["init"], output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True, cu_seqlens=d["cu64"])
+
+        for label, cfg in variants:
+            cases.append(Case("prefill", name, label, 3, lambda c, cfg=cfg, f=ours: f(c, cfg=cfg), tokens=T,
+                              sweep=label != "ours"))
+        cases.append(Case("prefill", name, "ours: prep kernel", 3, lambda c, f=parts: f(c, which="prep"), tokens=T))
+        cases.append(Case("prefill", name, "ours: state kernel", 3, lambda c, f=parts: f(c, which="state"), tokens=T))
+        cases.append(Case("prefill", name, "ours gdn_prefill (gates fused)", 3, ours_gates, tokens=T))
+        cases.append(Case("prefill", name, "fla", 3, fla_chunk, tokens=T))
+    return cases
+
+
+def _calls_for(B):
+    return max(4, min(20, 2048 // B))
+
+
+def decode_cases(sweep: bool) -> list[Case]:
+    cases = []
+    cfgs = [("ours", None)]
+    if sweep:
+        cfgs += [(f"bv{bv}/w{w}", tr.RecurrentConfig(bv=bv, num_warps=w))
+                 for bv, w in [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8)]]
+    for B in DECODE_B:
+        calls = _calls_for(B)
+        sb = 2 * B * STATE_BYTES
+
+        def ours(c, B=B, cfg=None):
+            d = token_inputs(B, c)
+            return lambda i: tr.fused_recurrent_gated_delta_rule(
+                d["q"], d["k"], d["v"], d["g"], d["beta"], scale=SCALE, ssm_state=d["pool"], state_indices=d["idx"][i],
+                config=cfg)
+
+        def layer(c, B=B):
+            d = token_inputs(B, c)
+            return lambda i: tr.gdn_decode(d["mixed"], d["z"], d["a"], d["b"], conv_state=d["conv_pool"],
+                                           ssm_state=d["pool"], state_indices=d["idx"][i], **layer_kw(d))
+
+        def layer_unfused(c, B=B):
+            d = token_inputs(B, c)
+
+            def run(i):
+                x = conv_t.causal_conv1d_update(d["mixed"], d["conv_w"], conv_state=d["conv_pool"],
+                                                state_indices=d["idx"][i])
+                q, k, v = x.split([HK * DK, HK * DK, HV * DV], dim=-1)
+                g, beta = tr.gdn_gating(d["A_log"], d["a"], d["dt_bias"], d["b"])
+                o = tr.fused_recurrent_gated_delta_rule(q.view(B, HK, DK), k.view(B, HK, DK), v.view(B, HV, DV), g,
+                                                        beta, scale=SCALE, ssm_state=d["pool"],
+                                                        state_indices=d["idx"][i])
+                return norm_t.rms_norm_gated(o, d["z"], d["norm_w"], 1e-6)
+            return run
+
+        def fla_rec(c, B=B):
+            _, rec = fla()
+            d = token_inputs(B, c)
+            return lambda i: rec(q=d["q"][:, None], k=d["k"][:, None], v=d["v"][:, None], g=d["g"][:, None],
+                                 beta=d["beta"][:, None], scale=SCALE, initial_state=d["pool"][i * B:(i + 1) * B],
+                                 output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+        for label, cfg in cfgs:
+            cases.append(Case("decode", f"B={B}", label, calls, lambda c, cfg=cfg, f=ours: f(c, cfg=cfg),
+                              state_bytes=sb, sweep=label != "ours"))
+        cases.append(Case("decode", f"B={B}", "fla", calls, fla_rec, state_bytes=sb))
+        cases.append(Case("decode", f"B={B}", "ours gdn_decode (whole layer, 2 launches)", calls, layer,
+                          state_bytes=sb))
+        cases.append(Case("decode", f"B={B}", "ours unfused layer (conv, gates, rec, norm: 4 launches)", calls,
+                          layer_unfused, state_bytes=sb))
+    return cases
+
+
+def verify_cases() -> list[Case]:
+    cases = []
+    for T, B in VERIFY:
+        calls = _calls_for(B)
+
+        def verify(c, T=T, B=B):
+            d = token_inputs(B, c, T=T)
+            return lambda i: tr.gdn_verify(d["mixed"], d["z"], d["a"], d["b"], cu_seqlens=d["cu"],
+                                           conv_state=d["conv_pool"], ssm_state=d["pool"], state_indices=d["idx"][i],
+                                           stash=d["stash"], **layer_kw(d))
+
+        def commit(c, T=T, B=B):
+            d = token_inputs(B, c, T=T)
+            tr.gdn_verify(d["mixed"], d["z"], d["a"], d["b"], cu_seqlens=d["cu"], conv_state=d["conv_pool"],
+                          ssm_state=d["pool"], state_indices=d["idx"][0], stash=d["stash"], **layer_kw(d))
+            return lambda i: tr.gdn_commit(d["accepted"], cu_seqlens=d["cu"], state_indices=d["idx"][i],
+                                           conv_state=d["conv_pool"], ssm_state=d["pool"], stash=d["stash"])
+
+        def fla_rec(c, T=T, B=B):
+            _, rec = fla()
+            d = token_inputs(B, c, T=T)
+            cu = d["cu"].long()
+            return lambda i: rec(q=d["q"][None], k=d["k"][None], v=d["v"][None], g=d["g"][None],
+                                 beta=d["beta"][None], scale=SCALE, initial_state=d["pool"][i * B:(i + 1) * B],
+                                 output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+
+        name = f"T={T} B={B}"
+        cases.append(Case("verify", name, "ours gdn_verify", calls, verify, state_bytes=B * STATE_BYTES))
+        cases.append(Case("verify", name, "ours gdn_commit (all accepted)", calls, commit,
+                          state_bytes=2 * B * STATE_BYTES))
+        cases.append(Case("verify", name, "fla fused_recurrent T tokens (no per-step states)", calls, fla_rec,
+                          state_bytes=2 * B * STATE_BYTES))
+    return cases
+
+
+def all_cases(sweep: bool) -> list[Case]:
+    return prefill_cases(sweep) + decode_cases(sweep) + verify_cases()
+
+
+# ---- timing -------------------------------------------------------------------------------------
+
+def graph_time(fn: Callable, calls: int) -> float:
+    """Seconds per call: `calls` invocations captured in one CUDA graph, median replay time / calls."""
+    for i in range(calls):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=150, return_mode="median")
+    del graph
+    return ms * 1e-3 / calls
+
+
+def ceilings() -> dict:
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    copy = 2 * n / (ms * 1e-3)
+    del src, dst
+    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
+    return dict(copy_TBps=copy / 1e12, bf16_TFLOPs=2 * 8192 ** 3 / (ms * 1e-3) / 1e12)
+
+
+# ---- warm-up workers ----------------------------------------------------------------------------
+
+def worker(index: int, count: int, sweep: bool, with_fla: bool) -> None:
+    """Compile the kernels of every count-th case (or let FLA autotune) by calling each once."""
+    cases = all_cases(sweep)
+    for j, case in enumerate(cases):
+        is_fla = case.impl.startswith("fla")
+        if is_fla != with_fla or (not with_fla and j % count != index):
+            continue
+        try:
+            fn = case.setup(1)
+            fn(0)
+            torch.cuda.synchronize()
+        except Exception as exc:  # reported again (with a traceback) by the timed phase
+            print(f"[warm {index}] {case.group} {case.name} {case.impl}: {type(exc).__name__}: {exc}", flush=True)
+        torch.cuda.empty_cache()
+
+
+def warm_up(args, log) -> None:
+    t0 = time.time()
+    procs = []
+    base = [sys.executable, os.path.abspath(__file__), "--worker-of", str(args.workers)]
+    sweep = ["--sweep"] if args.sweep else []
+    for i in range(args.workers):
+        procs.append(subprocess.Popen(base + ["--worker", str(i)] + sweep))
+    if not args.no_fla:
+        procs.append(subprocess.Popen(base + ["--worker", "fla"] + sweep))
+    if args.gpu_tests:
+        env = dict(os.environ, DELTASERVE_GPU_REPORT=os.path.join(args.out, "gpu_tests.jsonl"))
+        with open(os.path.join(args.out, "gpu_tests.log"), "w") as f:
+            procs.append(subprocess.Popen([sys.executable, "-m", "pytest", "tests/ops/test_gpu.py", "-s", "-q",
+                                           "-p", "no:cacheprovider"], stdout=f, stderr=subprocess.STDOUT, env=env))
+    for p in procs:
+        p.wait()
+    log(f"warm-up (parallel compile, FLA autotune, GPU tests) {time.time() - t0:.0f} s")
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--sweep", action="store_true", help="also time launch-config variants of our kernels")
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--gpu-tests", action="store_true", help="run tests/ops/test_gpu.py during the warm-up")
+    ap.add_argument("--budget-s", type=float, default=400.0, help="skip remaining cases after this wall time")
+    ap.add_argument("--worker", default=None)
+    ap.add_argument("--worker-of", type=int, default=1)
+    args = ap.parse_args()
+    if args.worker is not None:
+        if args.worker == "fla":
+            worker(0, 1, args.sweep, with_fla=True)
+        else:
+            worker(int(args.worker), args.worker_of, args.sweep, with_fla=False)
+        return 0
+
+    t_start = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    logf = open(os.path.join(args.out, "gdn_bench.log"), "a")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+        logf.flush()
+
+    props = torch.cuda.get_device_properties(0)
+    env = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
+               cuda=torch.version.cuda, flash_qla_env=os.environ.get("FLA_FLASH_QLA"))
+    try:
+        import fla as fla_mod
+        env["fla"] = fla_mod.__version__
+    except ImportError:
+        env["fla"] = None
+    log(json.dumps(env))
+    warm_up(args, log)
+    ceil = ceilings()
+    log(json.dumps(ceil))
+
+    results = []
+    for case in all_cases(args.sweep):
+        if case.impl.startswith("fla") and (args.no_fla or env["fla"] is None):
+            continue
+        if time.time() - t_start > args.budget_s:
+            log(f"SKIPPED (budget): {case.group} {case.name} {case.impl}")
+            continue
+        try:
+            fn = case.setup(case.calls)
+            sec = graph_time(fn, case.calls)
+        except Exception as exc:
+            log(f"FAILED {case.group} {case.name} {case.impl}: {type(exc).__name__}: {exc}")
+            logf.write(traceback.format_exc())
+            continue
+        finally:
+            torch.cuda.empty_cache()
+        row = dict(group=case.group, name=case.name, impl=case.impl, us=sec * 1e6)
+        if case.tokens:
+            row["ns_per_token"] = sec * 1e9 / case.tokens
+        if case.state_bytes:
+            row["state_TBps"] = case.state_bytes / sec / 1e12
+            row["frac_copy"] = row["state_TBps"] / ceil["copy_TBps"]
+        results.append(row)
+        log(json.dumps(row))
+
+    with open(os.path.join(args.out, "gdn_bench.json"), "w") as f:
+        json.dump(dict(env=env, ceilings=ceil, results=results), f, indent=1)
+    log(summary(results, ceil))
+    log(f"total {time.time() - t_start:.0f} s")
+    return 0
+
+
+def summary(results, ceil) -> str:
+    """Markdown tables: ours vs FLA per case, with ratios and fractions of the copy ceiling."""
+    by = {(r["group"], r["name"], r["impl"]): r for r in results}
+    lines = ["", "| prefill | ours ns/token | FLA ns/token | FLA / ours | prep + state kernels (us) |",
+             "|---|---|---|---|---|"]
+    for name in PREFILL:
+        o, f = by.get(("prefill", name, "ours")), by.get(("prefill", name, "fla"))
+        p, s = by.get(("prefill", name, "ours: prep kernel")), by.get(("prefill", name, "ours: state kernel"))
+        lines.append(f"| {name} | {o['ns_per_token']:.1f} |" if o else f"| {name} | - |")
+        lines[-1] += f" {f['ns_per_token']:.1f} | {f['us'] / o['us']:.2f}x |" if (o and f) else " - | - |"
+        lines[-1] += f" {p['us']:.0f} + {s['us']:.0f} |" if (p and s) else " - |"
+    lines += ["", f"| decode | ours us | ours TB/s (of {ceil['copy_TBps']:.2f} copy) | FLA us | FLA TB/s | FLA / ours |"
+              " gdn_decode us | unfused layer us |", "|---|---|---|---|---|---|---|---|"]
+    for B in DECODE_B:
+        n = f"B={B}"
+        o, f = by.get(("decode", n, "ours")), by.get(("decode", n, "fla"))
+        lay = by.get(("decode", n, "ours gdn_decode (whole layer, 2 launches)"))
+        unf = by.get(("decode", n, "ours unfused layer (conv, gates, rec, norm: 4 launches)"))
+        cell = lambda r, k, fmt: format(r[k], fmt) if r else "-"  # noqa: E731
+        ratio = f"{f['us'] / o['us']:.2f}x" if (o and f) else "-"
+        frac = f" ({o['frac_copy']:.0%})" if o else ""
+        lines.append(f"| {n} | {cell(o, 'us', '.2f')} | {cell(o, 'state_TBps', '.2f')}{frac} | {cell(f, 'us', '.2f')} "
+                     f"| {cell(f, 'state_TBps', '.2f')} | {ratio} | {cell(lay, 'us', '.2f')} | {cell(unf, 'us', '.2f')} |")
+    lines += ["", "| verify | gdn_verify us | / gdn_decode at same B | gdn_commit us | verify+commit / decode |"
+              " FLA recurrent T tokens us |", "|---|---|---|---|---|---|"]
+    for T, B in VERIFY:
+        n = f"T={T} B={B}"
+        v, c = by.get(("verify", n, "ours gdn_verify")), by.get(("verify", n, "ours gdn_commit (all accepted)"))
+        f = by.get(("verify", n, "fla fused_recurrent T tokens (no per-step states)"))
+        dec = by.get(("decode", f"B={B}", "ours gdn_decode (whole layer, 2 launches)"))
+        r1 = f"{v['us'] / dec['us']:.2f}x" if (v and dec) else "-"
+        r2 = f"{(v['us'] + c['us']) / dec['us']:.2f}x" if (v and c and dec) else "-"
+        lines.append(f"| {n} | {v['us'] if v else float('nan'):.2f} | {r1} | {c['us'] if c else float('nan'):.2f} | {r2} "
+                     f"| {f['us'] if f else float('nan'):.2f} |")
+    sweeps = [r for r in results if r["impl"] not in ("ours", "fla") and "/" in r["impl"]]
+    if sweeps:
+        lines += ["", "sweep (launch-config variants):"]
+        lines += [f"  {r['group']:8s} {r['name']:8s} {r['impl']:40s} {r['us']:10.2f} us" for r in sweeps]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

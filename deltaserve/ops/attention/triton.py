@@ -1,0 +1,326 @@
+"""Triton paged attention and KV store (same signatures and masking as reference.py).
+
+`paged_attention` is one kernel over a varlen batch that may mix prefill chunks (continuing from cached
+context) and 1-token decodes, plus an optional split-K reduction:
+
+* A program owns one KV head, a tile of BQ consecutive query tokens of one sequence and all G = NH/NKV
+  query heads sharing that KV head: its BLOCK_M = BQ * G query rows are (token, head) pairs. Each K/V tile
+  read from the paged cache thus serves the whole GQA group: in decode every KV byte is read once per
+  KV head (flash-decoding packing), in prefill the group shares the tile as well.
+* Tiles are aligned to sequence starts. Sequence n owns tiles [cu[n] // BQ + n, cu[n+1] // BQ + n + 1),
+  a monotone map, so a program finds its sequence by binary search over cu_seqlens and the grid bound
+  T // BQ + N + 1 is known from shapes alone (no device->host sync; CUDA-graph capturable). The last
+  "sequence" is the tail [cu[N], T) of rows that belong to no sequence: they are written as zeros, as
+  the reference leaves them.
+* Keys are visited in BLOCK_N-token tiles gathered through the block table; the causal limit of the
+  tile bounds the loop, and scores, online softmax and the output accumulator are fp32 (exp2 with the
+  scale folded in). P is rounded to the value dtype for the P.V product, as flash attention does.
+* Split-K (flash decoding): when the batch has too few (tile, head) programs to fill the GPU, the key
+  range of each tile is cut into up to `num_splits` segments; each writes (max, sum, unnormalised
+  output) in fp32, and a second kernel merges them. Segments are sized on device from the context
+  length, so the host needs no per-sequence lengths.
+
+Numerics differ from the reference (which rounds scores and probabilities to the activation dtype) only
+by that rounding: fp32 inputs agree to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton_common import ACTIVATION_DTYPES, check, check_head_dim, check_last_contiguous, check_same_device
+
+LOG2E = 1.4426950408889634
+NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp2(NEG_BIG - NEG_BIG) = 1, no NaN
+MAX_SPLITS = 64
+SPLIT_SCRATCH_BYTES = 64 << 20   # cap on the fp32 partial results of split-K
+
+
+# ---- KV store ------------------------------------------------------------------------------------
+
+@triton.jit
+def _store_kv_kernel(k, v, cache, slots, s_k_t, s_k_h, s_v_t, s_v_h, s_c_kv,
+                     NKV: tl.constexpr, D: tl.constexpr, BH: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots + t).to(tl.int64)
+    if slot >= 0:
+        h = tl.arange(0, BH)[:, None]
+        d = tl.arange(0, D)[None, :]
+        m = (h < NKV) & (d < D)
+        dst = cache + slot * (NKV * D) + h * D + d
+        tl.store(dst, tl.load(k + t * s_k_t + h * s_k_h + d, mask=m).to(cache.dtype.element_ty), mask=m)
+        tl.store(dst + s_c_kv, tl.load(v + t * s_v_t + h * s_v_h + d, mask=m).to(cache.dtype.element_ty), mask=m)
+
+
+def _check_cache(op: str, kv_cache: torch.Tensor) -> None:
+    check(kv_cache.dim() == 5 and kv_cache.shape[0] == 2, op,
+          f"kv_cache must be [2, blocks, block_size, kv_heads, head_dim], got {tuple(kv_cache.shape)}")
+    check(kv_cache.is_contiguous(), op, "kv_cache must be contiguous (one layer's slice of the cache)")
+    check(kv_cache.dtype in ACTIVATION_DTYPES, op, f"unsupported kv_cache dtype {kv_cache.dtype}")
+    check_head_dim(op, "head_dim", kv_cache.shape[-1])
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    op = "store_kv"
+    _check_cache(op, kv_cache)
+    nkv, d = kv_cache.shape[-2], kv_cache.shape[-1]
+    check(k.dim() == 3 and k.shape[1:] == (nkv, d) and v.shape == k.shape, op,
+          f"k and v must be [T, {nkv}, {d}], got {tuple(k.shape)}, {tuple(v.shape)}")
+    T = k.shape[0]
+    check(slot_mapping.dim() == 1 and slot_mapping.shape[0] == T, op,
+          f"slot_mapping must be [{T}], got {tuple(slot_mapping.shape)}")
+    check(slot_mapping.dtype in (torch.int32, torch.int64), op, f"slot_mapping must be int32/int64, got {slot_mapping.dtype}")
+    check(slot_mapping.is_contiguous(), op, "slot_mapping must be contiguous")
+    check(k.dtype in ACTIVATION_DTYPES and v.dtype in ACTIVATION_DTYPES, op, f"unsupported dtypes {k.dtype}, {v.dtype}")
+    check_last_contiguous(op, k=k, v=v)
+    check_same_device(op, k, v, kv_cache, slot_mapping)
+    if T == 0:
+        return
+    _store_kv_kernel[(T,)](k, v, kv_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                           kv_cache.stride(0), NKV=nkv, D=d, BH=triton.next_power_of_2(nkv),
+                           num_warps=4 if nkv * d >= 1024 else 2)
+
+
+# ---- paged attention ------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Launch choices. block_m: query rows (token x head pairs) per program; block_n: keys per step;
+    num_splits: key-range segments per tile (1 = no split-K); min_split: smallest segment in keys."""
+
+    block_m: int = 16
+    block_n: int = 64
+    num_splits: int = 1
+    min_split: int = 256
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _device_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def default_attention_config(T: int, N: int, nh: int, nkv: int, d: int, device: torch.device,
+                             max_query_len: int | None = None) -> AttentionConfig:
+    """Decode-shaped batches (every sequence one token) get small query tiles and split-K when the
+    (tile, KV head) programs cannot fill the GPU; batches with prefill chunks get wide tiles."""
+    g = nh // nkv
+    decode = max_query_len == 1 if max_query_len is not None else T <= N
+    if decode:
+        block_m = max(16, triton.next_power_of_2(g))
+        block_n = 64 if d <= 128 else 32
+        warps, stages = 4, 3
+    else:
+        block_m = max(64 if d > 128 else 128, triton.next_power_of_2(g))
+        block_n = 32 if d > 128 else 64
+        warps, stages = (8 if d > 128 else 4), 2
+    bq = block_m // g
+    programs = (T // bq + N + 1) * nkv
+    target = 4 * _device_sms(device)
+    splits = 1
+    if programs < target:
+        splits = min(MAX_SPLITS, triton.cdiv(target, programs))
+        cap = SPLIT_SCRATCH_BYTES // max(1, T * nh * (d + 2) * 4)
+        splits = max(1, min(splits, cap))
+    return AttentionConfig(block_m=block_m, block_n=block_n, num_splits=splits, num_warps=warps, num_stages=stages)
+
+
+@triton.jit
+def _find_sequence(cu, N, p, BQ: tl.constexpr):
+    """Largest n in [0, N] with first_tile(n) = cu[n] // BQ + n <= p (first_tile is non-decreasing)."""
+    lo = p * 0
+    hi = p * 0 + N
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        start = tl.load(cu + mid).to(tl.int32) // BQ + mid
+        if start <= p:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _attention_kernel(q, cache, cu, seq_lens, tables, out, part_ml, part_acc, qk_scale, T, N,
+                      s_q_t, s_q_h, s_bt_n, s_c_kv, BS,
+                      NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                      MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr):
+    BQ: tl.constexpr = BLOCK_M // G
+    p = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    n = _find_sequence(cu, N, p, BQ)
+    q_start = tl.load(cu + n).to(tl.int32)
+    if n < N:
+        q_end = tl.load(cu + n + 1).to(tl.int32)
+        ctx = tl.load(seq_lens + n).to(tl.int32)
+    else:  # the tail of rows past the last sequence: no keys, zero output
+        q_end = T
+        ctx = 0
+    q_len = q_end - q_start
+    tile = p - (q_start // BQ + n)
+    if tile * BQ >= q_len:
+        return
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = tile * BQ + rows // G                          # token index inside the sequence
+    head = kvh * G + rows % G
+    row_ok = (rows < BQ * G) & (tok < q_len)
+    q_pos = ctx - q_len + tok                            # absolute position of each query row
+    t_glob = (q_start + tok).to(tl.int64)
+
+    dims = tl.arange(0, D)
+    qv = tl.load(q + t_glob[:, None] * s_q_t + head[:, None] * s_q_h + dims[None, :],
+                 mask=row_ok[:, None], other=0.0)
+
+    # keys [0, kv_hi) are visible to some row of the tile; this program takes one segment of them
+    last_tok = tl.minimum(tile * BQ + BQ, q_len) - 1
+    kv_hi = tl.minimum(ctx, ctx - q_len + last_tok + 1)
+    kv_hi = tl.maximum(kv_hi, 0)
+    if SPLITS > 1:
+        seg = tl.cdiv(tl.cdiv(kv_hi, SPLITS), BLOCK_N) * BLOCK_N
+        seg = tl.maximum(seg, MIN_SPLIT)
+        lo = split * seg
+        hi = tl.minimum(kv_hi, lo + seg)
+    else:
+        lo = 0
+        hi = kv_hi
+
+    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    table = tables + n.to(tl.int64) * s_bt_n
+    head_off = kvh * D
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        key_ok = pos < hi
+        blk = tl.load(table + pos // BS, mask=key_ok, other=0).to(tl.int64)
+        slot = blk * BS + pos % BS
+        kv_off = slot * (NKV * D) + head_off
+        kT = tl.load(cache + kv_off[None, :] + dims[:, None], mask=key_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(qv, kT, input_precision="ieee")
+        else:
+            s = tl.dot(qv, kT)
+        s = s * qk_scale
+        visible = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        pr = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        vv = tl.load(cache + s_c_kv + kv_off[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(pr.to(vv.dtype), vv, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pr.to(vv.dtype), vv)
+        m_i = m_new
+
+    if SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out + (t_glob[:, None] * NH + head[:, None]) * D + dims[None, :], o.to(out.dtype.element_ty),
+                 mask=row_ok[:, None])
+    else:
+        part = (t_glob * NH + head) * SPLITS + split
+        tl.store(part_ml + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml + part * 2 + 1, l_i, mask=row_ok)
+        if hi > lo:  # empty segments leave their accumulator unwritten; the merge masks it by l == 0
+            tl.store(part_acc + part[:, None] * D + dims[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(part_ml, part_acc, out, NH: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
+                         BH: tl.constexpr, D: tl.constexpr):
+    """out[t, heads] = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp2(m_s - max_s m_s): one token and BH
+    heads per program; segments with l == 0 (no visible keys) carry no weight and are not read."""
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    h_ok = heads < NH
+    row = t * NH + heads
+    s = tl.arange(0, SP)
+    ml = part_ml + (row[:, None] * SPLITS + s[None, :]) * 2
+    ok = h_ok[:, None] & (s[None, :] < SPLITS)
+    m = tl.load(ml, mask=ok, other=NEG_BIG)
+    l = tl.load(ml + 1, mask=ok, other=0.0)
+    m_all = tl.max(m, 1)
+    w = tl.where(l > 0, tl.exp2(m - m_all[:, None]), 0.0)
+    l_all = tl.sum(w * l, 1)
+    w = w / tl.where(l_all > 0, l_all, 1.0)[:, None]
+    dims = tl.arange(0, D)
+    o = tl.zeros([BH, D], dtype=tl.float32)
+    for k in range(SPLITS):
+        w_k = tl.sum(tl.where(s[None, :] == k, w, 0.0), 1)
+        a = tl.load(part_acc + (row[:, None] * SPLITS + k) * D + dims[None, :], mask=(h_ok & (w_k > 0))[:, None],
+                    other=0.0)
+        o += a * w_k[:, None]
+    tl.store(out + row[:, None] * D + dims[None, :], o.to(out.dtype.element_ty), mask=h_ok[:, None])
+
+
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor, seq_lens: torch.Tensor,
+    block_tables: torch.Tensor, scale: float, max_query_len: int | None = None,
+    config: AttentionConfig | None = None,
+) -> torch.Tensor:
+    """See reference.paged_attention. Optional, host-side only: `max_query_len` (the longest query chunk
+    in the batch, if the caller knows it; 1 selects the decode launch shape, which is otherwise chosen
+    when T <= N) and `config` (launch choices). Neither changes the result beyond rounding."""
+    op = "paged_attention"
+    _check_cache(op, kv_cache)
+    nkv, d, bs = kv_cache.shape[-2], kv_cache.shape[-1], kv_cache.shape[2]
+    check(q.dim() == 3 and q.shape[-1] == d, op, f"q must be [T, heads, {d}], got {tuple(q.shape)}")
+    T, nh = q.shape[0], q.shape[1]
+    check(nh % nkv == 0, op, f"query heads {nh} must be a multiple of KV heads {nkv}")
+    check(q.dtype == kv_cache.dtype, op, f"q dtype {q.dtype} must match kv_cache dtype {kv_cache.dtype}")
+    check(seq_lens.dim() == 1, op, f"seq_lens must be [N], got {tuple(seq_lens.shape)}")
+    N = seq_lens.shape[0]
+    check(cu_seqlens.dim() == 1 and cu_seqlens.shape[0] == N + 1, op,
+          f"cu_seqlens must be [{N + 1}] for {N} sequences, got {tuple(cu_seqlens.shape)}")
+    check(block_tables.dim() == 2 and block_tables.shape[0] == N, op,
+          f"block_tables must be [{N}, max_blocks], got {tuple(block_tables.shape)}")
+    for name, t in (("cu_seqlens", cu_seqlens), ("seq_lens", seq_lens), ("block_tables", block_tables)):
+        check(t.dtype in (torch.int32, torch.int64), op, f"{name} must be int32/int64, got {t.dtype}")
+    check(cu_seqlens.is_contiguous() and seq_lens.is_contiguous(), op, "cu_seqlens and seq_lens must be contiguous")
+    check(block_tables.stride(-1) == 1 or block_tables.shape[1] <= 1, op, "block_tables rows must be contiguous")
+    check(scale > 0 and math.isfinite(scale), op, f"scale must be a positive finite number, got {scale}")
+    check(max_query_len is None or max_query_len >= 1, op, f"max_query_len must be >= 1, got {max_query_len}")
+    check_last_contiguous(op, q=q)
+    check_same_device(op, q, kv_cache, cu_seqlens, seq_lens, block_tables)
+    out = torch.empty((T, nh, d), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    cfg = config or default_attention_config(T, N, nh, nkv, d, q.device, max_query_len)
+    g = nh // nkv
+    check(cfg.block_m >= g and cfg.block_m >= 16 and cfg.block_m & (cfg.block_m - 1) == 0, op,
+          f"config block_m={cfg.block_m} must be a power of two >= max(16, {g} query heads per KV head)")
+    check(cfg.block_n >= 16 and cfg.block_n & (cfg.block_n - 1) == 0, op,
+          f"config block_n={cfg.block_n} must be a power of two >= 16")
+    check(1 <= cfg.num_splits <= MAX_SPLITS, op, f"config num_splits={cfg.num_splits} not in [1, {MAX_SPLITS}]")
+    check(cfg.min_split % cfg.block_n == 0, op, "config min_split must be a multiple of block_n")
+    bq = cfg.block_m // g
+    splits = cfg.num_splits
+    if splits > 1:
+        part_ml = torch.empty((T, nh, splits, 2), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((T, nh, splits, d), dtype=torch.float32, device=q.device)
+    else:
+        part_ml = part_acc = out
+    grid = (T // bq + N + 1, nkv, splits)
+    _attention_kernel[grid](
+        q, kv_cache, cu_seqlens, seq_lens, block_tables, out, part_ml, part_acc, float(scale) * LOG2E, T, N,
+        q.stride(0), q.stride(1), block_tables.stride(0), kv_cache.stride(0), bs,
+        NH=nh, NKV=nkv, D=d, G=g, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLITS=splits,
+        MIN_SPLIT=cfg.min_split, IEEE=q.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        bh = min(triton.next_power_of_2(nh), max(1, 4096 // d))
+        _merge_splits_kernel[(T, triton.cdiv(nh, bh))](
+            part_ml, part_acc, out, NH=nh, SPLITS=splits, SP=triton.next_power_of_2(splits), BH=bh, D=d, num_warps=4)
+    return out

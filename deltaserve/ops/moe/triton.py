@@ -1,0 +1,343 @@
+"""Triton MoE: top-k softmax routing and the routed experts as grouped GEMMs (same signatures as
+reference.py), all on device with shapes known to the host (no syncs; CUDA-graph capturable).
+
+fused_moe runs, for T tokens routed to top_k of E experts (A = T * top_k assignments):
+
+1. Alignment: the assignments are grouped by expert, each expert's group padded to a multiple of BLOCK_M
+   rows, giving `sorted_ids` (assignment index per row; A marks padding) and `block_expert` (expert of each
+   BLOCK_M-row block; -1 past the end). Counting is per chunk of assignments (histograms), one program
+   turns the counts into padded offsets, and each chunk then scatters its assignments by a local sort on
+   (expert, index) -- stable, so the order inside an expert is the token order. A single launch does all
+   three when the assignments fit one chunk (decode). The number of blocks is bounded from shapes:
+   sum_e ceil(c_e / BM) <= (A + min(E, A) * (BM - 1)) // BM.
+2. w13 GEMM: per (block, slice of I) program, gate and up products of the gathered token rows with the
+   block's expert, SiLU(gate) * up in the epilogue, one rounding to the activation dtype -> [rows, I].
+3. w2 GEMM: per (block, slice of H) program, the expert outputs, rounded to the activation dtype (as the
+   reference's per-expert matmul is) and written in assignment order -> [A, H].
+4. Combine: y_t = sum_j w[t, j] * out[t * top_k + j], fp32 in a fixed order, rounded once. No atomics.
+
+Experts that get no tokens cost nothing: no block refers to them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton_common import ACTIVATION_DTYPES, check, check_last_contiguous, check_same_device, silu
+
+ALIGN_CHUNK = 1024      # assignments per counting / scatter program
+
+
+# ---- routing ---------------------------------------------------------------------------------------
+
+@triton.jit
+def _topk_softmax_kernel(logits, weights, ids, T, E, s_l, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
+                         BT: tl.constexpr, RENORM: tl.constexpr):
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.arange(0, EP)
+    row_ok = rows < T
+    x = tl.load(logits + rows[:, None].to(tl.int64) * s_l + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < E),
+                other=float("-inf")).to(tl.float32)
+    x = tl.where(row_ok[:, None], x, 0.0)                 # rows past T: finite, ignored
+    x = tl.exp(x - tl.max(x, 1)[:, None])
+    probs = x / tl.sum(x, 1)[:, None]
+    kcol = tl.arange(0, KP)
+    w_sel = tl.zeros([BT, KP], dtype=tl.float32)
+    i_sel = tl.zeros([BT, KP], dtype=tl.int32)
+    avail = probs
+    for j in tl.static_range(K):
+        best = tl.max(avail, 1)
+        # lowest index among equal maxima (padding columns hold -inf after exp -> 0; -1 marks taken)
+        idx = tl.min(tl.where(avail == best[:, None], cols[None, :], EP), 1)
+        w_sel = tl.where(kcol[None, :] == j, best[:, None], w_sel)
+        i_sel = tl.where(kcol[None, :] == j, idx[:, None], i_sel)
+        avail = tl.where(cols[None, :] == idx[:, None], -1.0, avail)
+    if RENORM:
+        w_sel = w_sel / tl.sum(w_sel, 1)[:, None]
+    out = rows[:, None] * K + kcol[None, :]
+    m = row_ok[:, None] & (kcol[None, :] < K)
+    tl.store(weights + out, w_sel, mask=m)
+    tl.store(ids + out, i_sel.to(ids.dtype.element_ty), mask=m)
+
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    op = "topk_softmax"
+    check(router_logits.dim() == 2, op, f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
+    T, E = router_logits.shape
+    check(1 <= top_k <= E, op, f"top_k = {top_k} must be in [1, {E}]")
+    check(E <= 4096, op, f"{E} experts: at most 4096 supported")
+    check(router_logits.dtype in ACTIVATION_DTYPES, op, f"unsupported dtype {router_logits.dtype}")
+    check_last_contiguous(op, router_logits=router_logits)
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((T, top_k), dtype=torch.int64, device=router_logits.device)
+    if T == 0:
+        return weights, ids
+    ep = triton.next_power_of_2(E)
+    bt = max(1, min(16, 4096 // ep))
+    _topk_softmax_kernel[(triton.cdiv(T, bt),)](
+        router_logits, weights, ids, T, E, router_logits.stride(0), K=top_k, KP=triton.next_power_of_2(top_k),
+        EP=ep, BT=bt, RENORM=bool(renormalize), num_warps=4)
+    return weights, ids
+
+
+# ---- alignment: assignments grouped by expert, padded to blocks --------------------------------------
+
+@triton.jit
+def _chunk_ids(topk_ids, c, A, E, C: tl.constexpr):
+    i = tl.arange(0, C)
+    a = c * C + i
+    ok = a < A
+    e = tl.load(topk_ids + a, mask=ok, other=0).to(tl.int32)
+    return tl.where(ok, e, E), i                     # invalid lanes go to bucket E (never an expert)
+
+
+@triton.jit
+def _scatter_chunk(topk_ids, sorted_ids, base, c, A, E, C: tl.constexpr, EB: tl.constexpr):
+    """Write chunk c's assignment indices to sorted_ids[base[e] + rank within (chunk, e)], stable."""
+    e, i = _chunk_ids(topk_ids, c, A, E, C)
+    keys = tl.sort(e * C + i)
+    e_s = keys // C
+    i_s = keys % C
+    counts = tl.histogram(e, EB)
+    first = tl.cumsum(counts, 0) - counts                   # first sorted position of each expert
+    rank = tl.arange(0, C) - tl.gather(first, e_s, 0)
+    dest = tl.gather(base, tl.minimum(e_s, EB - 1), 0) + rank
+    tl.store(sorted_ids + dest, c * C + i_s, mask=e_s < E)
+
+
+@triton.jit
+def _moe_count_kernel(topk_ids, chunk_counts, A, E, C: tl.constexpr, EB: tl.constexpr):
+    c = tl.program_id(0)
+    e, _ = _chunk_ids(topk_ids, c, A, E, C)
+    bins = tl.arange(0, EB)
+    tl.store(chunk_counts + c * EB + bins, tl.histogram(e, EB))
+
+
+@triton.jit
+def _moe_offsets_kernel(topk_ids, chunk_counts, chunk_base, sorted_ids, block_expert, A, E, NB,
+                        NCHUNK: tl.constexpr, C: tl.constexpr, EB: tl.constexpr, BM: tl.constexpr,
+                        BB: tl.constexpr, FUSED: tl.constexpr):
+    bins = tl.arange(0, EB)
+    is_expert = bins < E
+    if FUSED:  # one chunk: count here, scatter here
+        e, _ = _chunk_ids(topk_ids, 0, A, E, C)
+        total = tl.histogram(e, EB)
+    else:
+        total = tl.zeros([EB], dtype=tl.int32)
+        for c in range(NCHUNK):
+            total += tl.load(chunk_counts + c * EB + bins)
+    total = tl.where(is_expert, total, 0)
+    padded = (total + BM - 1) // BM * BM
+    end = tl.cumsum(padded, 0)
+    start = end - padded
+    if FUSED:
+        _scatter_chunk(topk_ids, sorted_ids, start, 0, A, E, C, EB)
+    else:
+        running = start
+        for c in range(NCHUNK):
+            tl.store(chunk_base + c * EB + bins, running)
+            running += tl.load(chunk_counts + c * EB + bins)
+    # padding rows of each expert's last block
+    pad = start[:, None] + total[:, None] + tl.arange(0, BM)[None, :]
+    tl.store(sorted_ids + pad, A, mask=is_expert[:, None] & (pad < end[:, None]))
+    # expert of every block: the number of experts whose padded range ends at or before the block start
+    end_e = tl.where(is_expert, end, 2147483647)
+    used = tl.sum(padded, 0)
+    for b0 in range(0, NB, BB):
+        b = b0 + tl.arange(0, BB)
+        first_row = b * BM
+        owner = tl.sum((end_e[None, :] <= first_row[:, None]).to(tl.int32), 1)
+        tl.store(block_expert + b, tl.where(first_row < used, owner, -1), mask=b < NB)
+
+
+@triton.jit
+def _moe_scatter_kernel(topk_ids, chunk_base, sorted_ids, A, E, C: tl.constexpr, EB: tl.constexpr):
+    c = tl.program_id(0)
+    base = tl.load(chunk_base + c * EB + tl.arange(0, EB))
+    _scatter_chunk(topk_ids, sorted_ids, base, c, A, E, C, EB)
+
+
+def num_blocks_bound(A: int, E: int, block_m: int) -> int:
+    """Blocks of block_m rows that any routing of A assignments over E experts can need."""
+    return (A + min(E, A) * (block_m - 1)) // block_m
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_ids [NB * block_m] int32, block_expert [NB] int32), see the module docstring."""
+    A = topk_ids.numel()
+    E = num_experts
+    ids = topk_ids.reshape(-1)
+    nb = num_blocks_bound(A, E, block_m)
+    dev = topk_ids.device
+    sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
+    eb = triton.next_power_of_2(E + 1)                     # one spare bucket for masked lanes
+    C = min(ALIGN_CHUNK, max(16, triton.next_power_of_2(A)))
+    nchunk = triton.cdiv(A, C)
+    fused = nchunk == 1
+    counts = torch.empty((nchunk, eb), dtype=torch.int32, device=dev) if not fused else sorted_ids
+    base = torch.empty((nchunk, eb), dtype=torch.int32, device=dev) if not fused else sorted_ids
+    if not fused:
+        _moe_count_kernel[(nchunk,)](ids, counts, A, E, C=C, EB=eb, num_warps=4)
+    _moe_offsets_kernel[(1,)](ids, counts, base, sorted_ids, block_expert, A, E, nb, NCHUNK=nchunk, C=C, EB=eb,
+                              BM=block_m, BB=max(16, min(256, 8192 // eb)), FUSED=fused, num_warps=4)
+    if not fused:
+        _moe_scatter_kernel[(nchunk,)](ids, base, sorted_ids, A, E, C=C, EB=eb, num_warps=4)
+    return sorted_ids, block_expert
+
+
+# ---- grouped GEMMs --------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """Tile shapes of the two grouped GEMMs (block_m rows of one expert per program)."""
+
+    block_m: int = 16
+    block_n1: int = 64       # columns of I per w13 program (gate and up each)
+    block_k1: int = 128      # reduction step over H
+    block_n2: int = 64       # columns of H per w2 program
+    block_k2: int = 128      # reduction step over I
+    warps1: int = 4
+    warps2: int = 4
+    stages: int = 3
+
+
+def default_moe_config(T: int, top_k: int, E: int, H: int, inter: int) -> MoeConfig:
+    rows_per_expert = T * top_k / E
+    if rows_per_expert <= 16:      # decode: weight-bandwidth bound, small row blocks
+        return MoeConfig(block_m=16, block_n1=32, block_k1=256, block_n2=64, block_k2=256, warps1=4, warps2=4,
+                         stages=3)
+    if rows_per_expert <= 64:
+        return MoeConfig(block_m=32, block_n1=64, block_k1=128, block_n2=64, block_k2=128, warps1=4, warps2=4,
+                         stages=3)
+    return MoeConfig(block_m=64, block_n1=64, block_k1=64, block_n2=128, block_k2=64, warps1=4, warps2=8,
+                     stages=3)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _w13_kernel(x, w13, inter, sorted_ids, block_expert, A, H, I, s_x, s_we, s_wn,
+                TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    blk = tl.program_id(0)
+    e = tl.load(block_expert + blk).to(tl.int64)
+    if e >= 0:
+        rows = blk * BM + tl.arange(0, BM)
+        a_idx = tl.load(sorted_ids + rows)
+        row_ok = a_idx < A
+        tok = (a_idx // TOP_K).to(tl.int64)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        col_ok = cols < I
+        kk = tl.arange(0, BK)
+        xp = x + tok[:, None] * s_x + kk[None, :]
+        wg = w13 + e * s_we + cols[None, :].to(tl.int64) * s_wn + kk[:, None]
+        wu = wg + I * s_wn
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            k_ok = kk + k0 < H
+            xa = tl.load(xp + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            bg = tl.load(wg + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            bu = tl.load(wu + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc_g += _dot(xa, bg, IEEE)
+            acc_u += _dot(xa, bu, IEEE)
+        h = silu(acc_g) * acc_u
+        tl.store(inter + rows[:, None].to(tl.int64) * I + cols[None, :], h.to(inter.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _w2_kernel(inter, w2, y, sorted_ids, block_expert, A, H, I, s_we, s_wn,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    blk = tl.program_id(0)
+    e = tl.load(block_expert + blk).to(tl.int64)
+    if e >= 0:
+        rows = blk * BM + tl.arange(0, BM)
+        a_idx = tl.load(sorted_ids + rows)
+        row_ok = a_idx < A
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        col_ok = cols < H
+        kk = tl.arange(0, BK)
+        hp = inter + rows[:, None].to(tl.int64) * I + kk[None, :]
+        wp = w2 + e * s_we + cols[None, :].to(tl.int64) * s_wn + kk[:, None]
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            k_ok = kk + k0 < I
+            ha = tl.load(hp + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(wp + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc += _dot(ha, b, IEEE)
+        tl.store(y + a_idx[:, None].to(tl.int64) * H + cols[None, :], acc.to(y.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(y, weights, out, H, s_w, s_o, TOP_K: tl.constexpr, BH: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    ok = cols < H
+    acc = tl.zeros([BH], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        w = tl.load(weights + t * s_w + j).to(tl.float32)
+        acc += w * tl.load(y + (t * TOP_K + j) * H + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out + t * s_o + cols, acc.to(out.dtype.element_ty), mask=ok)
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    *, config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """See reference.fused_moe. `config` (optional) sets the GEMM tiles; expert ids must lie in [0, E)
+    (they are not checked on device)."""
+    op = "fused_moe"
+    check(x.dim() == 2, op, f"x must be [T, H], got {tuple(x.shape)}")
+    T, H = x.shape
+    check(w13.dim() == 3 and w13.shape[2] == H and w13.shape[1] % 2 == 0, op,
+          f"w13 must be [E, 2I, {H}], got {tuple(w13.shape)}")
+    E, inter = w13.shape[0], w13.shape[1] // 2
+    check(w2.shape == (E, H, inter), op, f"w2 must be [{E}, {H}, {inter}], got {tuple(w2.shape)}")
+    check(topk_ids.dim() == 2 and topk_ids.shape[0] == T and topk_weights.shape == topk_ids.shape, op,
+          f"topk_ids and topk_weights must be [{T}, top_k], got {tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")
+    check(topk_ids.dtype in (torch.int32, torch.int64), op, f"topk_ids must be int32/int64, got {topk_ids.dtype}")
+    check(topk_weights.dtype.is_floating_point, op, f"topk_weights must be floating point, got {topk_weights.dtype}")
+    check(x.dtype in ACTIVATION_DTYPES and w13.dtype == x.dtype and w2.dtype == x.dtype, op,
+          f"x, w13, w2 must share a float dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    check(E <= 4096, op, f"{E} experts: at most 4096 supported")
+    check(topk_ids.is_contiguous(), op, "topk_ids must be contiguous")
+    check_last_contiguous(op, x=x, w13=w13, w2=w2, topk_weights=topk_weights)
+    check(w13.stride(1) == H and w2.stride(1) == inter, op, "expert weight rows must be dense ([E, rows, cols] views)")
+    check_same_device(op, x, w13, w2, topk_weights, topk_ids)
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    top_k = topk_ids.shape[1]
+    A = T * top_k
+    if A == 0:
+        return out.zero_()
+    cfg = config or default_moe_config(T, top_k, E, H, inter)
+    for name in ("block_m", "block_n1", "block_k1", "block_n2", "block_k2"):
+        v = getattr(cfg, name)
+        check(v >= 16 and v & (v - 1) == 0, op, f"config {name}={v} must be a power of two >= 16")
+    sorted_ids, block_expert = align_by_expert(topk_ids, E, cfg.block_m)
+    nb = block_expert.shape[0]
+    ieee = x.dtype == torch.float32
+    inter_act = torch.empty((nb * cfg.block_m, inter), dtype=x.dtype, device=x.device)
+    _w13_kernel[(nb, triton.cdiv(inter, cfg.block_n1))](
+        x, w13, inter_act, sorted_ids, block_expert, A, H, inter, x.stride(0), w13.stride(0), w13.stride(1),
+        TOP_K=top_k, BM=cfg.block_m, BN=cfg.block_n1, BK=cfg.block_k1, IEEE=ieee,
+        num_warps=cfg.warps1, num_stages=cfg.stages)
+    y = torch.empty((A, H), dtype=x.dtype, device=x.device)
+    _w2_kernel[(nb, triton.cdiv(H, cfg.block_n2))](
+        inter_act, w2, y, sorted_ids, block_expert, A, H, inter, w2.stride(0), w2.stride(1),
+        BM=cfg.block_m, BN=cfg.block_n2, BK=cfg.block_k2, IEEE=ieee, num_warps=cfg.warps2, num_stages=cfg.stages)
+    bh = min(1024, triton.next_power_of_2(H))
+    _combine_kernel[(T, triton.cdiv(H, bh))](y, topk_weights, out, H, topk_weights.stride(0), out.stride(0),
+                                              TOP_K=top_k, BH=bh, num_warps=4)
+    return out

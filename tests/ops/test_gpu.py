@@ -1,0 +1,189 @@
+"""Real-shape checks on a CUDA device (Qwen3-Next GDN shape: 16 key heads, 32 value heads, dk = dv = 128;
+bf16 activations, fp32 state), skipped without CUDA. Errors are relative to the fp32 reference run on
+the same bf16 inputs. The 8k-token error is printed (run with -s) and, with DELTASERVE_GPU_REPORT set,
+appended to that JSON-lines file."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltaserve.ops.gdn import reference as ref
+
+from .helpers import assert_close, cu_seqlens, gen, rel_err
+
+pytestmark = pytest.mark.gpu
+
+HK, HV, D = 16, 32, 128
+TOL_BF16 = 3e-2  # bf16 output rounding + bf16 dot operands (FLA's precision class)
+
+
+def _report(**row) -> None:
+    print(json.dumps(row))
+    path = os.environ.get("DELTASERVE_GPU_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _inputs(lengths, hk, hv, *, seed, mild_decay=False):
+    g = gen(seed)
+    T = sum(lengths)
+    dev = "cuda"
+    q = torch.randn(T, hk, D, generator=g).to(dev, torch.bfloat16)
+    k = torch.randn(T, hk, D, generator=g).to(dev, torch.bfloat16)
+    v = torch.randn(T, hv, D, generator=g).to(dev, torch.bfloat16)
+    if mild_decay:  # slow forgetting (long memory): the hardest case for error build-up
+        gg = F.logsigmoid(torch.randn(T, hv, generator=g)).div(16).to(dev)
+    else:
+        A_log = torch.linspace(-3.0, 2.0, hv)
+        gg = (-A_log.exp() * F.softplus(torch.randn(T, hv, generator=g))).to(dev)
+    beta = torch.rand(T, hv, generator=g).to(dev)
+    return q, k, v, gg, beta
+
+
+@pytest.mark.parametrize("hk", [32, 16, 8])
+def test_chunk_real_shape_mixed_batch(hk):
+    from deltaserve.ops.gdn import triton_chunk as tc
+
+    lengths = [1, 63, 64, 65, 1000]
+    q, k, v, g, beta = _inputs(lengths, hk, HV, seed=hk)
+    N = len(lengths)
+    pool = torch.randn(N + 2, HV, D, D, generator=gen(1)).mul(0.1).cuda()
+    idx = torch.tensor([5, 0, -1, 3, 1], dtype=torch.int32, device="cuda")
+    has_init = torch.tensor([True, False, True, True, False], device="cuda")
+    kw = dict(scale=D ** -0.5, cu_seqlens=cu_seqlens(lengths, "cuda"), state_indices=idx,
+              has_initial_state=has_init)
+    p_ref, p_tri = pool.clone(), pool.clone()
+    o_ref = ref.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_ref, **kw)
+    o_tri = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_tri, **kw)
+    _report(test="chunk_mixed", hk=hk, out_rel=rel_err(o_tri, o_ref), state_rel=rel_err(p_tri, p_ref))
+    assert_close(o_tri, o_ref, TOL_BF16, "output")
+    assert_close(p_tri, p_ref, TOL_BF16, "state")
+    assert (o_tri[64:128] == 0).all(), "padded sequence gives zeros"
+
+
+def test_chunk_8k_vs_fp32_token_recurrence():
+    """One 8192-token sequence, chunked (Triton, both operand precisions; FLA when installed) against the
+    fp32 token-by-token recurrence. Mild decays (long memory) so errors can accumulate."""
+    from deltaserve.ops.gdn import triton_chunk as tc
+
+    T = 8192
+    q, k, v, g, beta = _inputs([T], HK, HV, seed=8, mild_decay=True)
+    pool = torch.randn(1, HV, D, D, generator=gen(2)).mul(0.1).cuda()
+    kw = dict(scale=D ** -0.5, cu_seqlens=cu_seqlens([T], "cuda"),
+              state_indices=torch.zeros(1, dtype=torch.int32, device="cuda"),
+              has_initial_state=torch.ones(1, dtype=torch.bool, device="cuda"))
+    p_rec = pool.clone()
+    o_rec = ref.recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state=p_rec, **kw)
+    rows = {}
+    for prec in ("bf16", "tf32"):
+        cfg = tc.ChunkConfig(bv=32, prec=prec)
+        p = pool.clone()
+        o = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p, config=cfg, **kw)
+        rows[f"ours_{prec}"] = (rel_err(o, o_rec), (o.float() - o_rec.float()).abs().max().item(), rel_err(p, p_rec))
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+        o, st = fla_chunk(q[None], k[None], v[None], g[None], beta[None], scale=D ** -0.5,
+                          initial_state=pool.clone(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+                          cu_seqlens=kw["cu_seqlens"].long())
+        rows["fla"] = (rel_err(o[0], o_rec), (o[0].float() - o_rec.float()).abs().max().item(), rel_err(st, p_rec))
+    except ImportError:
+        pass
+    for name, (out_rel, out_abs, state_rel) in rows.items():
+        _report(test="chunk_8k_vs_fp32_recurrence", impl=name, out_rel=out_rel, out_max_abs=out_abs,
+                out_max=o_rec.float().abs().max().item(), state_rel=state_rel)
+    assert rows["ours_bf16"][0] < TOL_BF16 and rows["ours_tf32"][0] < TOL_BF16
+    assert rows["ours_bf16"][2] < TOL_BF16 and rows["ours_tf32"][2] < TOL_BF16
+
+
+def test_decode_verify_commit_real_shape():
+    from deltaserve.ops.gdn import triton_recurrent as tr
+
+    B, Tn = 64, 4
+    dev = "cuda"
+    Dc = 2 * HK * D + HV * D
+    g = gen(4)
+    conv_w = torch.randn(Dc, 4, generator=g).mul(0.5).to(dev, torch.bfloat16)
+    kw = dict(conv_weight=conv_w, A_log=torch.linspace(-3, 1, HV, device=dev), dt_bias=torch.zeros(HV, device=dev),
+              norm_weight=torch.ones(D, dtype=torch.bfloat16, device=dev), eps=1e-6, scale=D ** -0.5)
+    conv_pool = torch.randn(B + 1, 3, Dc, generator=g).to(dev, torch.bfloat16)
+    ssm_pool = torch.randn(B + 1, HV, D, D, generator=g).mul(0.1).to(dev)
+    idx = torch.randperm(B + 1, generator=g)[:B].to(dev, torch.int32)
+    idx[7] = -1
+    # decode
+    mixed = torch.randn(B, Dc, generator=g).to(dev, torch.bfloat16)
+    z = torch.randn(B, HV, D, generator=g).to(dev, torch.bfloat16)
+    a, b = torch.randn(B, HV, generator=g).to(dev, torch.bfloat16), torch.randn(B, HV, generator=g).to(dev, torch.bfloat16)
+    c1, s1, c2, s2 = conv_pool.clone(), ssm_pool.clone(), conv_pool.clone(), ssm_pool.clone()
+    want = ref.gdn_decode(mixed, z, a, b, conv_state=c1, ssm_state=s1, state_indices=idx, **kw)
+    got = tr.gdn_decode(mixed, z, a, b, conv_state=c2, ssm_state=s2, state_indices=idx, **kw)
+    _report(test="decode_B64", out_rel=rel_err(got, want), state_rel=rel_err(s2, s1))
+    assert_close(got, want, TOL_BF16, "decode output")
+    assert_close(s2, s1, 1e-4, "decode state")
+    assert torch.equal(c2, c1)
+    # verify + commit vs the reference, ragged T_n in 2..5
+    lengths = [2 + (i % 4) for i in range(B)]
+    cu = cu_seqlens(lengths, dev)
+    T = sum(lengths)
+    mixed = torch.randn(T, Dc, generator=g).to(dev, torch.bfloat16)
+    z = torch.randn(T, HV, D, generator=g).to(dev, torch.bfloat16)
+    a, b = torch.randn(T, HV, generator=g).to(dev, torch.bfloat16), torch.randn(T, HV, generator=g).to(dev, torch.bfloat16)
+    accepted = torch.tensor([(i * 7) % (n + 1) for i, n in enumerate(lengths)], dtype=torch.int32, device=dev)
+    outs, pools = [], []
+    for ops in (ref, tr):
+        c, s = conv_pool.clone(), ssm_pool.clone()
+        st = ref.VerifyStash.empty(T, conv_dim=Dc, num_k_heads=HK, head_k_dim=D, num_v_heads=HV, head_v_dim=D,
+                                   dtype=torch.bfloat16, device=dev)
+        outs.append(ops.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=c, ssm_state=s, state_indices=idx,
+                                   stash=st, **kw))
+        ops.gdn_commit(accepted, cu_seqlens=cu, state_indices=idx, conv_state=c, ssm_state=s, stash=st)
+        pools.append((c, s))
+    _report(test="verify_commit_B64", out_rel=rel_err(outs[1], outs[0]), state_rel=rel_err(pools[1][1], pools[0][1]))
+    assert_close(outs[1], outs[0], TOL_BF16, "verify output")
+    assert_close(pools[1][1], pools[0][1], 1e-4, "committed state")
+    assert torch.equal(pools[1][0], pools[0][0]), "committed conv windows"
+
+
+def test_cuda_graph_replay_equals_eager():
+    """Prefill (varlen) and decode captured in CUDA graphs give the eager results (no host sync inside)."""
+    from deltaserve.ops.gdn import triton_chunk as tc
+    from deltaserve.ops.gdn import triton_recurrent as tr
+
+    lengths = [100, 1, 300]
+    q, k, v, g, beta = _inputs(lengths, HK, HV, seed=3)
+    pool = torch.randn(4, HV, D, D, generator=gen(5)).mul(0.1).cuda()
+    kw = dict(scale=D ** -0.5, cu_seqlens=cu_seqlens(lengths, "cuda"),
+              state_indices=torch.tensor([2, 0, 3], dtype=torch.int32, device="cuda"),
+              has_initial_state=torch.tensor([True, False, True], device="cuda"))
+    p_eager, p_graph = pool.clone(), pool.clone()
+    o_eager = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_eager, **kw)
+    tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_graph.clone(), **kw)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_graph = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_graph, **kw)
+    p_graph.copy_(pool)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o_graph, o_eager) and torch.equal(p_graph, p_eager)
+
+    qd, kd, vd = q[:3], k[:3], v[:3]
+    idx = torch.tensor([1, -1, 2], dtype=torch.int32, device="cuda")
+    p_eager, p_graph = pool.clone(), pool.clone()
+    o_eager = tr.fused_recurrent_gated_delta_rule(qd, kd, vd, g[:3], beta[:3], scale=D ** -0.5, ssm_state=p_eager,
+                                                  state_indices=idx)
+    tr.fused_recurrent_gated_delta_rule(qd, kd, vd, g[:3], beta[:3], scale=D ** -0.5, ssm_state=p_graph.clone(),
+                                        state_indices=idx)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_graph = tr.fused_recurrent_gated_delta_rule(qd, kd, vd, g[:3], beta[:3], scale=D ** -0.5,
+                                                      ssm_state=p_graph, state_indices=idx)
+    p_graph.copy_(pool)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o_graph, o_eager) and torch.equal(p_graph, p_eager)
