@@ -1,0 +1,68 @@
+"""Compile the paged-attention and MoE Triton kernels for sm_90 (H100/H200) on a machine without a GPU and
+print registers, spills and shared memory per kernel and launch config (reuses gdn_compile_check's helper).
+
+    PYTHONPATH=. python benchmarks/attention_moe_compile_check.py
+"""
+
+from __future__ import annotations
+
+import sys
+
+from gdn_compile_check import compile_one
+
+from deltaserve.ops.attention import triton as attn_t
+from deltaserve.ops.moe import triton as moe_t
+
+
+def main() -> int:
+    bf, f32, i32, i64 = "*bf16", "*fp32", "*i32", "*i64"
+    results = []
+    # Qwen3.5-35B-A3B attention: 16 query heads, 2 KV heads, head_dim 256 (G = 8); 27B: 24 / 4 (G = 6)
+    attn_types = dict(q=bf, cache=bf, cu=i32, seq_lens=i32, tables=i32, out=bf, part_ml=f32, part_acc=f32,
+                      qk_scale="fp32")
+    for nh, nkv in ((16, 2), (24, 4)):
+        g = nh // nkv
+        for label, bm, bn, splits, warps, stages in (
+                ("decode", 16, 32, 8, 4, 3), ("decode", 16, 64, 8, 4, 3), ("decode", 16, 64, 8, 4, 2),
+                ("decode", 16, 128, 8, 8, 2),
+                ("prefill", 64, 32, 1, 4, 2), ("prefill", 64, 32, 1, 8, 2), ("prefill", 64, 64, 1, 8, 2),
+                ("prefill", 128, 32, 1, 8, 2), ("prefill", 128, 64, 1, 8, 2)):
+            results.append(compile_one(
+                f"attention {nh}/{nkv} {label} bm={bm} bn={bn} w{warps} s{stages}", attn_t._attention_kernel,
+                attn_types, dict(NH=nh, NKV=nkv, D=256, G=g, BLOCK_M=bm, BLOCK_N=bn, SPLITS=splits, MIN_SPLIT=256,
+                                 IEEE=False), warps, stages))
+    results.append(compile_one("merge_splits", attn_t._merge_splits_kernel, dict(part_ml=f32, part_acc=f32, out=bf),
+                               dict(NH=16, SPLITS=16, SP=16, BH=16, D=256), 4))
+    results.append(compile_one("store_kv", attn_t._store_kv_kernel, dict(k=bf, v=bf, cache=bf, slots=i64),
+                               dict(NKV=2, D=256, BH=2), 4))
+    # MoE, Qwen3.5-35B-A3B: E 256, top-8, H 2048, I 512
+    results.append(compile_one("topk_softmax", moe_t._topk_softmax_kernel, dict(logits=bf, weights=f32, ids=i64),
+                               dict(K=8, KP=8, EP=256, BT=16, RENORM=True), 4))
+    for fused in (True, False):
+        results.append(compile_one(
+            f"moe_offsets fused={int(fused)}", moe_t._moe_offsets_kernel,
+            dict(topk_ids=i64, chunk_counts=i32, chunk_base=i32, sorted_ids=i32, block_expert=i32),
+            dict(NCHUNK=4, C=1024 if not fused else 512, EB=512, BM=16, BB=16, FUSED=fused), 4))
+    results.append(compile_one("moe_count", moe_t._moe_count_kernel, dict(topk_ids=i64, chunk_counts=i32),
+                               dict(C=1024, EB=512), 4))
+    results.append(compile_one("moe_scatter", moe_t._moe_scatter_kernel,
+                               dict(topk_ids=i64, chunk_base=i32, sorted_ids=i32), dict(C=1024, EB=512), 4))
+    gemm_types = dict(x=bf, w13=bf, inter=bf, sorted_ids=i32, block_expert=i32, w2=bf, y=bf)
+    for bm, bn1, bk1, bn2, bk2, w1, w2, st in (
+            (16, 32, 256, 64, 256, 4, 4, 3), (16, 64, 128, 64, 128, 4, 4, 3), (16, 64, 256, 128, 128, 4, 4, 4),
+            (32, 64, 128, 64, 128, 4, 4, 3), (64, 64, 64, 128, 64, 4, 8, 3), (64, 128, 64, 128, 64, 8, 8, 3),
+            (128, 64, 64, 128, 64, 8, 8, 3)):
+        results.append(compile_one(f"moe_w13 bm={bm} bn={bn1} bk={bk1} w{w1} s{st}", moe_t._w13_kernel, gemm_types,
+                                   dict(TOP_K=8, BM=bm, BN=bn1, BK=bk1, IEEE=False), w1, st))
+        results.append(compile_one(f"moe_w2 bm={bm} bn={bn2} bk={bk2} w{w2} s{st}", moe_t._w2_kernel, gemm_types,
+                                   dict(BM=bm, BN=bn2, BK=bk2, IEEE=False), w2, st))
+    results.append(compile_one("moe_combine", moe_t._combine_kernel, dict(y=bf, weights=f32, out=bf),
+                               dict(TOP_K=8, BH=1024), 4))
+    failed = [r["label"] for r in results if not r["ok"]]
+    spills = [r["label"] for r in results if r["ok"] and r["local"] > 0]
+    print(f"\n{len(results)} kernels, {len(failed)} failed, {len(spills)} with local memory (spills): {spills}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
