@@ -1,0 +1,156 @@
+"""MoE routing and grouped-GEMM experts (Triton) against the plain-torch references: E=8/top-2 with T=1
+and T=100, experts that get no tokens, the multi-chunk alignment path, the alignment's invariants, and
+a shared expert folded in as one more expert."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltaserve.ops.moe import reference as ref
+from deltaserve.ops.moe import triton as tri
+
+from .helpers import assert_close, gen, randn
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _experts(E, H, inter, *, g, dtype, device):
+    w13 = randn(E, 2 * inter, H, g=g, dtype=dtype, device=device, scale=H ** -0.5)
+    w2 = randn(E, H, inter, g=g, dtype=dtype, device=device, scale=inter ** -0.5)
+    return w13, w2
+
+
+def _logits(T, E, *, g, device, idle=0):
+    """Router logits; with idle > 0 the first `idle` experts are never chosen."""
+    logits = randn(T, E, g=g, scale=2.0)
+    logits[:, :idle] -= 1e4
+    return logits.to(device)
+
+
+@pytest.mark.parametrize("E,top_k,renorm", [(8, 2, True), (8, 2, False), (60, 4, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_softmax_matches_reference(E, top_k, renorm, dtype, device):
+    logits = _logits(37, E, g=gen(E + top_k), device=device).to(dtype)
+    w_ref, i_ref = ref.topk_softmax(logits, top_k, renorm)
+    w_tri, i_tri = tri.topk_softmax(logits, top_k, renorm)
+    assert i_tri.dtype == i_ref.dtype and w_tri.dtype == w_ref.dtype
+    # bf16 logits tie often; among equal probabilities the order is not defined (we take the lowest index)
+    probs = torch.softmax(logits.float(), dim=-1)
+    assert torch.equal(probs.gather(1, i_tri), probs.gather(1, i_ref)), "a different expert set or order"
+    assert all(len(set(r)) == top_k for r in i_tri.tolist()), "an expert chosen twice"
+    if dtype == torch.float32:
+        assert torch.equal(i_tri, i_ref)
+    assert_close(w_tri, w_ref, 1e-6, "weights")
+
+
+@pytest.mark.parametrize("T,dtype,idle", [
+    (1, torch.float32, 0),
+    (100, torch.float32, 0),
+    (100, torch.bfloat16, 0),
+    (9, torch.float32, 5),            # 5 of 8 experts get no tokens
+])
+def test_fused_moe_matches_reference(T, dtype, idle, device):
+    E, top_k, H, inter = 8, 2, 64, 32
+    g = gen(T + idle)
+    x = randn(T, H, g=g, dtype=dtype, device=device)
+    w13, w2 = _experts(E, H, inter, g=g, dtype=dtype, device=device)
+    weights, ids = ref.topk_softmax(_logits(T, E, g=g, device=device, idle=idle), top_k, True)
+    if idle:
+        assert int(ids.min()) >= idle
+    assert_close(tri.fused_moe(x, w13, w2, weights, ids), ref.fused_moe(x, w13, w2, weights, ids), TOL[dtype],
+                 f"T={T} {dtype}")
+
+
+def test_multi_chunk_alignment_and_odd_tiles(device, monkeypatch):
+    """Assignments spread over several counting/scatter chunks, I not a multiple of the tile, int32 ids."""
+    monkeypatch.setattr(tri, "ALIGN_CHUNK", 64)
+    E, top_k, T, H, inter = 8, 2, 70, 64, 48
+    g = gen(3)
+    x = randn(T, H, g=g, device=device)
+    w13, w2 = _experts(E, H, inter, g=g, device=device, dtype=torch.float32)
+    weights, ids = ref.topk_softmax(_logits(T, E, g=g, device=device), top_k, True)
+    cfg = tri.MoeConfig(block_m=32, block_n1=32, block_k1=16, block_n2=32, block_k2=16)
+    got = tri.fused_moe(x, w13, w2, weights, ids.to(torch.int32), config=cfg)
+    assert_close(got, ref.fused_moe(x, w13, w2, weights, ids), TOL[torch.float32], "multi-chunk")
+
+
+@pytest.mark.parametrize("chunk", [1024, 16])
+def test_alignment_invariants(chunk, device, monkeypatch):
+    monkeypatch.setattr(tri, "ALIGN_CHUNK", chunk)
+    E, BM = 8, 16
+    g = gen(4)
+    ids = torch.randint(0, E, (23, 3), generator=g)
+    ids[ids == 2] = 5                                         # expert 2 idle
+    sorted_ids, block_expert = tri.align_by_expert(ids.to(device), E, BM)
+    sorted_ids, block_expert = sorted_ids.cpu(), block_expert.cpu()
+    A = ids.numel()
+    flat = ids.flatten()
+    assert block_expert.shape[0] == tri.num_blocks_bound(A, E, BM)
+    used = int((block_expert >= 0).sum())
+    assert (block_expert[used:] == -1).all(), "unused blocks must be marked -1 at the end"
+    assert (block_expert[:used].diff() >= 0).all(), "blocks are in expert order"
+    assert 2 not in block_expert.tolist(), "an idle expert owns no block"
+    rows = sorted_ids[: used * BM].view(used, BM)
+    real = rows[rows < A]
+    assert sorted(real.tolist()) == list(range(A)), "every assignment exactly once"
+    for b in range(used):
+        r = rows[b][rows[b] < A]
+        assert (flat[r] == block_expert[b]).all(), f"block {b} holds another expert's rows"
+        assert (r.diff() > 0).all(), "token order kept inside an expert"
+        assert (rows[b][len(r):] == A).all(), "padding rows come last and are marked A"
+    counts = torch.bincount(flat, minlength=E)
+    assert used == int(((counts + BM - 1) // BM).sum())
+
+
+def test_shared_expert_as_extra_expert(device):
+    """The shared expert (same width) stacked as expert E, with weight sigmoid(shared gate), gives the
+    routed output plus the gated shared output: the way to run a MoE block in one fused_moe call."""
+    E, top_k, T, H, inter = 8, 2, 12, 64, 32
+    g = gen(8)
+    x = randn(T, H, g=g, device=device)
+    w13, w2 = _experts(E + 1, H, inter, g=g, dtype=torch.float32, device=device)
+    weights, ids = ref.topk_softmax(_logits(T, E, g=g, device=device), top_k, True)
+    shared_gate = torch.sigmoid(randn(T, 1, g=g, device=device))
+    routed = ref.fused_moe(x, w13[:E], w2[:E], weights, ids)
+    gate, up = (x @ w13[E].t()).chunk(2, dim=-1)
+    want = routed + shared_gate * (F.silu(gate) * up) @ w2[E].t()
+    ids_all = torch.cat([ids, torch.full((T, 1), E, dtype=ids.dtype, device=device)], dim=1)
+    weights_all = torch.cat([weights, shared_gate], dim=1)
+    assert_close(tri.fused_moe(x, w13, w2, weights_all, ids_all), want, 1e-5, "shared as expert E")
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(w2_shape=(8, 64, 16)), "w2 must be"),
+    (dict(ids_shape=(5, 2)), "topk_ids"),
+    (dict(w_dtype=torch.bfloat16), "share a float dtype"),
+])
+def test_bad_inputs_raise(bad, match, device):
+    x = torch.zeros(4, 64, device=device)
+    w13 = torch.zeros(8, 64, 64, device=device, dtype=bad.get("w_dtype", torch.float32))
+    w2 = torch.zeros(*bad.get("w2_shape", (8, 64, 32)), device=device)
+    ids = torch.zeros(*bad.get("ids_shape", (4, 2)), dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match=match):
+        tri.fused_moe(x, w13, w2, torch.zeros(ids.shape, device=device), ids)
+    with pytest.raises(ValueError, match="top_k"):
+        tri.topk_softmax(torch.zeros(4, 8, device=device), 9, True)
+
+
+# ---- real shapes on the GPU ------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 600])
+def test_real_shapes_gpu(T, device):
+    E, top_k, H, inter = 256, 8, 2048, 512                 # Qwen3.5-35B-A3B
+    g = gen(T)
+    x = randn(T, H, g=g, dtype=torch.bfloat16, device=device)
+    w13, w2 = _experts(E, H, inter, g=g, dtype=torch.bfloat16, device=device)
+    logits = _logits(T, E, g=g, device=device).to(torch.bfloat16)
+    w_ref, i_ref = ref.topk_softmax(logits, top_k, True)
+    w_tri, i_tri = tri.topk_softmax(logits, top_k, True)
+    probs = torch.softmax(logits.float(), dim=-1)
+    assert torch.equal(probs.gather(1, i_tri), probs.gather(1, i_ref)), "a different expert set or order"
+    assert_close(w_tri, w_ref, 1e-6, "weights")
+    assert_close(tri.fused_moe(x, w13, w2, w_ref, i_ref), ref.fused_moe(x, w13, w2, w_ref, i_ref),
+                 TOL[torch.bfloat16], f"T={T}")
