@@ -22,8 +22,10 @@ def available_ops(device: torch.device) -> dict[str, Callable]:
         logger.warning("GPU capability %s < %s: no Triton ops; every op uses its torch reference",
                        capability, MIN_CAPABILITY)
         return {}
+    from .attention import triton as attention_triton
     from .conv1d import triton as conv1d_triton
     from .gdn import triton_chunk, triton_recurrent
+    from .moe import triton as moe_triton
     from .norm import triton as norm_triton
 
     return {
@@ -38,4 +40,8 @@ def available_ops(device: torch.device) -> dict[str, Callable]:
         "gdn_commit": triton_recurrent.gdn_commit,
         "rms_norm": norm_triton.rms_norm,
         "rms_norm_gated": norm_triton.rms_norm_gated,
+        "store_kv": attention_triton.store_kv,
+        "paged_attention": attention_triton.paged_attention,
+        "topk_softmax": moe_triton.topk_softmax,
+        "fused_moe": moe_triton.fused_moe,
     }

@@ -148,13 +148,51 @@ def _find_sequence(cu, N, p, BQ: tl.constexpr):
 
 
 @triton.jit
+def _attend(qv, m_i, l_i, acc, cache, table, start, hi, q_pos, dims, qk_scale, s_c_kv, BS, head_off,
+            NKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """One online-softmax step over keys [start, start + BLOCK_N) gathered through the block table.
+    MASKED: the step may hold keys past `hi` or past a row's causal limit."""
+    pos = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        key_ok = pos < hi
+        blk = tl.load(table + pos // BS, mask=key_ok, other=0).to(tl.int64)
+    else:
+        blk = tl.load(table + pos // BS).to(tl.int64)
+    kv_off = (blk * BS + pos % BS) * (NKV * D) + head_off
+    if MASKED:
+        kT = tl.load(cache + kv_off[None, :] + dims[:, None], mask=key_ok[None, :], other=0.0)
+    else:
+        kT = tl.load(cache + kv_off[None, :] + dims[:, None])
+    if IEEE:
+        s = tl.dot(qv, kT, input_precision="ieee")
+    else:
+        s = tl.dot(qv, kT)
+    s = s * qk_scale
+    if MASKED:
+        s = tl.where(key_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    pr = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(pr, 1)
+    if MASKED:
+        vv = tl.load(cache + s_c_kv + kv_off[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
+    else:
+        vv = tl.load(cache + s_c_kv + kv_off[:, None] + dims[None, :])
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(pr.to(vv.dtype), vv, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(pr.to(vv.dtype), vv)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attention_kernel(q, cache, cu, seq_lens, tables, out, part_ml, part_acc, qk_scale, T, N,
                       s_q_t, s_q_h, s_bt_n, s_c_kv, BS,
                       NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                       MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr):
     BQ: tl.constexpr = BLOCK_M // G
-    p = tl.program_id(0)
+    p = tl.num_programs(0) - 1 - tl.program_id(0)   # last tiles (longest causal range) start first
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
@@ -200,30 +238,15 @@ def _attention_kernel(q, cache, cu, seq_lens, tables, out, part_ml, part_acc, qk
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     table = tables + n.to(tl.int64) * s_bt_n
     head_off = kvh * D
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        key_ok = pos < hi
-        blk = tl.load(table + pos // BS, mask=key_ok, other=0).to(tl.int64)
-        slot = blk * BS + pos % BS
-        kv_off = slot * (NKV * D) + head_off
-        kT = tl.load(cache + kv_off[None, :] + dims[:, None], mask=key_ok[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(qv, kT, input_precision="ieee")
-        else:
-            s = tl.dot(qv, kT)
-        s = s * qk_scale
-        visible = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        pr = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pr, 1)
-        vv = tl.load(cache + s_c_kv + kv_off[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(pr.to(vv.dtype), vv, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(pr.to(vv.dtype), vv)
-        m_i = m_new
+    # keys before the first row's causal limit are visible to every row: no masks there
+    first_limit = tl.minimum(hi, ctx - q_len + tile * BQ + 1)
+    full_hi = lo + tl.maximum(first_limit - lo, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, full_hi, BLOCK_N):
+        m_i, l_i, acc = _attend(qv, m_i, l_i, acc, cache, table, start, hi, q_pos, dims, qk_scale, s_c_kv, BS,
+                                head_off, NKV, D, BLOCK_N, False, IEEE)
+    for start in range(full_hi, hi, BLOCK_N):
+        m_i, l_i, acc = _attend(qv, m_i, l_i, acc, cache, table, start, hi, q_pos, dims, qk_scale, s_c_kv, BS,
+                                head_off, NKV, D, BLOCK_N, True, IEEE)
 
     if SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -1,0 +1,491 @@
+"""Paged attention and fused MoE (Triton) at real model shapes: correctness against the references and
+timings against peers run in the same process on the same GPU and inputs.
+
+  attention  Qwen3.5-35B-A3B (16 query / 2 KV heads) and Qwen3.5-27B (24 / 4), head_dim 256, bf16, block 16:
+             decode B=1 x 65536, B=64 x 4096, B=256 x 2048 (GB/s of KV read, fraction of copy bandwidth);
+             prefill 1 x 4096 from empty and a mixed step (2048-token chunk on 2048 cached + 64 decodes)
+             (TFLOP/s of the causal QK^T and PV products). Peer: torch SDPA (flash backend, enable_gqa) on
+             the same K/V already gathered into contiguous [B, NKV, ctx, 256] tensors (gather not timed),
+             for the shapes SDPA can express (equal-length decodes, prefill from empty).
+  moe        Qwen3.5-35B-A3B experts (E 256, top-8, H 2048, I 512), T = 1, 16, 64, 256, 4096 tokens:
+             topk_softmax + fused_moe; GB/s of expert weights touched (fraction of copy bandwidth) and
+             TFLOP/s. Peers: torch._grouped_mm (CUTLASS grouped GEMM) with torch sort/gather/index_add around
+             it, and the reference's per-expert torch loop (eager: it syncs, so no graph).
+  ceilings   device-to-device copy bandwidth and bf16 matmul rate, measured in the same run.
+
+Every time is `triton.testing.do_bench` (median, L2 flushed before each replay) around the replay of a
+CUDA graph holding `calls` invocations on distinct inputs, divided by `calls` (the per-expert torch loop
+is timed eagerly). A warm-up phase compiles every kernel variant in parallel worker processes (shared
+Triton cache) and runs the GPU tests, so the timed phase only replays.
+
+Run (GPU):  PYTHONPATH=. python benchmarks/attention_moe_ops.py --out DIR [--sweep] [--workers 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from deltaserve.ops.attention import reference as attn_ref
+from deltaserve.ops.attention import triton as attn_t
+from deltaserve.ops.moe import reference as moe_ref
+from deltaserve.ops.moe import triton as moe_t
+
+DEV = "cuda"
+BF = torch.bfloat16
+D, BS = 256, 16
+ATTN_SHAPES = {"35B-A3B": (16, 2), "27B": (24, 4)}
+DECODE = {"B=1x65536": (1, 65536), "B=64x4096": (64, 4096), "B=256x2048": (256, 2048)}
+E, TOP_K, H, INTER = 256, 8, 2048, 512
+MOE_T = [1, 16, 64, 256, 4096]
+
+
+# ---- inputs -------------------------------------------------------------------------------------
+
+def _gen(seed):
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+@dataclass
+class AttnBatch:
+    q: torch.Tensor
+    cache: torch.Tensor
+    kw: dict
+    kv_bytes: int            # K/V bytes a kernel must read (each token once per KV head)
+    flops: float             # QK^T + PV multiply-adds x 2 over the visible (query, key) pairs
+    q_lens: list
+    ctx: list
+
+
+def attn_batch(nh, nkv, q_lens, ctx, seed=0) -> AttnBatch:
+    """Sequences with contiguous-but-shuffled blocks; block ids from a random permutation."""
+    g = _gen(seed)
+    need = [-(-c // BS) for c in ctx]
+    nblocks = sum(need)
+    cache = torch.randn(2, nblocks, BS, nkv, D, device=DEV, dtype=BF, generator=g)
+    perm = torch.randperm(nblocks, device=DEV, generator=g).to(torch.int32)
+    tables = torch.zeros(len(ctx), max(need), dtype=torch.int32, device=DEV)
+    used = 0
+    for n, k in enumerate(need):
+        tables[n, :k] = perm[used:used + k]
+        used += k
+    cu = [0]
+    for L in q_lens:
+        cu.append(cu[-1] + L)
+    q = torch.randn(cu[-1], nh, D, device=DEV, dtype=BF, generator=g)
+    kw = dict(cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=DEV),
+              seq_lens=torch.tensor(ctx, dtype=torch.int32, device=DEV), block_tables=tables, scale=D ** -0.5)
+    pairs = sum(L * (c - L) + L * (L + 1) // 2 for L, c in zip(q_lens, ctx))
+    return AttnBatch(q, cache, kw, kv_bytes=sum(ctx) * 2 * nkv * D * 2, flops=4.0 * pairs * nh * D,
+                     q_lens=q_lens, ctx=ctx)
+
+
+def gathered_kv(b: AttnBatch, nkv):
+    """K, V of equal-length sequences as contiguous [B, NKV, ctx, D] tensors (the SDPA peer's input)."""
+    ctx = b.ctx[0]
+    assert all(c == ctx for c in b.ctx)
+    blocks = b.kw["block_tables"][:, : -(-ctx // BS)].long()
+    k = b.cache[0][blocks].reshape(len(b.ctx), -1, nkv, D)[:, :ctx].transpose(1, 2).contiguous()
+    v = b.cache[1][blocks].reshape(len(b.ctx), -1, nkv, D)[:, :ctx].transpose(1, 2).contiguous()
+    return k, v
+
+
+@dataclass
+class MoeInputs:
+    x: list
+    logits: list
+    w13: torch.Tensor
+    w2: torch.Tensor
+    weight_bytes: float      # mean bytes per call: expert weights touched + x read + output written
+    flops: float
+
+
+def moe_routing(T, calls, seed=0):
+    """Router logits of each call and the bytes / flops they imply (drawn apart from the weights)."""
+    g = _gen(seed + 1)
+    logits = [torch.randn(T, E, device=DEV, dtype=BF, generator=g) for _ in range(calls)]
+    active = sum(int(torch.unique(moe_ref.topk_softmax(lg, TOP_K, True)[1]).numel()) for lg in logits) / calls
+    weight_bytes = active * 3 * INTER * H * 2 + 2 * T * H * 2
+    return logits, weight_bytes, 2.0 * T * TOP_K * 3 * INTER * H
+
+
+def moe_inputs(T, calls, seed=0) -> MoeInputs:
+    g = _gen(seed)
+    w13 = torch.randn(E, 2 * INTER, H, device=DEV, dtype=BF, generator=g) * H ** -0.5
+    w2 = torch.randn(E, H, INTER, device=DEV, dtype=BF, generator=g) * INTER ** -0.5
+    xs = [torch.randn(T, H, device=DEV, dtype=BF, generator=g) for _ in range(calls)]
+    logits, weight_bytes, flops = moe_routing(T, calls, seed)
+    return MoeInputs(xs, logits, w13, w2, weight_bytes=weight_bytes, flops=flops)
+
+
+# ---- peers --------------------------------------------------------------------------------------
+
+def sdpa_peer(q4, k, v, causal):
+    """torch SDPA: the flash backend with native GQA if this build has it, else the flash backend on K/V
+    expanded to every query head (reads G times the bytes). Returns (run, which)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def flash_gqa():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return F.scaled_dot_product_attention(q4, k, v, is_causal=causal, enable_gqa=True)
+
+    try:
+        flash_gqa()
+        return flash_gqa, "flash, enable_gqa"
+    except RuntimeError:
+        pass
+    g = q4.shape[1] // k.shape[1]
+    ke, ve = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+
+    def flash_expanded():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return F.scaled_dot_product_attention(q4, ke, ve, is_causal=causal)
+
+    flash_expanded()
+    return flash_expanded, "flash, K/V expanded to all heads"
+
+
+def grouped_mm_moe(x, w13, w2, weights, ids):
+    """A MoE forward built on torch._grouped_mm: sort assignments by expert, two grouped GEMMs, index_add."""
+    T = x.shape[0]
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(E, dtype=torch.int32, device=DEV).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = counts.cumsum(0, dtype=torch.int32)
+    tok = order // TOP_K
+    h = torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs)
+    h = F.silu(h[:, :INTER]) * h[:, INTER:]
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    out = torch.zeros(T, H, dtype=torch.float32, device=DEV)
+    out.index_add_(0, tok, y.float() * weights.flatten()[order, None])
+    return out.to(x.dtype)
+
+
+# ---- cases --------------------------------------------------------------------------------------
+
+@dataclass
+class Case:
+    group: str
+    name: str
+    impl: str
+    calls: int
+    setup: Callable                    # (calls) -> (fn(i), check() -> rel err or None)
+    bytes: float = 0.0
+    flops: float = 0.0
+    graph: bool = True
+    sweep: bool = False
+    meta: dict = field(default_factory=dict)
+
+
+def rel_err(got, want):
+    got, want = got.float(), want.float()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+ATTN_DECODE_CFGS = [  # (block_m, block_n, warps, stages)
+    (16, 32, 4, 3), (16, 64, 4, 3), (16, 64, 4, 2), (16, 128, 8, 2), (16, 64, 8, 3)]
+ATTN_PREFILL_CFGS = [(64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2),
+                     (64, 64, 4, 3)]
+MOE_CFGS = {
+    "small": [moe_t.MoeConfig(16, 32, 256, 64, 256, 4, 4, 3), moe_t.MoeConfig(16, 64, 128, 64, 128, 4, 4, 3),
+              moe_t.MoeConfig(16, 64, 256, 128, 128, 4, 4, 4), moe_t.MoeConfig(16, 32, 128, 32, 128, 2, 2, 4)],
+    "large": [moe_t.MoeConfig(64, 64, 64, 128, 64, 4, 8, 3), moe_t.MoeConfig(64, 128, 64, 128, 64, 8, 8, 3),
+              moe_t.MoeConfig(128, 64, 64, 128, 64, 8, 8, 3), moe_t.MoeConfig(128, 128, 64, 256, 64, 8, 8, 3),
+              moe_t.MoeConfig(64, 64, 128, 128, 128, 4, 4, 3)],
+}
+
+
+def attention_cases(sweep: bool) -> list[Case]:
+    cases = []
+    for model, (nh, nkv) in ATTN_SHAPES.items():
+        shapes = {f"decode {k}": ([1] * B, [c] * B) for k, (B, c) in DECODE.items()}
+        shapes["prefill 1x4096"] = ([4096], [4096])
+        shapes["mixed 2048+2048ctx, 64x4096 dec"] = ([2048] + [1] * 64, [4096] + [4096] * 64)
+        for name, (q_lens, ctx) in shapes.items():
+            decode = name.startswith("decode")
+            calls = 4 if name == "decode B=1x65536" else 1
+            meta = dict(model=model, nh=nh, nkv=nkv)
+            pairs = sum(L * (c - L) + L * (L + 1) // 2 for L, c in zip(q_lens, ctx))
+            kvb, fl = sum(ctx) * 2 * nkv * D * 2, 4.0 * pairs * nh * D
+
+            def ours(c, q_lens=q_lens, ctx=ctx, nh=nh, nkv=nkv, cfg=None):
+                bs = [attn_batch(nh, nkv, q_lens, ctx, seed=i) for i in range(c)]
+
+                def fn(i):
+                    return attn_t.paged_attention(bs[i].q, bs[i].cache, config=cfg, **bs[i].kw)
+
+                def check():
+                    return rel_err(fn(0), attn_ref.paged_attention(bs[0].q, bs[0].cache, **bs[0].kw))
+                return fn, check
+
+            cases.append(Case("attention", f"{model} {name}", "ours", calls, ours, bytes=kvb, flops=fl, meta=meta))
+            if sweep:
+                for bm, bn, w, st in (ATTN_DECODE_CFGS if decode else ATTN_PREFILL_CFGS):
+                    base = attn_t.default_attention_config(len(q_lens) if decode else sum(q_lens), len(q_lens),
+                                                           nh, nkv, D, torch.device(DEV))
+                    cfg = replace(base, block_m=max(bm, triton.next_power_of_2(nh // nkv)), block_n=bn,
+                                  num_warps=w, num_stages=st)
+                    cases.append(Case("attention", f"{model} {name}", f"bm={cfg.block_m} bn={bn} w{w} s{st} "
+                                      f"splits={cfg.num_splits}", calls,
+                                      lambda c, f=ours, cfg=cfg: f(c, cfg=cfg), bytes=kvb, flops=fl, sweep=True,
+                                      meta=meta))
+            if decode or name.startswith("prefill"):
+                def peer(c, q_lens=q_lens, ctx=ctx, nh=nh, nkv=nkv, decode=decode):
+                    bs = [attn_batch(nh, nkv, q_lens, ctx, seed=i) for i in range(c)]
+                    runs = []
+                    for b in bs:
+                        k, v = gathered_kv(b, nkv)
+                        q4 = b.q.view(len(ctx), -1, nh, D).transpose(1, 2)
+                        runs.append(sdpa_peer(q4, k, v, causal=not decode))
+
+                    def check():
+                        o = runs[0][0]().transpose(1, 2).reshape(bs[0].q.shape)
+                        return rel_err(o, attn_ref.paged_attention(bs[0].q, bs[0].cache, **bs[0].kw))
+
+                    def fn(i):
+                        return runs[i][0]()
+                    fn.note = runs[0][1]
+                    return fn, check
+
+                cases.append(Case("attention", f"{model} {name}", "torch sdpa flash (gathered KV)", calls, peer,
+                                  bytes=kvb, flops=fl, meta=meta))
+    return cases
+
+
+def moe_cases(sweep: bool) -> list[Case]:
+    cases = []
+    for T in MOE_T:
+        calls = 4 if T <= 64 else 1
+
+        def ours(c, T=T, cfg=None, route=True):
+            d = moe_inputs(T, c)
+            routed = [moe_t.topk_softmax(lg, TOP_K, True) for lg in d.logits]
+
+            def fn(i):
+                if route:
+                    w, ids = moe_t.topk_softmax(d.logits[i], TOP_K, True)
+                else:
+                    w, ids = routed[i]
+                return moe_t.fused_moe(d.x[i], d.w13, d.w2, w, ids, config=cfg)
+
+            def check():
+                w, ids = moe_ref.topk_softmax(d.logits[0], TOP_K, True)
+                return rel_err(fn(0), moe_ref.fused_moe(d.x[0], d.w13, d.w2, w, ids))
+            return fn, check
+
+        def gmm(c, T=T):
+            d = moe_inputs(T, c)
+            routed = [moe_ref.topk_softmax(lg, TOP_K, True) for lg in d.logits]
+
+            def fn(i):
+                return grouped_mm_moe(d.x[i], d.w13, d.w2, *routed[i])
+
+            def check():
+                return rel_err(fn(0), moe_ref.fused_moe(d.x[0], d.w13, d.w2, *routed[0]))
+            return fn, check
+
+        def loop(c, T=T):
+            d = moe_inputs(T, c)
+            routed = [moe_ref.topk_softmax(lg, TOP_K, True) for lg in d.logits]
+            return (lambda i: moe_ref.fused_moe(d.x[i], d.w13, d.w2, *routed[i])), (lambda: None)
+
+        name = f"T={T}"
+        kw = dict(bytes=-1.0, meta=dict(T=T))           # bytes / flops filled from the routing when timed
+        cases.append(Case("moe", name, "ours (topk_softmax + fused_moe)", calls, ours, **kw))
+        cases.append(Case("moe", name, "ours fused_moe only", calls, lambda c, f=ours: f(c, route=False), **kw))
+        cases.append(Case("moe", name, "torch._grouped_mm pipeline", calls, gmm, **kw))
+        cases.append(Case("moe", name, "reference per-expert torch loop (eager)", calls, loop, graph=False, **kw))
+        if sweep:
+            for cfg in MOE_CFGS["small" if T * TOP_K / E <= 16 else "large"]:
+                label = (f"bm={cfg.block_m} n1={cfg.block_n1} k1={cfg.block_k1} n2={cfg.block_n2} k2={cfg.block_k2} "
+                         f"w{cfg.warps1}/{cfg.warps2} s{cfg.stages}")
+                cases.append(Case("moe", name, label, calls, lambda c, f=ours, cfg=cfg: f(c, cfg=cfg, route=False),
+                                  sweep=True, **kw))
+    return cases
+
+
+def all_cases(sweep: bool) -> list[Case]:
+    return attention_cases(sweep) + moe_cases(sweep)
+
+
+# ---- timing -------------------------------------------------------------------------------------
+
+def graph_time(fn: Callable, calls: int) -> float:
+    for i in range(calls):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
+    del graph
+    return ms * 1e-3 / calls
+
+
+def eager_time(fn: Callable, calls: int) -> float:
+    ms = triton.testing.do_bench(lambda: [fn(i) for i in range(calls)], warmup=3, rep=40, return_mode="median")
+    return ms * 1e-3 / calls
+
+
+def ceilings() -> dict:
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
+    copy = 2 * n / (ms * 1e-3)
+    del src, dst
+    a = torch.randn(8192, 8192, device=DEV, dtype=BF)
+    b = torch.randn(8192, 8192, device=DEV, dtype=BF)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=10, rep=100, return_mode="median")
+    return dict(copy_TBps=copy / 1e12, bf16_TFLOPs=2 * 8192 ** 3 / (ms * 1e-3) / 1e12)
+
+
+# ---- warm-up --------------------------------------------------------------------------------------
+
+def worker(index: int, count: int, sweep: bool) -> None:
+    for j, case in enumerate(all_cases(sweep)):
+        if j % count != index or not case.impl.startswith(("ours", "bm=")):
+            continue
+        try:
+            fn, _ = case.setup(1)
+            fn(0)
+            torch.cuda.synchronize()
+        except Exception as exc:  # reported again by the timed phase
+            print(f"[warm {index}] {case.group} {case.name} {case.impl}: {type(exc).__name__}: {exc}", flush=True)
+        torch.cuda.empty_cache()
+
+
+def warm_up(args, log) -> None:
+    t0 = time.time()
+    base = [sys.executable, os.path.abspath(__file__), "--worker-of", str(args.workers)]
+    procs = [subprocess.Popen(base + ["--worker", str(i)] + (["--sweep"] if args.sweep else []))
+             for i in range(args.workers)]
+    if args.gpu_tests:
+        with open(os.path.join(args.out, "gpu_tests.log"), "w") as f:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                 "tests/ops/test_attention_triton.py", "tests/ops/test_moe_triton.py"],
+                stdout=f, stderr=subprocess.STDOUT))
+    for p in procs:
+        p.wait()
+    log(f"warm-up (parallel compile, GPU tests) {time.time() - t0:.0f} s")
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--sweep", action="store_true", help="also time launch-config variants of our kernels")
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--gpu-tests", action="store_true", help="run the gpu-marked op tests during the warm-up")
+    ap.add_argument("--budget-s", type=float, default=200.0, help="skip remaining cases after this wall time")
+    ap.add_argument("--only", default="", help="substring filter on 'group name impl'")
+    ap.add_argument("--worker", default=None)
+    ap.add_argument("--worker-of", type=int, default=1)
+    args = ap.parse_args()
+    if args.worker is not None:
+        worker(int(args.worker), args.worker_of, args.sweep)
+        return 0
+
+    t_start = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    logf = open(os.path.join(args.out, "attention_moe_bench.log"), "a")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+        logf.flush()
+
+    props = torch.cuda.get_device_properties(0)
+    env = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
+               cuda=torch.version.cuda)
+    log(json.dumps(env))
+    if args.workers > 0:
+        warm_up(args, log)
+    ceil = ceilings()
+    log(json.dumps(ceil))
+
+    results = []
+    for case in all_cases(args.sweep):
+        label = f"{case.group} {case.name} {case.impl}"
+        if args.only and args.only not in label:
+            continue
+        if time.time() - t_start > args.budget_s:
+            log(f"SKIPPED (budget): {label}")
+            continue
+        note = None
+        try:
+            fn, check = case.setup(case.calls)
+            err = None if case.sweep else check()
+            note = getattr(fn, "note", None)
+            try:
+                sec = graph_time(fn, case.calls) if case.graph else eager_time(fn, case.calls)
+            except RuntimeError as exc:  # not capturable: time it eagerly and say so
+                if not case.graph:
+                    raise
+                torch.cuda.synchronize()
+                sec = eager_time(fn, case.calls)
+                note = f"eager (graph capture failed: {str(exc)[:80]})"
+            if case.bytes < 0:
+                _, case.bytes, case.flops = moe_routing(case.meta["T"], case.calls)
+        except Exception as exc:
+            log(f"FAILED {label}: {type(exc).__name__}: {str(exc)[:300]}")
+            logf.write(traceback.format_exc())
+            continue
+        finally:
+            torch.cuda.empty_cache()
+        row = dict(group=case.group, name=case.name, impl=case.impl, us=sec * 1e6, rel_err=err, sweep=case.sweep,
+                   note=note)
+        if case.bytes:
+            row["TBps"] = case.bytes / sec / 1e12
+            row["frac_copy"] = row["TBps"] / ceil["copy_TBps"]
+        if case.flops:
+            row["TFLOPs"] = case.flops / sec / 1e12
+            row["frac_mm"] = row["TFLOPs"] / ceil["bf16_TFLOPs"]
+        results.append(row)
+        log(json.dumps(row))
+
+    with open(os.path.join(args.out, "attention_moe_bench.json"), "w") as f:
+        json.dump(dict(env=env, ceilings=ceil, results=results), f, indent=1)
+    log(summary(results, ceil))
+    log(f"total {time.time() - t_start:.0f} s")
+    return 0
+
+
+def summary(results, ceil) -> str:
+    lines = ["", f"ceilings: copy {ceil['copy_TBps']:.2f} TB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", "",
+             "| case | impl | us | TB/s (frac copy) | TFLOP/s (frac mm) | vs ours | rel err |", "|---|---|---|---|---|---|---|"]
+    ours = {r["name"]: r for r in results if r["impl"].startswith("ours") and "only" not in r["impl"]}
+    for r in results:
+        if r["sweep"]:
+            continue
+        o = ours.get(r["name"])
+        ratio = f"{r['us'] / o['us']:.2f}x" if o else "-"
+        tb = f"{r['TBps']:.2f} ({r['frac_copy']:.0%})" if "TBps" in r else "-"
+        tf = f"{r['TFLOPs']:.0f} ({r['frac_mm']:.0%})" if "TFLOPs" in r else "-"
+        err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-"
+        impl = r["impl"] + (f" ({r['note']})" if r.get("note") else "")
+        lines.append(f"| {r['group']} {r['name']} | {impl} | {r['us']:.1f} | {tb} | {tf} | {ratio} | {err} |")
+    sweeps = [r for r in results if r["sweep"]]
+    if sweeps:
+        lines += ["", "sweep (launch-config variants):"]
+        lines += [f"  {r['group']:9s} {r['name']:40s} {r['impl']:52s} {r['us']:10.1f} us" for r in sweeps]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
