@@ -100,7 +100,7 @@ TINY = Shape(hidden_size=64, num_hidden_layers=4, linear_key_head_dim=16, linear
 class Train:
     seq_len: int = 512
     batch_size: int = 64                       # sequences per step: 32k tokens
-    steps: int = 1500
+    steps: int = 1000
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 100
@@ -472,8 +472,8 @@ def save_shards(state: dict, out: Path, max_bytes: int) -> list[str]:
     return names
 
 
-def write_model_files(out: Path, config, data: Path) -> None:
-    """config.json, generation_config.json and the tokenizer files of a model directory."""
+def write_model_files(out: Path, config) -> None:
+    """config.json and generation_config.json of a model directory (`package` adds the tokenizer files)."""
     cfg = config.to_dict()
     cfg["architectures"] = ["Qwen3NextForCausalLM"]
     cfg["dtype"] = "bfloat16"
@@ -485,8 +485,6 @@ def write_model_files(out: Path, config, data: Path) -> None:
            "eos_token_id": [config.eos_token_id, config.bos_token_id], "do_sample": False,
            "max_new_tokens": 256}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(data / f, out / f)
 
 
 # =========================================================================================================
@@ -666,6 +664,12 @@ def cmd_train(args: argparse.Namespace) -> None:
                   f"acc {ev['acc']:.3f} mtp_acc {ev['mtp_acc']:.3f}", flush=True)
             if best is None or ev["loss"] < best[0]["loss"]:
                 best = (ev, checkpoint_state(model, mtp))
+                # Saved as we go, so an interrupted run still leaves its best checkpoint behind.
+                files = save_shards(best[1], out, max_bytes=args.shard_mb << 20)
+                write_model_files(out, config)
+                (out / "train_report.json").write_text(json.dumps(
+                    report_of(shape, hp, device, n_main, n_mtp, tokens_seen, time.time() - t0, best[0]["step"], ev,
+                              ev, log, files, data), indent=2) + "\n")
     train_time = time.time() - t0
 
     # Final measurements on the best checkpoint: the whole validation and held-out splits.
@@ -679,15 +683,24 @@ def cmd_train(args: argparse.Namespace) -> None:
     print(f"best step {best[0]['step']}: valid ppl {full_valid['ppl']:.2f}, held-out ppl {full_heldout['ppl']:.2f}, "
           f"held-out mtp_acc {full_heldout['mtp_acc']:.3f} (bf16 weights, {device} autocast)")
     files = save_shards(state, out, max_bytes=args.shard_mb << 20)
-    write_model_files(out, config, data)
-    report = {"shape": dataclasses.asdict(shape), "train": dataclasses.asdict(hp), "device": str(device),
-              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "params_main": n_main, "params_mtp": n_mtp,
-              "tokens_seen": tokens_seen, "train_seconds": train_time, "best_step": best[0]["step"],
-              "valid": full_valid, "heldout": full_heldout, "log": log, "files": files,
-              "meta": json.loads((data / "meta.json").read_text()) if (data / "meta.json").is_file() else {}}
+    write_model_files(out, config)
+    report = report_of(shape, hp, device, n_main, n_mtp, tokens_seen, train_time, best[0]["step"], full_valid,
+                       full_heldout, log, files, data)
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}: {files}")
+
+
+def report_of(shape, hp, device, n_main, n_mtp, tokens_seen, train_time, best_step, valid, heldout, log, files,
+              data: Path) -> dict:
+    import torch
+
+    meta = data / "meta.json"
+    return {"shape": dataclasses.asdict(shape), "train": dataclasses.asdict(hp), "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "params_main": n_main, "params_mtp": n_mtp,
+            "tokens_seen": tokens_seen, "train_seconds": train_time, "best_step": best_step,
+            "valid": valid, "heldout": heldout, "log": log, "files": files,
+            "meta": json.loads(meta.read_text()) if meta.is_file() else {}}
 
 
 def reload_weights(model, mtp, state: dict) -> None:
@@ -769,8 +782,10 @@ def cmd_package(args: argparse.Namespace) -> None:
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     save_file(state, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+    for f in ("config.json", "generation_config.json"):
         shutil.copy(run / f, dest / f)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(data / f, dest / f)
     heldout = np.load(data / "heldout.npy")
     seq_len = report["train"]["seq_len"]
     print("measuring held-out perplexity with transformers (fp32, CPU) ...", flush=True)
