@@ -45,14 +45,16 @@ class LLM:
         """Outputs in prompt order. A prompt is text, {"prompt_token_ids": [...]} or {"prompt": text}."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
         prompts = list(prompts)
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         for p in prompts:
-            if isinstance(p, list):
-                raise ValueError("pass token ids as {'prompt_token_ids': [...]} (a bare list is ambiguous)")
+            if not isinstance(p, (str, dict)):
+                raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(p).__name__}")
         ids = [f"llm-{next(self._request_ids)}" for _ in prompts]
         added = []
         try:

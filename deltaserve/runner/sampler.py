@@ -4,18 +4,22 @@ Order of operations (vLLM's): returned logprobs come from the raw model distribu
 (repetition over prompt + output, presence / frequency over output) and min_tokens suppression of stop
 tokens, then greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample.
 
-Sampling is the exponential race: token = argmax p / E with E ~ Exp(1) i.i.d. per vocabulary entry,
-which draws from p (normalisation does not change the argmax). A row with a seed draws its E from a
-generator seeded by (seed, index of the token being sampled), so its tokens do not depend on what else
-is in the batch, on chunking, or on preemption and recomputation. Rows without a seed share one
-generator. The only host sync is reading the sampled tokens (and the logprobs, when asked for).
+Sampling inverts the CDF with one uniform number per row, in two levels (which block of 128 tokens, then
+which token in it) with the cumulative sums in float64, so a 150k vocabulary loses no precision. A row with a seed takes its
+uniform from a hash of (seed, index of the token being sampled), so its tokens do not depend on what
+else is in the batch, on chunking, or on preemption and recomputation; rows without a seed draw from the
+sampler's own seeded stream. No device random generator is involved, so nothing per row runs on the
+device and the uniforms are plain inputs (CUDA-graph friendly). The only host sync is reading the sampled
+tokens (and the logprobs, when asked for).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import torch
+import torch.nn.functional as F
 
 from ..outputs import Logprob, PositionLogprobs
 from ..sampling_params import SamplingParams
@@ -47,12 +51,33 @@ class SamplerOutput:
     logprobs: list[PositionLogprobs | None]
 
 
-def draw_seed(seed: int, index: int) -> int:
-    """A 63-bit generator seed for token `index` of a sequence seeded with `seed` (splitmix64 mixing)."""
+_BLOCK = 128
+
+
+def seeded_uniform(seed: int, index: int) -> float:
+    """A uniform number in [0, 1) for token `index` of a sequence seeded with `seed` (splitmix64 mixing;
+    the top 53 bits, so it is exact in float64 and never 1.0)."""
     x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) >> 1
+    return ((x ^ (x >> 31)) >> 11) * (1.0 / (1 << 53))
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [N, V] (unnormalised, >= 0, some mass in every row), u [N] float64 in [0, 1) -> token [N]: the
+    first token whose cumulative mass exceeds u x total. Never picks a zero-probability token."""
+    N, V = probs.shape
+    pad = (-V) % _BLOCK
+    blocks = (F.pad(probs, (0, pad)) if pad else probs).view(N, -1, _BLOCK)
+    mass = blocks.sum(-1).double()            # [N, C]; a 128-term fp32 sum is exact to ~1e-7 of the block
+    cdf = mass.cumsum(-1)
+    x = (u * cdf[:, -1])[:, None]
+    b = torch.searchsorted(cdf, x, right=True).clamp_max_(cdf.shape[1] - 1)     # [N, 1] block holding x
+    before = torch.where(b > 0, cdf.gather(1, (b - 1).clamp_min(0)), 0.0)
+    frac = ((x - before) / mass.gather(1, b)).clamp(0.0, 1.0 - 2.0 ** -52)
+    inner = blocks.gather(1, b[:, :, None].expand(N, 1, _BLOCK))[:, 0].double().cumsum(-1)   # [N, BLOCK]
+    j = torch.searchsorted(inner, frac * inner[:, -1:], right=True).clamp_max_(_BLOCK - 1)
+    return (b * _BLOCK + j)[:, 0]
 
 
 def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], ns: list[int]) -> list[PositionLogprobs]:
@@ -94,12 +119,7 @@ def _adjust(logits: torch.Tensor, row: SamplingRow) -> None:
 class Sampler:
     def __init__(self, device: torch.device, seed: int | None):
         self.device = torch.device(device)
-        self.shared = torch.Generator(device=self.device)
-        if seed is None:
-            self.shared.seed()
-        else:
-            self.shared.manual_seed(seed)
-        self._row_generator = torch.Generator(device=self.device)
+        self._shared = random.Random(seed)     # uniforms of rows without their own seed
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits [N, V] (any float dtype) for N rows -> one token per row."""
@@ -149,15 +169,10 @@ class Sampler:
             floor = torch.tensor(min_p, device=dev)[:, None] * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < floor, 0.0)
 
-        race = torch.ones_like(probs)
-        shared_rows = [i for i, r in enumerate(rows) if r.seed is None and not greedy[i]]
-        if shared_rows:
-            race[shared_rows] = torch.empty((len(shared_rows), V), device=dev).exponential_(generator=self.shared)
-        for i, r in enumerate(rows):
-            if r.seed is not None and not greedy[i]:
-                self._row_generator.manual_seed(draw_seed(r.seed, r.num_generated))
-                race[i].exponential_(generator=self._row_generator)
-        sampled = (probs / race.clamp_min_(1e-30)).argmax(dim=-1)
+        u = torch.tensor([0.0 if g else self._shared.random() if r.seed is None else
+                          seeded_uniform(r.seed, r.num_generated) for g, r in zip(greedy, rows)],
+                         dtype=torch.float64, device=dev)
+        sampled = inverse_cdf(probs, u)
         if any(greedy):
             sampled = torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), sampled)
         return sampled

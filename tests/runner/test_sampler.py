@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from deltaserve.runner.sampler import Sampler, SamplingRow, draw_seed
+from deltaserve.runner.sampler import Sampler, SamplingRow, inverse_cdf, seeded_uniform
 from deltaserve.sampling_params import SamplingParams
 
 V = 12
@@ -79,7 +79,25 @@ def test_seeded_draws_depend_on_seed_and_position_only():
     assert take(3, 0) == take(3, 0) and take(3, 5) == take(3, 5)
     assert len({take(3, k) for k in range(8)}) > 4          # a new draw per position
     assert len({take(seed, 0) for seed in range(8)}) > 4    # and per seed
-    assert draw_seed(1, 2) != draw_seed(2, 1) and 0 <= draw_seed(2**62, 2**40) < 2**63
+    assert seeded_uniform(1, 2) != seeded_uniform(2, 1)
+    assert all(0 <= seeded_uniform(s, k) < 1 for s in (0, 2**62, 2**70) for k in (0, 2**40))
+
+
+def test_inverse_cdf_picks_the_token_holding_u_and_never_a_zero_one():
+    V = 1000                                          # not a multiple of the 128-token block
+    probs = torch.zeros(4, V)
+    probs[:, [3, 130, 999]] = torch.tensor([0.25, 0.5, 0.25])
+    u = torch.tensor([0.0, 0.2499, 0.25, 1 - 2**-53], dtype=torch.float64)
+    assert inverse_cdf(probs, u).tolist() == [3, 3, 130, 999]
+    # unnormalised rows, mass in one block only, many zero neighbours
+    probs = torch.zeros(3, V)
+    probs[0, 500] = 7.0
+    probs[1, 0], probs[1, 127] = 1e-30, 1.0
+    probs[2] = torch.rand(V, generator=torch.Generator().manual_seed(0)) * (torch.arange(V) % 3 == 0)
+    for trial in range(50):
+        u = torch.rand(3, generator=torch.Generator().manual_seed(trial), dtype=torch.float64)
+        tok = inverse_cdf(probs, u)
+        assert tok[0] == 500 and tok[1] in (0, 127) and probs[2, tok[2]] > 0
 
 
 def test_unseeded_rows_follow_the_engine_seed():
