@@ -70,16 +70,14 @@ def main() -> int:
     results = []
 
     # chunked prefill
-    prep_types = dict(q=bf, k=bf, g=f32, beta=f32, A_log=f32, dt_bias=f32, cu=i32, Tb=bf, Pb=bf, Gb=f32,
-                      Bb=f32, rq_b=f32, rk_b=f32, scale="fp32")
+    prep_types = dict(q=bf, k=bf, g=f32, beta=f32, A_log=f32, dt_bias=f32, coff=i32, cu=i32, Tb=bf, Pb=bf,
+                      Gb=f32, Bb=f32, rq_b=f32, rk_b=f32, scale="fp32")
     for gates in (False, True):
-        for solve in (["tf32", "tf32x3"] if args.sweep else ["tf32"]):
-            for warps in ([4, 8] if args.sweep else [4]):
-                t = dict(prep_types, **({"g": bf, "beta": bf} if gates else {}))
-                results.append(compile_one(
-                    f"chunk_prep gates={int(gates)} solve={solve} w{warps}", chunk_t._chunk_prep_kernel, t,
-                    dict(R=R, K=K, BT=64, BLOCK_N=16, L2NORM=True, GATES=gates, QK_PREC="native",
-                         SOLVE_PREC=solve), warps))
+        for warps in ([2, 4, 8] if args.sweep else [4]):
+            t = dict(prep_types, **({"g": bf, "beta": bf} if gates else {}))
+            results.append(compile_one(
+                f"chunk_prep gates={int(gates)} w{warps}", chunk_t._chunk_prep_kernel, t,
+                dict(R=R, K=K, BT=64, BLOCK_N=16, L2NORM=True, GATES=gates, QK_PREC="native"), warps))
     state_types = dict(q=bf, k=bf, v=bf, o=bf, Tb=bf, Pb=bf, Gb=f32, Bb=f32, rq_b=f32, rk_b=f32, ssm=f32,
                        cu=i32, idx=i32, has_init="*u8", scale="fp32")
     variants = [(32, "bf16", 4, 1), (64, "bf16", 4, 1)]
@@ -120,7 +118,7 @@ def main() -> int:
     # conv and norms
     results.append(compile_one(
         "conv1d_fwd", conv_t._conv_fwd_kernel,
-        dict(x=bf, w=bf, y=bf, conv_state=bf, cu=i32, idx=i32, has_init="*u8"),
+        dict(x=bf, w=bf, y=bf, conv_state=bf, coff=i32, cu=i32, idx=i32, has_init="*u8"),
         dict(W=4, WP=4, BT=64, BD=128, BLOCK_N=16, SILU=True), 4))
     results.append(compile_one(
         "conv1d_update", conv_t._conv_update_kernel, dict(x=bf, w=bf, y=bf, conv_state=bf, idx=i32),

@@ -20,10 +20,12 @@ lets FLA autotune, so the timed phase only replays.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -144,13 +146,11 @@ def prefill_cases(sweep: bool) -> list[Case]:
     variants = [("ours", None)]
     if sweep:
         variants += [
-            (f"bv{bv}/w{w}/s{s}/{prec}/prep-w{pw}/{solve}",
-             tc.ChunkConfig(bv=bv, warps_state=w, stages_state=s, prec=prec, warps_prep=pw, solve_prec=solve))
-            for bv, w, s, prec, pw, solve in [
-                (32, 4, 1, "bf16", 4, "tf32"), (32, 4, 2, "bf16", 4, "tf32"), (64, 4, 1, "bf16", 4, "tf32"),
-                (64, 8, 1, "bf16", 4, "tf32"), (64, 8, 2, "bf16", 8, "tf32"), (16, 4, 1, "bf16", 4, "tf32"),
-                (32, 8, 1, "bf16", 8, "tf32"), (32, 4, 1, "tf32", 4, "tf32"), (64, 8, 1, "tf32", 8, "tf32"),
-                (32, 4, 1, "bf16", 4, "tf32x3")]]
+            (f"bv{bv}/w{w}/s{st}/{prec}/prep-w{pw}",
+             tc.ChunkConfig(bv=bv, warps_state=w, stages_state=st, prec=prec, warps_prep=pw))
+            for bv, w, st, prec, pw in [
+                (32, 4, 1, "bf16", 4), (64, 4, 2, "bf16", 4), (16, 4, 2, "bf16", 4), (32, 8, 2, "bf16", 4),
+                (32, 4, 2, "tf32", 4), (32, 4, 2, "bf16", 2), (32, 4, 2, "bf16", 8)]]
     for name, lengths in PREFILL.items():
         T = sum(lengths)
 
@@ -205,7 +205,7 @@ def decode_cases(sweep: bool) -> list[Case]:
     cfgs = [("ours", None)]
     if sweep:
         cfgs += [(f"bv{bv}/w{w}", tr.RecurrentConfig(bv=bv, num_warps=w))
-                 for bv, w in [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8)]]
+                 for bv, w in [(8, 1), (16, 1), (16, 2), (32, 4), (64, 4)]]
     for B in DECODE_B:
         calls = _calls_for(B)
         sb = 2 * B * STATE_BYTES
@@ -319,6 +319,8 @@ def ceilings() -> dict:
     a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     ms = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
+    del a, b
+    torch.cuda.empty_cache()
     return dict(copy_TBps=copy / 1e12, bf16_TFLOPs=2 * 8192 ** 3 / (ms * 1e-3) / 1e12)
 
 
@@ -349,14 +351,106 @@ def warm_up(args, log) -> None:
         procs.append(subprocess.Popen(base + ["--worker", str(i)] + sweep))
     if not args.no_fla:
         procs.append(subprocess.Popen(base + ["--worker", "fla"] + sweep))
+    logs = []
     if args.gpu_tests:
+        # one process per test: a CUDA fault in one cannot take the others down
         env = dict(os.environ, DELTASERVE_GPU_REPORT=os.path.join(args.out, "gpu_tests.jsonl"))
-        with open(os.path.join(args.out, "gpu_tests.log"), "w") as f:
-            procs.append(subprocess.Popen([sys.executable, "-m", "pytest", "tests/ops/test_gpu.py", "-s", "-q",
-                                           "-p", "no:cacheprovider"], stdout=f, stderr=subprocess.STDOUT, env=env))
+        tests = subprocess.run([sys.executable, "-m", "pytest", "tests/ops/test_gpu.py", "--co", "-q",
+                                "-p", "no:cacheprovider"], capture_output=True, text=True, env=env).stdout.split()
+        log_path = os.path.join(args.out, "gpu_tests.log")
+        for t in [t for t in tests if "::" in t]:
+            f = open(log_path + "." + str(len(logs)), "w")
+            logs.append(f)
+            procs.append(subprocess.Popen([sys.executable, "-m", "pytest", t, "-s", "-q", "-p", "no:cacheprovider"],
+                                          stdout=f, stderr=subprocess.STDOUT, env=env))
     for p in procs:
         p.wait()
+    if logs:
+        with open(os.path.join(args.out, "gpu_tests.log"), "w") as out:
+            for f in logs:
+                f.close()
+                with open(f.name) as src:
+                    out.write(src.read())
+                os.unlink(f.name)
     log(f"warm-up (parallel compile, FLA autotune, GPU tests) {time.time() - t0:.0f} s")
+
+
+# ---- timed phase: resumable child processes -----------------------------------------------------
+
+def timed_child(args, ceil) -> int:
+    """Time cases from --first on, appending one JSON line per case; exit 3 at the first failure (a CUDA
+    fault poisons the context), after writing the failed index to the progress file."""
+    cases = all_cases(args.sweep)
+    with_fla = not args.no_fla
+    for j in range(args.first, len(cases)):
+        case = cases[j]
+        if case.impl.startswith("fla") and not with_fla:
+            continue
+        if time.time() > args.deadline:
+            with open(args.results, "a") as f:
+                f.write(json.dumps(dict(skipped=j, group=case.group, name=case.name, impl=case.impl)) + "\n")
+            continue
+        with open(args.progress, "w") as f:
+            f.write(str(j))
+        try:
+            fn = case.setup(case.calls)
+            sec = graph_time(fn, case.calls)
+        except Exception as exc:
+            with open(args.results, "a") as f:
+                f.write(json.dumps(dict(failed=j, group=case.group, name=case.name, impl=case.impl,
+                                        error=f"{type(exc).__name__}: {str(exc)[:300]}")) + "\n")
+            traceback.print_exc()
+            return 3
+        row = dict(group=case.group, name=case.name, impl=case.impl, us=sec * 1e6)
+        if case.tokens:
+            row["ns_per_token"] = sec * 1e9 / case.tokens
+        if case.state_bytes:
+            row["state_TBps"] = case.state_bytes / sec / 1e12
+            row["frac_copy"] = row["state_TBps"] / ceil["copy_TBps"]
+        with open(args.results, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        del fn
+        torch.cuda.empty_cache()
+    with open(args.progress, "w") as f:
+        f.write(str(len(cases)))
+    return 0
+
+
+def timed_phase(args, env, ceil, t_start, log) -> list[dict]:
+    results_path = os.path.join(args.out, "gdn_bench.jsonl")
+    progress = os.path.join(tempfile.gettempdir(), f"gdn_bench_progress_{os.getpid()}.txt")
+    open(results_path, "w").close()
+    n_cases = len(all_cases(args.sweep))
+    first = 0
+    deadline = t_start + args.budget_s
+    while first < n_cases:
+        cmd = [sys.executable, os.path.abspath(__file__), "--timed-child", "--first", str(first), "--results",
+               results_path, "--progress", progress, "--deadline", str(deadline), "--ceil", json.dumps(ceil)]
+        cmd += ["--sweep"] if args.sweep else []
+        cmd += ["--no-fla"] if (args.no_fla or env["fla"] is None) else []
+        with open(progress, "w") as f:
+            f.write(str(first))
+        lines_before = sum(1 for _ in open(results_path))
+        rc = subprocess.run(cmd).returncode
+        with open(progress) as f:
+            reached = int(f.read().strip() or first)
+        if rc == 0:
+            break
+        if sum(1 for _ in open(results_path)) == lines_before:
+            log(f"timed child exited {rc} before finishing any case; giving up")
+            break
+        log(f"case {reached} failed (child exit {rc}); resuming at {reached + 1}")
+        first = reached + 1
+    rows = []
+    with open(results_path) as f:
+        for line in f:
+            row = json.loads(line)
+            if "failed" in row or "skipped" in row:
+                log(("FAILED " if "failed" in row else "SKIPPED (budget) ") + json.dumps(row))
+                continue
+            rows.append(row)
+            log(json.dumps(row))
+    return rows
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -371,7 +465,15 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=400.0, help="skip remaining cases after this wall time")
     ap.add_argument("--worker", default=None)
     ap.add_argument("--worker-of", type=int, default=1)
+    ap.add_argument("--timed-child", action="store_true")
+    ap.add_argument("--first", type=int, default=0)
+    ap.add_argument("--results", default="")
+    ap.add_argument("--progress", default="")
+    ap.add_argument("--deadline", type=float, default=0.0)
+    ap.add_argument("--ceil", default="{}")
     args = ap.parse_args()
+    if args.timed_child:
+        return timed_child(args, json.loads(args.ceil))
     if args.worker is not None:
         if args.worker == "fla":
             worker(0, 1, args.sweep, with_fla=True)
@@ -392,39 +494,15 @@ def main() -> int:
     env = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
                cuda=torch.version.cuda, flash_qla_env=os.environ.get("FLA_FLASH_QLA"))
     try:
-        import fla as fla_mod
-        env["fla"] = fla_mod.__version__
-    except ImportError:
+        env["fla"] = importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
         env["fla"] = None
     log(json.dumps(env))
     warm_up(args, log)
     ceil = ceilings()
     log(json.dumps(ceil))
 
-    results = []
-    for case in all_cases(args.sweep):
-        if case.impl.startswith("fla") and (args.no_fla or env["fla"] is None):
-            continue
-        if time.time() - t_start > args.budget_s:
-            log(f"SKIPPED (budget): {case.group} {case.name} {case.impl}")
-            continue
-        try:
-            fn = case.setup(case.calls)
-            sec = graph_time(fn, case.calls)
-        except Exception as exc:
-            log(f"FAILED {case.group} {case.name} {case.impl}: {type(exc).__name__}: {exc}")
-            logf.write(traceback.format_exc())
-            continue
-        finally:
-            torch.cuda.empty_cache()
-        row = dict(group=case.group, name=case.name, impl=case.impl, us=sec * 1e6)
-        if case.tokens:
-            row["ns_per_token"] = sec * 1e9 / case.tokens
-        if case.state_bytes:
-            row["state_TBps"] = case.state_bytes / sec / 1e12
-            row["frac_copy"] = row["state_TBps"] / ceil["copy_TBps"]
-        results.append(row)
-        log(json.dumps(row))
+    results = timed_phase(args, env, ceil, t_start, log)
 
     with open(os.path.join(args.out, "gdn_bench.json"), "w") as f:
         json.dump(dict(env=env, ceilings=ceil, results=results), f, indent=1)

@@ -73,21 +73,27 @@ def silu(x):
     return x / (1.0 + tl.exp(-x))
 
 
+def chunk_offsets(cu_seqlens: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[N + 1] int32 cumulative chunk counts (chunks of `chunk` tokens aligned to sequence starts), on the
+    device of cu_seqlens, without a host sync (CUDA-graph capturable)."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    out = torch.zeros(cu_seqlens.shape[0], dtype=torch.int32, device=cu_seqlens.device)
+    torch.cumsum((lens + chunk - 1) // chunk, 0, dtype=torch.int32, out=out[1:])
+    return out
+
+
 @triton.jit
-def locate_chunk(cu_seqlens, N, p, BT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Map program p of a grid over 'chunks of BT tokens aligned to sequence starts' to (n, c, bos, eos):
-    sequence n, chunk c inside it, and the sequence's token bounds. The grid is sized on the host with
-    the bound cdiv(T, BT) + N, so no device->host sync is needed; programs past the last chunk get
-    n >= N and bos = eos = 0 (every mask false)."""
+def locate_chunk(coff, cu_seqlens, N, p, BLOCK_N: tl.constexpr):
+    """Map program p of a grid over 'chunks aligned to sequence starts' to (n, c, bos, eos): sequence n,
+    chunk c inside it, and the sequence's token bounds. `coff` comes from chunk_offsets(). The grid is
+    sized on the host with the bound cdiv(T, chunk) + N (no device->host sync); programs past the last
+    chunk get n = N and bos = eos = 0, so every mask is false."""
     offs = tl.arange(0, BLOCK_N)
     m = offs < N
-    bos_v = tl.load(cu_seqlens + offs, mask=m, other=0).to(tl.int32)
-    eos_v = tl.load(cu_seqlens + offs + 1, mask=m, other=0).to(tl.int32)
-    nck = (eos_v - bos_v + BT - 1) // BT
-    cend = tl.cumsum(nck, 0)
-    n = tl.sum((cend <= p).to(tl.int32), 0)
-    sel = offs == n
-    cstart = tl.sum(tl.where(sel, cend - nck, 0), 0)
-    bos = tl.sum(tl.where(sel, bos_v, 0), 0)
-    eos = tl.sum(tl.where(sel, eos_v, 0), 0)
+    cend = tl.load(coff + offs + 1, mask=m, other=0)
+    n = tl.sum(((cend <= p) & m).to(tl.int32), 0)
+    valid = n < N
+    cstart = tl.load(coff + n, mask=valid, other=0)
+    bos = tl.load(cu_seqlens + n, mask=valid, other=0).to(tl.int32)
+    eos = tl.load(cu_seqlens + n + 1, mask=valid, other=0).to(tl.int32)
     return n, p - cstart, bos, eos

@@ -14,19 +14,21 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_common import check, check_index, check_last_contiguous, check_same_device, locate_chunk, next_pow2, silu
+from ..triton_common import (
+    check, check_index, check_last_contiguous, check_same_device, chunk_offsets, locate_chunk, next_pow2, silu,
+)
 
 BT = 64
 
 
 @triton.jit
-def _conv_fwd_kernel(x, s_x_t, w, y, conv_state, cu, idx, has_init, N, D,
+def _conv_fwd_kernel(x, s_x_t, w, y, conv_state, coff, cu, idx, has_init, N, D,
                      W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                      BLOCK_N: tl.constexpr, SILU: tl.constexpr):
     p = tl.program_id(0)
     ch = tl.program_id(1) * BD + tl.arange(0, BD)
     cm = ch < D
-    n, c, bos, eos = locate_chunk(cu, N, p, BT, BLOCK_N)
+    n, c, bos, eos = locate_chunk(coff, cu, N, p, BLOCK_N)
     valid = n < N
     slot = tl.load(idx + n, mask=valid, other=-1).to(tl.int64)
     live = valid & (slot >= 0)
@@ -125,7 +127,7 @@ def causal_conv1d_fn(
     has_init = has_initial_state if has_initial_state.dtype != torch.bool else has_initial_state.view(torch.uint8)
     BD = 128
     _conv_fwd_kernel[(triton.cdiv(T, BT) + N, triton.cdiv(D, BD))](
-        x, x.stride(0), weight, y, conv_state, cu_seqlens, state_indices, has_init, N, D,
+        x, x.stride(0), weight, y, conv_state, chunk_offsets(cu_seqlens, BT), cu_seqlens, state_indices, has_init, N, D,
         W=W, WP=next_pow2(W - 1), BT=BT, BD=BD, BLOCK_N=max(16, next_pow2(N)), SILU=act, num_warps=4)
     return y
 

@@ -1,0 +1,1 @@
+"""See reference.py for the math; triton.py implements the same signatures."""
