@@ -47,6 +47,9 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]     # in scheduling order; the runner packs prefills before decodes
     freed_seq_ids: list[int]         # forget these first: finished, aborted or preempted since the last step
     num_preempted: int = 0           # sequences preempted while scheduling this step
+    # Cache copies applied before the forward, in order (prefix-cache restores, forks, copy-on-write):
+    state_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (src slot, dst slot)
+    block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (src block, dst block)
 
     @property
     def num_tokens(self) -> int:

@@ -72,7 +72,7 @@ class LLMEngine:
             [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else [])
         self._requests: dict[str, Request] = {}          # live (added and not yet reported finished)
         self._seqs: dict[int, Sequence] = {}
-        self._seq_ids = itertools.count()
+        self._seq_ids = itertools.count()                # next() is atomic: ids can be drawn from any thread
         self._lock = threading.Lock()                    # guards the pending queues and _live_ids
         self._step_lock = threading.Lock()               # held while the engine state changes
         self._pending_adds: list[Request] = []
@@ -155,12 +155,12 @@ class LLMEngine:
                 f"whole pool holds {self.cache.blocks.num_blocks * self.cache.block_size}; lower max_tokens")
         req = Request(request_id, text, ids, params, time.monotonic() if arrival_time is None else arrival_time,
                       stream=stream)
+        req.seqs = [Sequence(next(self._seq_ids), req, i, max_new_tokens=max_new, eos_token_ids=self.eos_token_ids,
+                             detokenizer=self._detokenizer(ids, params)) for i in range(params.n)]
         with self._lock:
             if request_id in self._live_ids:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._live_ids.add(request_id)
-            req.seqs = [Sequence(next(self._seq_ids), req, i, max_new_tokens=max_new, eos_token_ids=self.eos_token_ids,
-                                 detokenizer=self._detokenizer(ids, params)) for i in range(params.n)]
             self._pending_adds.append(req)
 
     def _prompt_ids(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
@@ -234,9 +234,10 @@ class LLMEngine:
     def _retire(self, req: Request) -> None:
         for seq in req.seqs:
             self._seqs.pop(seq.seq_id, None)
-            self._finished_by_reason[seq.finish_reason or "abort"] += 1
         del self._requests[req.request_id]
         with self._lock:
+            for seq in req.seqs:
+                self._finished_by_reason[seq.finish_reason or "abort"] += 1
             self._live_ids.discard(req.request_id)
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -302,11 +303,14 @@ class LLMEngine:
 
     # ---- introspection ------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
+        """A snapshot; safe to call from another thread (counts may lag a running step by one)."""
+        with self._lock:
+            finished = dict(self._finished_by_reason)
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_preempted_total=self.scheduler.num_preempted_total,
             kv_blocks_total=self.cache.blocks.num_blocks, kv_blocks_used=self.cache.blocks.num_used,
             state_slots_total=self.cache.slots.num_slots, state_slots_used=self.cache.slots.num_used,
             prompt_tokens_total=self._prompt_tokens_total, generation_tokens_total=self._generation_tokens_total,
-            num_finished_total=dict(self._finished_by_reason), num_steps_total=self._steps_total,
+            num_finished_total=finished, num_steps_total=self._steps_total,
             num_batched_tokens_total=self._batched_tokens_total)

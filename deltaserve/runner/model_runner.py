@@ -71,6 +71,11 @@ class ModelRunner:
     def _apply_changes(self, out: SchedulerOutput) -> None:
         for seq_id in out.freed_seq_ids:
             self._seqs.pop(seq_id, None)
+        for src, dst in out.state_copies:
+            self.cache.copy_slot(src, dst)
+        if out.block_copies:
+            src, dst = (torch.tensor(x, device=self.device) for x in zip(*out.block_copies))
+            self.cache.kv[:, :, dst] = self.cache.kv[:, :, src]
         for new in out.new_seqs:
             self._add(new)
         for chunk in out.chunks:
@@ -115,17 +120,15 @@ class ModelRunner:
             has_init.append(start > 0)
             max_blocks = max(max_blocks, -(-end // bs))
         num_prefills = sum(not self.is_decode(c) for c in chunks)
-        dev = self.device
-        tables = torch.from_numpy(self._block_table[slots, :max_blocks])
+        # Two host tensors (int64 per token, int32 per sequence) and one copy each to the device.
+        T, N = len(ids), len(chunks)
+        per_token = torch.tensor(ids + pos + slot_map, dtype=torch.long).to(self.device, non_blocking=True)
+        per_seq = torch.tensor(cu + seq_lens + slots + has_init, dtype=torch.int32).to(self.device, non_blocking=True)
+        tables = torch.from_numpy(self._block_table[slots, :max_blocks]).to(self.device, non_blocking=True)
         return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev),
-            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            state_slots=torch.tensor(slots, dtype=torch.int32, device=dev),
-            has_initial_state=torch.tensor(has_init, dtype=torch.bool, device=dev),
-            slot_mapping=torch.tensor(slot_map, dtype=torch.long, device=dev),
-            block_tables=tables.to(dev, non_blocking=True),
+            input_ids=per_token[:T], positions=per_token[T : 2 * T], slot_mapping=per_token[2 * T :],
+            cu_seqlens=per_seq[: N + 1], seq_lens=per_seq[N + 1 : 2 * N + 1], state_slots=per_seq[2 * N + 1 : 3 * N + 1],
+            has_initial_state=per_seq[3 * N + 1 :].bool(), block_tables=tables,
             num_prefills=num_prefills, num_prefill_tokens=cu[num_prefills],
         )
 
@@ -163,7 +166,9 @@ class ModelRunner:
             offset += c.num_new
         if not rows:
             return RunnerOutput([], [], [])
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+        # rows are increasing and distinct, so as many rows as tokens means every row (decode-only batches)
+        picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(picked).float()
 
         result = RunnerOutput(sample_ids, [], [])
         if sample_seqs:

@@ -107,3 +107,22 @@ def test_freed_sequences_are_forgotten_and_slots_reusable(model):
     # seq 0 is freed and seq 1 (same prompt) reuses slot 0 and block 0 from a fresh state
     t2 = r.execute(SchedulerOutput([new(1, p, 0, [1, 0])], [ScheduledChunk(1, 0, 5, [])], [0])).token_ids
     assert t1 == t2 and r.num_live_seqs == 1
+
+
+def test_state_and_block_copies_fork_a_sequence(model):
+    """A sequence forked after its prompt (GDN slot copied, full KV blocks shared, the partial last block
+    copied) continues exactly like the original: the seam prefix caching and n > 1 forks will use."""
+    r = make_runner(model)
+    p = random_ids(10, seed=8)                  # blocks of 4: [0, 1, 2], block 2 holds positions 8, 9
+    first = r.execute(SchedulerOutput([new(0, p, 0, [0, 1, 2])], [ScheduledChunk(0, 0, 10, [])], []))
+    snap = r.cache.snapshot(0)
+    fork = new(1, p + first.token_ids, 3, [0, 1, 7])
+    out = r.execute(SchedulerOutput([fork], [ScheduledChunk(0, 10, 1, []), ScheduledChunk(1, 10, 1, [])], [],
+                                    state_copies=[(0, 3)], block_copies=[(2, 7)]))
+    assert out.token_ids[0] == out.token_ids[1]
+    assert all(abs(out.logprobs[0][k].logprob - out.logprobs[1][k].logprob) < 1e-6 for k in out.logprobs[0])
+    # the snapshot taken after the prompt restores that state: the same next token again
+    r.cache.restore(3, snap)
+    again = r.execute(SchedulerOutput([new(2, p + first.token_ids, 3, [0, 1, 9])],
+                                      [ScheduledChunk(2, 10, 1, [])], [1], block_copies=[(7, 9)]))
+    assert again.token_ids == [out.token_ids[0]]
