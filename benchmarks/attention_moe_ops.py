@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from deltaserve.ops.activation import reference as act_ref
+from deltaserve.ops.activation import triton as act_t
 from deltaserve.ops.attention import reference as attn_ref
 from deltaserve.ops.attention import triton as attn_t
 from deltaserve.ops.moe import reference as moe_ref
@@ -315,8 +317,29 @@ def moe_cases(sweep: bool) -> list[Case]:
     return cases
 
 
+def activation_cases() -> list[Case]:
+    """silu_and_mul on the 27B dense MLP (I = 17408) and sigmoid_mul on the 35B attention gate (16 x 256)."""
+    cases = []
+    for T in (64, 2048):
+        for name, shape, ours_fn, ref_fn, nin in (
+                (f"silu_and_mul T={T} x 2*17408", (T, 2 * 17408), act_t.silu_and_mul, act_ref.silu_and_mul, 1),
+                (f"sigmoid_mul T={T} x 4096", (T, 4096), act_t.sigmoid_mul, act_ref.sigmoid_mul, 2)):
+            numel = shape[0] * shape[1]
+            moved = (numel * 2 + numel // 2 * 2) if nin == 1 else numel * 3 * 2
+
+            def setup(c, shape=shape, fn=None, nin=nin, ref_fn=ref_fn):
+                g = _gen(0)
+                xs = [[torch.randn(shape, device=DEV, dtype=BF, generator=g) for _ in range(nin)] for _ in range(c)]
+                return (lambda i: fn(*xs[i])), (lambda: rel_err(fn(*xs[0]), ref_fn(*xs[0])))
+
+            for impl, fn in (("ours", ours_fn), ("torch eager (F.silu / torch.sigmoid, *)", ref_fn)):
+                cases.append(Case("activation", name, impl, 4, lambda c, setup=setup, fn=fn: setup(c, fn=fn),
+                                  bytes=float(moved)))
+    return cases
+
+
 def all_cases(sweep: bool) -> list[Case]:
-    return attention_cases(sweep) + moe_cases(sweep)
+    return attention_cases(sweep) + moe_cases(sweep) + activation_cases()
 
 
 # ---- timing -------------------------------------------------------------------------------------
