@@ -93,7 +93,9 @@ class LLMEngine:
                   gpu_memory_utilization: float = 0.9, cpu_cache_bytes: int | None = None,
                   num_gpu_blocks: int | None = None, seed: int | None = 0,
                   enforce_reference_ops: bool = False) -> "LLMEngine":
-        """Load a checkpoint directory (default: the embedded model) and size the cache."""
+        """Load a checkpoint directory (default: the embedded model), size the cache from the memory budget
+        (GPU: measured; CPU: cpu_cache_bytes) and build the runner. num_gpu_blocks fixes the number of KV
+        blocks on any device (tests, tuning); max_num_seqs / max_model_len may come out lower (logged)."""
         from ..runner.memory import profile_gpu_cache_budget
         from ..runner.model_runner import ModelRunner, allocate_cache
 
@@ -112,12 +114,10 @@ class LLMEngine:
         net = load_model(path, device=dev, dtype=dt, kernels=kernels, config=model_config)
         tokenizer = Tokenizer.from_dir(path)
 
-        if dev.type == "cuda":
-            budget = profile_gpu_cache_budget(
-                net, device=dev, dtype=dt, max_num_batched_tokens=config.token_budget, max_num_seqs=max_num_seqs,
-                block_size=block_size, utilization=gpu_memory_utilization)
-        else:
-            budget = cpu_cache_bytes or DEFAULT_CPU_CACHE_BYTES
+        budget = (profile_gpu_cache_budget(net, device=dev, dtype=dt, max_num_batched_tokens=config.token_budget,
+                                           max_num_seqs=max_num_seqs, block_size=block_size,
+                                           utilization=gpu_memory_utilization)
+                  if dev.type == "cuda" else cpu_cache_bytes or DEFAULT_CPU_CACHE_BYTES)
         elem = torch.empty((), dtype=dt).element_size()
         spec = CacheSpec.from_model(model_config, block_size=block_size, kv_dtype_bytes=elem, conv_dtype_bytes=elem)
         plan = plan_cache(spec, budget_bytes=budget, max_num_seqs=max_num_seqs,

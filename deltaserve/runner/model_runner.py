@@ -32,6 +32,14 @@ class _SeqState:
         return self.sampling.token_ids
 
 
+@dataclasses.dataclass
+class _LogitRows:
+    rows: list[int]                                  # packed-batch rows to compute logits for
+    sample_rows: list[int]                           # index into rows of each sampling sequence
+    samples: list[tuple[int, _SeqState]]             # (seq id, state) of each sampling sequence
+    prompt_parts: list[tuple[int, _SeqState, int, int, int]]  # seq id, state, first row, count, chunk start
+
+
 def allocate_cache(model: HybridForCausalLM, *, num_slots: int, num_blocks: int, block_size: int,
                    device: torch.device, dtype: torch.dtype) -> CacheBuffers:
     """The pools, laid out by CacheBuffers.allocate. On CPU they are left uninitialised (pages are only
@@ -139,16 +147,31 @@ class ModelRunner:
         if not out.chunks:
             return RunnerOutput([], [], [])
         chunks = sorted(out.chunks, key=self.is_decode)     # stable: prefills first, then decodes
-        batch = self.build_batch(chunks)
+        batch, plan = self.build_batch(chunks), self._logit_rows(chunks)
         hidden = self.model(batch, self.cache)
+        if not plan.rows:                                    # only mid-prompt chunks: nothing to read out
+            return RunnerOutput([], [], [])
+        # rows are increasing and distinct, so as many rows as tokens means every row (decode-only batches)
+        picked = hidden if len(plan.rows) == hidden.shape[0] else hidden[torch.tensor(plan.rows, device=self.device)]
+        logits = self.model.compute_logits(picked).float()
 
-        # Rows needing logits: every position of a prompt-logprob chunk whose next token is in the
-        # prompt, and the last position of each chunk that reaches the end of its sequence's tokens.
-        rows: list[int] = []
-        sample_at: list[int] = []                  # index into rows
-        sample_seqs: list[_SeqState] = []
-        sample_ids: list[int] = []
-        prompt_parts: list[tuple[int, _SeqState, int, int, int]] = []  # seq id, state, first row, count, start
+        result = RunnerOutput([seq_id for seq_id, _ in plan.samples], [], [])
+        if plan.samples:
+            states = [st for _, st in plan.samples]
+            sampled = self.sampler(logits[plan.sample_rows] if len(plan.sample_rows) < len(plan.rows) else logits,
+                                   [st.sampling for st in states])
+            result.token_ids, result.logprobs = sampled.token_ids, sampled.logprobs
+            for st, tok in zip(states, sampled.token_ids):
+                st.token_ids.append(tok)
+        for seq_id, st, first, count, start in plan.prompt_parts:
+            result.prompt_logprobs[seq_id] = self._prompt_logprobs(logits[first : first + count], st, start)
+        return result
+
+    def _logit_rows(self, chunks: list[ScheduledChunk]) -> "_LogitRows":
+        """Rows of the packed batch that need logits: every position of a prompt-logprob chunk whose next token
+        is in the prompt, and the last position of each chunk that reaches the end of its sequence's tokens
+        (that sequence samples)."""
+        plan = _LogitRows([], [], [], [])
         offset = 0
         for c in chunks:
             st = self._seqs[c.seq_id]
@@ -156,30 +179,14 @@ class ModelRunner:
             if st.prompt_logprobs is not None:
                 count = min(end, st.sampling.num_prompt_tokens - 1) - c.num_computed
                 if count > 0:
-                    prompt_parts.append((c.seq_id, st, len(rows), count, c.num_computed))
-                    rows.extend(range(offset, offset + count))
+                    plan.prompt_parts.append((c.seq_id, st, len(plan.rows), count, c.num_computed))
+                    plan.rows.extend(range(offset, offset + count))
             if end == len(st.token_ids):
-                sample_at.append(len(rows))
-                sample_seqs.append(st)
-                sample_ids.append(c.seq_id)
-                rows.append(offset + c.num_new - 1)
+                plan.sample_rows.append(len(plan.rows))
+                plan.samples.append((c.seq_id, st))
+                plan.rows.append(offset + c.num_new - 1)
             offset += c.num_new
-        if not rows:
-            return RunnerOutput([], [], [])
-        # rows are increasing and distinct, so as many rows as tokens means every row (decode-only batches)
-        picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=self.device)]
-        logits = self.model.compute_logits(picked).float()
-
-        result = RunnerOutput(sample_ids, [], [])
-        if sample_seqs:
-            sampled = self.sampler(logits[sample_at] if len(sample_at) < len(rows) else logits,
-                                   [st.sampling for st in sample_seqs])
-            result.token_ids, result.logprobs = sampled.token_ids, sampled.logprobs
-            for st, tok in zip(sample_seqs, sampled.token_ids):
-                st.token_ids.append(tok)
-        for seq_id, st, first, count, start in prompt_parts:
-            result.prompt_logprobs[seq_id] = self._prompt_logprobs(logits[first : first + count], st, start)
-        return result
+        return plan
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, st: _SeqState, start: int) -> list[PositionLogprobs]:
