@@ -60,6 +60,7 @@ class Scheduler:
 
     def finish_many(self, seqs: Iterable[Sequence]) -> None:
         """finish() for several sequences at once (one pass over the queues)."""
+        seqs = list(seqs)
         done = {s.seq_id for s in seqs if s.status is not SeqStatus.FINISHED}
         if not done:
             return

@@ -6,7 +6,6 @@ never touches cache resources itself.
 from __future__ import annotations
 
 import enum
-import time
 
 from ..outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from ..sampling_params import SamplingParams

@@ -24,9 +24,10 @@ def dummy_prefill_batch(num_tokens: int, block_size: int, device: torch.device) 
     return ForwardBatch(
         input_ids=torch.zeros(num_tokens, dtype=torch.long, device=device),
         positions=torch.arange(num_tokens, device=device), cu_seqlens=t([0, num_tokens], torch.int32),
-        seq_lens=t([num_tokens], torch.int32), state_slots=t([0], torch.int32), has_initial_state=t([False], torch.bool),
-        slot_mapping=torch.arange(num_tokens, device=device), block_tables=torch.arange(nblocks, device=device,
-                                                                                         dtype=torch.int32)[None],
+        seq_lens=t([num_tokens], torch.int32), state_slots=t([0], torch.int32),
+        has_initial_state=t([False], torch.bool),
+        slot_mapping=torch.arange(num_tokens, device=device),
+        block_tables=torch.arange(nblocks, device=device, dtype=torch.int32)[None],
         num_prefills=1, num_prefill_tokens=num_tokens)
 
 

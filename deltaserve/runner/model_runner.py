@@ -135,8 +135,9 @@ class ModelRunner:
         tables = torch.from_numpy(self._block_table[slots, :max_blocks]).to(self.device, non_blocking=True)
         return ForwardBatch(
             input_ids=per_token[:T], positions=per_token[T : 2 * T], slot_mapping=per_token[2 * T :],
-            cu_seqlens=per_seq[: N + 1], seq_lens=per_seq[N + 1 : 2 * N + 1], state_slots=per_seq[2 * N + 1 : 3 * N + 1],
-            has_initial_state=per_seq[3 * N + 1 :].bool(), block_tables=tables,
+            cu_seqlens=per_seq[: N + 1], seq_lens=per_seq[N + 1 : 2 * N + 1],
+            state_slots=per_seq[2 * N + 1 : 3 * N + 1], has_initial_state=per_seq[3 * N + 1 :].bool(),
+            block_tables=tables,
             num_prefills=num_prefills, num_prefill_tokens=cu[num_prefills],
         )
 

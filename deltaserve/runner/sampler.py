@@ -5,12 +5,12 @@ Order of operations (vLLM's): returned logprobs come from the raw model distribu
 tokens, then greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample.
 
 Sampling inverts the CDF with one uniform number per row, in two levels (which block of 128 tokens, then
-which token in it) with the cumulative sums in float64, so a 150k vocabulary loses no precision. A row with a seed takes its
-uniform from a hash of (seed, index of the token being sampled), so its tokens do not depend on what
-else is in the batch, on chunking, or on preemption and recomputation; rows without a seed draw from the
-sampler's own seeded stream. No device random generator is involved, so nothing per row runs on the
-device and the uniforms are plain inputs (CUDA-graph friendly). The only host sync is reading the sampled
-tokens (and the logprobs, when asked for).
+which token in it) with the cumulative sums in float64, so a 150k vocabulary loses no precision. A row
+with a seed takes its uniform from a hash of (seed, index of the token being sampled), so its tokens do
+not depend on what else is in the batch, on chunking, or on preemption and recomputation; rows without a
+seed draw from the sampler's own seeded stream. No device random generator is involved: nothing per row
+runs on the device and the uniforms are plain inputs (CUDA-graph friendly). The only host sync is reading
+the sampled tokens (and the logprobs, when asked for).
 """
 
 from __future__ import annotations
