@@ -126,3 +126,27 @@ def test_state_and_block_copies_fork_a_sequence(model):
     again = r.execute(SchedulerOutput([new(2, p + first.token_ids, 3, [0, 1, 9])],
                                       [ScheduledChunk(2, 10, 1, [])], [1], block_copies=[(7, 9)]))
     assert again.token_ids == [out.token_ids[0]]
+
+
+def test_profiling_batch_is_a_valid_prefill(model):
+    from deltaserve.runner.memory import dummy_prefill_batch
+
+    n = 37
+    cache = allocate_cache(model, num_slots=1, num_blocks=-(-n // BS), block_size=BS, device=torch.device("cpu"),
+                           dtype=torch.float32)
+    hidden = model(dummy_prefill_batch(n, BS, torch.device("cpu")), cache)
+    assert hidden.shape == (n, model.config.hidden_size) and torch.isfinite(hidden).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cache_budget_is_positive_and_below_free_memory(tiny_model):
+    from deltaserve.runner.memory import profile_gpu_cache_budget
+
+    path = tiny_model(TinySpec(family="qwen3_5", layout="text", ratio=2, seed=3))
+    dev = torch.device("cuda")
+    net = load_model(path, device=dev, dtype=torch.bfloat16, kernels=select_kernels(dev), show_progress=False)
+    budget = profile_gpu_cache_budget(net, device=dev, dtype=torch.bfloat16, max_num_batched_tokens=512,
+                                      max_num_seqs=8, block_size=16, utilization=0.5)
+    free, total = torch.cuda.mem_get_info(dev)
+    assert 0 < budget <= total * 0.5
