@@ -83,7 +83,7 @@ def test_token_budget_16_equals_unchunked(model_path):
 def test_preemption_in_a_tiny_kv_pool_keeps_outputs_identical(model_path, mode):
     prompts, _ = ragged(10, seed=3, lo=5, hi=30)
     if mode == "greedy":
-        params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True) for _ in prompts]
+        params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=1) for _ in prompts]
     else:
         params = [SamplingParams(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True) for i in range(10)]
     roomy = LLM(model_path, device="cpu").generate(as_inputs(prompts), params, use_tqdm=False)
@@ -91,6 +91,11 @@ def test_preemption_in_a_tiny_kv_pool_keeps_outputs_identical(model_path, mode):
     tight = tight_llm.generate(as_inputs(prompts), params, use_tqdm=False)
     assert tight_llm.engine.get_stats().num_preempted_total > 0
     assert tokens(tight) == tokens(roomy)
+    if mode == "greedy":   # prompt logprobs survive preemption (recomputed when it hit mid-prompt)
+        for a, b in zip(tight, roomy):
+            assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
+            assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for x, y in zip(a.prompt_logprobs[1:],
+                                                                              b.prompt_logprobs[1:]) for t in x)
     assert_all_free(tight_llm)
 
 

@@ -321,3 +321,20 @@ def test_random_workload_with_aborts_keeps_the_cache_consistent():
     run_all(engine)
     assert engine.get_stats().num_preempted_total > 0
     assert_all_free(engine)
+
+
+def test_preempted_sequence_recomputes_partial_prompt_logprobs_only():
+    req = Request("r", None, [1, 2, 3, 4], greedy(4, prompt_logprobs=1), 0.0)
+    seq = Sequence(0, req, 0, max_new_tokens=4, eos_token_ids=frozenset(), detokenizer=None)
+    req.seqs = [seq]
+    assert seq.runner_data(0, []).prompt_logprobs == 1
+    req.prompt_logprobs.extend([{2: None}])            # 2 of 4 positions done when preempted
+    seq.reset_for_recompute()
+    assert req.prompt_logprobs == [None] and seq.runner_data(0, []).prompt_logprobs == 1
+    req.prompt_logprobs.extend([{2: None}, {3: None}, {4: None}])   # complete: kept, not asked again
+    seq.reset_for_recompute()
+    assert len(req.prompt_logprobs) == 4 and seq.runner_data(0, []).prompt_logprobs is None
+    sibling = Sequence(1, req, 1, max_new_tokens=4, eos_token_ids=frozenset(), detokenizer=None)
+    assert Sequence(2, Request("q", None, [1, 2], greedy(2, prompt_logprobs=1), 0.0), 0, max_new_tokens=2,
+                    eos_token_ids=frozenset(), detokenizer=None).runner_data(0, []).prompt_logprobs == 1
+    assert sibling.runner_data(0, []).prompt_logprobs is None      # only completion 0 computes them
