@@ -113,14 +113,13 @@ def default_attention_config(T: int, N: int, nh: int, nkv: int, d: int, device: 
     (tile, KV head) programs cannot fill the GPU; batches with prefill chunks get wide tiles."""
     g = nh // nkv
     decode = max_query_len == 1 if max_query_len is not None else T <= N
+    # tile choices measured on an H200 at head_dim 256 (benchmarks/attention_moe_ops.py --sweep)
     if decode:
         block_m = max(16, triton.next_power_of_2(g))
-        block_n = 64 if d <= 128 else 32
-        warps, stages = 4, 3
+        block_n, warps, stages = 64, 4, 2
     else:
-        block_m = max(64 if d > 128 else 128, triton.next_power_of_2(g))
-        block_n = 32 if d > 128 else 64
-        warps, stages = (8 if d > 128 else 4), 2
+        block_m = max(128, triton.next_power_of_2(g))
+        block_n, warps, stages = 64, (8 if d > 128 else 4), 2
     bq = block_m // g
     programs = (T // bq + N + 1) * nkv
     target = 4 * _device_sms(device)

@@ -207,6 +207,8 @@ class MoeConfig:
 
 
 def default_moe_config(T: int, top_k: int, E: int, H: int, inter: int) -> MoeConfig:
+    """Tiles by the mean rows per expert; the small and large choices were measured on an H200 at the
+    Qwen3.5-35B-A3B shape (benchmarks/attention_moe_ops.py --sweep), the middle one was not."""
     rows_per_expert = T * top_k / E
     if rows_per_expert <= 16:      # decode: weight-bandwidth bound, small row blocks
         return MoeConfig(block_m=16, block_n1=32, block_k1=256, block_n2=64, block_k2=256, warps1=4, warps2=4,
@@ -214,7 +216,7 @@ def default_moe_config(T: int, top_k: int, E: int, H: int, inter: int) -> MoeCon
     if rows_per_expert <= 64:
         return MoeConfig(block_m=32, block_n1=64, block_k1=128, block_n2=64, block_k2=128, warps1=4, warps2=4,
                          stages=3)
-    return MoeConfig(block_m=64, block_n1=64, block_k1=64, block_n2=128, block_k2=64, warps1=4, warps2=8,
+    return MoeConfig(block_m=128, block_n1=64, block_k1=64, block_n2=128, block_k2=64, warps1=8, warps2=8,
                      stages=3)
 
 
