@@ -168,3 +168,15 @@ def test_real_shapes_gpu(nh, nkv, device):
     q = randn(8, nh, d, g=paged.g, dtype=torch.bfloat16, device=device)
     o_ref, o_tri = _run_both(q, paged, dq, d ** -0.5)
     assert_close(o_tri, o_ref, TOL[torch.bfloat16], "decode")
+
+
+def test_signatures_match_the_references():
+    """The reference's parameters in order, plus only optional keyword-only extras (host-side hints)."""
+    import inspect
+
+    for name, extras in (("store_kv", set()), ("paged_attention", {"max_query_len", "config"})):
+        want = [(p.name, p.kind) for p in inspect.signature(getattr(ref, name)).parameters.values()]
+        params = inspect.signature(getattr(tri, name)).parameters.values()
+        got = [(p.name, p.kind) for p in params if p.name not in extras]
+        assert got == want, name
+        assert all(p.kind == p.KEYWORD_ONLY and p.default is None for p in params if p.name in extras)

@@ -154,3 +154,12 @@ def test_real_shapes_gpu(T, device):
     assert_close(w_tri, w_ref, 1e-6, "weights")
     assert_close(tri.fused_moe(x, w13, w2, w_ref, i_ref), ref.fused_moe(x, w13, w2, w_ref, i_ref),
                  TOL[torch.bfloat16], f"T={T}")
+
+
+def test_signatures_match_the_references():
+    import inspect
+
+    for name in ("topk_softmax", "fused_moe"):
+        want = [(p.name, p.kind) for p in inspect.signature(getattr(ref, name)).parameters.values()]
+        params = inspect.signature(getattr(tri, name)).parameters.values()
+        assert [(p.name, p.kind) for p in params if p.name != "config"] == want, name
