@@ -149,8 +149,8 @@ def prefill_cases(sweep: bool) -> list[Case]:
             (f"bv{bv}/w{w}/s{st}/{prec}/prep-w{pw}",
              tc.ChunkConfig(bv=bv, warps_state=w, stages_state=st, prec=prec, warps_prep=pw))
             for bv, w, st, prec, pw in [
-                (32, 4, 1, "bf16", 4), (64, 4, 2, "bf16", 4), (16, 4, 2, "bf16", 4), (32, 8, 2, "bf16", 4),
-                (32, 4, 2, "tf32", 4), (32, 4, 2, "bf16", 2), (32, 4, 2, "bf16", 8)]]
+                (32, 4, 1, "tf32", 4), (64, 4, 2, "tf32", 4), (16, 4, 2, "tf32", 4), (32, 8, 2, "tf32", 4),
+                (32, 4, 2, "tf32", 2), (32, 4, 2, "tf32", 8)]]
     for name, lengths in PREFILL.items():
         T = sum(lengths)
 
@@ -216,10 +216,11 @@ def decode_cases(sweep: bool) -> list[Case]:
                 d["q"], d["k"], d["v"], d["g"], d["beta"], scale=SCALE, ssm_state=d["pool"], state_indices=d["idx"][i],
                 config=cfg)
 
-        def layer(c, B=B):
+        def layer(c, B=B, cfg=None):
             d = token_inputs(B, c)
             return lambda i: tr.gdn_decode(d["mixed"], d["z"], d["a"], d["b"], conv_state=d["conv_pool"],
-                                           ssm_state=d["pool"], state_indices=d["idx"][i], **layer_kw(d))
+                                           ssm_state=d["pool"], state_indices=d["idx"][i], config=cfg,
+                                           **layer_kw(d))
 
         def layer_unfused(c, B=B):
             d = token_inputs(B, c)
@@ -248,21 +249,28 @@ def decode_cases(sweep: bool) -> list[Case]:
         cases.append(Case("decode", f"B={B}", "fla", calls, fla_rec, state_bytes=sb))
         cases.append(Case("decode", f"B={B}", "ours gdn_decode (whole layer, 2 launches)", calls, layer,
                           state_bytes=sb))
+        for label, cfg in TOKEN_CONFIGS if sweep else []:
+            cases.append(Case("decode", f"B={B}", f"gdn_decode {label}", calls,
+                              lambda c, cfg=cfg, f=layer: f(c, cfg=cfg), state_bytes=sb, sweep=True))
         cases.append(Case("decode", f"B={B}", "ours unfused layer (conv, gates, rec, norm: 4 launches)", calls,
                           layer_unfused, state_bytes=sb))
     return cases
 
 
-def verify_cases() -> list[Case]:
+TOKEN_CONFIGS = [(f"bv{bv}/w{w}", tr.RecurrentConfig(bv=bv, num_warps=w))
+                 for bv, w in [(8, 1), (32, 2), (64, 4)]]
+
+
+def verify_cases(sweep: bool = False) -> list[Case]:
     cases = []
     for T, B in VERIFY:
         calls = _calls_for(B)
 
-        def verify(c, T=T, B=B):
+        def verify(c, T=T, B=B, cfg=None):
             d = token_inputs(B, c, T=T)
             return lambda i: tr.gdn_verify(d["mixed"], d["z"], d["a"], d["b"], cu_seqlens=d["cu"],
                                            conv_state=d["conv_pool"], ssm_state=d["pool"], state_indices=d["idx"][i],
-                                           stash=d["stash"], **layer_kw(d))
+                                           stash=d["stash"], config=cfg, **layer_kw(d))
 
         def commit(c, T=T, B=B):
             d = token_inputs(B, c, T=T)
@@ -281,6 +289,9 @@ def verify_cases() -> list[Case]:
 
         name = f"T={T} B={B}"
         cases.append(Case("verify", name, "ours gdn_verify", calls, verify, state_bytes=B * STATE_BYTES))
+        for label, cfg in TOKEN_CONFIGS if sweep else []:
+            cases.append(Case("verify", name, f"gdn_verify {label}", calls, lambda c, cfg=cfg, f=verify: f(c, cfg=cfg),
+                              state_bytes=B * STATE_BYTES, sweep=True))
         cases.append(Case("verify", name, "ours gdn_commit (all accepted)", calls, commit,
                           state_bytes=2 * B * STATE_BYTES))
         cases.append(Case("verify", name, "fla fused_recurrent T tokens (no per-step states)", calls, fla_rec,
@@ -288,8 +299,11 @@ def verify_cases() -> list[Case]:
     return cases
 
 
-def all_cases(sweep: bool) -> list[Case]:
-    return prefill_cases(sweep) + decode_cases(sweep) + verify_cases()
+def all_cases(sweep: bool, only: str = "") -> list[Case]:
+    """Every case, or those whose "group impl" contains one of the comma-separated `only` words."""
+    cases = prefill_cases(sweep) + decode_cases(sweep) + verify_cases(sweep)
+    words = [w for w in only.split(",") if w]
+    return [c for c in cases if not words or any(w in f"{c.group} {c.impl}" for w in words)]
 
 
 # ---- timing -------------------------------------------------------------------------------------
@@ -326,9 +340,9 @@ def ceilings() -> dict:
 
 # ---- warm-up workers ----------------------------------------------------------------------------
 
-def worker(index: int, count: int, sweep: bool, with_fla: bool) -> None:
+def worker(index: int, count: int, sweep: bool, with_fla: bool, only: str = "") -> None:
     """Compile the kernels of every count-th case (or let FLA autotune) by calling each once."""
-    cases = all_cases(sweep)
+    cases = all_cases(sweep, only)
     for j, case in enumerate(cases):
         is_fla = case.impl.startswith("fla")
         if is_fla != with_fla or (not with_fla and j % count != index):
@@ -346,7 +360,7 @@ def warm_up(args, log) -> None:
     t0 = time.time()
     procs = []
     base = [sys.executable, os.path.abspath(__file__), "--worker-of", str(args.workers)]
-    sweep = ["--sweep"] if args.sweep else []
+    sweep = (["--sweep"] if args.sweep else []) + ["--only", args.only]
     for i in range(args.workers):
         procs.append(subprocess.Popen(base + ["--worker", str(i)] + sweep))
     if not args.no_fla:
@@ -380,7 +394,7 @@ def warm_up(args, log) -> None:
 def timed_child(args, ceil) -> int:
     """Time cases from --first on, appending one JSON line per case; exit 3 at the first failure (a CUDA
     fault poisons the context), after writing the failed index to the progress file."""
-    cases = all_cases(args.sweep)
+    cases = all_cases(args.sweep, args.only)
     with_fla = not args.no_fla
     for j in range(args.first, len(cases)):
         case = cases[j]
@@ -420,13 +434,13 @@ def timed_phase(args, env, ceil, t_start, log) -> list[dict]:
     results_path = os.path.join(args.out, "gdn_bench.jsonl")
     progress = os.path.join(tempfile.gettempdir(), f"gdn_bench_progress_{os.getpid()}.txt")
     open(results_path, "w").close()
-    n_cases = len(all_cases(args.sweep))
+    n_cases = len(all_cases(args.sweep, args.only))
     first = 0
     deadline = t_start + args.budget_s
     while first < n_cases:
         cmd = [sys.executable, os.path.abspath(__file__), "--timed-child", "--first", str(first), "--results",
                results_path, "--progress", progress, "--deadline", str(deadline), "--ceil", json.dumps(ceil)]
-        cmd += ["--sweep"] if args.sweep else []
+        cmd += (["--sweep"] if args.sweep else []) + ["--only", args.only]
         cmd += ["--no-fla"] if (args.no_fla or env["fla"] is None) else []
         with open(progress, "w") as f:
             f.write(str(first))
@@ -463,6 +477,7 @@ def main() -> int:
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--gpu-tests", action="store_true", help="run tests/ops/test_gpu.py during the warm-up")
     ap.add_argument("--budget-s", type=float, default=400.0, help="skip remaining cases after this wall time")
+    ap.add_argument("--only", default="", help="comma-separated words; keep cases whose 'group impl' has one")
     ap.add_argument("--worker", default=None)
     ap.add_argument("--worker-of", type=int, default=1)
     ap.add_argument("--timed-child", action="store_true")
@@ -476,9 +491,9 @@ def main() -> int:
         return timed_child(args, json.loads(args.ceil))
     if args.worker is not None:
         if args.worker == "fla":
-            worker(0, 1, args.sweep, with_fla=True)
+            worker(0, 1, args.sweep, with_fla=True, only=args.only)
         else:
-            worker(int(args.worker), args.worker_of, args.sweep, with_fla=False)
+            worker(int(args.worker), args.worker_of, args.sweep, with_fla=False, only=args.only)
         return 0
 
     t_start = time.time()

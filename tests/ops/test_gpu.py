@@ -19,7 +19,7 @@ from .helpers import assert_close, cu_seqlens, gen, rel_err
 pytestmark = pytest.mark.gpu
 
 HK, HV, D = 16, 32, 128
-TOL_BF16 = 3e-2  # bf16 output rounding + bf16 dot operands (FLA's precision class)
+TOL_BF16 = 3e-2  # bf16 activations and outputs; tf32 dot operands
 
 
 def _report(**row) -> None:
@@ -108,7 +108,6 @@ def test_chunk_state_kernel_with_torch_buffers():
     N = len(lengths)
     cfg = tc.default_chunk_config(N, HV, D, torch.bfloat16)
     bufs = _prep_reference(q, k, g, beta, lengths, D ** -0.5, HV)
-    bufs["Tb"], bufs["Pb"] = bufs["Tb"].to(torch.bfloat16), bufs["Pb"].to(torch.bfloat16)
     pool = torch.randn(N, HV, D, D, generator=gen(3)).mul(0.1).cuda()
     kw = dict(scale=D ** -0.5, cu_seqlens=cu_seqlens(lengths, "cuda"),
               state_indices=torch.arange(N, dtype=torch.int32, device="cuda"),
@@ -158,11 +157,9 @@ def test_chunk_8k_vs_fp32_token_recurrence():
     p_rec = pool.clone()
     o_rec = ref.recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state=p_rec, **kw)
     rows = {}
-    for prec in ("bf16", "tf32"):
-        cfg = tc.ChunkConfig(prec=prec)
-        p = pool.clone()
-        o = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p, config=cfg, **kw)
-        rows[f"ours_{prec}"] = (rel_err(o, o_rec), (o.float() - o_rec.float()).abs().max().item(), rel_err(p, p_rec))
+    p = pool.clone()
+    o = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p, **kw)
+    rows["ours"] = (rel_err(o, o_rec), (o.float() - o_rec.float()).abs().max().item(), rel_err(p, p_rec))
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
@@ -175,8 +172,7 @@ def test_chunk_8k_vs_fp32_token_recurrence():
     for name, (out_rel, out_abs, state_rel) in rows.items():
         _report(test="chunk_8k_vs_fp32_recurrence", impl=name, out_rel=out_rel, out_max_abs=out_abs,
                 out_max=o_rec.float().abs().max().item(), state_rel=state_rel)
-    assert rows["ours_bf16"][0] < TOL_BF16 and rows["ours_tf32"][0] < TOL_BF16
-    assert rows["ours_bf16"][2] < TOL_BF16 and rows["ours_tf32"][2] < TOL_BF16
+    assert rows["ours"][0] < 1e-2 and rows["ours"][2] < 1e-2
 
 
 def test_decode_verify_commit_real_shape():
@@ -223,7 +219,7 @@ def test_decode_verify_commit_real_shape():
         pools.append((c, s))
     _report(test="verify_commit_B64", out_rel=rel_err(outs[1], outs[0]), state_rel=rel_err(pools[1][1], pools[0][1]))
     assert_close(outs[1], outs[0], TOL_BF16, "verify output")
-    assert_close(pools[1][1], pools[0][1], 1e-4, "committed state")
+    assert_close(pools[1][1], pools[0][1], 2e-3, "committed state")  # bf16 conv-output rounding flips
     assert torch.equal(pools[1][0], pools[0][0]), "committed conv windows"
 
 

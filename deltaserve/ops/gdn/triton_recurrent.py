@@ -37,7 +37,15 @@ class RecurrentConfig:
 
 
 def default_recurrent_config(num_programs_bv32: int, v: int) -> RecurrentConfig:
-    """Enough programs to cover the SMs a few times over at small batch; wider slices at large batch."""
+    """Plain decode (measured on the H200, docs/PERFORMANCE.md): 64-column slices with 4 warps from
+    batch ~8 up (3.9-4.07 TB/s at B >= 64); 16-column slices with 2 warps at batch 1-4 (more programs)."""
+    if num_programs_bv32 >= 1024:
+        return RecurrentConfig(bv=min(64, v), num_warps=4)
+    return RecurrentConfig(bv=min(16, v), num_warps=2)
+
+
+def default_tokens_config(num_programs_bv32: int, v: int) -> RecurrentConfig:
+    """Fused decode / verify (conv + gates + norm + delta rule per program)."""
     if num_programs_bv32 >= 1024:
         return RecurrentConfig(bv=min(32, v), num_warps=4)
     return RecurrentConfig(bv=min(16, v), num_warps=2)
@@ -321,7 +329,7 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
     out = torch.empty((T, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     if T == 0 or N == 0:
         return out
-    cfg = config or default_recurrent_config(N * HV * max(V // 32, 1), V)
+    cfg = config or default_tokens_config(N * HV * max(V // 32, 1), V)
     check(V % cfg.bv == 0, op, f"config bv={cfg.bv} must divide V={V}")
     o_tmp = torch.empty((T, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     dummy = o_tmp  # pointer arguments that the decode variant never touches
