@@ -548,7 +548,8 @@ def summary(results, ceil) -> str:
         ratio = f"{f['us'] / o['us']:.2f}x" if (o and f) else "-"
         frac = f" ({o['frac_copy']:.0%})" if o else ""
         lines.append(f"| {n} | {cell(o, 'us', '.2f')} | {cell(o, 'state_TBps', '.2f')}{frac} | {cell(f, 'us', '.2f')} "
-                     f"| {cell(f, 'state_TBps', '.2f')} | {ratio} | {cell(lay, 'us', '.2f')} | {cell(unf, 'us', '.2f')} |")
+                     f"| {cell(f, 'state_TBps', '.2f')} | {ratio} | {cell(lay, 'us', '.2f')} "
+                     f"| {cell(unf, 'us', '.2f')} |")
     lines += ["", "| verify | gdn_verify us | / gdn_decode at same B | gdn_commit us | verify+commit / decode |"
               " FLA recurrent T tokens us |", "|---|---|---|---|---|---|"]
     for T, B in VERIFY:
@@ -558,7 +559,8 @@ def summary(results, ceil) -> str:
         dec = by.get(("decode", f"B={B}", "ours gdn_decode (whole layer, 2 launches)"))
         r1 = f"{v['us'] / dec['us']:.2f}x" if (v and dec) else "-"
         r2 = f"{(v['us'] + c['us']) / dec['us']:.2f}x" if (v and c and dec) else "-"
-        lines.append(f"| {n} | {v['us'] if v else float('nan'):.2f} | {r1} | {c['us'] if c else float('nan'):.2f} | {r2} "
+        nan = float("nan")
+        lines.append(f"| {n} | {v['us'] if v else nan:.2f} | {r1} | {c['us'] if c else nan:.2f} | {r2} "
                      f"| {f['us'] if f else float('nan'):.2f} |")
     sweeps = [r for r in results if r["impl"] not in ("ours", "fla") and "/" in r["impl"]]
     if sweeps:

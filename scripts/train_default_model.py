@@ -770,6 +770,68 @@ def sample_outputs(path: Path, max_new_tokens: int = 40) -> list[tuple[str, str]
     return out
 
 
+def chat_sample_output(path: Path, max_new_tokens: int = 60) -> tuple[str, str]:
+    """One chat turn through the chat template (thinking off); the reply should end with <|im_end|>."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3NextForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = Qwen3NextForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    question = "The old house at the end of the street had been empty for years."
+    prompt = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                     add_generation_prompt=True, enable_thinking=False)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return question, tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=False)
+
+
+def sample_windows(ids: list[int], seq_len: int) -> list[list[int]]:
+    """The test sample as consecutive windows of at most seq_len tokens (the training length); tests score
+    every token of a window but its first."""
+    return [ids[i : i + seq_len] for i in range(0, len(ids), seq_len) if len(ids[i : i + seq_len]) >= 3]
+
+
+def sample_expectations(path: Path, data: Path, text: str, seq_len: int) -> dict:
+    """Numbers the tests check deltaserve against, measured with transformers (fp32) and the training MTP module
+    on the committed held-out sample: perplexity, next-next-token accuracy of the MTP head, unigram baseline."""
+    import torch
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+    from transformers import Qwen3NextForCausalLM
+
+    ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    model = Qwen3NextForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    mtp = build_mtp(model.config).eval()
+    reload_weights(model, mtp, load_file(str(path / "model.safetensors")))
+    most_frequent = int(np.bincount(np.load(data / "train.npy"), minlength=VOCAB_SIZE).argmax())
+    nll, n_main, mtp_hits, unigram_hits, n_mtp = 0.0, 0, 0, 0, 0
+    with torch.no_grad():
+        for w in sample_windows(ids, seq_len):
+            x = torch.tensor(w)[None]
+            hidden = model.model(input_ids=x).last_hidden_state
+            logits = model.lm_head(hidden)[0, :-1]
+            nll += torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").item()
+            n_main += len(w) - 1
+            n = len(w) - 2
+            pos = torch.arange(n)[None]
+            out = mtp(model.model.embed_tokens(x[:, 1 : n + 1]), hidden[:, :n], model.model.rotary_emb(hidden, pos))
+            target = x[0, 2:]
+            mtp_hits += int((model.lm_head(out)[0].argmax(-1) == target).sum())
+            unigram_hits += int((target == most_frequent).sum())
+            n_mtp += n
+    return {"seq_len": seq_len, "tokens": len(ids), "scored_tokens": n_main,
+            "ppl_transformers_fp32": math.exp(nll / n_main), "mtp_next_next_accuracy": mtp_hits / n_mtp,
+            "unigram_token": most_frequent, "unigram_accuracy": unigram_hits / n_mtp,
+            "model_sha256": hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()}
+
+
+# Keys every transformers config writes whatever the model (labels, output flags, ...): not shipped.
+GENERIC_CONFIG_KEYS = {"_name_or_path", "id2label", "label2id", "chunk_size_feed_forward", "is_encoder_decoder",
+                       "output_attentions", "output_hidden_states", "problem_type", "return_dict", "torchscript",
+                       "output_router_logits"}
+
+
 def cmd_package(args: argparse.Namespace) -> None:
     from safetensors.torch import load_file, save_file
 
@@ -782,32 +844,56 @@ def cmd_package(args: argparse.Namespace) -> None:
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     save_file(state, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    for f in ("config.json", "generation_config.json"):
-        shutil.copy(run / f, dest / f)
+    config = json.loads((run / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps(
+        {k: v for k, v in config.items() if k not in GENERIC_CONFIG_KEYS}, indent=2, sort_keys=True) + "\n")
+    shutil.copy(run / "generation_config.json", dest / "generation_config.json")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(data / f, dest / f)
     heldout = np.load(data / "heldout.npy")
     seq_len = report["train"]["seq_len"]
-    print("measuring held-out perplexity with transformers (fp32, CPU) ...", flush=True)
-    t0 = time.time()
-    ppl = transformers_perplexity(dest, heldout, seq_len)
-    print(f"held-out ppl {ppl:.3f} ({len(heldout)} tokens, {time.time() - t0:.0f} s)")
+    if args.heldout_ppl is None:
+        print("measuring held-out perplexity with transformers (fp32, CPU) ...", flush=True)
+        t0 = time.time()
+        ppl = transformers_perplexity(dest, heldout, seq_len)
+        print(f"held-out ppl {ppl:.3f} ({len(heldout)} tokens, {time.time() - t0:.0f} s)")
+    else:
+        ppl = args.heldout_ppl
     samples = sample_outputs(dest)
-    (dest / "README.md").write_text(readme(report, ppl, len(heldout), samples))
-    sample_file = data / "heldout_sample.txt"
-    if args.test_data and sample_file.is_file():
-        Path(args.test_data).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(sample_file, args.test_data)
+    chat = chat_sample_output(dest)
+    sample_text = (data / "heldout_sample.txt").read_text()
+    expected = sample_expectations(dest, data, sample_text, seq_len)
+    print(f"test sample: {json.dumps(expected)}")
+    (dest / "README.md").write_text(readme(report, ppl, len(heldout), samples, chat, expected))
+    test_data = Path(args.test_data)
+    test_data.mkdir(parents=True, exist_ok=True)
+    (test_data / "heldout.txt").write_text(sample_text)
+    (test_data / "heldout_expected.json").write_text(json.dumps(expected, indent=2) + "\n")
     size = sum(f.stat().st_size for f in dest.iterdir())
     print(f"wrote {dest} ({size / 2**20:.1f} MiB)")
 
 
-def readme(report: dict, ppl: float, heldout_tokens: int, samples: list[tuple[str, str]]) -> str:
+def decode_weight_bytes(s: dict, bytes_per: int = 4) -> int:
+    """fp32 weight bytes one batch-1 decode step reads: lm_head, every mixer, router, shared and top-k experts."""
+    h, nk, nv = s["hidden_size"], s["linear_num_key_heads"], s["linear_num_value_heads"]
+    key, value = nk * s["linear_key_head_dim"], nv * s["linear_value_head_dim"]
+    gdn = (2 * key + 2 * value + 2 * nv) * h + value * h
+    attn = (3 * s["num_attention_heads"] + 2 * s["num_key_value_heads"]) * s["head_dim"] * h
+    moe = (s["num_experts"] + 1) * h + 3 * h * (s["shared_expert_intermediate_size"]
+                                                 + s["num_experts_per_tok"] * s["moe_intermediate_size"])
+    n_attn = s["num_hidden_layers"] // s["full_attention_interval"]
+    layers = (s["num_hidden_layers"] - n_attn) * gdn + n_attn * attn + s["num_hidden_layers"] * moe
+    return (layers + s["vocab_size"] * h) * bytes_per
+
+
+def readme(report: dict, ppl: float, heldout_tokens: int, samples: list[tuple[str, str]], chat: tuple[str, str],
+           expected: dict) -> str:
     s, t = report["shape"], report["train"]
     meta = report.get("meta", {})
     splits = meta.get("splits", {})
     n_total = report["params_main"] + report["params_mtp"]
-    # params computed with the tied embedding counted once
+    train_tokens = splits.get("train", {}).get("tokens", 1)
+    best_epochs = report["best_step"] * t["batch_size"] * t["seq_len"] / train_tokens
     lines = [
         "# deltaserve default model",
         "",
@@ -834,9 +920,16 @@ def readme(report: dict, ppl: float, heldout_tokens: int, samples: list[tuple[st
         f"- Parameters: {report['params_main'] / 1e6:.2f} M main model + {report['params_mtp'] / 1e6:.2f} M MTP = "
         f"{n_total / 1e6:.2f} M, stored in bf16.",
         "",
-        "Few, wide layers keep CPU decoding fast (per-step cost there is dominated by per-layer overhead, not FLOPs);",
-        "the MoE keeps the per-token compute small while adding capacity. The data (a few million tokens) rather",
-        "than the parameter count limits quality at this size.",
+        "Why this size: 8 layers is the smallest depth that keeps the 3:1 pattern twice (two GDN groups and two",
+        "attention layers, so engines are exercised with several of each); hidden 384 with a few small experts gives",
+        f"capacity while a batch-1 decode step reads only {decode_weight_bytes(s) / 1e6:.0f} MB of fp32 weights "
+        "(lm_head, mixers, routers, shared and routed",
+        "experts of every layer), a small budget for CPU decoding; "
+        f"{n_total / 1e6:.1f} M parameters fit the 40 MB bf16 budget. With",
+        f"{train_tokens / 1e6:.1f} M training tokens the data, not the parameter count, limits quality: the model "
+        f"overfits after about {best_epochs:.0f} epochs",
+        f"(validation loss is lowest at step {report['best_step']} of {t['steps']}), hence dropout and "
+        "best-checkpoint selection.",
         "",
         "## Training data",
         "",
@@ -869,8 +962,13 @@ def readme(report: dict, ppl: float, heldout_tokens: int, samples: list[tuple[st
         f"in {report['train_seconds']:.0f} s; AdamW (betas {tuple(t['betas'])}, weight decay {t['weight_decay']}), "
         f"peak lr {t['lr']}, {t['warmup_steps']} warmup steps, cosine to {t['min_lr_ratio']} x peak, grad clip {t['grad_clip']}.",
         f"- Loss = CE(next token) + {t['mtp_loss_weight']} x CE(next-next token, MTP) + {t['router_aux_loss_coef']} x "
-        "load-balancing loss; seed "
+        f"load-balancing loss; dropout {t.get('dropout', 0)} on every mixer and FFN output; seed "
         f"{t['seed']}. Weights of the best validation step ({report['best_step']}) are shipped.",
+        "- Validation perplexity by step (131k-token slice, bf16 autocast): "
+        + ", ".join(f"{e['step']}: {e['ppl']:.0f}" for e in report.get("log", [])) + ".",
+        f"- Throughput {report['tokens_seen'] / report['train_seconds'] / 1e3:.0f} k tokens/s including evaluations.",
+        f"- Sequences of {t['seq_len']} tokens: attention positions beyond that were never trained (the GDN layers",
+        "  carry on, but expect quality to drop on much longer contexts).",
         "",
         "## Quality",
         "",
@@ -884,6 +982,18 @@ def readme(report: dict, ppl: float, heldout_tokens: int, samples: list[tuple[st
     ]
     for prompt, text in samples:
         lines.append(f"- **{prompt}**{text}")
+    lines += [
+        "",
+        "A chat turn (chat template, `enable_thinking=False`; the model has only seen synthetic one-turn chats):",
+        "",
+        f"- user: {chat[0]}",
+        f"- assistant: {json.dumps(chat[1])}",
+        "",
+        f"Test sample (`tests/data/heldout.txt`, {expected['tokens']} held-out tokens in windows of {expected['seq_len']}): "
+        f"perplexity {expected['ppl_transformers_fp32']:.2f} (transformers fp32); MTP next-next-token accuracy "
+        f"{expected['mtp_next_next_accuracy']:.3f} vs {expected['unigram_accuracy']:.3f} for always predicting the most "
+        "frequent training token. Recorded in `tests/data/heldout_expected.json`.",
+    ]
     lines += [
         "",
         "## Use",
@@ -915,7 +1025,10 @@ def main(argv: list[str] | None = None) -> int:
     pk.add_argument("--run", required=True)
     pk.add_argument("--data", default=str(DEFAULT_DATA))
     pk.add_argument("--dest", default=str(DEFAULT_EXPORT))
-    pk.add_argument("--test-data", default=str(REPO / "tests" / "data" / "heldout.txt"))
+    pk.add_argument("--heldout-ppl", type=float, default=None,
+                    help="skip the slow held-out measurement (~20 min on 2 cores) and use this value from an earlier "
+                         "package run of the same checkpoint")
+    pk.add_argument("--test-data", default=str(REPO / "tests" / "data"), help="folder for the held-out test sample")
     args = p.parse_args(argv)
     {"prepare": cmd_prepare, "train": cmd_train, "package": cmd_package}[args.cmd](args)
     return 0

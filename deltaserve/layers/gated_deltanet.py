@@ -49,35 +49,30 @@ class GatedDeltaNet(nn.Module):
         """x [T, H] -> [T, H]; ssm_state [S, HV, K, V] and conv_state [S, W-1, D] are this layer's pools."""
         T = x.shape[0]
         mixed, z, b, a = self.in_proj(x).split(self.split_sizes, dim=-1)
+        z = z.view(T, self.nv, self.dv)
         P, n_pre = batch.num_prefill_tokens, batch.num_prefills
         k = self.kernels
-        parts = []
-        if n_pre:
-            parts.append(k.causal_conv1d_fn(
-                mixed[:P], self.conv_weight, conv_state=conv_state, cu_seqlens=batch.cu_seqlens[: n_pre + 1],
-                state_indices=batch.state_slots[:n_pre], has_initial_state=batch.has_initial_state[:n_pre]))
-        if P < T:
-            parts.append(k.causal_conv1d_update(
-                mixed[P:], self.conv_weight, conv_state=conv_state, state_indices=batch.state_slots[n_pre:]))
-        mixed = parts[0] if len(parts) == 1 else torch.cat(parts)
-        q, key, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q, key = q.view(T, self.nk, self.dk), key.view(T, self.nk, self.dk)
-        v = v.view(T, self.nv, self.dv)
-        g, beta = k.gdn_gating(self.A_log, a, self.dt_bias, b)
-
         outs = []
         if n_pre:
-            outs.append(k.chunk_gated_delta_rule(
-                q[:P], key[:P], v[:P], g[:P], beta[:P], scale=self.scale, cu_seqlens=batch.cu_seqlens[: n_pre + 1],
-                ssm_state=ssm_state, state_indices=batch.state_slots[:n_pre],
-                has_initial_state=batch.has_initial_state[:n_pre]))
+            conv = k.causal_conv1d_fn(
+                mixed[:P], self.conv_weight, conv_state=conv_state, cu_seqlens=batch.cu_seqlens[: n_pre + 1],
+                state_indices=batch.state_slots[:n_pre], has_initial_state=batch.has_initial_state[:n_pre])
+            q, key, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            g, beta = k.gdn_gating(self.A_log, a[:P], self.dt_bias, b[:P])
+            o = k.chunk_gated_delta_rule(
+                q.view(P, self.nk, self.dk), key.view(P, self.nk, self.dk), v.view(P, self.nv, self.dv), g, beta,
+                scale=self.scale, cu_seqlens=batch.cu_seqlens[: n_pre + 1], ssm_state=ssm_state,
+                state_indices=batch.state_slots[:n_pre], has_initial_state=batch.has_initial_state[:n_pre])
+            outs.append(k.rms_norm_gated(o, z[:P], self.norm_weight, self.eps, activation=self.norm_activation))
         if P < T:
-            outs.append(k.fused_recurrent_gated_delta_rule(
-                q[P:], key[P:], v[P:], g[P:], beta[P:], scale=self.scale, ssm_state=ssm_state,
-                state_indices=batch.state_slots[n_pre:]))
+            # decode tokens: conv update, gates, q/k L2 norm, delta rule and gated norm in one op
+            # (two launches with the Triton backend; the reference is the same ops composed)
+            outs.append(k.gdn_decode(
+                mixed[P:], z[P:], a[P:], b[P:], conv_weight=self.conv_weight, A_log=self.A_log,
+                dt_bias=self.dt_bias, norm_weight=self.norm_weight, eps=self.eps, scale=self.scale,
+                conv_state=conv_state, ssm_state=ssm_state, state_indices=batch.state_slots[n_pre:],
+                norm_activation=self.norm_activation))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
-        o = k.rms_norm_gated(o, z.view(T, self.nv, self.dv), self.norm_weight, self.eps,
-                             activation=self.norm_activation)
         return self.out_proj(o.reshape(T, self.value_dim))
 
     # ---- checkpoint layout --------------------------------------------------------------------

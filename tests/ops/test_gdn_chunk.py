@@ -36,10 +36,11 @@ def _run(fn, d, pool, **extra):
               state_indices=d["idx"], has_initial_state=d["has_init"], **extra)
 
 
-@pytest.mark.parametrize("ratio", [1, 2, 4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ratio,dtype", [(1, torch.float32), (2, torch.float32), (4, torch.float32),
+                                         (2, torch.bfloat16)])
 def test_chunk_matches_reference(ratio, dtype, device):
-    lengths = [1, 63, 64, 65, 150] if ratio != 2 else [65, 1, 1000, 64, 63]
+    # lengths around the chunk size in one batch; the 1000-token sequence once (interpreter time)
+    lengths = [65, 1, 1000, 64, 63] if (ratio, dtype) == (2, torch.float32) else [1, 63, 64, 65, 130]
     d = _batch(lengths, ratio, dtype, device, seed=ratio)
     p_ref, p_tri = d["pool"].clone(), d["pool"].clone()
     o_ref = _run(ref.chunk_gated_delta_rule, d, p_ref)
@@ -55,7 +56,7 @@ def test_chunk_matches_reference(ratio, dtype, device):
 
 def test_chunk_matches_token_recurrence(device):
     """The chunked form against the literal token-by-token recurrence (fp32)."""
-    d = _batch([130, 7, 64], 2, torch.float32, device, seed=7)
+    d = _batch([70, 7, 64], 2, torch.float32, device, seed=7)
     p_rec, p_tri = d["pool"].clone(), d["pool"].clone()
     o_rec = _run(ref.recurrent_gated_delta_rule, d, p_rec)
     o_tri = _run(tc.chunk_gated_delta_rule, d, p_tri)

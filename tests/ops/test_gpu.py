@@ -192,7 +192,8 @@ def test_decode_verify_commit_real_shape():
     # decode
     mixed = torch.randn(B, Dc, generator=g).to(dev, torch.bfloat16)
     z = torch.randn(B, HV, D, generator=g).to(dev, torch.bfloat16)
-    a, b = torch.randn(B, HV, generator=g).to(dev, torch.bfloat16), torch.randn(B, HV, generator=g).to(dev, torch.bfloat16)
+    a = torch.randn(B, HV, generator=g).to(dev, torch.bfloat16)
+    b = torch.randn(B, HV, generator=g).to(dev, torch.bfloat16)
     c1, s1, c2, s2 = conv_pool.clone(), ssm_pool.clone(), conv_pool.clone(), ssm_pool.clone()
     want = ref.gdn_decode(mixed, z, a, b, conv_state=c1, ssm_state=s1, state_indices=idx, **kw)
     got = tr.gdn_decode(mixed, z, a, b, conv_state=c2, ssm_state=s2, state_indices=idx, **kw)
@@ -206,7 +207,8 @@ def test_decode_verify_commit_real_shape():
     T = sum(lengths)
     mixed = torch.randn(T, Dc, generator=g).to(dev, torch.bfloat16)
     z = torch.randn(T, HV, D, generator=g).to(dev, torch.bfloat16)
-    a, b = torch.randn(T, HV, generator=g).to(dev, torch.bfloat16), torch.randn(T, HV, generator=g).to(dev, torch.bfloat16)
+    a = torch.randn(T, HV, generator=g).to(dev, torch.bfloat16)
+    b = torch.randn(T, HV, generator=g).to(dev, torch.bfloat16)
     accepted = torch.tensor([(i * 7) % (n + 1) for i, n in enumerate(lengths)], dtype=torch.int32, device=dev)
     outs, pools = [], []
     for ops in (ref, tr):

@@ -45,7 +45,8 @@ def _conv_fwd_kernel(x, s_x_t, w, y, conv_state, coff, cu, idx, has_init, N, D,
         xv = tl.load(x + src.to(tl.int64)[:, None] * s_x_t + ch[None, :], mask=m & in_x[:, None], other=0.0)
         hv = tl.load(win + (W - 1 + src - bos)[:, None] * D + ch[None, :], mask=m & (~in_x)[:, None] & init,
                      other=0.0)
-        acc += (xv.to(tl.float32) + hv.to(tl.float32)) * tl.load(w + ch * W + i, mask=cm, other=0.0).to(tl.float32)[None, :]
+        wi = tl.load(w + ch * W + i, mask=cm, other=0.0).to(tl.float32)
+        acc += (xv.to(tl.float32) + hv.to(tl.float32)) * wi[None, :]
     if SILU:
         acc = silu(acc)
     tl.store(y + tok.to(tl.int64)[:, None] * D + ch[None, :], acc.to(y.dtype.element_ty),

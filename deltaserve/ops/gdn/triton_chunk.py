@@ -347,7 +347,8 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     check(q.dtype in (torch.bfloat16, torch.float16, torch.float32) and k.dtype == q.dtype and v.dtype == q.dtype,
           op, f"q, k, v must share a float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     check(g.shape == (T, HV) and beta.shape == (T, HV), op,
-          f"{'a and b' if gates_in_kernel else 'g and beta'} must be [{T}, {HV}], got {tuple(g.shape)}, {tuple(beta.shape)}")
+          f"{'a and b' if gates_in_kernel else 'g and beta'} must be [{T}, {HV}], "
+          f"got {tuple(g.shape)}, {tuple(beta.shape)}")
     check_last_contiguous(op, q=q, k=k, v=v, g=g, beta=beta)
     check_pool(op, ssm_state, HV, K, V)
     N = state_indices.shape[0]

@@ -19,8 +19,10 @@ def _rms_norm_gated_kernel(x, z, w, y, M, H, s_x_m, s_x_h, s_z_m, s_z_h, eps,
     m_idx = (rows // H).to(tl.int64)
     h_idx = rows % H
     mask = (rows[:, None] < M * H) & (cols[None, :] < N)
-    xv = tl.load(x + m_idx[:, None] * s_x_m + h_idx[:, None] * s_x_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    zv = tl.load(z + m_idx[:, None] * s_z_m + h_idx[:, None] * s_z_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    xv = tl.load(x + m_idx[:, None] * s_x_m + h_idx[:, None] * s_x_h + cols[None, :], mask=mask, other=0.0)
+    zv = tl.load(z + m_idx[:, None] * s_z_m + h_idx[:, None] * s_z_h + cols[None, :], mask=mask, other=0.0)
+    xv = xv.to(tl.float32)
+    zv = zv.to(tl.float32)
     wv = tl.load(w + cols, mask=cols < N, other=0.0).to(tl.float32)
     yv = xv * tl.rsqrt(tl.sum(xv * xv, axis=1) / N + eps)[:, None] * wv[None, :]
     if SIGMOID:
@@ -73,7 +75,8 @@ def _rms_norm_kernel(x, r, w, y, xs, s_x, s_r, eps, N: tl.constexpr, BN: tl.cons
     m = cols < N
     xv = tl.load(x + row * s_x + cols, mask=m, other=0.0)
     if RESIDUAL:
-        xv = (xv.to(tl.float32) + tl.load(r + row * s_r + cols, mask=m, other=0.0).to(tl.float32)).to(x.dtype.element_ty)
+        rv = tl.load(r + row * s_r + cols, mask=m, other=0.0)
+        xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(x.dtype.element_ty)
         tl.store(xs + row * N + cols, xv, mask=m)
     xf = xv.to(tl.float32)
     wv = tl.load(w + cols, mask=m, other=0.0).to(tl.float32)
