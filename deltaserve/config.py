@@ -95,6 +95,12 @@ class ModelConfig:
         return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
 
     @property
+    def kernel_shapes(self) -> dict[str, int]:
+        """The dims kernel selection checks (ops.select_kernels)."""
+        return {"gdn_head_k": self.linear_key_head_dim, "gdn_head_v": self.linear_value_head_dim,
+                "attn_head_dim": self.head_dim}
+
+    @property
     def weight_prefix(self) -> str:
         """Prefix of the language model's tensors in published checkpoints of this family."""
         return "model." if self.family == "qwen3_next" else "model.language_model."

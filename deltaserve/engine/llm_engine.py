@@ -110,7 +110,8 @@ class LLMEngine:
         limit = model_config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
-        kernels = select_kernels(dev, force_reference=enforce_reference_ops or settings().force_reference_ops)
+        kernels = select_kernels(dev, force_reference=enforce_reference_ops or settings().force_reference_ops,
+                                 shapes=model_config.kernel_shapes)
         net = load_model(path, device=dev, dtype=dt, kernels=kernels, config=model_config)
         tokenizer = Tokenizer.from_dir(path)
 

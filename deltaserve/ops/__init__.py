@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -66,27 +66,34 @@ REFERENCE_OPS: dict[str, Callable] = {
 }
 
 
-def _triton_ops(device: torch.device) -> dict[str, Callable]:
-    """The Triton implementations usable on `device` (empty where Triton or the device cannot run them)."""
+def _triton_ops(device: torch.device, shapes: Mapping[str, int]) -> tuple[dict[str, Callable], dict[str, str]]:
+    """The Triton implementations usable on `device` for a model of these shapes, and why the others
+    are not (empty where Triton or the device cannot run any)."""
     if device.type != "cuda":
-        return {}
+        return {}, {}
     try:
         from . import triton_registry
     except ImportError as exc:  # triton missing from this install
         logger.warning("Triton unavailable (%s); every op uses its torch reference", exc)
-        return {}
-    return triton_registry.available_ops(device)
+        return {}, {}
+    return triton_registry.available_ops(device, shapes)
 
 
-def select_kernels(device: torch.device | str, *, force_reference: bool = False) -> Kernels:
-    """Pick each op's implementation once for `device`; log the choice."""
+def select_kernels(device: torch.device | str, *, force_reference: bool = False,
+                   shapes: Mapping[str, int] | None = None) -> Kernels:
+    """Pick each op's implementation once for `device` and a model of `shapes` (head dims, see
+    triton_registry.SHAPE_LIMITS); log the choice. An op whose Triton kernel cannot take these shapes
+    keeps its reference, with a warning saying why, so the choice never changes at call time."""
     device = torch.device(device)
     chosen = dict(REFERENCE_OPS)
     backend = {name: "reference" for name in chosen}
     if not force_reference:
-        for name, fn in _triton_ops(device).items():
+        triton_ops, refused = _triton_ops(device, shapes or {})
+        for name, fn in triton_ops.items():
             chosen[name] = fn
             backend[name] = "triton"
+        for name, why in sorted(refused.items()):
+            logger.warning("op %s uses its torch reference on %s: the Triton kernel %s", name, device, why)
     kernels = Kernels(backend=backend, **chosen)
     summary = ", ".join(f"{k}={v}" for k, v in sorted(backend.items()))
     logger.info("ops on %s%s: %s", device, " (reference forced)" if force_reference else "", summary)

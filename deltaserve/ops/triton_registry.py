@@ -4,7 +4,7 @@ imports triton). Each has its reference's signature (plus an optional launch `co
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -13,15 +13,39 @@ logger = logging.getLogger(__name__)
 # Tensor-core dots on bf16 operands need Ampere or newer.
 MIN_CAPABILITY = (8, 0)
 
+# Which model dims each kernel needs in SUPPORTED_HEAD_DIMS (shape keys as select_kernels receives them).
+_GDN_DIMS = ("gdn_head_k", "gdn_head_v")
+_ATTN_DIMS = ("attn_head_dim",)
+SHAPE_LIMITS = {
+    "chunk_gated_delta_rule": _GDN_DIMS, "fused_recurrent_gated_delta_rule": _GDN_DIMS, "gdn_prefill": _GDN_DIMS,
+    "gdn_decode": _GDN_DIMS, "gdn_verify": _GDN_DIMS, "gdn_commit": _GDN_DIMS,
+    "store_kv": _ATTN_DIMS, "paged_attention": _ATTN_DIMS,
+}
 
-def available_ops(device: torch.device) -> dict[str, Callable]:
+
+def _refusal(op: str, shapes: Mapping[str, int]) -> str | None:
+    from .triton_common import SUPPORTED_HEAD_DIMS
+
+    bad = {k: shapes[k] for k in SHAPE_LIMITS.get(op, ()) if k in shapes and shapes[k] not in SUPPORTED_HEAD_DIMS}
+    return f"needs {', '.join(bad)} in {SUPPORTED_HEAD_DIMS}, the model has {bad}" if bad else None
+
+
+def available_ops(device: torch.device, shapes: Mapping[str, int] | None = None
+                  ) -> tuple[dict[str, Callable], dict[str, str]]:
+    """(usable Triton ops by name, refused op -> reason) for `device` and a model of `shapes`."""
     if device.type != "cuda":
-        return {}
+        return {}, {}
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
         logger.warning("GPU capability %s < %s: no Triton ops; every op uses its torch reference",
                        capability, MIN_CAPABILITY)
-        return {}
+        return {}, {}
+    ops = _all_ops()
+    refused = {name: why for name in ops if (why := _refusal(name, shapes or {}))}
+    return {name: fn for name, fn in ops.items() if name not in refused}, refused
+
+
+def _all_ops() -> dict[str, Callable]:
     from .attention import triton as attention_triton
     from .conv1d import triton as conv1d_triton
     from .gdn import triton_chunk, triton_recurrent

@@ -43,3 +43,14 @@ def test_triton_ops_share_the_reference_signatures():
         want = [(p.name, p.kind) for p in inspect.signature(ref_fn).parameters.values()]
         got = [(p.name, p.kind) for p in inspect.signature(impls[0]).parameters.values() if p.name != "config"]
         assert got == want, f"{name}: {got} != {want}"
+
+
+def test_shapes_a_triton_kernel_cannot_take_keep_the_reference():
+    """Chosen at load, not discovered at call time: e.g. GDN head dim 48 (the embedded model)."""
+    from deltaserve.ops import triton_registry
+
+    shapes = {"gdn_head_k": 48, "gdn_head_v": 48, "attn_head_dim": 96}
+    assert "48" in triton_registry._refusal("gdn_decode", shapes)
+    assert "96" in triton_registry._refusal("paged_attention", shapes)
+    assert triton_registry._refusal("causal_conv1d_fn", shapes) is None
+    assert triton_registry._refusal("gdn_decode", {"gdn_head_k": 128, "gdn_head_v": 128}) is None
