@@ -30,26 +30,24 @@ def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor, seq_lens: torch.Tensor,
     block_tables: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    nh, nkv = q.shape[1], kv_cache.shape[-2]
-    block_size = kv_cache.shape[2]
+    nh, d = q.shape[1], q.shape[2]
+    nkv, block_size = kv_cache.shape[-2], kv_cache.shape[2]
+    group = nh // nkv                        # query heads h*group .. h*group+group-1 share KV head h
     out = torch.zeros_like(q)
     bounds = cu_seqlens.tolist()
     for n, ctx in enumerate(seq_lens.tolist()):
         s, e = bounds[n], bounds[n + 1]
-        if e == s or ctx <= 0:
+        L = e - s
+        if L == 0 or ctx <= 0:
             continue
-        nblocks = -(-ctx // block_size)
-        blocks = block_tables[n, :nblocks].long()
-        keys = kv_cache[0, blocks].reshape(-1, nkv, q.shape[-1])[:ctx]
-        values = kv_cache[1, blocks].reshape(-1, nkv, q.shape[-1])[:ctx]
-        if nh != nkv:
-            keys = keys.repeat_interleave(nh // nkv, dim=1)
-            values = values.repeat_interleave(nh // nkv, dim=1)
-        qs = q[s:e].transpose(0, 1)                                  # [NH, L, D]
-        scores = qs @ keys.to(q.dtype).permute(1, 2, 0) * scale     # [NH, L, ctx]
-        q_pos = torch.arange(ctx - (e - s), ctx, device=q.device)
-        k_pos = torch.arange(ctx, device=q.device)
-        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[s:e] = (probs @ values.to(q.dtype).transpose(0, 1)).transpose(0, 1)
+        blocks = block_tables[n, : -(-ctx // block_size)].long()
+        kv = kv_cache[:, blocks].reshape(2, -1, nkv, d)[:, :ctx].to(q.dtype).transpose(1, 2)  # [2, NKV, ctx, D]
+        qs = q[s:e].transpose(0, 1).reshape(nkv, group * L, d)     # [NKV, group*L, D]
+        scores = (qs @ kv[0].transpose(1, 2) * scale).reshape(nkv, group, L, ctx)
+        if L > 1:  # causal within the new tokens (a single decode token sees every cached position)
+            q_pos = torch.arange(ctx - L, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] > q_pos[:, None]
+            scores = scores.masked_fill(mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).reshape(nkv, group * L, ctx)
+        out[s:e] = (probs @ kv[1]).reshape(nh, L, d).transpose(0, 1)
     return out

@@ -53,12 +53,15 @@ def causal_conv1d_update(
     activation: str | None = "silu",
 ) -> torch.Tensor:
     """Decode: one new input per sequence (x [N, D]); shifts it into the slot's window in place."""
-    out = torch.zeros_like(x)
-    live = (state_indices >= 0).nonzero().flatten()
-    if live.numel() == 0:
+    if min(state_indices.tolist(), default=0) < 0:  # padded rows: compute the live ones, zeros elsewhere
+        out = torch.zeros_like(x)
+        live = (state_indices >= 0).nonzero().flatten()
+        if live.numel():
+            out[live] = causal_conv1d_update(x[live], weight, conv_state=conv_state,
+                                             state_indices=state_indices[live], activation=activation)
         return out
-    slots = state_indices[live].long()
-    seq = torch.cat([conv_state[slots].float(), x[live].float().unsqueeze(1)], dim=1)  # [n, W, D]
-    out[live] = _activate((seq * weight.float().t()).sum(1), activation).to(x.dtype)
-    conv_state[slots] = seq[:, 1:].to(conv_state.dtype)
-    return out
+    slots = state_indices.long()
+    window = torch.cat([conv_state.index_select(0, slots), x.to(conv_state.dtype).unsqueeze(1)], dim=1)  # [N,W,D]
+    conv_state.index_copy_(0, slots, window[:, 1:])
+    y = (window.float() * weight.float().t()).sum(1)
+    return _activate(y, activation).to(x.dtype)

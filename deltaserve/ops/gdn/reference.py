@@ -30,16 +30,20 @@ L2NORM_EPS = 1e-6
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim, in fp32 (eps on the sum, as FLA and transformers do)."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+    x = _f32(x)
+    return x * torch.rsqrt(torch.linalg.vecdot(x, x).unsqueeze(-1) + eps)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
 
 
 def gdn_gating(
     A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); both fp32 [T, HV]."""
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    beta = torch.sigmoid(b.float())
+    g = _f32(A_log).exp().neg_() * F.softplus(_f32(a) + _f32(dt_bias))
+    beta = torch.sigmoid(_f32(b))
     return g, beta
 
 
@@ -161,24 +165,29 @@ def fused_recurrent_gated_delta_rule(
 ) -> torch.Tensor:
     """Decode: one token for each of N sequences (q, k [N, HK, K], v [N, HV, V], g, beta [N, HV]),
     each continuing from ssm_state[state_indices[n]] and updating it in place. Rows with slot -1 are
-    padding: skipped, output zero, no state touched. Vectorised over the batch."""
-    HV = v.shape[1]
-    out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
-    live = (state_indices >= 0).nonzero().flatten()
-    if live.numel() == 0:
+    padding: skipped, output zero, no state touched. Vectorised over the batch as N*HV [K, V] matrices."""
+    if min(state_indices.tolist(), default=0) < 0:
+        out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+        live = (state_indices >= 0).nonzero().flatten()
+        if live.numel():
+            out[live] = fused_recurrent_gated_delta_rule(
+                q[live], k[live], v[live], g[live], beta[live], scale=scale, ssm_state=ssm_state,
+                state_indices=state_indices[live], use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         return out
-    slots = state_indices[live].long()
-    qt, kt = _expand_heads(q[live], HV), _expand_heads(k[live], HV)
-    if use_qk_l2norm_in_kernel:
-        qt, kt = l2norm(qt), l2norm(kt)
-    qt, kt, vt = qt.float() * scale, kt.float(), v[live].float()
-    S = ssm_state[slots].float() * g[live].float().exp()[..., None, None]
-    u = torch.einsum("nhkv,nhk->nhv", S, kt)
-    delta = beta[live].float()[..., None] * (vt - u)
-    S = S + kt[..., :, None] * delta[..., None, :]
-    out[live] = torch.einsum("nhkv,nhk->nhv", S, qt).to(v.dtype)
-    ssm_state[slots] = S.to(ssm_state.dtype)
-    return out
+    N, HV, V = v.shape
+    K = q.shape[-1]
+    slots = state_indices.long()
+    qt, kt = (l2norm(q), l2norm(k)) if use_qk_l2norm_in_kernel else (_f32(q), _f32(k))
+    q3 = _expand_heads(qt * scale, HV).reshape(N * HV, 1, K)
+    k3 = _expand_heads(kt, HV).reshape(N * HV, 1, K)
+    S = ssm_state.index_select(0, slots).float().view(N * HV, K, V)   # a copy of the slot states
+    S.mul_(_f32(g).exp().reshape(N * HV, 1, 1))                          # decay
+    u = torch.bmm(k3, S)                                              # S^T k   [N*HV, 1, V]
+    delta = (_f32(v).reshape(N * HV, 1, V) - u).mul_(_f32(beta).reshape(N * HV, 1, 1))
+    S.baddbmm_(k3.transpose(1, 2), delta)                             # S += k delta^T
+    o = torch.bmm(q3, S)                                              # read after the update
+    ssm_state.index_copy_(0, slots, S.view(N, HV, K, V).to(ssm_state.dtype))
+    return o.view(N, HV, V).to(v.dtype)
 
 
 # ---- layer-level fused ops ----------------------------------------------------------------------
@@ -235,11 +244,12 @@ def gdn_decode(
     HV, K, V = ssm_state.shape[1:]
     HK = num_key_heads(mixed_qkv.shape[1], HV, K, V)
     x = _conv.causal_conv1d_update(mixed_qkv, conv_weight, conv_state=conv_state, state_indices=state_indices)
-    q, k, v = _split_qkv(x, HK, HV, K, V)
+    qk = l2norm(x[:, : 2 * HK * K].reshape(N, 2 * HK, K))     # q and k heads normalised together
+    v = x[:, 2 * HK * K :].reshape(N, HV, V)
     g, beta = gdn_gating(A_log, a, dt_bias, b)
     o = fused_recurrent_gated_delta_rule(
-        q, k, v, g, beta, scale=scale, ssm_state=ssm_state, state_indices=state_indices,
-        use_qk_l2norm_in_kernel=True)
+        qk[:, :HK], qk[:, HK:], v, g, beta, scale=scale, ssm_state=ssm_state, state_indices=state_indices,
+        use_qk_l2norm_in_kernel=False).to(mixed_qkv.dtype)
     return _norm.rms_norm_gated(o, z.reshape(N, HV, V), norm_weight, eps, activation=norm_activation)
 
 

@@ -23,6 +23,8 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
 ) -> torch.Tensor:
+    if topk_ids.numel() <= _PAIR_LOOP_MAX:
+        return _fused_moe_pairs(x, w13, w2, topk_weights, topk_ids)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     inter = w2.shape[-1]
     flat_ids = topk_ids.flatten()
@@ -40,4 +42,22 @@ def fused_moe(
         h = F.silu(h[:, :inter]) * h[:, inter:]
         y = h @ w2[e].t()
         out.index_add_(0, tokens, y.float() * topk_weights.flatten()[picks, None].float())
+    return out.to(x.dtype)
+
+
+# Up to this many (token, expert) pairs, loop over the pairs (few ops each, no sort): the decode case.
+_PAIR_LOOP_MAX = 4
+
+
+def _fused_moe_pairs(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """Same result as the grouped path, pair by pair, in expert-index order within each token."""
+    inter = w2.shape[-1]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    weights = topk_weights.float().tolist()
+    for t, experts in enumerate(topk_ids.tolist()):
+        for j in sorted(range(len(experts)), key=experts.__getitem__):
+            e = experts[j]
+            h = F.linear(x[t : t + 1], w13[e])
+            y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2[e])
+            out[t : t + 1] += y.float() * weights[t][j]
     return out.to(x.dtype)

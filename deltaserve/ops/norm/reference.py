@@ -12,27 +12,33 @@ import torch
 import torch.nn.functional as F
 
 
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, zero_centered: bool = True,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if residual is not None:
         x = x + residual
-    xf = x.float()
-    w = weight.float() + 1.0 if zero_centered else weight.float()
-    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)
+    w = _f32(weight) + 1.0 if zero_centered else _f32(weight)
+    y = _normalize(_f32(x), eps).mul_(w).to(x.dtype)
     return y if residual is None else (y, x)
+
+
+def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) over the last dim (fp32 x)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def rms_norm_gated(
     x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, *, activation: str = "silu",
 ) -> torch.Tensor:
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     if activation in ("silu", "swish"):
-        gate = F.silu(z.float())
+        gate = F.silu(_f32(z))
     elif activation == "sigmoid":
-        gate = torch.sigmoid(z.float())
+        gate = torch.sigmoid(_f32(z))
     else:
         raise ValueError(f"rms_norm_gated: unsupported gate activation {activation!r} (expected 'silu' or 'sigmoid')")
-    return (y * gate).to(x.dtype)
+    return _normalize(_f32(x), eps).mul_(_f32(weight)).mul_(gate).to(x.dtype)
