@@ -15,7 +15,8 @@ from .logprobs import chat_logprobs
 from .output_parser import MessageDelta, MessageParser
 from .protocol import APIError, ChatCompletionRequest, parse_request, to_sampling_params
 from .reasoning import ReasoningParser, starts_in_reasoning
-from .state import SSE_DONE, ServerState, now, sse, unless_disconnected, usage
+from .state import ServerState, now, unless_disconnected, usage
+from .streaming import StreamingRun
 from .tool_parsers import QwenToolParser, ToolCallDelta
 
 
@@ -89,7 +90,9 @@ class _Choice:
         return delta
 
 
-class _Run:
+class _Run(StreamingRun):
+    chunk_object = "chat.completion.chunk"
+
     def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, in_reasoning: bool):
         self.state, self.req, self.id, self.in_reasoning = state, req, request_id, in_reasoning
         self.created = now()
@@ -144,31 +147,15 @@ class _Run:
     # ---- streaming -----------------------------------------------------------------------------
     async def stream(self, group: RequestGroup) -> AsyncIterator[str]:
         include_usage = self.req.stream_options is not None and self.req.stream_options.include_usage
-        try:
-            yield sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None} for i in range(self.req.n)],
-                                  include_usage))
-            async for out in group:
-                if out.finished:
-                    self.final = out
-                choices = [self._delta(c) for c in out.outputs]
-                choices = [ch for ch in choices if ch is not None]
-                if choices:
-                    yield sse(self._chunk(choices, include_usage))
-            if include_usage:
-                yield sse({**self._chunk([], False), "usage": self._usage()})
-        except EngineDeadError as exc:
-            yield sse(APIError(str(exc), status=500, type="internal_server_error").body())
-        finally:
-            group.close()
-        yield SSE_DONE
+        roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                 for i in range(self.req.n)]
+        async for event in self._stream_outputs(group, include_usage, first=roles):
+            yield event
 
-    def _chunk(self, choices: list[dict[str, Any]], include_usage: bool) -> dict[str, Any]:
-        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                 "model": self.state.config.served_model_name, "choices": choices}
-        if include_usage:
-            chunk["usage"] = None
-        return chunk
+    def _on_output(self, out: RequestOutput) -> list[dict[str, Any]]:
+        if out.finished:
+            self.final = out
+        return [ch for ch in (self._delta(c) for c in out.outputs) if ch is not None]
 
     def _delta(self, c: CompletionOutput) -> dict[str, Any] | None:
         choice = self.choices[c.index]

@@ -13,7 +13,8 @@ from ..outputs import CompletionOutput, RequestOutput
 from .async_engine import EngineDeadError, RequestGroup
 from .logprobs import completion_logprobs
 from .protocol import APIError, CompletionRequest, parse_request, to_sampling_params
-from .state import SSE_DONE, ServerState, now, sse, unless_disconnected, usage
+from .state import ServerState, now, unless_disconnected, usage
+from .streaming import StreamingRun
 
 
 @dataclasses.dataclass
@@ -69,8 +70,10 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
     return prompts
 
 
-class _Run:
+class _Run(StreamingRun):
     """The response being built for one completions request."""
+
+    chunk_object = "text_completion"
 
     def __init__(self, state: ServerState, req: CompletionRequest, base_id: str, prompts: list[_Prompt]):
         self.state, self.req, self.id, self.prompts = state, req, base_id, prompts
@@ -123,28 +126,13 @@ class _Run:
     # ---- streaming -----------------------------------------------------------------------------
     async def stream(self, group: RequestGroup) -> AsyncIterator[str]:
         include_usage = self.req.stream_options is not None and self.req.stream_options.include_usage
-        try:
-            async for out in group:
-                if out.finished:
-                    self.finals[out.request_id] = out
-                choices = [self._delta(out, c) for c in out.outputs]
-                choices = [ch for ch in choices if ch is not None]
-                if choices:
-                    yield sse(self._chunk(choices, include_usage))
-            if include_usage:
-                yield sse({**self._chunk([], False), "usage": self._usage()})
-        except EngineDeadError as exc:
-            yield sse(APIError(str(exc), status=500, type="internal_server_error").body())
-        finally:
-            group.close()
-        yield SSE_DONE
+        async for event in self._stream_outputs(group, include_usage):
+            yield event
 
-    def _chunk(self, choices: list[dict[str, Any]], include_usage: bool) -> dict[str, Any]:
-        chunk = {"id": self.id, "object": "text_completion", "created": self.created,
-                 "model": self.state.config.served_model_name, "choices": choices}
-        if include_usage:
-            chunk["usage"] = None
-        return chunk
+    def _on_output(self, out: RequestOutput) -> list[dict[str, Any]]:
+        if out.finished:
+            self.finals[out.request_id] = out
+        return [ch for ch in (self._delta(out, c) for c in out.outputs) if ch is not None]
 
     def _delta(self, out: RequestOutput, c: CompletionOutput) -> dict[str, Any] | None:
         i = self._prompt_index(out)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ..triton_common import (
-    L2NORM_EPS, check, check_head_dim, check_index, check_last_contiguous, check_pool, check_same_device,
+    check, check_head_dim, check_index, check_last_contiguous, check_pool, check_same_device,
     next_pow2, sigmoid, silu, softplus,
 )
 from .reference import VerifyStash, num_key_heads

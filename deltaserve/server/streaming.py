@@ -1,0 +1,51 @@
+"""The part of a streamed response both generation endpoints share: the SSE loop over an engine request
+group, chunk framing, the usage chunk and the error / [DONE] tail."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from ..outputs import RequestOutput
+from .async_engine import EngineDeadError, RequestGroup
+from .protocol import APIError
+from .state import SSE_DONE, ServerState, sse
+
+
+class StreamingRun:
+    """Subclasses set `chunk_object` and implement `_on_output` (remember finals, return the choice
+    deltas of one engine output) and `_usage`."""
+
+    chunk_object: str
+    state: ServerState
+    id: str
+    created: int
+
+    def _on_output(self, out: RequestOutput) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def _usage(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def _chunk(self, choices: list[dict[str, Any]], include_usage: bool) -> dict[str, Any]:
+        chunk = {"id": self.id, "object": self.chunk_object, "created": self.created,
+                 "model": self.state.config.served_model_name, "choices": choices}
+        if include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    async def _stream_outputs(self, group: RequestGroup, include_usage: bool,
+                              first: list[dict[str, Any]] | None = None) -> AsyncIterator[str]:
+        try:
+            if first:
+                yield sse(self._chunk(first, include_usage))
+            async for out in group:
+                choices = self._on_output(out)
+                if choices:
+                    yield sse(self._chunk(choices, include_usage))
+            if include_usage:
+                yield sse({**self._chunk([], False), "usage": self._usage()})
+        except EngineDeadError as exc:
+            yield sse(APIError(str(exc), status=500, type="internal_server_error").body())
+        finally:
+            group.close()
+        yield SSE_DONE
