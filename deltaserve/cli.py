@@ -16,6 +16,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float16 | float32")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests without their own")
+    p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
+                   help="dummy: random weights from the model directory's config.json alone (benchmarks; "
+                        "token-id prompts unless the directory has a tokenizer.json)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,7 +58,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("deltaserve generate: give a prompt (or --prompt-token-ids '[1, 2, 3]')", file=sys.stderr)
         return 2
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
+              load_format=args.load_format)
     for out in llm.generate(prompts, params, use_tqdm=False):
         for c in out.outputs:
             if args.json:

@@ -24,7 +24,7 @@ from ..cache.memory import CachePlan, plan_cache
 from ..cache.spec import CacheSpec
 from ..config import ModelConfig
 from ..env import settings
-from ..models.loader import load_model
+from ..models.loader import build_dummy_model, check_load_format, load_model
 from ..ops import select_kernels
 from ..outputs import PositionLogprobs, RequestOutput
 from ..sampling_params import SamplingParams
@@ -87,15 +87,17 @@ class LLMEngine:
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
-    def from_args(cls, model: str | Path | None = None, *, device: str | torch.device = "auto",
+    def from_args(cls, model: str | Path | dict[str, Any] | None = None, *, device: str | torch.device = "auto",
                   dtype: str | torch.dtype = "auto", max_model_len: int | None = None, max_num_seqs: int = 64,
                   max_num_batched_tokens: int | None = None, block_size: int = 16,
                   gpu_memory_utilization: float = 0.9, cpu_cache_bytes: int | None = None,
                   num_gpu_blocks: int | None = None, seed: int | None = 0,
-                  enforce_reference_ops: bool = False) -> "LLMEngine":
+                  enforce_reference_ops: bool = False, load_format: str = "auto") -> "LLMEngine":
         """Load a checkpoint directory (default: the embedded model), size the cache from the memory budget
         (GPU: measured; CPU: cpu_cache_bytes) and build the runner. num_gpu_blocks fixes the number of KV
-        blocks on any device (tests, tuning); max_num_seqs / max_model_len may come out lower (logged)."""
+        blocks on any device (tests, tuning); max_num_seqs / max_model_len may come out lower (logged).
+        load_format="dummy": random weights from the config alone (`model` is a directory holding a
+        config.json, or a config dict); without a tokenizer.json only token-id prompts work."""
         from ..runner.memory import profile_gpu_cache_budget
         from ..runner.model_runner import ModelRunner, allocate_cache
 
@@ -103,8 +105,14 @@ class LLMEngine:
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                               gpu_memory_utilization=gpu_memory_utilization, cpu_cache_bytes=cpu_cache_bytes,
                               num_kv_blocks=num_gpu_blocks, seed=seed, enforce_reference_ops=enforce_reference_ops)
-        path = Path(model) if model is not None else DEFAULT_MODEL_PATH
-        model_config = ModelConfig.from_hf(path)
+        check_load_format(load_format)
+        if isinstance(model, dict):
+            if load_format != "dummy":
+                raise ValueError("a config dict as the model needs load_format='dummy' (there are no weights to read)")
+            path, model_config = None, ModelConfig.from_dict(model)
+        else:
+            path = Path(model) if model is not None else DEFAULT_MODEL_PATH
+            model_config = ModelConfig.from_hf(path)
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, model_config, dev)
         limit = model_config.max_position_embeddings
@@ -112,8 +120,11 @@ class LLMEngine:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
         kernels = select_kernels(dev, force_reference=enforce_reference_ops or settings().force_reference_ops,
                                  shapes=model_config.kernel_shapes)
-        net = load_model(path, device=dev, dtype=dt, kernels=kernels, config=model_config)
-        tokenizer = Tokenizer.from_dir(path)
+        if load_format == "dummy":
+            net = build_dummy_model(model_config, device=dev, dtype=dt, kernels=kernels, seed=seed or 0)
+        else:
+            net = load_model(path, device=dev, dtype=dt, kernels=kernels, config=model_config)
+        tokenizer = Tokenizer.from_dir(path) if path is not None else None
 
         budget = (profile_gpu_cache_budget(net, device=dev, dtype=dt, max_num_batched_tokens=config.token_budget,
                                            max_num_seqs=max_num_seqs, block_size=block_size,
@@ -174,8 +185,9 @@ class LLMEngine:
                 raise ValueError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
         elif isinstance(prompt, str):
             if self.tokenizer is None:
-                raise NoTokenizerError(f"text prompt given but {self.model_path} has no tokenizer.json; "
-                                       "pass token ids instead")
+                where = self.model_path if self.model_path is not None else "the model (built from a config dict)"
+                raise NoTokenizerError(f"text prompt given but {where} has no tokenizer.json; "
+                                       "pass token ids instead ({'prompt_token_ids': [...]})")
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, prompt

@@ -5,6 +5,9 @@ Tensors are memory-mapped and copied one at a time into the preallocated paramet
 memory stays near one copy of the weights. Before any copy, every expected tensor is checked for
 presence and shape; a problem is a CheckpointError naming the tensor. Unexpected tensors are listed in
 a warning, except the vision tower (model.visual.*), which is skipped on purpose.
+
+`load_format="dummy"` builds the model from its config alone with random weights drawn on the device
+(dummy_weights.py), for benchmarks at published shapes without a checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from tqdm.auto import tqdm
 
 from ..config import ModelConfig
 from ..ops import Kernels
+from .dummy_weights import init_dummy_weights
 from .qwen3_next import HybridForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -27,6 +31,7 @@ logger = logging.getLogger(__name__)
 _VISION = re.compile(r"^(model\.)?visual\.")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 _LANGUAGE_PREFIX = "model.language_model."
+LOAD_FORMATS = ("auto", "safetensors", "dummy")     # vLLM's names; "auto" reads safetensors
 
 
 class CheckpointError(ValueError):
@@ -106,6 +111,25 @@ def load_model(path: str | Path, *, device: torch.device | str, dtype: torch.dty
     logger.info("loaded %s: %s, %d layers (%d GDN, %d attention), %d MTP layer(s), %s on %s",
                 path.name, config.family, config.num_hidden_layers, len(config.gdn_layer_ids),
                 len(config.attention_layer_ids), mtp_layers, dtype, device)
+    return model.eval()
+
+
+def check_load_format(load_format: str) -> str:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not supported (one of {', '.join(LOAD_FORMATS)})")
+    return load_format
+
+
+def build_dummy_model(config: ModelConfig, *, device: torch.device | str, dtype: torch.dtype, kernels: Kernels,
+                      seed: int = 0) -> HybridForCausalLM:
+    """The model of `config` (with its MTP head when the config declares one, as a published checkpoint
+    has) holding seeded random weights created on `device`."""
+    model = HybridForCausalLM(config, kernels, dtype=dtype, device=device, mtp_layers=config.mtp_num_layers)
+    init_dummy_weights(model, seed=seed)
+    logger.info("dummy weights: %s, %d layers (%d GDN, %d attention), %d MTP layer(s), %.2f GB %s on %s",
+                config.family, config.num_hidden_layers, len(config.gdn_layer_ids), len(config.attention_layer_ids),
+                config.mtp_num_layers, sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9,
+                dtype, device)
     return model.eval()
 
 

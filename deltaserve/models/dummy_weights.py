@@ -1,0 +1,82 @@
+"""Random weights for `load_format="dummy"` (vLLM's name): a model built from its config alone, every
+tensor drawn directly on the target device (no files, no host copy), for benchmarks at published shapes.
+
+The draws follow how the released checkpoints look, so activations stay in range through 40-64 layers in
+bf16 and the kernels see realistic data:
+- projections, embeddings, experts, routers: N(0, 0.02) (the models' initializer_range). A router row per
+  expert with the same spread makes every expert equally likely, so the routing is close to uniform;
+- zero-centred RMSNorm weights (x̂·(1+w), every layer norm and q/k norm): 0; the GDN gated norm (plain
+  x̂·w): 1;
+- the causal conv taps: U(±1/sqrt(width)) (PyTorch's Conv1d default, as the checkpoints were initialised);
+- the GDN decay: A = exp(A_log) with A ~ U(1, 16) and softplus(dt_bias) ~ logU(1e-3, 1e-1) (Mamba-2's
+  init), so per-token decays exp(g) span ~0.2 .. ~1 (short and long memories).
+Every parameter must be claimed by one of the rules above: a parameter no rule knows is an error, so a new
+layer cannot silently keep uninitialised memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..layers.gated_deltanet import GatedDeltaNet
+from ..layers.linear import Linear
+from ..layers.moe import SparseMoeBlock
+from ..layers.norm import RMSNorm
+
+LINEAR_STD = 0.02
+A_RANGE = (1.0, 16.0)
+DT_RANGE = (1e-3, 1e-1)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, *, seed: int = 0) -> None:
+    """Fill every parameter of `model` in place with seeded random values on its own device."""
+    params = list(model.parameters())
+    if not params:
+        return
+    device = params[0].device
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    done: set[int] = set()
+
+    def normal(p: torch.Tensor, std: float) -> None:
+        p.normal_(0.0, std, generator=gen)
+        done.add(id(p))
+
+    def uniform(p: torch.Tensor, lo: float, hi: float) -> None:
+        p.uniform_(lo, hi, generator=gen)
+        done.add(id(p))
+
+    def fill(p: torch.Tensor, value: float) -> None:
+        p.fill_(value)
+        done.add(id(p))
+
+    for module in model.modules():
+        if isinstance(module, Linear):
+            normal(module.weight, LINEAR_STD)
+        elif isinstance(module, RMSNorm):
+            fill(module.weight, 0.0 if module.zero_centered else 1.0)
+        elif isinstance(module, SparseMoeBlock):
+            normal(module.w13, LINEAR_STD)
+            normal(module.w2, LINEAR_STD)
+        elif isinstance(module, GatedDeltaNet):
+            bound = 1.0 / math.sqrt(module.conv_width)
+            uniform(module.conv_weight, -bound, bound)
+            uniform(module.A_log, *A_RANGE)
+            module.A_log.log_()
+            # dt ~ logU(DT_RANGE); dt_bias = softplus^-1(dt) = dt + log(-expm1(-dt))
+            uniform(module.dt_bias, math.log(DT_RANGE[0]), math.log(DT_RANGE[1]))
+            dt = module.dt_bias.exp_()
+            module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            fill(module.norm_weight, 1.0)
+    for name, p in model.named_parameters():
+        if id(p) in done:
+            continue
+        if name.endswith("embed_tokens"):
+            normal(p, LINEAR_STD)
+        else:
+            raise TypeError(f"dummy weights: no rule for parameter {name} {list(p.shape)}; "
+                            "add one to deltaserve/models/dummy_weights.py")
