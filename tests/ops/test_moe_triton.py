@@ -1,6 +1,7 @@
 """MoE routing and grouped-GEMM experts (Triton) against the plain-torch references: E=8/top-2 with T=1
 and T=100, experts that get no tokens, the multi-chunk alignment path, the alignment's invariants, and
-a shared expert folded in as one more expert."""
+a shared expert folded in as one more expert; the small-batch GEMV path against the reference and
+against the grouped path, tiles that do not divide the shapes, tokens sharing experts."""
 
 from __future__ import annotations
 
@@ -61,6 +62,39 @@ def test_fused_moe_matches_reference(T, dtype, idle, device):
         assert int(ids.min()) >= idle
     assert_close(tri.fused_moe(x, w13, w2, weights, ids), ref.fused_moe(x, w13, w2, weights, ids), TOL[dtype],
                  f"T={T} {dtype}")
+
+
+GROUPED_SMALL = tri.MoeConfig(block_m=16, block_n1=32, block_k1=32, block_n2=32, block_k2=32)
+
+
+@pytest.mark.parametrize("T,dtype", [(1, torch.float32), (5, torch.float32), (3, torch.bfloat16)])
+def test_gemv_path_matches_reference_and_grouped_path(T, dtype, device):
+    """Small batches take the GEMV path by default; the grouped path (forced) agrees with it."""
+    E, top_k, H, inter = 8, 2, 64, 32
+    assert isinstance(tri.default_moe_config(T, top_k, E, H, inter), tri.GemvMoeConfig)
+    g = gen(40 + T)
+    x = randn(T, H, g=g, dtype=dtype, device=device)
+    w13, w2 = _experts(E, H, inter, g=g, dtype=dtype, device=device)
+    weights, ids = ref.topk_softmax(_logits(T, E, g=g, device=device), top_k, True)
+    want = ref.fused_moe(x, w13, w2, weights, ids)
+    gemv = tri.fused_moe(x, w13, w2, weights, ids)
+    assert_close(gemv, want, TOL[dtype], f"gemv T={T} {dtype}")
+    assert_close(gemv, tri.fused_moe(x, w13, w2, weights, ids, config=GROUPED_SMALL), TOL[dtype], "gemv vs grouped")
+
+
+def test_gemv_odd_tiles_shared_experts_and_shared_expert_slot(device):
+    """H, I not multiples of the tiles; every token routed to the same two experts (rows shared across
+    programs); int32 ids; an extra always-on expert slot as the shared expert is folded in."""
+    E, top_k, T, H, inter = 6, 3, 4, 72, 40
+    g = gen(50)
+    x = randn(T, H, g=g, device=device)
+    w13, w2 = _experts(E, H, inter, g=g, dtype=torch.float32, device=device)
+    ids = torch.tensor([[1, 4, 5]] * T, device=device)
+    ids[1, 2], ids[3, 0] = 0, 2
+    weights = torch.softmax(randn(T, top_k, g=g, device=device), -1)
+    cfg = tri.GemvMoeConfig(block_n1=16, block_k1=32, block_n2=16, block_k2=16, warps1=2, warps2=2)
+    got = tri.fused_moe(x, w13, w2, weights, ids.to(torch.int32), config=cfg)
+    assert_close(got, ref.fused_moe(x, w13, w2, weights, ids), TOL[torch.float32], "gemv odd tiles")
 
 
 def test_multi_chunk_alignment_and_odd_tiles(device, monkeypatch):
@@ -140,7 +174,7 @@ def test_bad_inputs_raise(bad, match, device):
 # ---- real shapes on the GPU ------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 64, 600])
+@pytest.mark.parametrize("T", [1, 4, 8, 64, 600])
 def test_real_shapes_gpu(T, device):
     E, top_k, H, inter = 256, 8, 2048, 512                 # Qwen3.5-35B-A3B
     g = gen(T)
@@ -163,3 +197,33 @@ def test_signatures_match_the_references():
         want = [(p.name, p.kind) for p in inspect.signature(getattr(ref, name)).parameters.values()]
         params = inspect.signature(getattr(tri, name)).parameters.values()
         assert [(p.name, p.kind) for p in params if p.name != "config"] == want, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8])
+def test_gemv_path_real_shape_graph_replay_gpu(T, device):
+    """The GEMV path at the 35B-A3B expert shape: equals the grouped path, and a CUDA-graph replay on new
+    inputs (routing, weights, activations) equals an eager call on them (no host sync, no stale state)."""
+    E, top_k, H, inter = 256, 8, 2048, 512
+    g = gen(60 + T)
+    w13, w2 = _experts(E, H, inter, g=g, dtype=torch.bfloat16, device=device)
+
+    def inputs(seed):
+        gg = gen(seed)
+        x = randn(T, H, g=gg, dtype=torch.bfloat16, device=device)
+        w, i = tri.topk_softmax(_logits(T, E, g=gg, device=device).to(torch.bfloat16), top_k, True)
+        return x, w, i
+
+    x, w, i = inputs(1)
+    assert isinstance(tri.default_moe_config(T, top_k, E, H, inter), tri.GemvMoeConfig)
+    grouped = tri.fused_moe(x, w13, w2, w, i, config=tri.MoeConfig())
+    assert_close(tri.fused_moe(x, w13, w2, w, i), grouped, TOL[torch.bfloat16], "gemv vs grouped")
+    tri.fused_moe(x, w13, w2, w, i)                       # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tri.fused_moe(x, w13, w2, w, i)
+    x2, wt2, id2 = inputs(2)
+    x.copy_(x2), w.copy_(wt2), i.copy_(id2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, tri.fused_moe(x2, w13, w2, wt2, id2)), "graph replay differs from eager"

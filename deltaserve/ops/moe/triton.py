@@ -17,6 +17,17 @@ fused_moe runs, for T tokens routed to top_k of E experts (A = T * top_k assignm
 4. Combine: y_t = sum_j w[t, j] * out[t * top_k + j], fp32 in a fixed order, rounded once. No atomics.
 
 Experts that get no tokens cost nothing: no block refers to them.
+
+Small batches (T * top_k <= GEMV_MAX_ASSIGNMENTS, the decode case) take a GEMV path instead, two launches
+and no alignment: the weights are the whole cost there, and the grouped path's five dependent launches
+(and its 16-row tiles holding one real row) left it at a third of the copy rate.
+
+1. w13 GEMV: one program per (assignment, slice of I) reads its expert's gate and up rows once and writes
+   SiLU(gate) * up, rounded once -> [A, I]. Programs of one slice are launched next to each other, so
+   assignments that share an expert (T > 1) find its rows in L2 rather than DRAM.
+2. w2 GEMV + combine: one program per (token, slice of H) runs the token's top_k experts in order, each
+   expert output rounded to the activation dtype (as in the grouped path), weighted and summed in fp32,
+   rounded once -> [T, H].
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import triton.language as tl
 from ..triton_common import ACTIVATION_DTYPES, check, check_last_contiguous, check_same_device, silu
 
 ALIGN_CHUNK = 1024      # assignments per counting / scatter program
+GEMV_MAX_ASSIGNMENTS = 64   # T * top_k up to this: the GEMV path (T <= 8 at top-8)
 
 
 # ---- routing ---------------------------------------------------------------------------------------
@@ -206,9 +218,26 @@ class MoeConfig:
     stages: int = 3
 
 
-def default_moe_config(T: int, top_k: int, E: int, H: int, inter: int) -> MoeConfig:
-    """Tiles by the mean rows per expert; the small and large choices were measured on an H200 at the
-    Qwen3.5-35B-A3B shape (benchmarks/attention_moe_ops.py --sweep), the middle one was not."""
+@dataclasses.dataclass(frozen=True)
+class GemvMoeConfig:
+    """Tiles of the small-batch GEMV path (no alignment, no tensor cores): weight rows per program and the
+    reduction step of each of the two kernels."""
+
+    block_n1: int = 16       # rows of I per w13 program (gate and up each)
+    block_k1: int = 256      # reduction step over H
+    block_n2: int = 16       # rows of H per w2 program
+    block_k2: int = 256      # reduction step over I
+    warps1: int = 4
+    warps2: int = 4
+    stages: int = 3
+
+
+def default_moe_config(T: int, top_k: int, E: int, H: int, inter: int) -> MoeConfig | GemvMoeConfig:
+    """GEMV tiles up to GEMV_MAX_ASSIGNMENTS assignments, else grouped-GEMM tiles by the mean rows per
+    expert; the small and large grouped choices were measured on an H200 at the Qwen3.5-35B-A3B shape
+    (benchmarks/attention_moe_ops.py --sweep), the middle one was not."""
+    if T * top_k <= GEMV_MAX_ASSIGNMENTS:
+        return GemvMoeConfig()
     rows_per_expert = T * top_k / E
     if rows_per_expert <= 16:      # decode: weight-bandwidth bound, small row blocks
         return MoeConfig(block_m=16, block_n1=32, block_k1=256, block_n2=64, block_k2=256, warps1=4, warps2=4,
@@ -294,12 +323,75 @@ def _combine_kernel(y, weights, out, H, s_w, s_o, TOP_K: tl.constexpr, BH: tl.co
     tl.store(out + t * s_o + cols, acc.to(out.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _gemv_w13_kernel(x, w13, ids, inter, H, I, s_x, s_we, s_wn,
+                     TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    a = tl.program_id(0)
+    e = tl.load(ids + a).to(tl.int64)
+    t = (a // TOP_K).to(tl.int64)
+    rows = tl.program_id(1) * BN + tl.arange(0, BN)
+    row_ok = rows < I
+    kk = tl.arange(0, BK)
+    wg = w13 + e * s_we + rows[:, None].to(tl.int64) * s_wn + kk[None, :]
+    wu = wg + I * s_wn
+    xp = x + t * s_x + kk
+    acc_g = tl.zeros([BN, BK], dtype=tl.float32)
+    acc_u = tl.zeros([BN, BK], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        k_ok = kk + k0 < H
+        xv = tl.load(xp + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        m = row_ok[:, None] & k_ok[None, :]
+        acc_g += tl.load(wg + k0, mask=m, other=0.0).to(tl.float32) * xv
+        acc_u += tl.load(wu + k0, mask=m, other=0.0).to(tl.float32) * xv
+    h = silu(tl.sum(acc_g, 1)) * tl.sum(acc_u, 1)
+    tl.store(inter + a.to(tl.int64) * I + rows, h.to(inter.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _gemv_w2_combine_kernel(inter, w2, ids, weights, out, H, I, s_we, s_wn, s_w, s_o,
+                            TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BN + tl.arange(0, BN)
+    row_ok = rows < H
+    kk = tl.arange(0, BK)
+    total = tl.zeros([BN], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        a = t * TOP_K + j
+        e = tl.load(ids + a).to(tl.int64)
+        wp = w2 + e * s_we + rows[:, None].to(tl.int64) * s_wn + kk[None, :]
+        hp = inter + a * I + kk
+        acc = tl.zeros([BN, BK], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            k_ok = kk + k0 < I
+            hv = tl.load(hp + k0, mask=k_ok, other=0.0).to(tl.float32)
+            acc += tl.load(wp + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * hv[None, :]
+        y = tl.sum(acc, 1).to(out.dtype.element_ty).to(tl.float32)    # the expert's output, rounded
+        total += tl.load(weights + t * s_w + j).to(tl.float32) * y
+    tl.store(out + t * s_o + rows, total.to(out.dtype.element_ty), mask=row_ok)
+
+
+def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, cfg: GemvMoeConfig) -> torch.Tensor:
+    T, H = x.shape
+    inter = w2.shape[-1]
+    top_k = topk_ids.shape[1]
+    A = T * top_k
+    h = torch.empty((A, inter), dtype=x.dtype, device=x.device)
+    _gemv_w13_kernel[(A, triton.cdiv(inter, cfg.block_n1))](
+        x, w13, topk_ids, h, H, inter, x.stride(0), w13.stride(0), w13.stride(1),
+        TOP_K=top_k, BN=cfg.block_n1, BK=cfg.block_k1, num_warps=cfg.warps1, num_stages=cfg.stages)
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    _gemv_w2_combine_kernel[(T, triton.cdiv(H, cfg.block_n2))](
+        h, w2, topk_ids, topk_weights, out, H, inter, w2.stride(0), w2.stride(1), topk_weights.stride(0),
+        out.stride(0), TOP_K=top_k, BN=cfg.block_n2, BK=cfg.block_k2, num_warps=cfg.warps2, num_stages=cfg.stages)
+    return out
+
+
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    *, config: MoeConfig | None = None,
+    *, config: MoeConfig | GemvMoeConfig | None = None,
 ) -> torch.Tensor:
-    """See reference.fused_moe. `config` (optional) sets the GEMM tiles; expert ids must lie in [0, E)
-    (they are not checked on device)."""
+    """See reference.fused_moe. `config` (optional) picks the path (GemvMoeConfig: small batches, MoeConfig:
+    grouped GEMMs) and its tiles; expert ids must lie in [0, E) (they are not checked on device)."""
     op = "fused_moe"
     check(x.dim() == 2, op, f"x must be [T, H], got {tuple(x.shape)}")
     T, H = x.shape
@@ -324,9 +416,12 @@ def fused_moe(
     if A == 0:
         return out.zero_()
     cfg = config or default_moe_config(T, top_k, E, H, inter)
-    for name in ("block_m", "block_n1", "block_k1", "block_n2", "block_k2"):
-        v = getattr(cfg, name)
-        check(v >= 16 and v & (v - 1) == 0, op, f"config {name}={v} must be a power of two >= 16")
+    gemv = isinstance(cfg, GemvMoeConfig)
+    for name in ("block_n1", "block_k1", "block_n2", "block_k2") + (() if gemv else ("block_m",)):
+        v, least = getattr(cfg, name), 1 if gemv else 16
+        check(v >= least and v & (v - 1) == 0, op, f"config {name}={v} must be a power of two >= {least}")
+    if gemv:
+        return _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, cfg)
     sorted_ids, block_expert = align_by_expert(topk_ids, E, cfg.block_m)
     nb = block_expert.shape[0]
     ieee = x.dtype == torch.float32
