@@ -1,7 +1,9 @@
 """Gated full attention (model_spec.md §4): q/k RMSNorm, partial RoPE, GQA, sigmoid output gate.
 
-q_proj rows are grouped per query head, [query head h | gate head h] each head_dim rows; we keep
-q_proj, k_proj and v_proj as one fused projection (rows q_proj | k_proj | v_proj).
+q_proj rows are grouped per query head, [query head h | gate head h] each head_dim rows. We keep q_proj,
+k_proj and v_proj as one fused projection with the query and gate rows regrouped on load:
+rows [all query heads | all gate heads | k_proj | v_proj], so the gate is a plain [T, NH * D] slice that
+the fused output gate (kernels.sigmoid_mul) reads in place.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from ..ops import Kernels
 from .linear import Linear
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
-from .weights import WeightMap, rows, whole
+from .weights import Target, WeightMap, rows, whole
 
 
 class GatedAttention(nn.Module):
@@ -24,7 +26,8 @@ class GatedAttention(nn.Module):
         self.kernels = kernels
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads, config.num_key_value_heads, config.head_dim)
-        self.q_size = 2 * self.num_heads * self.head_dim          # queries and gates
+        self.o_size = self.num_heads * self.head_dim              # queries; as many gate rows
+        self.q_size = 2 * self.o_size                             # queries and gates
         self.kv_size = self.num_kv_heads * self.head_dim
         h = config.hidden_size
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, dtype=dtype, device=device)
@@ -37,23 +40,27 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
                 rope: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]
-        qg, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, gate = qg.view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = rope.apply(self.q_norm(q), *cos_sin)
+        q, gate, k, v = self.qkv_proj(x).split([self.o_size, self.o_size, self.kv_size, self.kv_size], dim=-1)
+        q = rope.apply(self.q_norm(q.view(T, self.num_heads, self.head_dim)), *cos_sin)
         k = rope.apply(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), *cos_sin)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         self.kernels.store_kv(k, v, kv_cache, batch.slot_mapping)
         o = self.kernels.paged_attention(q.contiguous(), kv_cache, cu_seqlens=batch.cu_seqlens,
                                          seq_lens=batch.seq_lens, block_tables=batch.block_tables, scale=self.scale)
-        o = o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
-        return self.o_proj(o)
+        return self.o_proj(self.kernels.sigmoid_mul(o.view(T, self.o_size), gate))
 
     def checkpoint_weights(self) -> WeightMap:
         return {
-            "q_proj.weight": rows(self.qkv_proj, 0, self.q_size),
+            "q_proj.weight": Target((self.q_size, self.qkv_proj.in_features), self._load_q_proj),
             "k_proj.weight": rows(self.qkv_proj, self.q_size, self.kv_size),
             "v_proj.weight": rows(self.qkv_proj, self.q_size + self.kv_size, self.kv_size),
             "o_proj.weight": whole(self.o_proj.weight),
             "q_norm.weight": whole(self.q_norm.weight),
             "k_norm.weight": whole(self.k_norm.weight),
         }
+
+    def _load_q_proj(self, t: torch.Tensor) -> None:
+        """Checkpoint rows [q_0 | gate_0 | q_1 | gate_1 | ...] -> [q_0 | q_1 | ... | gate_0 | gate_1 | ...]."""
+        q, gate = t.view(self.num_heads, 2, self.head_dim, -1).unbind(1)
+        self.qkv_proj.load_rows(0, q.reshape(self.o_size, -1))
+        self.qkv_proj.load_rows(self.o_size, gate.reshape(self.o_size, -1))

@@ -1,25 +1,27 @@
-"""Dense SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up fused into one projection."""
+"""Dense SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up fused into one projection and the
+activation fused into one op (kernels.silu_and_mul)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..ops import Kernels
 from .linear import Linear
 from .weights import WeightMap, rows, whole
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, hidden_size: int, intermediate_size: int, kernels: Kernels, *, dtype: torch.dtype,
+                 device: torch.device | str):
         super().__init__()
+        self.kernels = kernels
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype=dtype, device=device)
         self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
     def checkpoint_weights(self) -> WeightMap:
         i = self.intermediate_size

@@ -1,8 +1,15 @@
 """Sparse MoE block with a sigmoid-gated shared expert (model_spec.md §6).
 
-Experts are stored fused, w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I], whatever the
+Experts are stored fused, w13 [E', 2I, H] (gate rows then up rows) and w2 [E', H, I], whatever the
 checkpoint layout: per-expert `experts.{e}.{gate,up,down}_proj.weight` (Qwen3-Next, re-saved models)
 or fused `experts.gate_up_proj` / `experts.down_proj` (official Qwen3.5-MoE).
+
+The shared expert runs inside the same fused_moe call when its width S is a multiple m of the routed
+width I (Qwen3-Next and Qwen3.5-MoE: S = I): it is stored as m more experts E .. E+m-1, slice j holding
+its intermediate columns jI .. (j+1)I - 1, and every token is routed to all m with weight
+sigmoid(shared_expert_gate(x)). silu(gate) * up is per column and the down projection sums over columns,
+so the slices' outputs add up to the shared expert's output: the same function, one op, one fp32
+combine. Other widths keep the shared expert as a separate MLP.
 """
 
 from __future__ import annotations
@@ -22,34 +29,60 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.kernels = kernels
         h, e, i = config.hidden_size, config.num_experts, config.moe_intermediate_size
+        s = config.shared_expert_intermediate_size
         self.num_experts, self.top_k, self.renormalize = e, config.num_experts_per_tok, config.norm_topk_prob
-        self.intermediate_size = i
+        self.intermediate_size, self.shared_size = i, s
+        # shared-expert slices stored as experts E.. (0: no shared expert, or kept separate)
+        self.shared_slices = s // i if s > 0 and s % i == 0 else 0
+        stored = e + self.shared_slices
         self.gate = Linear(h, e, dtype=dtype, device=device)
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype, device=device), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype, device=device), requires_grad=False)
-        self.shared_expert = MLP(h, config.shared_expert_intermediate_size, dtype=dtype, device=device) \
-            if config.shared_expert_intermediate_size > 0 else None
-        self.shared_expert_gate = Linear(h, 1, dtype=dtype, device=device) if self.shared_expert else None
+        self.w13 = nn.Parameter(torch.empty(stored, 2 * i, h, dtype=dtype, device=device), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(stored, h, i, dtype=dtype, device=device), requires_grad=False)
+        self.shared_expert = MLP(h, s, kernels, dtype=dtype, device=device) \
+            if s > 0 and not self.shared_slices else None
+        self.shared_expert_gate = Linear(h, 1, dtype=dtype, device=device) if s > 0 else None
+        self.register_buffer("shared_ids", torch.arange(e, stored, device=device)[None], persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.kernels.topk_softmax(self.gate(x), self.top_k, self.renormalize)
+        if self.shared_slices:
+            T, m = x.shape[0], self.shared_slices
+            shared_w = torch.sigmoid(self.shared_expert_gate(x)).float()
+            weights = torch.cat([weights, shared_w.expand(T, m)], dim=1)
+            ids = torch.cat([ids, self.shared_ids.expand(T, m).to(ids.dtype)], dim=1)
+            return self.kernels.fused_moe(x, self.w13, self.w2, weights, ids)
         out = self.kernels.fused_moe(x, self.w13, self.w2, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
     def checkpoint_weights(self, fused_experts: bool) -> WeightMap:
-        h, i = self.w13.shape[-1], self.intermediate_size
+        h, i, e = self.w13.shape[-1], self.intermediate_size, self.num_experts
         mapping: WeightMap = {"gate.weight": whole(self.gate.weight)}
+        if self.shared_expert_gate is not None:
+            mapping["shared_expert_gate.weight"] = whole(self.shared_expert_gate.weight)
         if self.shared_expert is not None:
             mapping.update(prefixed("shared_expert", self.shared_expert.checkpoint_weights()))
-            mapping["shared_expert_gate.weight"] = whole(self.shared_expert_gate.weight)
+        elif self.shared_slices:
+            s = self.shared_size
+            mapping["shared_expert.gate_proj.weight"] = Target((s, h), lambda t: self._load_shared(t, 0, rows=True))
+            mapping["shared_expert.up_proj.weight"] = Target((s, h), lambda t: self._load_shared(t, i, rows=True))
+            mapping["shared_expert.down_proj.weight"] = Target((h, s), lambda t: self._load_shared(t, 0, rows=False))
         if fused_experts:
-            mapping["experts.gate_up_proj"] = whole(self.w13)
-            mapping["experts.down_proj"] = whole(self.w2)
+            mapping["experts.gate_up_proj"] = Target((e, 2 * i, h), self.w13.data[:e].copy_)
+            mapping["experts.down_proj"] = Target((e, h, i), self.w2.data[:e].copy_)
             return mapping
-        for e in range(self.num_experts):
-            mapping[f"experts.{e}.gate_proj.weight"] = Target((i, h), self.w13.data[e, :i].copy_)
-            mapping[f"experts.{e}.up_proj.weight"] = Target((i, h), self.w13.data[e, i:].copy_)
-            mapping[f"experts.{e}.down_proj.weight"] = Target((h, i), self.w2.data[e].copy_)
+        for j in range(e):
+            mapping[f"experts.{j}.gate_proj.weight"] = Target((i, h), self.w13.data[j, :i].copy_)
+            mapping[f"experts.{j}.up_proj.weight"] = Target((i, h), self.w13.data[j, i:].copy_)
+            mapping[f"experts.{j}.down_proj.weight"] = Target((h, i), self.w2.data[j].copy_)
         return mapping
+
+    def _load_shared(self, t: torch.Tensor, row_offset: int, *, rows: bool) -> None:
+        """Shared-expert gate / up rows [S, H] -> w13 rows of the slices; down [H, S] -> w2 columns."""
+        i, e = self.intermediate_size, self.num_experts
+        for j in range(self.shared_slices):
+            if rows:
+                self.w13.data[e + j, row_offset : row_offset + i].copy_(t[j * i : (j + 1) * i])
+            else:
+                self.w2.data[e + j].copy_(t[:, j * i : (j + 1) * i])

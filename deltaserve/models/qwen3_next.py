@@ -40,7 +40,7 @@ class DecoderLayer(nn.Module):
         else:
             if config.intermediate_size <= 0:
                 raise ValueError(f"layer {layer_id} is dense but intermediate_size is {config.intermediate_size}")
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, **kw)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, kernels, **kw)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, **kw)
 
@@ -94,7 +94,7 @@ class MTPHead(nn.Module):
         cos_sin = rope.cos_sin(batch.positions, x.dtype)
         layer = self.layers[step % len(self.layers)]
         out, residual = layer(x, None, batch, (kv_cache,), rope, cos_sin)
-        return self.norm(out + residual)
+        return self.norm(out, residual)[0]
 
     def checkpoint_weights(self, fused_experts: bool) -> WeightMap:
         mapping: WeightMap = {

@@ -14,6 +14,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from .activation import reference as activation_ref
 from .attention import reference as attention_ref
 from .conv1d import reference as conv1d_ref
 from .gdn import reference as gdn_ref
@@ -45,6 +46,8 @@ class Kernels:
     paged_attention: Callable
     topk_softmax: Callable
     fused_moe: Callable
+    silu_and_mul: Callable           # SwiGLU middle: [.., 2I] (gate | up) -> silu(gate) * up
+    sigmoid_mul: Callable            # x * sigmoid(gate): the attention output gate
 
 
 REFERENCE_OPS: dict[str, Callable] = {
@@ -63,6 +66,8 @@ REFERENCE_OPS: dict[str, Callable] = {
     "paged_attention": attention_ref.paged_attention,
     "topk_softmax": moe_ref.topk_softmax,
     "fused_moe": moe_ref.fused_moe,
+    "silu_and_mul": activation_ref.silu_and_mul,
+    "sigmoid_mul": activation_ref.sigmoid_mul,
 }
 
 

@@ -46,6 +46,7 @@ def available_ops(device: torch.device, shapes: Mapping[str, int] | None = None
 
 
 def _all_ops() -> dict[str, Callable]:
+    from .activation import triton as activation_triton
     from .attention import triton as attention_triton
     from .conv1d import triton as conv1d_triton
     from .gdn import triton_chunk, triton_recurrent
@@ -68,4 +69,6 @@ def _all_ops() -> dict[str, Callable]:
         "paged_attention": attention_triton.paged_attention,
         "topk_softmax": moe_triton.topk_softmax,
         "fused_moe": moe_triton.fused_moe,
+        "silu_and_mul": activation_triton.silu_and_mul,
+        "sigmoid_mul": activation_triton.sigmoid_mul,
     }
