@@ -7,9 +7,9 @@ timings against peers run in the same process on the same GPU and inputs.
              (TFLOP/s of the causal QK^T and PV products). Peer: torch SDPA (flash backend, enable_gqa) on
              the same K/V already gathered into contiguous [B, NKV, ctx, 256] tensors (gather not timed),
              for the shapes SDPA can express (equal-length decodes, prefill from empty).
-  moe        Qwen3.5-35B-A3B experts (E 256, top-8, H 2048, I 512), T = 1, 16, 64, 256, 4096 tokens:
+  moe        Qwen3.5-35B-A3B experts (E 256, top-8, H 2048, I 512), T = 1, 8, 16, 64, 256, 4096 tokens:
              topk_softmax + fused_moe; GB/s of expert weights touched (fraction of copy bandwidth) and
-             TFLOP/s. Peers: torch._grouped_mm (CUTLASS grouped GEMM) with torch sort/gather/index_add around
+             TFLOP/s. At T <= 8 (the GEMV path) also the grouped-GEMM path forced, for comparison. Peers: torch._grouped_mm (CUTLASS grouped GEMM) with torch sort/gather/index_add around
              it, and the reference's per-expert torch loop (eager: it syncs, so no graph).
   ceilings   device-to-device copy bandwidth and bf16 matmul rate, measured in the same run.
 
@@ -50,7 +50,7 @@ D, BS = 256, 16
 ATTN_SHAPES = {"35B-A3B": (16, 2), "27B": (24, 4)}
 DECODE = {"B=1x65536": (1, 65536), "B=64x4096": (64, 4096), "B=256x2048": (256, 2048)}
 E, TOP_K, H, INTER = 256, 8, 2048, 512
-MOE_T = [1, 16, 64, 256, 4096]
+MOE_T = [1, 8, 16, 64, 256, 4096]
 
 
 # ---- inputs -------------------------------------------------------------------------------------
@@ -200,6 +200,9 @@ ATTN_PREFILL_CFGS = [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 
 MOE_CFGS = {
     "small": [moe_t.MoeConfig(16, 32, 256, 64, 256, 4, 4, 3), moe_t.MoeConfig(16, 64, 128, 64, 128, 4, 4, 3),
               moe_t.MoeConfig(16, 32, 128, 32, 128, 2, 2, 4)],
+    "gemv": [moe_t.GemvMoeConfig(8, 256, 8, 256, 4, 4, 3), moe_t.GemvMoeConfig(32, 128, 16, 256, 4, 4, 3),
+             moe_t.GemvMoeConfig(16, 512, 8, 512, 4, 4, 2), moe_t.GemvMoeConfig(8, 512, 4, 512, 2, 2, 3),
+             moe_t.GemvMoeConfig(16, 256, 16, 256, 8, 8, 4), moe_t.GemvMoeConfig(4, 512, 4, 512, 2, 2, 2)],
     "large": [moe_t.MoeConfig(64, 64, 64, 128, 64, 4, 8, 3), moe_t.MoeConfig(64, 128, 64, 128, 64, 8, 8, 3),
               moe_t.MoeConfig(128, 64, 64, 128, 64, 8, 8, 3), moe_t.MoeConfig(128, 128, 64, 256, 64, 8, 8, 3)],
 }
@@ -303,12 +306,18 @@ def moe_cases(sweep: bool) -> list[Case]:
         kw = dict(bytes=-1.0, meta=dict(T=T))           # bytes / flops filled from the routing when timed
         cases.append(Case("moe", name, "ours (topk_softmax + fused_moe)", calls, ours, **kw))
         cases.append(Case("moe", name, "ours fused_moe only", calls, lambda c, f=ours: f(c, route=False), **kw))
+        if T * TOP_K <= moe_t.GEMV_MAX_ASSIGNMENTS:
+            small = moe_t.MoeConfig(16, 32, 256, 64, 256, 4, 4, 3)      # the grouped path's decode tiles
+            cases.append(Case("moe", name, "ours grouped-GEMM path forced (topk_softmax + fused_moe)", calls,
+                              lambda c, f=ours, cfg=small: f(c, cfg=cfg), **kw))
         cases.append(Case("moe", name, "torch._grouped_mm pipeline", calls, gmm, **kw))
         cases.append(Case("moe", name, "reference per-expert torch loop (eager)", calls, loop, graph=False, **kw))
         if sweep:
-            for cfg in MOE_CFGS["small" if T * TOP_K / E <= 16 else "large"]:
-                label = (f"bm={cfg.block_m} n1={cfg.block_n1} k1={cfg.block_k1} n2={cfg.block_n2} k2={cfg.block_k2} "
-                         f"w{cfg.warps1}/{cfg.warps2} s{cfg.stages}")
+            gemv = T * TOP_K <= moe_t.GEMV_MAX_ASSIGNMENTS
+            for cfg in MOE_CFGS["gemv" if gemv else "small" if T * TOP_K / E <= 16 else "large"]:
+                label = ("bm=gemv" if gemv else f"bm={cfg.block_m}") + (
+                    f" n1={cfg.block_n1} k1={cfg.block_k1} n2={cfg.block_n2} k2={cfg.block_k2} "
+                    f"w{cfg.warps1}/{cfg.warps2} s{cfg.stages}")
                 cases.append(Case("moe", name, label, calls, lambda c, f=ours, cfg=cfg: f(c, cfg=cfg, route=False),
                                   sweep=True, **kw))
     return cases
@@ -377,8 +386,9 @@ def ceilings() -> dict:
 
 # ---- warm-up --------------------------------------------------------------------------------------
 
-def worker(index: int, count: int, sweep: bool) -> None:
-    for j, case in enumerate(all_cases(sweep)):
+def worker(index: int, count: int, sweep: bool, only: str = "") -> None:
+    cases = [c for c in all_cases(sweep) if only in f"{c.group} {c.name} {c.impl}"]
+    for j, case in enumerate(cases):
         if j % count != index or not case.impl.startswith(("ours", "bm=")):
             continue
         try:
@@ -393,7 +403,7 @@ def worker(index: int, count: int, sweep: bool) -> None:
 def warm_up(args, log) -> None:
     t0 = time.time()
     base = [sys.executable, os.path.abspath(__file__), "--worker-of", str(args.workers)]
-    procs = [subprocess.Popen(base + ["--worker", str(i)] + (["--sweep"] if args.sweep else []))
+    procs = [subprocess.Popen(base + ["--worker", str(i), "--only", args.only] + (["--sweep"] if args.sweep else []))
              for i in range(args.workers)]
     if args.gpu_tests:
         with open(os.path.join(args.out, "gpu_tests.log"), "w") as f:
@@ -406,7 +416,7 @@ def warm_up(args, log) -> None:
             p.wait(timeout=max(1.0, args.warmup_s - (time.time() - t0)))
         except subprocess.TimeoutExpired:
             p.kill()
-            log(f"warm-up process {p.args[-1]} killed after {args.warmup_s:.0f} s")
+            log(f"warm-up process {p.pid} killed after {args.warmup_s:.0f} s")
     log(f"warm-up (parallel compile, GPU tests) {time.time() - t0:.0f} s")
 
 
@@ -425,7 +435,7 @@ def main() -> int:
     ap.add_argument("--worker-of", type=int, default=1)
     args = ap.parse_args()
     if args.worker is not None:
-        worker(int(args.worker), args.worker_of, args.sweep)
+        worker(int(args.worker), args.worker_of, args.sweep, args.only)
         return 0
 
     t_start = time.time()
