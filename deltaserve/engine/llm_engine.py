@@ -92,12 +92,16 @@ class LLMEngine:
                   max_num_batched_tokens: int | None = None, block_size: int = 16,
                   gpu_memory_utilization: float = 0.9, cpu_cache_bytes: int | None = None,
                   num_gpu_blocks: int | None = None, seed: int | None = 0,
-                  enforce_reference_ops: bool = False, load_format: str = "auto") -> "LLMEngine":
+                  enforce_reference_ops: bool = False, load_format: str = "auto",
+                  enforce_eager: bool = False) -> "LLMEngine":
         """Load a checkpoint directory (default: the embedded model), size the cache from the memory budget
         (GPU: measured; CPU: cpu_cache_bytes) and build the runner. num_gpu_blocks fixes the number of KV
         blocks on any device (tests, tuning); max_num_seqs / max_model_len may come out lower (logged).
         load_format="dummy": random weights from the config alone (`model` is a directory holding a
-        config.json, or a config dict); without a tokenizer.json only token-id prompts work."""
+        config.json, or a config dict); without a tokenizer.json only token-id prompts work.
+        enforce_eager: no CUDA graphs (decode steps are otherwise captured per batch-size bucket on CUDA when
+        every decode-path op is a Triton kernel; runner/cuda_graphs.py)."""
+        from ..runner.cuda_graphs import plan_decode_graphs
         from ..runner.memory import profile_gpu_cache_budget
         from ..runner.model_runner import ModelRunner, allocate_cache
 
@@ -126,9 +130,12 @@ class LLMEngine:
             net = load_model(path, device=dev, dtype=dt, kernels=kernels, config=model_config)
         tokenizer = Tokenizer.from_dir(path) if path is not None else None
 
+        graph_sizes = plan_decode_graphs(dev, kernels, max_batch=min(max_num_seqs, config.token_budget),
+                                         enforce_eager=enforce_eager)
         budget = (profile_gpu_cache_budget(net, device=dev, dtype=dt, max_num_batched_tokens=config.token_budget,
                                            max_num_seqs=max_num_seqs, block_size=block_size,
-                                           utilization=gpu_memory_utilization)
+                                           utilization=gpu_memory_utilization,
+                                           graph_batch_size=max(graph_sizes, default=0))
                   if dev.type == "cuda" else cpu_cache_bytes or DEFAULT_CPU_CACHE_BYTES)
         elem = torch.empty((), dtype=dt).element_size()
         spec = CacheSpec.from_model(model_config, block_size=block_size, kv_dtype_bytes=elem, conv_dtype_bytes=elem)
@@ -137,6 +144,8 @@ class LLMEngine:
         buffers = allocate_cache(net, num_slots=plan.num_slots, num_blocks=plan.num_blocks, block_size=block_size,
                                  device=dev, dtype=dt)
         runner = ModelRunner(net, buffers, device=dev, max_model_len=plan.max_model_len, seed=seed)
+        if graph_sizes:
+            runner.capture_decode_graphs(min(plan.max_num_seqs, config.token_budget))
         manager = HybridCacheManager(num_blocks=plan.num_blocks, block_size=block_size, num_slots=plan.num_slots)
         if config.token_budget < plan.max_num_seqs:
             logger.info("max_num_batched_tokens %d < max_num_seqs %d: a full batch decodes over several steps",

@@ -1,6 +1,7 @@
 """How many bytes the cache pools may take: on the GPU, measured after a warm-up forward of the largest
-step the scheduler will ever issue; on the CPU, a configured size. The byte count goes to
-cache/memory.py, which turns it into slot and block counts."""
+step the scheduler will ever issue (and, with CUDA graphs, a decode forward of the largest graph bucket,
+whose activations the graphs' private pool keeps for good); on the CPU, a configured size. The byte count
+goes to cache/memory.py, which turns it into slot and block counts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from ..batch import ForwardBatch
 from ..models.qwen3_next import HybridForCausalLM
+from .cuda_graphs import padded_decode_batch
 from .model_runner import allocate_cache
 
 logger = logging.getLogger(__name__)
@@ -34,9 +36,12 @@ def dummy_prefill_batch(num_tokens: int, block_size: int, device: torch.device) 
 @torch.inference_mode()
 def profile_gpu_cache_budget(model: HybridForCausalLM, *, device: torch.device, dtype: torch.dtype,
                              max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
-                             utilization: float) -> int:
+                             utilization: float, graph_batch_size: int = 0) -> int:
     """total x utilization, minus what the process needs besides the pools: weights, the activation peak of
-    a max_num_batched_tokens forward plus max_num_seqs rows of logits, and memory not owned by torch."""
+    a max_num_batched_tokens forward plus max_num_seqs rows of logits, memory not owned by torch, and
+    (graph_batch_size > 0) the CUDA graphs' pool, estimated as the activation peak of a decode forward of
+    graph_batch_size rows (the graphs are captured after the cache exists, so their memory is set aside
+    here rather than measured)."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -48,15 +53,25 @@ def profile_gpu_cache_budget(model: HybridForCausalLM, *, device: torch.device, 
     torch.softmax(model.compute_logits(rows).float(), dim=-1)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
-    del scratch, hidden, rows
+    del hidden, rows
+    graphs = 0
+    if graph_batch_size > 0:
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        out = model(padded_decode_batch(graph_batch_size, device), scratch)
+        torch.cuda.synchronize(device)
+        graphs = torch.cuda.max_memory_allocated(device) - base
+        del out
+    del scratch
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     not_torch = (total - free) - torch.cuda.memory_reserved(device)   # CUDA context, other processes
-    budget = int(total * utilization - peak - max(not_torch, 0))
-    logger.info("GPU memory: total %.0f MiB x %.2f, weights + activation peak %.0f MiB, outside torch %.0f MiB "
-                "-> %.0f MiB for the cache", total / MiB, utilization, peak / MiB, not_torch / MiB, budget / MiB)
+    budget = int(total * utilization - peak - max(not_torch, 0) - graphs)
+    logger.info("GPU memory: total %.0f MiB x %.2f, weights + activation peak %.0f MiB, outside torch %.0f MiB, "
+                "CUDA graphs ~%.0f MiB -> %.0f MiB for the cache", total / MiB, utilization, peak / MiB,
+                not_torch / MiB, graphs / MiB, budget / MiB)
     if budget <= 0:
         raise ValueError(f"no GPU memory left for the cache: {total / MiB:.0f} MiB x {utilization} is less than the "
-                         f"{(peak + not_torch) / MiB:.0f} MiB the model needs (raise gpu_memory_utilization, lower "
+                         f"{(peak + not_torch + graphs) / MiB:.0f} MiB the model needs (raise gpu_memory_utilization, lower "
                          "max_num_batched_tokens, or free the GPU)")
     return budget

@@ -3,7 +3,12 @@
 The runner owns the model, the cache buffers and a little state per running sequence (its tokens, state
 slot, block table row, how to sample it), set up from `NewSequence` and dropped when the scheduler says
 the sequence was freed. It knows nothing about request lifecycles. All host work (packing the batch)
-happens before the forward, and the only host sync after it is reading the sampled tokens.
+happens before the forward, host tensors reach the device from pinned memory (no sync), and the only
+host sync after it is reading the sampled tokens (and logprobs).
+
+On CUDA with Triton ops, decode-only steps of up to the largest captured bucket replay a CUDA graph
+(runner/cuda_graphs.py, captured by `capture_decode_graphs` once the cache exists); prefill and mixed
+steps, and larger decode batches, run eagerly.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from ..batch import CacheBuffers, ForwardBatch
 from ..engine.interfaces import NewSequence, RunnerOutput, ScheduledChunk, SchedulerOutput
 from ..models.qwen3_next import HybridForCausalLM
 from ..outputs import PositionLogprobs
-from .sampler import Sampler, SamplingRow, top_logprobs
+from .cuda_graphs import DecodeGraphs, capture_sizes
+from .sampler import Sampler, SamplingRow, to_device, top_logprobs
 
 
 @dataclasses.dataclass
@@ -60,6 +66,17 @@ class ModelRunner:
         # Block table row of each state slot (a sequence keeps its slot for life), kept on the host and
         # updated as blocks are added; a step gathers the rows of its sequences.
         self._block_table = np.zeros((cache.num_slots, -(-max_model_len // self.block_size)), dtype=np.int32)
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_batch: int) -> None:
+        """Capture decode CUDA graphs for batches of up to max_batch sequences (the caller has checked
+        that the decode path is capturable: cuda_graphs.plan_decode_graphs)."""
+        sizes = capture_sizes(max_batch)
+        if not sizes:
+            return
+        self.graphs = DecodeGraphs(self.model, self.cache, sizes, max_blocks_per_seq=self._block_table.shape[1],
+                                   device=self.device)
+        self.graphs.capture()
 
     @property
     def num_live_seqs(self) -> int:
@@ -82,7 +99,7 @@ class ModelRunner:
         for src, dst in out.state_copies:
             self.cache.copy_slot(src, dst)
         if out.block_copies:
-            src, dst = (torch.tensor(x, device=self.device) for x in zip(*out.block_copies))
+            src, dst = (to_device(torch.tensor(x), self.device) for x in zip(*out.block_copies))
             self.cache.kv[:, :, dst] = self.cache.kv[:, :, src]
         for new in out.new_seqs:
             self._add(new)
@@ -94,6 +111,30 @@ class ModelRunner:
     @staticmethod
     def is_decode(chunk: ScheduledChunk) -> bool:
         return chunk.num_new == 1 and chunk.num_computed > 0
+
+    def _pack_decodes(self, chunks: list[ScheduledChunk]) -> tuple[list[int], ...]:
+        """Host values of one-token chunks: input ids, positions, KV slots, context lengths, state slots."""
+        bs = self.block_size
+        ids, pos, slot_map, seq_lens, slots = [], [], [], [], []
+        for c in chunks:
+            st = self._seqs[c.seq_id]
+            p = c.num_computed
+            ids.append(st.token_ids[p])
+            pos.append(p)
+            slot_map.append(st.block_ids[p // bs] * bs + p % bs)
+            seq_lens.append(p + 1)
+            slots.append(st.state_slot)
+        return ids, pos, slot_map, seq_lens, slots
+
+    def _replay_decodes(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        ids, pos, slot_map, seq_lens, slots = self._pack_decodes(chunks)
+        tables = self._block_table[slots, : -(-max(seq_lens) // self.block_size)]
+        return self.graphs.replay(ids, pos, slot_map, seq_lens, slots, tables)
+
+    def uses_graph(self, chunks: list[ScheduledChunk]) -> bool:
+        """Decode-only steps that fit a captured bucket replay a CUDA graph."""
+        return (self.graphs is not None and len(chunks) <= self.graphs.max_size
+                and all(self.is_decode(c) for c in chunks))
 
     def build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         """Pack chunks, which must be prefills first, then decodes."""
@@ -130,9 +171,9 @@ class ModelRunner:
         num_prefills = sum(not self.is_decode(c) for c in chunks)
         # Two host tensors (int64 per token, int32 per sequence) and one copy each to the device.
         T, N = len(ids), len(chunks)
-        per_token = torch.tensor(ids + pos + slot_map, dtype=torch.long).to(self.device, non_blocking=True)
-        per_seq = torch.tensor(cu + seq_lens + slots + has_init, dtype=torch.int32).to(self.device, non_blocking=True)
-        tables = torch.from_numpy(self._block_table[slots, :max_blocks]).to(self.device, non_blocking=True)
+        per_token = to_device(torch.tensor(ids + pos + slot_map, dtype=torch.long), self.device)
+        per_seq = to_device(torch.tensor(cu + seq_lens + slots + has_init, dtype=torch.int32), self.device)
+        tables = to_device(torch.from_numpy(self._block_table[slots, :max_blocks]), self.device)
         return ForwardBatch(
             input_ids=per_token[:T], positions=per_token[T : 2 * T], slot_mapping=per_token[2 * T :],
             cu_seqlens=per_seq[: N + 1], seq_lens=per_seq[N + 1 : 2 * N + 1],
@@ -148,25 +189,31 @@ class ModelRunner:
         if not out.chunks:
             return RunnerOutput([], [], [])
         chunks = sorted(out.chunks, key=self.is_decode)     # stable: prefills first, then decodes
-        batch, plan = self.build_batch(chunks), self._logit_rows(chunks)
-        hidden = self.model(batch, self.cache)
+        plan = self._logit_rows(chunks)
+        if self.uses_graph(chunks):
+            hidden = self._replay_decodes(chunks)
+        else:
+            hidden = self.model(self.build_batch(chunks), self.cache)
         if not plan.rows:                                    # only mid-prompt chunks: nothing to read out
             return RunnerOutput([], [], [])
         # rows are increasing and distinct, so as many rows as tokens means every row (decode-only batches)
-        picked = hidden if len(plan.rows) == hidden.shape[0] else hidden[torch.tensor(plan.rows, device=self.device)]
+        picked = hidden if len(plan.rows) == hidden.shape[0] else hidden[self._index(plan.rows)]
         logits = self.model.compute_logits(picked).float()
 
         result = RunnerOutput([seq_id for seq_id, _ in plan.samples], [], [])
         if plan.samples:
             states = [st for _, st in plan.samples]
-            sampled = self.sampler(logits[plan.sample_rows] if len(plan.sample_rows) < len(plan.rows) else logits,
-                                   [st.sampling for st in states])
+            sampled = self.sampler(logits[self._index(plan.sample_rows)] if len(plan.sample_rows) < len(plan.rows)
+                                   else logits, [st.sampling for st in states])
             result.token_ids, result.logprobs = sampled.token_ids, sampled.logprobs
             for st, tok in zip(states, sampled.token_ids):
                 st.token_ids.append(tok)
         for seq_id, st, first, count, start in plan.prompt_parts:
             result.prompt_logprobs[seq_id] = self._prompt_logprobs(logits[first : first + count], st, start)
         return result
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        return to_device(torch.tensor(rows, dtype=torch.long), self.device)
 
     def _logit_rows(self, chunks: list[ScheduledChunk]) -> "_LogitRows":
         """Rows of the packed batch that need logits: every position of a prompt-logprob chunk whose next token

@@ -9,8 +9,9 @@ which token in it) with the cumulative sums in float64, so a 150k vocabulary los
 with a seed takes its uniform from a hash of (seed, index of the token being sampled), so its tokens do
 not depend on what else is in the batch, on chunking, or on preemption and recomputation; rows without a
 seed draw from the sampler's own seeded stream. No device random generator is involved: nothing per row
-runs on the device and the uniforms are plain inputs (CUDA-graph friendly). The only host sync is reading
-the sampled tokens (and the logprobs, when asked for).
+runs on the device and the uniforms are plain inputs (CUDA-graph friendly). Host values reach the device
+from pinned memory, and nothing reads a device value on the host (no .item(), no boolean-mask indexing, no
+bincount) except the one transfer of the sampled tokens (with the logprobs, when asked for) at the end.
 """
 
 from __future__ import annotations
@@ -80,40 +81,97 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (b * _BLOCK + j)[:, 0]
 
 
-def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], ns: list[int]) -> list[PositionLogprobs]:
-    """For rows of logprobs [R, V]: the chosen token's logprob and rank plus the top-n alternatives."""
-    targets = torch.tensor(token_ids, dtype=torch.long, device=logprobs.device)
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` with no host sync: staged in pinned memory (torch's caching host allocator
+    keeps the block until the copy has run) and copied asynchronously. A copy from pageable memory may
+    wait for the stream to drain."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(*tensors: torch.Tensor) -> list[list]:
+    """Device tensors as Python lists, with one wait for all of them (the step's one host sync)."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.tolist() for t in tensors]
+    host = [t.to("cpu", non_blocking=True) for t in tensors]     # into pinned memory
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return [h.tolist() for h in host]
+
+
+def _logprob_tensors(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """On the device: the targets' logprobs and ranks, and the top-k values and ids (k = 0: none)."""
     chosen = logprobs.gather(1, targets[:, None])
     ranks = (logprobs > chosen).sum(1) + 1
-    k = min(max(ns, default=0), logprobs.shape[1])
-    top_v, top_i = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
-    chosen, ranks = chosen[:, 0].tolist(), ranks.tolist()
-    top_v, top_i = (top_v.tolist(), top_i.tolist()) if k > 0 else ([], [])
+    out = [chosen[:, 0], ranks]
+    if k > 0:
+        out += list(logprobs.topk(k, dim=-1))
+    return out
+
+
+def _logprob_entries(token_ids: list[int], ns: list[int], host: list[list]) -> list[PositionLogprobs]:
+    chosen, ranks = host[0], host[1]
+    top_v, top_i = (host[2], host[3]) if len(host) > 2 else ([], [])
     out = []
     for r, (tok, n) in enumerate(zip(token_ids, ns)):
         entry: PositionLogprobs = {tok: Logprob(chosen[r], ranks[r])}
-        for rank in range(min(n, k)):
+        for rank in range(min(n, len(top_v[r]) if top_v else 0)):
             entry.setdefault(top_i[r][rank], Logprob(top_v[r][rank], rank + 1))
         out.append(entry)
     return out
 
 
-def _adjust(logits: torch.Tensor, row: SamplingRow) -> None:
-    """Penalties and min_tokens suppression on one row [V], in place."""
-    p, V = row.params, logits.shape[0]
-    dev = logits.device
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long, device=dev)
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and row.num_generated:
-        out = torch.tensor(row.token_ids[row.num_prompt_tokens:], dtype=torch.long, device=dev)
-        counts = torch.bincount(out, minlength=V)[:V].to(logits.dtype)
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-    if row.num_generated < p.min_tokens and row.stop_token_ids:
-        ids = [t for t in row.stop_token_ids if t < V]
-        if ids:
-            logits[torch.tensor(ids, dtype=torch.long, device=dev)] = float("-inf")
+def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], ns: list[int]) -> list[PositionLogprobs]:
+    """For rows of logprobs [R, V]: the chosen token's logprob and rank plus the top-n alternatives."""
+    targets = to_device(torch.tensor(token_ids, dtype=torch.long), logprobs.device)
+    k = min(max(ns, default=0), logprobs.shape[1])
+    return _logprob_entries(token_ids, ns, to_host(*_logprob_tensors(logprobs, targets, k)))
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:
+    """Penalties and min_tokens suppression of rows `which` of logits [N, V], in place, in this order per
+    row: repetition (prompt + output tokens), presence / frequency (output tokens), stop tokens to -inf
+    before min_tokens. Gathered over the rows into one index list per kind (no per-row transfers)."""
+    V, dev = logits.shape[1], logits.device
+    rep: list[list] = [[], [], []]       # row, token, penalty
+    cnt: list[list] = [[], []]           # row (index into cnt_rows), output token
+    cnt_rows, freq, pres = [], [], []
+    stop: list[list] = [[], []]          # row, token
+    for i in which:
+        row, p = rows[i], rows[i].params
+        if p.repetition_penalty != 1.0:
+            seen = sorted(set(row.token_ids))
+            rep[0] += [i] * len(seen)
+            rep[1] += seen
+            rep[2] += [p.repetition_penalty] * len(seen)
+        if (p.presence_penalty or p.frequency_penalty) and row.num_generated:
+            out = row.token_ids[row.num_prompt_tokens:]
+            cnt[0] += [len(cnt_rows)] * len(out)
+            cnt[1] += out
+            cnt_rows.append(i)
+            freq.append(p.frequency_penalty)
+            pres.append(p.presence_penalty)
+        if row.num_generated < p.min_tokens and row.stop_token_ids:
+            ids = sorted(t for t in row.stop_token_ids if t < V)
+            stop[0] += [i] * len(ids)
+            stop[1] += ids
+    if rep[0]:
+        r, t = to_device(torch.tensor(rep[:2], dtype=torch.long), dev)
+        pen = to_device(torch.tensor(rep[2], dtype=logits.dtype), dev)
+        vals = logits[r, t]
+        logits[r, t] = torch.where(vals > 0, vals / pen, vals * pen)
+    if cnt_rows:
+        c, t = to_device(torch.tensor(cnt, dtype=torch.long), dev)
+        r = to_device(torch.tensor(cnt_rows, dtype=torch.long), dev)
+        fp = to_device(torch.tensor([freq, pres], dtype=logits.dtype), dev)
+        counts = torch.zeros(len(cnt_rows), V, dtype=logits.dtype, device=dev)
+        counts.index_put_((c, t), torch.ones_like(t, dtype=logits.dtype), accumulate=True)
+        logits[r] = logits[r] - (fp[0, :, None] * counts + fp[1, :, None] * (counts > 0).to(logits.dtype))
+    if stop[0]:
+        r, t = to_device(torch.tensor(stop, dtype=torch.long), dev)
+        logits[r, t] = float("-inf")
 
 
 class Sampler:
@@ -122,57 +180,63 @@ class Sampler:
         self._shared = random.Random(seed)     # uniforms of rows without their own seed
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits [N, V] (any float dtype) for N rows -> one token per row."""
+        """logits [N, V] (any float dtype) for N rows -> one token per row. Per-row options reach the device
+        as one pinned copy; the tokens (and logprobs) come back in one transfer, the only host sync."""
         logits = logits.float()
+        dev = logits.device
         lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        raw = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+        if lp_rows:
+            lp_index = None if len(lp_rows) == len(rows) else to_device(torch.tensor(lp_rows), dev)
+            raw = torch.log_softmax(logits if lp_index is None else logits[lp_index], dim=-1)
         adjust = [i for i, r in enumerate(rows) if r.adjusts_logits()]
         if adjust:
             logits = logits.clone()
-            for i in adjust:
-                _adjust(logits[i], rows[i])
+            _apply_penalties(logits, rows, adjust)
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, rows, greedy)
-        token_ids = tokens.tolist()
+        if not lp_rows:
+            return SamplerOutput(to_host(tokens)[0], [None] * len(rows))
+        ns = [rows[i].params.logprobs for i in lp_rows]
+        k = min(max(ns), raw.shape[1])
+        host = to_host(tokens, *_logprob_tensors(raw, tokens if lp_index is None else tokens[lp_index], k))
+        token_ids = host[0]
         logprobs: list[PositionLogprobs | None] = [None] * len(rows)
-        if lp_rows:
-            tops = top_logprobs(raw, [token_ids[i] for i in lp_rows], [rows[i].params.logprobs for i in lp_rows])
-            for i, entry in zip(lp_rows, tops):
-                logprobs[i] = entry
+        for i, entry in zip(lp_rows, _logprob_entries([token_ids[i] for i in lp_rows], ns, host[1:])):
+            logprobs[i] = entry
         return SamplerOutput(token_ids, logprobs)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
         N, V = logits.shape
-        dev = logits.device
         params = [r.params for r in rows]
-        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=dev)
-        x = logits / temps[:, None]
         top_k = [p.top_k if 0 < p.top_k < V else V for p in params]
-        if min(top_k) < V:
-            kth = x.topk(max(k for k in top_k if k < V), dim=-1).values   # [N, kmax], descending
-            kth = kth.gather(1, torch.tensor([min(k, kth.shape[1]) - 1 for k in top_k], device=dev)[:, None])
-            keep_all = torch.tensor([k >= V for k in top_k], device=dev)[:, None]
-            x = x.masked_fill((x < kth) & ~keep_all, float("-inf"))
-        probs = torch.softmax(x, dim=-1)
         top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        u = [0.0 if g else self._shared.random() if r.seed is None else seeded_uniform(r.seed, r.num_generated)
+             for g, r in zip(greedy, rows)]
+        # every per-row option in one host tensor, one copy: temperature, top_k, top_p, min_p, uniform, greedy
+        opts = to_device(torch.tensor([[1.0 if g else p.temperature for g, p in zip(greedy, params)], top_k, top_p,
+                                       min_p, u, greedy], dtype=torch.float64), logits.device)
+        x = logits / opts[0].float()[:, None]
+        if min(top_k) < V:
+            kmax = max(k for k in top_k if k < V)
+            kth = x.topk(kmax, dim=-1).values                 # [N, kmax], descending
+            k = opts[1].long()
+            kth = kth.gather(1, (k.clamp_max(kmax) - 1)[:, None])
+            x = x.masked_fill((x < kth) & (k < V)[:, None], float("-inf"))
+        probs = torch.softmax(x, dim=-1)
         if min(top_p) < 1.0:
             sorted_p, order = probs.sort(dim=-1, descending=True)
             mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-            drop = mass_before > torch.tensor(top_p, device=dev)[:, None]
+            drop = mass_before > opts[2].float()[:, None]
             drop[:, 0] = False
             probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
-        min_p = [p.min_p for p in params]
         if max(min_p) > 0:
-            floor = torch.tensor(min_p, device=dev)[:, None] * probs.amax(dim=-1, keepdim=True)
+            floor = opts[3].float()[:, None] * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < floor, 0.0)
-
-        u = torch.tensor([0.0 if g else self._shared.random() if r.seed is None else
-                          seeded_uniform(r.seed, r.num_generated) for g, r in zip(greedy, rows)],
-                         dtype=torch.float64, device=dev)
-        sampled = inverse_cdf(probs, u)
+        sampled = inverse_cdf(probs, opts[4])
         if any(greedy):
-            sampled = torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), sampled)
+            sampled = torch.where(opts[5].bool(), logits.argmax(dim=-1), sampled)
         return sampled
