@@ -386,8 +386,12 @@ def ceilings() -> dict:
 
 # ---- warm-up --------------------------------------------------------------------------------------
 
+def selected(only: str, label: str) -> bool:
+    return not only or any(part in label for part in only.split(","))
+
+
 def worker(index: int, count: int, sweep: bool, only: str = "") -> None:
-    cases = [c for c in all_cases(sweep) if only in f"{c.group} {c.name} {c.impl}"]
+    cases = [c for c in all_cases(sweep) if selected(only, f"{c.group} {c.name} {c.impl}")]
     for j, case in enumerate(cases):
         if j % count != index or not case.impl.startswith(("ours", "bm=")):
             continue
@@ -430,7 +434,7 @@ def main() -> int:
     ap.add_argument("--gpu-tests", action="store_true", help="run the gpu-marked op tests during the warm-up")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip remaining cases after this wall time")
     ap.add_argument("--warmup-s", type=float, default=90.0, help="stop warm-up workers after this wall time")
-    ap.add_argument("--only", default="", help="substring filter on 'group name impl'")
+    ap.add_argument("--only", default="", help="substring filter on 'group name impl' (comma: any of several)")
     ap.add_argument("--worker", default=None)
     ap.add_argument("--worker-of", type=int, default=1)
     args = ap.parse_args()
@@ -459,7 +463,7 @@ def main() -> int:
     results = []
     for case in all_cases(args.sweep):
         label = f"{case.group} {case.name} {case.impl}"
-        if args.only and args.only not in label:
+        if not selected(args.only, label):
             continue
         if time.time() - t_start > args.budget_s:
             log(f"SKIPPED (budget): {label}")

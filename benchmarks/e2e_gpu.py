@@ -1,0 +1,573 @@
+"""End-to-end benchmark at a published model shape with random weights (load_format="dummy"), ours and
+transformers + flash-linear-attention in the same command on the same GPU, one after the other (two
+35B models do not fit one H200 together), each in its own subprocess.
+
+  ours   LLMEngine built from the config alone (weights drawn on the GPU). Measures
+         - output throughput at concurrency 1, 8, 64, 256: that many requests of 1024 random prompt tokens
+           and 256 new tokens (ignore_eos) submitted at once; output tok/s over the whole run (prefill
+           included) and the steady decode rate (median of the steps where every request decodes);
+         - batch-1 decode = the steady decode rate at concurrency 1;
+         - time to first token of one 8k and one 32k prompt (after an 8k warm-up request);
+         - a torch.profiler summary of batch-1 decode steps: kernel time per family, GPU idle gaps, host time.
+  peer   transformers `generate` (greedy, min_new_tokens = max_new_tokens) on the same config with its own
+         random init on the GPU, batch 1 and batch 8 with 1024-token prompts; decode tok/s from two lengths
+         (n2 - n1 new tokens over the time difference: prefill cancels), fewer new tokens than ours because
+         it is slow; TTFT of an 8k prompt.
+  limits Bandwidth limit of a decode step = bytes it must move / device-to-device copy bandwidth measured in
+         the same run: dense weights (everything but the routed experts, lm_head included, embedding rows
+         only), the distinct routed experts the step's tokens select (counted from the router's actual
+         choices on a recorded 8k-token prefill, grouped C tokens at a time; the uniform-routing expectation
+         E (1 - (1 - k/E)^C) is printed next to it), the KV cache read (mean context of the decode phase)
+         and written, GDN recurrent + conv state read and written. Activations are ignored (< 0.1 %).
+
+  PYTHONPATH=. python benchmarks/e2e_gpu.py --model benchmarks/configs/Qwen3.5-35B-A3B --out DIR
+  PYTHONPATH=. python benchmarks/e2e_gpu.py --quick --out DIR      # tiny shape on CPU, seconds
+  --smoke: the real shape with a short workload (concurrency 1 and 8, 64 new tokens, 8k TTFT, peer batch 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+QUICK_CONFIG = {
+    "model_type": "qwen3_5_moe",
+    "tie_word_embeddings": False,
+    "text_config": {
+        "model_type": "qwen3_5_moe_text", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"], "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+    },
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    concurrency: tuple[int, ...] = (1, 8, 64, 256)
+    prompt_len: int = 1024
+    new_tokens: int = 256
+    ttft_lens: tuple[int, ...] = (8192, 32768)
+    max_num_batched_tokens: int = 8192
+    profile_steps: int = 5
+    peer_batches: tuple[int, ...] = (1, 8)
+    peer_new_tokens: tuple[int, int] = (4, 20)   # decode rate from the difference of two generate lengths
+    peer_ttft_len: int = 8192
+
+
+SMOKE = Workload(concurrency=(1, 8), new_tokens=64, ttft_lens=(8192,), profile_steps=3, peer_batches=(1,),
+                 peer_new_tokens=(2, 6), peer_ttft_len=0)
+QUICK = Workload(concurrency=(1, 2), prompt_len=16, new_tokens=6, ttft_lens=(32, 48), max_num_batched_tokens=64,
+                 profile_steps=2, peer_batches=(1, 2), peer_new_tokens=(2, 4), peer_ttft_len=32)
+
+
+# ---- model description shared by both parts ---------------------------------------------------------
+
+def raw_config(args) -> dict:
+    if args.quick:
+        return QUICK_CONFIG
+    return json.loads((Path(args.model) / "config.json").read_text())
+
+
+def uniform_distinct(E: int, k: int, C: int) -> float:
+    """Expected number of distinct experts C tokens select when each picks k of E uniformly."""
+    return E * (1.0 - (1.0 - k / E) ** C)
+
+
+def step_limit(bytes_info: dict, C: int, ctx: float, distinct: float, copy_bps: float) -> dict:
+    """Bytes a decode step of C sequences at mean context ctx must move, and the implied limit."""
+    b = bytes_info
+    moved = (b["dense"] + C * b["embed_row"] + b["moe_layers"] * distinct * b["expert"]
+             + C * (ctx + 1) * b["kv_per_token"] + C * b["state_rw"])
+    step_s = moved / copy_bps
+    return dict(bytes=moved, step_s=step_s, tok_s=C / step_s)
+
+
+def _dtype(device) -> str:
+    """bf16 on the GPU (the benchmark); fp32 for the CPU smoke run (bf16 matmuls are slow on CPUs)."""
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+# ---- ours ---------------------------------------------------------------------------------------
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy rate, bytes read + written per second (median of repeated 1 GiB copies)."""
+    import torch
+
+    n = (1 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(15):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e-3)
+        else:
+            t = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t)
+    times.sort()
+    return 2 * n / times[len(times) // 2]
+
+
+def model_bytes(net, cfg) -> dict:
+    """Parameter bytes of the main model by what a decode step reads (the MTP head is not run)."""
+    from deltaserve.layers.moe import SparseMoeBlock
+
+    main = [p for name, p in net.named_parameters() if not name.startswith("mtp.")]
+    total = sum(p.numel() * p.element_size() for p in main)
+    embed = net.embed_tokens.numel() * net.embed_tokens.element_size()
+    moe = [m for name, m in net.named_modules() if isinstance(m, SparseMoeBlock) and not name.startswith("mtp.")]
+    E = cfg.num_experts
+    expert = 0
+    routed_total = 0
+    for m in moe:
+        expert = (m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size()
+        routed_total += E * expert
+    elem = net.embed_tokens.element_size()
+    gdn, attn = len(cfg.gdn_layer_ids), len(cfg.attention_layer_ids)
+    state = gdn * (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+                   + cfg.gdn_conv_dim * (cfg.linear_conv_kernel_dim - 1) * elem)
+    dense = total - routed_total - (0 if cfg.tie_word_embeddings else embed)
+    return dict(total=total, dense=dense, embed_row=cfg.hidden_size * elem, expert=expert, moe_layers=len(moe),
+                routed_total=routed_total, kv_per_token=attn * 2 * cfg.num_key_value_heads * cfg.head_dim * elem,
+                state_rw=2 * state, experts=E, top_k=cfg.num_experts_per_tok)
+
+
+class RoutingRecorder:
+    """Forward pre-hooks on the MoE blocks recording the top-k experts the router picks for each token
+    (eager forwards only: a captured graph bypasses hooks, and then nothing is recorded)."""
+
+    def __init__(self, net, max_tokens: int):
+        from deltaserve.layers.moe import SparseMoeBlock
+
+        self.ids: dict[str, list] = {}
+        self.max_tokens = max_tokens
+        self.handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in net.named_modules()
+                        if isinstance(m, SparseMoeBlock) and not name.startswith("mtp.")]
+
+    def _hook(self, name):
+        import torch
+
+        def hook(module, inputs):
+            x = inputs[0]
+            have = sum(t.shape[0] for t in self.ids.get(name, []))
+            if have >= self.max_tokens or x.shape[0] < 2:
+                return
+            logits = torch.nn.functional.linear(x, module.gate.weight).float()
+            self.ids.setdefault(name, []).append(logits.topk(module.top_k, dim=-1).indices.cpu())
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def distinct(self, C: int) -> float | None:
+        """Mean distinct experts per group of C consecutive recorded tokens, over layers and groups."""
+        import torch
+
+        counts = []
+        for chunks in self.ids.values():
+            ids = torch.cat(chunks)
+            for g in range(ids.shape[0] // C):
+                counts.append(ids[g * C : (g + 1) * C].unique().numel())
+        return sum(counts) / len(counts) if counts else None
+
+
+def run_requests(engine, prompts: list[list[int]], params, tag: str) -> dict:
+    """Submit all prompts at once, step until done; per-step wall time and token counts."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, params, stream=False)
+    steps = []
+    first_token_at = None
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        s0 = engine.get_stats()
+        ta = time.perf_counter()
+        engine.step()
+        tb = time.perf_counter()
+        s1 = engine.get_stats()
+        gen = s1.generation_tokens_total - s0.generation_tokens_total
+        steps.append(dict(s=tb - ta, tokens=s1.num_batched_tokens_total - s0.num_batched_tokens_total, gen=gen))
+        if first_token_at is None and gen:
+            first_token_at = tb - t0
+    total = time.perf_counter() - t0
+    C = len(prompts)
+    decode = sorted(st["s"] for st in steps if st["tokens"] == C and st["gen"] == C)
+    out_tokens = sum(st["gen"] for st in steps)
+    return dict(total_s=total, first_token_s=first_token_at, steps=len(steps), output_tokens=out_tokens,
+                output_tok_s=out_tokens / total, decode_steps=len(decode),
+                decode_step_s=decode[len(decode) // 2] if decode else None,
+                decode_tok_s=C / decode[len(decode) // 2] if decode else None)
+
+
+KERNEL_FAMILIES = [   # first match wins: our MoE GEMV kernels contain "gemv", the GDN gated norm "norm"
+    ("MoE (routing + experts)", r"moe|topk_softmax|gemv_w13|gemv_w2|_w13_kernel|_w2_kernel|combine|align"),
+    ("GDN (conv, gates, delta rule, gated norm)", r"gdn|recurrent|delta|conv1d|chunk|gating|l2norm"),
+    ("attention (paged, store_kv, rope)", r"attention|attn|paged|store_kv|flash|rotary|rope"),
+    ("norms (RMSNorm + residual)", r"rms|norm"),
+    ("linears (GEMV / GEMM)", r"gemm|gemv|cutlass|nvjet|sm90|sm80|xmma|splitk|cublas|kernel2|matmul|linear|addmm|::mm"),
+    ("activations (silu*mul, sigmoid*mul)", r"silu|sigmoid|act_and_mul"),
+    ("sampler / logits", r"softmax|argmax|sampl|cumsum|sort|topk|multinomial|log_softmax"),
+]
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for fam, pattern in KERNEL_FAMILIES:
+        if re.search(pattern, low):
+            return fam
+    return "other (copies, elementwise, indexing)"
+
+
+def profile_decode(engine, prompt: list[int], steps: int, device) -> dict:
+    """Profile `steps` batch-1 decode steps (after the prefill and two warm steps): kernel time per
+    family, GPU idle time between the step's first and last kernel, host time outside that span."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from deltaserve.sampling_params import SamplingParams
+
+    engine.add_request("profile", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=steps + 4, ignore_eos=True),
+                       stream=False)
+    for _ in range(3):
+        engine.step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for i in range(steps):
+            with record_function(f"e2e_step_{i}"):
+                engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    events = list(prof.events())
+    ranges = sorted((e.time_range.start, e.time_range.end) for e in events if e.name.startswith("e2e_step_"))
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    else:   # CPU: leaf aten ops stand in for kernels (keeps the code path exercised)
+        kernels = [e for e in events if e.name.startswith("aten::") and not e.cpu_children]
+    fams: dict[str, float] = {}
+    wall = busy = span_total = 0.0
+    nk = 0
+    for start, end in ranges:
+        ks = sorted((k for k in kernels if start <= k.time_range.start <= end), key=lambda k: k.time_range.start)
+        wall += end - start
+        nk += len(ks)
+        if not ks:
+            continue
+        for k in ks:
+            fams[family(k.name)] = fams.get(family(k.name), 0.0) + (k.time_range.end - k.time_range.start)
+        # union of kernel intervals (concurrent kernels counted once)
+        cur_s, cur_e = ks[0].time_range.start, ks[0].time_range.end
+        for k in ks[1:]:
+            if k.time_range.start > cur_e:
+                busy += cur_e - cur_s
+                cur_s, cur_e = k.time_range.start, k.time_range.end
+            else:
+                cur_e = max(cur_e, k.time_range.end)
+        busy += cur_e - cur_s
+        span_total += max(k.time_range.end for k in ks) - ks[0].time_range.start
+    n = max(len(ranges), 1)
+    top = {}
+    for k in kernels:
+        top[k.name] = top.get(k.name, 0.0) + (k.time_range.end - k.time_range.start)
+    return dict(steps=len(ranges), step_wall_us=wall / n, kernels_per_step=nk / n,
+                family_us={f: v / n for f, v in sorted(fams.items(), key=lambda kv: -kv[1])},
+                gpu_busy_us=busy / n, gpu_idle_in_span_us=(span_total - busy) / n,
+                host_outside_span_us=(wall - span_total) / n, on_gpu=on_gpu,
+                top_kernels_us={k: v / n for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]})
+
+
+def ours_part(args, wl: Workload, out: Path) -> None:
+    import random
+
+    import torch
+
+    from deltaserve import LLM, SamplingParams
+
+    device = torch.device("cpu" if args.quick else "cuda")
+    log = _logger(out / "ours.jsonl")
+    copy_bps = copy_bandwidth(device)
+    log(dict(what="copy_bandwidth", bytes_per_s=copy_bps))
+    t = time.perf_counter()
+    model = dict(raw_config(args)) if args.quick else args.model
+    max_len = max(wl.ttft_lens) + 16
+    llm = LLM(model, device=str(device), dtype=_dtype(device), load_format="dummy", max_num_seqs=max(wl.concurrency),
+              max_model_len=max_len, max_num_batched_tokens=wl.max_num_batched_tokens)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    engine, cfg = llm.engine, llm.config
+    info = model_bytes(llm.model, cfg)
+    log(dict(what="build", s=time.perf_counter() - t, plan=dataclasses.asdict(engine.plan)
+             if dataclasses.is_dataclass(engine.plan) else str(engine.plan), bytes=info,
+             gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+             dtype=_dtype(device)))
+    rng = random.Random(0)
+    vocab = cfg.vocab_size
+
+    def prompt(n):
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    # warm-up + routing record: one long prefill (eager), then one request through every concurrency's path
+    rec = RoutingRecorder(llm.model, max_tokens=min(wl.ttft_lens))
+    warm = run_requests(engine, [prompt(min(wl.ttft_lens))], SamplingParams(max_tokens=2, ignore_eos=True), "warm")
+    rec.remove()
+    log(dict(what="warmup", **warm))
+    for C in wl.concurrency:
+        run_requests(engine, [prompt(wl.prompt_len) for _ in range(min(C, 8))],
+                     SamplingParams(max_tokens=4, ignore_eos=True), f"warm{C}")
+    for n in wl.ttft_lens:
+        r = run_requests(engine, [prompt(n)], SamplingParams(max_tokens=1, ignore_eos=True), f"ttft{n}")
+        log(dict(what="ttft", prompt_len=n, s=r["first_token_s"], steps=r["steps"]))
+    params = SamplingParams(max_tokens=wl.new_tokens, ignore_eos=True)
+    ctx = wl.prompt_len + wl.new_tokens / 2
+    for C in wl.concurrency:
+        r = run_requests(engine, [prompt(wl.prompt_len) for _ in range(C)], params, f"c{C}")
+        actual = rec.distinct(C)
+        uniform = uniform_distinct(info["experts"], info["top_k"], C) if info["experts"] else 0.0
+        lim = step_limit(info, C, ctx, actual if actual is not None else uniform, copy_bps)
+        log(dict(what="concurrency", C=C, distinct_experts_actual=actual, distinct_experts_uniform=uniform,
+                 limit=lim, frac_of_limit=(r["decode_tok_s"] / lim["tok_s"]) if r["decode_tok_s"] else None, **r))
+    prof = profile_decode(engine, prompt(wl.prompt_len), wl.profile_steps, device)
+    log(dict(what="profile", **prof))
+
+
+# ---- peer: transformers + flash-linear-attention ----------------------------------------------------
+
+def peer_part(args, wl: Workload, out: Path) -> None:
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = torch.device("cpu" if args.quick else "cuda")
+    os.environ.setdefault("FLA_FLASH_QLA", "0")
+    log = _logger(out / "peer.jsonl")
+    raw = raw_config(args)
+    text = dict(raw.get("text_config", raw))
+    model_type = text.pop("model_type", raw["model_type"])
+    if "text_config" in raw and not model_type.endswith("_text"):
+        model_type += "_text"
+    text["eos_token_id"] = None             # random weights: generate runs to max_new_tokens anyway
+    text["tie_word_embeddings"] = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    cfg = AutoConfig.for_model(model_type, **text)
+    t = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, _dtype(device))).eval()
+    model.requires_grad_(False)
+    patched = _use_fla(model) if device.type == "cuda" else 0
+    fla = sys.modules.get("fla")
+    log(dict(what="build", s=time.perf_counter() - t, cls=type(model).__name__, transformers=transformers.__version__,
+             fla=getattr(fla, "__version__", "loaded") if fla else None,
+             experts_implementation=getattr(model.config, "_experts_implementation", None),
+             attn_implementation=getattr(model.config, "_attn_implementation", None), fla_patched_layers=patched))
+    g = torch.Generator().manual_seed(1)
+
+    def generate(batch: int, plen: int, new: int) -> float:
+        ids = torch.randint(0, cfg.vocab_size, (batch, plen), generator=g).to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    generate(1, 16, 2)                                      # warm-up (kernel compilation)
+    log(dict(what="peer_kernels", **_peer_kernels(lambda: generate(1, 16, 3), device)))
+    n1, n2 = wl.peer_new_tokens
+    for B in wl.peer_batches:
+        t1 = generate(B, wl.prompt_len, n1)
+        t2 = generate(B, wl.prompt_len, n2)
+        log(dict(what="peer_decode", B=B, prompt_len=wl.prompt_len, new_tokens=[n1, n2], s=[t1, t2],
+                 decode_tok_s=B * (n2 - n1) / (t2 - t1), output_tok_s=B * n2 / t2))
+    if wl.peer_ttft_len:
+        t1 = generate(1, wl.peer_ttft_len, 1)
+        log(dict(what="peer_ttft", prompt_len=wl.peer_ttft_len, s=t1))
+
+
+def _use_fla(model) -> int:
+    """transformers picks FLA's GDN kernels itself when it finds the `fla` package; where a layer still holds
+    the torch fallback as an attribute (older releases), hand it FLA's. Returns the layers changed."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except ImportError:
+        return 0
+    n = 0
+    for m in model.modules():
+        fn = getattr(m, "chunk_gated_delta_rule", None)
+        if callable(fn) and not getattr(fn, "__module__", "").startswith("fla"):
+            m.chunk_gated_delta_rule = chunk_gated_delta_rule
+            if hasattr(m, "recurrent_gated_delta_rule"):
+                m.recurrent_gated_delta_rule = fused_recurrent_gated_delta_rule
+            n += 1
+    return n
+
+
+def _peer_kernels(fn, device) -> dict:
+    """Kernel time by family over one short generate (evidence of which GDN kernels the peer runs)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        return {}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    fams: dict[str, float] = {}
+    gdn_names = set()
+    for k in kernels:
+        fam = family(k.name)
+        fams[fam] = fams.get(fam, 0.0) + (k.time_range.end - k.time_range.start)
+        if fam.startswith("GDN"):
+            gdn_names.add(k.name[:80])
+    return dict(kernels=len(kernels), family_us=fams, gdn_kernel_names=sorted(gdn_names)[:12])
+
+
+# ---- orchestration and report ------------------------------------------------------------------------
+
+def _logger(path: Path):
+    def log(row: dict) -> None:
+        print(json.dumps(row, default=str), flush=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+    return log
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def report(out: Path, name: str, wl: Workload) -> str:
+    ours, peer = _read(out / "ours.jsonl"), _read(out / "peer.jsonl")
+    get = lambda rows, what: [r for r in rows if r["what"] == what]  # noqa: E731
+    copy = get(ours, "copy_bandwidth")
+    build = get(ours, "build")
+    lines = [f"## {name}", ""]
+    if not copy or not build:
+        return "\n".join(lines + ["ours: no results (see ours.log)"])
+    bps = copy[0]["bytes_per_s"]
+    b = build[0]["bytes"]
+    lines += [f"device {build[0]['gpu']}, torch {build[0]['torch']}; copy bandwidth {bps / 1e12:.2f} TB/s "
+              f"(read + write); model {b['total'] / 1e9:.1f} GB {build[0].get('dtype', '')} (main model), dense {b['dense'] / 1e9:.2f} GB "
+              f"per step, {b['moe_layers']} MoE layers x {b['expert'] / 1e6:.1f} MB per routed expert; "
+              f"GDN state r+w {b['state_rw'] / 1e6:.1f} MB/seq, KV {b['kv_per_token'] / 1e3:.1f} kB/token; "
+              f"build {build[0]['s']:.1f} s", ""]
+    conc = {r["C"]: r for r in get(ours, "concurrency")}
+    pdec = {r["B"]: r for r in get(peer, "peer_decode")}
+    pbuild = get(peer, "build")
+    if pbuild:
+        p = pbuild[0]
+        lines += [f"peer: transformers {p['transformers']} {p['cls']}, flash-linear-attention {p['fla']}, experts "
+                  f"{p['experts_implementation']}, attention {p['attn_implementation']}; new tokens "
+                  f"{wl.peer_new_tokens[0]} and {wl.peer_new_tokens[1]} (decode rate from the difference)", ""]
+    lines += ["| metric | ours | peer | ours / peer | limit | ours % of limit | peer % of limit |",
+              "|---|---|---|---|---|---|---|"]
+
+    def row(metric, o, p, lim, fmt="{:.1f}", higher=True):
+        f = lambda v: fmt.format(v) if v is not None else "-"  # noqa: E731
+        ratio = (o / p if higher else p / o) if o and p else None
+        frac = lambda v: f"{100 * (v / lim if higher else lim / v):.1f} %" if v and lim else "-"  # noqa: E731
+        lines.append(f"| {metric} | {f(o)} | {f(p)} | {f'{ratio:.1f}x' if ratio else '-'} | {f(lim)} | "
+                     f"{frac(o)} | {frac(p)} |")
+
+    for C, r in sorted(conc.items()):
+        lim = r["limit"]["tok_s"]
+        p = pdec.get(C)
+        row(f"decode tok/s, concurrency {C} (steady, ctx ~{wl.prompt_len + wl.new_tokens // 2})", r["decode_tok_s"],
+            p["decode_tok_s"] if p else None, lim)
+    for C, r in sorted(conc.items()):
+        p = pdec.get(C)
+        row(f"output tok/s, concurrency {C} ({wl.prompt_len} in / {wl.new_tokens} out, whole run)",
+            r["output_tok_s"], p["output_tok_s"] if p else None, None)
+    pt = {r["prompt_len"]: r["s"] for r in get(peer, "peer_ttft")}
+    for r in get(ours, "ttft"):
+        row(f"time to first token, {r['prompt_len']} tokens (s)", r["s"], pt.get(r["prompt_len"]), None,
+            fmt="{:.3f}", higher=False)
+    lines += ["", "| concurrency | distinct experts / MoE layer (actual; uniform) | bytes / step (GB) | limit step "
+              "ms | ours step ms | decode steps |", "|---|---|---|---|---|---|"]
+    for C, r in sorted(conc.items()):
+        act = r["distinct_experts_actual"]
+        lines.append(f"| {C} | {act if act is None else f'{act:.1f}'}; {r['distinct_experts_uniform']:.1f} | "
+                     f"{r['limit']['bytes'] / 1e9:.3f} | {r['limit']['step_s'] * 1e3:.3f} | "
+                     f"{r['decode_step_s'] * 1e3 if r['decode_step_s'] else float('nan'):.3f} | {r['decode_steps']} |")
+    for prof in get(ours, "profile"):
+        unit = "kernel" if prof["on_gpu"] else "CPU leaf op"
+        lines += ["", f"Profile of a batch-1 decode step ({prof['steps']} steps under torch.profiler, "
+                  f"{prof['kernels_per_step']:.0f} {unit}s per step, step wall {prof['step_wall_us']:.0f} us "
+                  "with the profiler on):", "", "| part | us / step |", "|---|---|"]
+        for fam, us in prof["family_us"].items():
+            lines.append(f"| {fam} | {us:.1f} |")
+        lines += [f"| GPU idle between the step's first and last {unit} (launch gaps) | "
+                  f"{prof['gpu_idle_in_span_us']:.1f} |",
+                  f"| host time outside that span (batch packing, sampling sync) | {prof['host_outside_span_us']:.1f} |"]
+    return "\n".join(lines)
+
+
+def run_part(part: str, args, out: Path, timeout: float) -> int:
+    cmd = [sys.executable, os.path.abspath(__file__), "--part", part, "--out", args.out]
+    cmd += ["--quick"] if args.quick else ["--model", args.model] + (["--smoke"] if args.smoke else [])
+    with open(out / f"{part}.log", "a") as f:
+        try:
+            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                                  env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+                                  ).returncode
+        except subprocess.TimeoutExpired:
+            f.write(f"\n{part}: killed after {timeout:.0f} s\n")
+            return 124
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(ROOT / "benchmarks" / "configs" / "Qwen3.5-35B-A3B"),
+                    help="directory holding the config.json of the shape to build")
+    ap.add_argument("--out", default="e2e_out")
+    ap.add_argument("--quick", action="store_true", help="tiny shape on CPU (a smoke test of this script)")
+    ap.add_argument("--smoke", action="store_true", help="real shape, short workload (finds problems fast)")
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--ours-timeout", type=float, default=420.0)
+    ap.add_argument("--peer-timeout", type=float, default=240.0)
+    ap.add_argument("--part", choices=("ours", "peer"), default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    wl = QUICK if args.quick else SMOKE if args.smoke else Workload()
+    name = "quick (tiny qwen3_5_moe, CPU)" if args.quick else Path(args.model).name
+    out = Path(args.out) / ("quick" if args.quick else Path(args.model).name)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.part == "ours":
+        ours_part(args, wl, out)
+        return 0
+    if args.part == "peer":
+        peer_part(args, wl, out)
+        return 0
+    for f in ("ours.jsonl", "peer.jsonl"):
+        (out / f).unlink(missing_ok=True)
+    rc = {"ours": run_part("ours", args, out, args.ours_timeout)}
+    if not args.no_peer:
+        rc["peer"] = run_part("peer", args, out, args.peer_timeout)
+    text = report(out, name, wl) + f"\n\nexit codes: {rc}\n"
+    (out / "report.md").write_text(text)
+    print(text)
+    return 0 if all(v == 0 for v in rc.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

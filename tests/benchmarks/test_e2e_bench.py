@@ -1,0 +1,63 @@
+"""benchmarks/e2e_gpu.py --quick: the whole script (ours with dummy weights, the transformers peer, limits,
+profile, report) on a tiny shape on CPU, so it cannot rot between GPU runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "e2e_gpu.py"
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    spec = importlib.util.spec_from_file_location("e2e_gpu", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["e2e_gpu"] = mod                 # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_quick_run_reports_every_row(e2e, tmp_path):
+    # the two parts in this process (the orchestrator runs each in a subprocess; same functions)
+    assert e2e.main(["--quick", "--out", str(tmp_path), "--part", "ours"]) == 0
+    assert e2e.main(["--quick", "--out", str(tmp_path), "--part", "peer"]) == 0
+    out = tmp_path / "quick"
+    rows = [json.loads(line) for line in (out / "ours.jsonl").read_text().splitlines()]
+    conc = {r["C"]: r for r in rows if r["what"] == "concurrency"}
+    assert set(conc) == set(e2e.QUICK.concurrency)
+    for C, r in conc.items():
+        assert r["output_tokens"] == C * e2e.QUICK.new_tokens
+        assert r["decode_steps"] > 0 and r["decode_tok_s"] > 0
+        assert r["limit"]["bytes"] > 0 and 0 < r["frac_of_limit"]
+        assert r["distinct_experts_actual"] is not None, "the router's choices were recorded"
+    assert {r["prompt_len"] for r in rows if r["what"] == "ttft"} == set(e2e.QUICK.ttft_lens)
+    prof = next(r for r in rows if r["what"] == "profile")
+    assert prof["steps"] == e2e.QUICK.profile_steps and prof["family_us"]
+    peer = [json.loads(line) for line in (out / "peer.jsonl").read_text().splitlines()]
+    assert {r["B"] for r in peer if r["what"] == "peer_decode"} == set(e2e.QUICK.peer_batches)
+    text = e2e.report(out, "quick", e2e.QUICK)
+    assert "| decode tok/s, concurrency 1" in text and "| time to first token, 32 tokens" in text
+    assert "Profile of a batch-1 decode step" in text
+
+
+def test_limits(e2e):
+    """Distinct experts of uniform routing, and a step limit that grows with what the step moves."""
+    assert e2e.uniform_distinct(256, 8, 1) == pytest.approx(8)
+    assert e2e.uniform_distinct(256, 8, 10_000) == pytest.approx(256)
+    info = dict(dense=1e9, embed_row=4096, moe_layers=40, expert=6.29e6, kv_per_token=20480, state_rw=1.3e8)
+    one = e2e.step_limit(info, 1, 1000, 8, 4e12)
+    assert one["bytes"] == pytest.approx(1e9 + 4096 + 40 * 8 * 6.29e6 + 1001 * 20480 + 1.3e8)
+    assert one["tok_s"] == pytest.approx(4e12 / one["bytes"])
+    assert e2e.step_limit(info, 8, 1000, 60, 4e12)["tok_s"] > one["tok_s"]
+
+
+@pytest.mark.parametrize("name,fam", [("_gemv_w13_kernel", "MoE"), ("_gdn_decode_kernel", "GDN"),
+                                      ("_paged_attention_decode", "attention"), ("_rms_norm_fwd", "norms"),
+                                      ("nvjet_tst_64x8_64x16_4x1_v_bz_TNN", "linears"), ("gemv2T_kernel", "linears")])
+def test_kernel_families(e2e, name, fam):
+    assert e2e.family(name).startswith(fam)
