@@ -41,7 +41,7 @@ import triton.language as tl
 from ..triton_common import ACTIVATION_DTYPES, check, check_last_contiguous, check_same_device, silu
 
 ALIGN_CHUNK = 1024      # assignments per counting / scatter program
-GEMV_MAX_ASSIGNMENTS = 64   # T * top_k up to this: the GEMV path (T <= 8 at top-8)
+GEMV_MAX_ASSIGNMENTS = 96   # T * top_k up to this: the GEMV path (T <= 8 at top-8 or top-10 plus a shared slice)
 
 
 # ---- routing ---------------------------------------------------------------------------------------
