@@ -209,7 +209,7 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
-        N, V = logits.shape
+        V = logits.shape[1]
         params = [r.params for r in rows]
         top_k = [p.top_k if 0 < p.top_k < V else V for p in params]
         top_p = [p.top_p for p in params]

@@ -30,7 +30,7 @@ def test_shared_expert_folded_into_fused_moe_is_the_same_function(shared, slices
     block = SparseMoeBlock(cfg, select_kernels("cpu"), dtype=torch.float32, device="cpu")
     assert block.shared_slices == slices and (block.shared_expert is None) == (slices > 0)
     g = torch.Generator().manual_seed(shared + tokens)
-    H, E, I = 48, 6, 16
+    H, E = 48, 6
     ckpt = {name: torch.randn(t.shape, generator=g) * 0.3 for name, t in block.checkpoint_weights(False).items()}
     for name, t in block.checkpoint_weights(False).items():
         t.load(ckpt[name])

@@ -1,0 +1,195 @@
+"""Decode CUDA graphs: the bucket ladder and padding (CPU), when capture is refused (CPU), and on a GPU that
+graph replay gives the tokens eager execution gives, for batches that hit and miss buckets, with sequences
+finishing and joining mid-stream, with the shared expert folded into the MoE op, and with seeded sampling."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.engine.interfaces import NewSequence, ScheduledChunk, SchedulerOutput
+from deltaserve.models.loader import load_model
+from deltaserve.ops import REFERENCE_OPS, Kernels, select_kernels
+from deltaserve.runner import cuda_graphs
+from deltaserve.runner.cuda_graphs import DECODE_PATH_OPS, bucket_for, capture_sizes, eager_reason, padded_decode_batch
+from deltaserve.runner.model_runner import ModelRunner, allocate_cache
+from tests.conftest import TinySpec, random_ids
+
+
+def gpu_test(fn):
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(fn))
+
+
+# ---- buckets and padding (no GPU) -------------------------------------------------------------------
+
+def test_capture_sizes_follow_the_ladder_and_cover_the_largest_batch():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(3) == [1, 2, 4]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 24]
+    s = capture_sizes(256)
+    assert s[:6] == [1, 2, 4, 8, 16, 24] and s[-1] == 256 and all(b - a == 8 for a, b in zip(s[3:], s[4:]))
+    big = capture_sizes(300)
+    assert big[-2:] == [288, 304] and big[-1] >= 300
+    assert capture_sizes(10_000)[-1] == cuda_graphs.MAX_CAPTURE_SIZE and capture_sizes(0) == []
+
+
+@pytest.mark.parametrize("n, want", [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (17, 24), (24, 24), (25, None)])
+def test_bucket_is_the_smallest_size_holding_the_batch(n, want):
+    assert bucket_for(n, capture_sizes(24)) == want
+
+
+def test_capture_is_refused_off_cuda_forced_or_with_reference_ops():
+    ref = select_kernels("cpu")
+    assert "enforce_eager" in eager_reason(torch.device("cuda"), ref, enforce_eager=True)
+    assert "cpu" in eager_reason(torch.device("cpu"), ref, enforce_eager=False)
+    why = eager_reason(torch.device("cuda"), ref, enforce_eager=False)
+    assert "paged_attention" in why and "gdn_decode" in why
+    # all Triton but one op on the decode path: still refused, naming it
+    backend = {name: "triton" for name in REFERENCE_OPS}
+    backend["store_kv"] = "reference"
+    mixed = Kernels(backend=backend, **REFERENCE_OPS)
+    assert eager_reason(torch.device("cuda"), mixed, enforce_eager=False).count("store_kv") == 1
+    backend["store_kv"] = "triton"
+    backend["chunk_gated_delta_rule"] = "reference"        # a prefill-only op does not matter
+    assert eager_reason(torch.device("cuda"), Kernels(backend=backend, **REFERENCE_OPS), enforce_eager=False) is None
+    assert set(DECODE_PATH_OPS) <= set(REFERENCE_OPS)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    path = tiny_model(TinySpec(family="qwen3_next", ratio=2, seed=5))
+    return load_model(path, device="cpu", dtype=torch.float32, kernels=select_kernels("cpu"), show_progress=False)
+
+
+def test_padded_rows_touch_no_state(model):
+    """A batch of padding rows (slot -1, KV slot -1, context 0) leaves every pool as it was: what lets a
+    graph run more rows than the step has."""
+    cache = allocate_cache(model, num_slots=2, num_blocks=4, block_size=4, device=torch.device("cpu"),
+                           dtype=torch.float32)
+    for t in (cache.ssm, cache.conv, cache.kv):
+        t.normal_()
+    before = [t.clone() for t in (cache.ssm, cache.conv, cache.kv)]
+    hidden = model(padded_decode_batch(5, torch.device("cpu"), max_blocks=3), cache)
+    assert hidden.shape == (5, model.config.hidden_size) and torch.isfinite(hidden).all()
+    for a, b in zip(before, (cache.ssm, cache.conv, cache.kv)):
+        assert torch.equal(a, b)
+
+
+def test_decode_packing_matches_the_eager_batch(model):
+    """The host values a graph step copies in are those of the eager batch (the graph path packs them
+    separately, without the prefill machinery)."""
+    cache = allocate_cache(model, num_slots=4, num_blocks=16, block_size=4, device=torch.device("cpu"),
+                           dtype=torch.float32)
+    r = ModelRunner(model, cache, device="cpu", max_model_len=64)
+    params = SamplingParams(temperature=0)
+    prompts = {0: random_ids(6, seed=1), 1: random_ids(9, seed=2)}
+    news = [NewSequence(0, prompts[0], 6, params, None, frozenset(), None, 2, [5, 1]),
+            NewSequence(1, prompts[1], 9, params, None, frozenset(), None, 0, [7, 3, 9])]
+    r.execute(SchedulerOutput(news, [ScheduledChunk(0, 0, 6, []), ScheduledChunk(1, 0, 9, [])], []))
+    chunks = [ScheduledChunk(0, 6, 1, []), ScheduledChunk(1, 9, 1, [])]
+    batch = r.build_batch(chunks)
+    ids, pos, slot_map, seq_lens, slots = r._pack_decodes(chunks)
+    assert ids == batch.input_ids.tolist() and pos == batch.positions.tolist()
+    assert slot_map == batch.slot_mapping.tolist() and seq_lens == batch.seq_lens.tolist()
+    assert slots == batch.state_slots.tolist()
+    assert batch.num_prefills == 0
+
+
+def test_cpu_runs_eagerly_and_says_why(tiny_model, caplog):
+    with caplog.at_level(logging.INFO, logger="deltaserve.runner.cuda_graphs"):
+        llm = LLM(tiny_model(TinySpec(family="qwen3_next", ratio=2, seed=5)), device="cpu")
+    assert llm.engine.runner.graphs is None
+    assert sum("no CUDA graphs" in r.message and "cpu" in r.message for r in caplog.records) == 1
+
+
+# ---- graph == eager on the GPU ----------------------------------------------------------------------
+
+def _workload(n: int, seed: int, sample: bool = False):
+    """n requests with staggered prompt and output lengths: sequences finish and join mid-stream, so the
+    decode batch size moves through several buckets (and between them)."""
+    rng = random.Random(seed)
+    prompts = [{"prompt_token_ids": random_ids(rng.randint(1, 40), seed=seed * 100 + i)} for i in range(n)]
+    params = [SamplingParams(max_tokens=rng.randint(3, 24), ignore_eos=True, logprobs=1 if i % 3 == 0 else None,
+                             **(dict(temperature=0.8, top_p=0.9, seed=i) if sample else dict(temperature=0)))
+              for i in range(n)]
+    return prompts, params
+
+
+def _run(path, *, eager: bool, n: int, seed: int, sample: bool = False, **kw):
+    llm = LLM(path, device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=16,
+              max_num_batched_tokens=48, **kw)
+    runner = llm.engine.runner
+    assert (runner.graphs is None) == eager
+    replays = []
+    if runner.graphs is not None:
+        original = runner.graphs.replay
+
+        def counting(*args):
+            replays.append(len(args[0]))
+            return original(*args)
+
+        runner.graphs.replay = counting
+    prompts, params = _workload(n, seed, sample)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return outs, replays, runner
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("n", [1, 3, 13])
+@gpu_test
+def test_graph_replay_gives_the_eager_tokens(tiny_model, family, n):
+    path = tiny_model(TinySpec(family=family, ratio=2, seed=41))
+    eager, _, _ = _run(path, eager=True, n=n, seed=n)
+    graph, replays, runner = _run(path, eager=False, n=n, seed=n)
+    assert replays, "no decode step replayed a graph"
+    if n > 1:
+        assert any(k not in runner.graphs.sizes for k in replays), "no step ran a padded bucket"
+    for a, b in zip(eager, graph):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
+            assert la.keys() == lb.keys() and all(abs(la[t].logprob - lb[t].logprob) < 1e-3 for t in la)
+
+
+@gpu_test
+def test_graph_replay_seeded_sampling_and_folded_shared_expert():
+    """A MoE config whose shared expert is folded into fused_moe (same width), sampled with per-request seeds."""
+    from tests.models.test_dummy_weights import tiny_config
+
+    cfg = tiny_config("qwen3_5_moe", layers=4)
+    eager, _, _ = _run(cfg, eager=True, n=10, seed=3, sample=True, load_format="dummy")
+    graph, replays, runner = _run(cfg, eager=False, n=10, seed=3, sample=True, load_format="dummy")
+    assert replays and runner.model.layers[0].mlp.shared_slices == 1
+    assert [o.outputs[0].token_ids for o in eager] == [o.outputs[0].token_ids for o in graph]
+
+
+@gpu_test
+def test_reference_ops_fall_back_to_eager(tiny_model, caplog):
+    path = tiny_model(TinySpec(family="qwen3_next", ratio=2, seed=41))
+    with caplog.at_level(logging.INFO, logger="deltaserve.runner.cuda_graphs"):
+        llm = LLM(path, device="cuda", enforce_reference_ops=True, max_num_seqs=4)
+    assert llm.engine.runner.graphs is None
+    assert any("no CUDA graphs" in r.message and "reference" in r.message for r in caplog.records)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+@gpu_test
+def test_embedded_model_on_gpu_runs_eagerly():
+    """Its head dims (GDN 48, attention 96) keep the GDN / attention references, so no graphs."""
+    llm = LLM(device="cuda", max_num_seqs=4)
+    assert llm.engine.runner.graphs is None
+
+
+@gpu_test
+def test_graphs_cover_max_num_seqs():
+    from tests.models.test_dummy_weights import tiny_config
+
+    llm = LLM(tiny_config("qwen3_5_moe", layers=4), device="cuda", load_format="dummy", max_num_seqs=64)
+    g = llm.engine.runner.graphs
+    assert g is not None and g.sizes[-1] == 64 and g.capture_seconds > 0
+    print(f"graphs {g.sizes}: capture {g.capture_seconds:.2f} s, pool {g.pool_bytes / 2**20:.1f} MiB")
