@@ -200,9 +200,12 @@ ATTN_PREFILL_CFGS = [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 
 MOE_CFGS = {
     "small": [moe_t.MoeConfig(16, 32, 256, 64, 256, 4, 4, 3), moe_t.MoeConfig(16, 64, 128, 64, 128, 4, 4, 3),
               moe_t.MoeConfig(16, 32, 128, 32, 128, 2, 2, 4)],
-    "gemv": [moe_t.GemvMoeConfig(8, 256, 8, 256, 4, 4, 3), moe_t.GemvMoeConfig(32, 128, 16, 256, 4, 4, 3),
-             moe_t.GemvMoeConfig(16, 512, 8, 512, 4, 4, 2), moe_t.GemvMoeConfig(8, 512, 4, 512, 2, 2, 3),
-             moe_t.GemvMoeConfig(16, 256, 16, 256, 8, 8, 4), moe_t.GemvMoeConfig(4, 512, 4, 512, 2, 2, 2)],
+    "gemv": [moe_t.GemvMoeConfig(16, 256, 16, 256, 4, 4, 3), moe_t.GemvMoeConfig(4, 512, 4, 512, 2, 2, 2),
+             moe_t.GemvMoeConfig(8, 1024, 4, 512, 4, 2, 3), moe_t.GemvMoeConfig(4, 1024, 2, 512, 4, 2, 3),
+             moe_t.GemvMoeConfig(8, 512, 2, 256, 2, 4, 3, all_experts=True),
+             moe_t.GemvMoeConfig(8, 512, 4, 128, 2, 4, 3, all_experts=True),
+             moe_t.GemvMoeConfig(8, 512, 2, 256, 2, 4, 3, all_experts=True, pdl=True),
+             moe_t.GemvMoeConfig(8, 512, 4, 128, 2, 4, 3, all_experts=True, pdl=True)],
     "large": [moe_t.MoeConfig(64, 64, 64, 128, 64, 4, 8, 3), moe_t.MoeConfig(64, 128, 64, 128, 64, 8, 8, 3),
               moe_t.MoeConfig(128, 64, 64, 128, 64, 8, 8, 3), moe_t.MoeConfig(128, 128, 64, 256, 64, 8, 8, 3)],
 }
@@ -317,7 +320,8 @@ def moe_cases(sweep: bool) -> list[Case]:
             for cfg in MOE_CFGS["gemv" if gemv else "small" if T * TOP_K / E <= 16 else "large"]:
                 label = ("bm=gemv" if gemv else f"bm={cfg.block_m}") + (
                     f" n1={cfg.block_n1} k1={cfg.block_k1} n2={cfg.block_n2} k2={cfg.block_k2} "
-                    f"w{cfg.warps1}/{cfg.warps2} s{cfg.stages}")
+                    f"w{cfg.warps1}/{cfg.warps2} s{cfg.stages}") + (
+                    (" all-experts" if cfg.all_experts else "") + (" pdl" if cfg.pdl else "") if gemv else "")
                 cases.append(Case("moe", name, label, calls, lambda c, f=ours, cfg=cfg: f(c, cfg=cfg, route=False),
                                   sweep=True, **kw))
     return cases

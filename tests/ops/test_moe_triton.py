@@ -92,9 +92,15 @@ def test_gemv_odd_tiles_shared_experts_and_shared_expert_slot(device):
     ids = torch.tensor([[1, 4, 5]] * T, device=device)
     ids[1, 2], ids[3, 0] = 0, 2
     weights = torch.softmax(randn(T, top_k, g=g, device=device), -1)
-    cfg = tri.GemvMoeConfig(block_n1=16, block_k1=32, block_n2=16, block_k2=16, warps1=2, warps2=2)
-    got = tri.fused_moe(x, w13, w2, weights, ids.to(torch.int32), config=cfg)
-    assert_close(got, ref.fused_moe(x, w13, w2, weights, ids), TOL[torch.float32], "gemv odd tiles")
+    want = ref.fused_moe(x, w13, w2, weights, ids)
+    for all_experts in (False, True):     # experts one after the other / gathered in one tile (top_k 3 -> 4)
+        cfg = tri.GemvMoeConfig(block_n1=16, block_k1=32, block_n2=16, block_k2=16, warps1=2, warps2=2,
+                                all_experts=all_experts)
+        got = tri.fused_moe(x, w13, w2, weights, ids.to(torch.int32), config=cfg)
+        assert_close(got, want, TOL[torch.float32], f"gemv odd tiles, all_experts={all_experts}")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pdl=True needs a CUDA device"):
+            tri.fused_moe(x, w13, w2, weights, ids, config=tri.GemvMoeConfig(all_experts=True, pdl=True))
 
 
 def test_multi_chunk_alignment_and_odd_tiles(device, monkeypatch):
@@ -218,6 +224,9 @@ def test_gemv_path_real_shape_graph_replay_gpu(T, device):
     assert isinstance(tri.default_moe_config(T, top_k, E, H, inter), tri.GemvMoeConfig)
     grouped = tri.fused_moe(x, w13, w2, w, i, config=tri.MoeConfig())
     assert_close(tri.fused_moe(x, w13, w2, w, i), grouped, TOL[torch.bfloat16], "gemv vs grouped")
+    for variant in (dict(all_experts=True), dict(all_experts=True, pdl=True, block_n2=2, block_k2=256, warps2=4)):
+        got = tri.fused_moe(x, w13, w2, w, i, config=tri.GemvMoeConfig(**variant))
+        assert_close(got, grouped, TOL[torch.bfloat16], f"gemv {variant} vs grouped")
     tri.fused_moe(x, w13, w2, w, i)                       # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -37,6 +37,7 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..triton_common import ACTIVATION_DTYPES, check, check_last_contiguous, check_same_device, silu
 
@@ -221,15 +222,24 @@ class MoeConfig:
 @dataclasses.dataclass(frozen=True)
 class GemvMoeConfig:
     """Tiles of the small-batch GEMV path (no alignment, no tensor cores): weight rows per program and the
-    reduction step of each of the two kernels."""
+    reduction step of each of the two kernels. The defaults were the fastest of a sweep on an H200 at the
+    Qwen3.5-35B-A3B shape (benchmarks/attention_moe_ops.py --sweep: T = 1 23.6 us, T = 8 101.6 us; the
+    first choice, 16/256/16/256 with 4 warps, took 33.9 / 117.5 us): many small programs with long rows
+    keep more loads in flight."""
 
-    block_n1: int = 16       # rows of I per w13 program (gate and up each)
-    block_k1: int = 256      # reduction step over H
-    block_n2: int = 16       # rows of H per w2 program
-    block_k2: int = 256      # reduction step over I
-    warps1: int = 4
-    warps2: int = 4
+    block_n1: int = 8        # rows of I per w13 program (gate and up each)
+    block_k1: int = 512      # reduction step over H
+    block_n2: int = 4        # rows of H per w2 program
+    block_k2: int = 512      # reduction step over I
+    warps1: int = 2
+    warps2: int = 2
     stages: int = 3
+    # experimental (off by default, being measured): the w2 kernel loads all top_k experts' tiles of a step
+    # in one [top_k, block_n2, block_k2] gather instead of one expert after the other; with `pdl` (Hopper
+    # programmatic dependent launch, needs all_experts) its first weight tiles are read while the w13
+    # kernel is still running, and it waits for w13's output only after them.
+    all_experts: bool = False
+    pdl: bool = False
 
 
 def default_moe_config(T: int, top_k: int, E: int, H: int, inter: int) -> MoeConfig | GemvMoeConfig:
@@ -325,7 +335,9 @@ def _combine_kernel(y, weights, out, H, s_w, s_o, TOP_K: tl.constexpr, BH: tl.co
 
 @triton.jit
 def _gemv_w13_kernel(x, w13, ids, inter, H, I, s_x, s_we, s_wn,
-                     TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                     TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()      # the w2 kernel may start now; it waits for our output itself
     a = tl.program_id(0)
     e = tl.load(ids + a).to(tl.int64)
     t = (a // TOP_K).to(tl.int64)
@@ -370,6 +382,35 @@ def _gemv_w2_combine_kernel(inter, w2, ids, weights, out, H, I, s_we, s_wn, s_w,
     tl.store(out + t * s_o + rows, total.to(out.dtype.element_ty), mask=row_ok)
 
 
+@triton.jit
+def _gemv_w2_all_kernel(inter, w2, ids, weights, out, H, I, s_we, s_wn, s_w, s_o, TOP_K: tl.constexpr,
+                        KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    """As _gemv_w2_combine_kernel, the token's experts gathered into one [KP, BN, BK] tile per step."""
+    t = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BN + tl.arange(0, BN)
+    j = tl.arange(0, KP)
+    j_ok = j < TOP_K
+    e = tl.load(ids + t * TOP_K + j, mask=j_ok, other=0).to(tl.int64)
+    wt = tl.load(weights + t * s_w + j, mask=j_ok, other=0.0).to(tl.float32)
+    kk = tl.arange(0, BK)
+    wp = w2 + e[:, None, None] * s_we + rows[None, :, None].to(tl.int64) * s_wn + kk[None, None, :]
+    hp = inter + (t * TOP_K + j)[:, None] * I + kk[None, :]
+    m_w = j_ok[:, None, None] & (rows < H)[None, :, None]
+    w_first = tl.load(wp, mask=m_w & (kk < I)[None, None, :], other=0.0)
+    if PDL:
+        gdc_wait()                   # inter is written by the w13 kernel
+    h = tl.load(hp, mask=j_ok[:, None] & (kk < I)[None, :], other=0.0).to(tl.float32)
+    acc = tl.sum(w_first.to(tl.float32) * h[:, None, :], 2)
+    for k0 in range(BK, I, BK):
+        k_ok = kk + k0 < I
+        w = tl.load(wp + k0, mask=m_w & k_ok[None, None, :], other=0.0).to(tl.float32)
+        h = tl.load(hp + k0, mask=j_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * h[:, None, :], 2)
+    y = acc.to(out.dtype.element_ty).to(tl.float32)                 # each expert's output, rounded
+    total = tl.sum(wt[:, None] * y, 0)
+    tl.store(out + t * s_o + rows, total.to(out.dtype.element_ty), mask=rows < H)
+
+
 def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, cfg: GemvMoeConfig) -> torch.Tensor:
     T, H = x.shape
     inter = w2.shape[-1]
@@ -378,8 +419,14 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, cfg: GemvMoeConfig) -> t
     h = torch.empty((A, inter), dtype=x.dtype, device=x.device)
     _gemv_w13_kernel[(A, triton.cdiv(inter, cfg.block_n1))](
         x, w13, topk_ids, h, H, inter, x.stride(0), w13.stride(0), w13.stride(1),
-        TOP_K=top_k, BN=cfg.block_n1, BK=cfg.block_k1, num_warps=cfg.warps1, num_stages=cfg.stages)
+        TOP_K=top_k, BN=cfg.block_n1, BK=cfg.block_k1, PDL=cfg.pdl, num_warps=cfg.warps1, num_stages=cfg.stages)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    if cfg.all_experts:
+        _gemv_w2_all_kernel[(T, triton.cdiv(H, cfg.block_n2))](
+            h, w2, topk_ids, topk_weights, out, H, inter, w2.stride(0), w2.stride(1), topk_weights.stride(0),
+            out.stride(0), TOP_K=top_k, KP=triton.next_power_of_2(top_k), BN=cfg.block_n2, BK=cfg.block_k2,
+            PDL=cfg.pdl, num_warps=cfg.warps2, num_stages=cfg.stages, **({"launch_pdl": True} if cfg.pdl else {}))
+        return out
     _gemv_w2_combine_kernel[(T, triton.cdiv(H, cfg.block_n2))](
         h, w2, topk_ids, topk_weights, out, H, inter, w2.stride(0), w2.stride(1), topk_weights.stride(0),
         out.stride(0), TOP_K=top_k, BN=cfg.block_n2, BK=cfg.block_k2, num_warps=cfg.warps2, num_stages=cfg.stages)
@@ -421,6 +468,10 @@ def fused_moe(
         v, least = getattr(cfg, name), 1 if gemv else 16
         check(v >= least and v & (v - 1) == 0, op, f"config {name}={v} must be a power of two >= {least}")
     if gemv:
+        if cfg.pdl:
+            check(cfg.all_experts, op, "config pdl=True needs all_experts=True")
+            check(x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9, op,
+                  "config pdl=True needs a CUDA device of compute capability 9.0 or newer")
         return _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, cfg)
     sorted_ids, block_expert = align_by_expert(topk_ids, E, cfg.block_m)
     nb = block_expert.shape[0]
