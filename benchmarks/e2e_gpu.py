@@ -96,6 +96,15 @@ def step_limit(bytes_info: dict, C: int, ctx: float, distinct: float, copy_bps: 
     return dict(bytes=moved, step_s=step_s, tok_s=C / step_s)
 
 
+def _cpu_threads(device) -> None:
+    """One intra-op thread for the CPU smoke run: tiny tensors, and two OpenMP threads collapse on a
+    shared 2-core machine (seconds per step instead of milliseconds)."""
+    import torch
+
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+
+
 def _dtype(device) -> str:
     """bf16 on the GPU (the benchmark); fp32 for the CPU smoke run (bf16 matmuls are slow on CPUs)."""
     return "bfloat16" if device.type == "cuda" else "float32"
@@ -178,6 +187,9 @@ class RoutingRecorder:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+    def num_tokens(self) -> int:
+        return max((sum(t.shape[0] for t in chunks) for chunks in self.ids.values()), default=0)
 
     def distinct(self, C: int) -> float | None:
         """Mean distinct experts per group of C consecutive recorded tokens, over layers and groups."""
@@ -295,6 +307,14 @@ def profile_decode(engine, prompt: list[int], steps: int, device) -> dict:
                 top_kernels_us={k: v / n for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]})
 
 
+def _graph_info(engine) -> str:
+    graphs = getattr(engine.runner, "graphs", None)
+    if graphs is None:
+        return "none (eager decode)"
+    return (f"{len(graphs.sizes)} decode buckets up to {graphs.max_size}, captured in "
+            f"{getattr(graphs, 'capture_seconds', float('nan')):.1f} s")
+
+
 def ours_part(args, wl: Workload, out: Path) -> None:
     import random
 
@@ -303,6 +323,7 @@ def ours_part(args, wl: Workload, out: Path) -> None:
     from deltaserve import LLM, SamplingParams
 
     device = torch.device("cpu" if args.quick else "cuda")
+    _cpu_threads(device)
     log = _logger(out / "ours.jsonl")
     copy_bps = copy_bandwidth(device)
     log(dict(what="copy_bandwidth", bytes_per_s=copy_bps))
@@ -318,35 +339,43 @@ def ours_part(args, wl: Workload, out: Path) -> None:
     log(dict(what="build", s=time.perf_counter() - t, plan=dataclasses.asdict(engine.plan)
              if dataclasses.is_dataclass(engine.plan) else str(engine.plan), bytes=info,
              gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
-             dtype=_dtype(device)))
+             dtype=_dtype(device), max_num_batched_tokens=wl.max_num_batched_tokens,
+             cuda_graphs=_graph_info(engine)))
     rng = random.Random(0)
     vocab = cfg.vocab_size
 
     def prompt(n):
         return [rng.randrange(vocab) for _ in range(n)]
 
-    # warm-up + routing record: one long prefill (eager), then one request through every concurrency's path
+    # warm-up + routing record: one long prefill (eager; hooks see it), then two prompts of the benchmark's
+    # length (their chunk shapes); then, most important first: batch-1 decode, its profile, TTFT, the rest
     rec = RoutingRecorder(llm.model, max_tokens=min(wl.ttft_lens))
     warm = run_requests(engine, [prompt(min(wl.ttft_lens))], SamplingParams(max_tokens=2, ignore_eos=True), "warm")
     rec.remove()
-    log(dict(what="warmup", **warm))
-    for C in wl.concurrency:
-        run_requests(engine, [prompt(wl.prompt_len) for _ in range(min(C, 8))],
-                     SamplingParams(max_tokens=4, ignore_eos=True), f"warm{C}")
-    for n in wl.ttft_lens:
-        r = run_requests(engine, [prompt(n)], SamplingParams(max_tokens=1, ignore_eos=True), f"ttft{n}")
-        log(dict(what="ttft", prompt_len=n, s=r["first_token_s"], steps=r["steps"]))
+    log(dict(what="warmup", recorded_tokens=rec.num_tokens(), **warm))
+    warm = run_requests(engine, [prompt(wl.prompt_len) for _ in range(2)], SamplingParams(max_tokens=4, ignore_eos=True),
+                        "warm2")
+    log(dict(what="warmup2", **warm))
     params = SamplingParams(max_tokens=wl.new_tokens, ignore_eos=True)
     ctx = wl.prompt_len + wl.new_tokens / 2
-    for C in wl.concurrency:
+
+    def concurrency(C):
         r = run_requests(engine, [prompt(wl.prompt_len) for _ in range(C)], params, f"c{C}")
         actual = rec.distinct(C)
         uniform = uniform_distinct(info["experts"], info["top_k"], C) if info["experts"] else 0.0
         lim = step_limit(info, C, ctx, actual if actual is not None else uniform, copy_bps)
         log(dict(what="concurrency", C=C, distinct_experts_actual=actual, distinct_experts_uniform=uniform,
                  limit=lim, frac_of_limit=(r["decode_tok_s"] / lim["tok_s"]) if r["decode_tok_s"] else None, **r))
+
+    first, rest = wl.concurrency[0], wl.concurrency[1:]
+    concurrency(first)
     prof = profile_decode(engine, prompt(wl.prompt_len), wl.profile_steps, device)
     log(dict(what="profile", **prof))
+    for n in wl.ttft_lens:
+        r = run_requests(engine, [prompt(n)], SamplingParams(max_tokens=1, ignore_eos=True), f"ttft{n}")
+        log(dict(what="ttft", prompt_len=n, s=r["first_token_s"], steps=r["steps"]))
+    for C in rest:
+        concurrency(C)
 
 
 # ---- peer: transformers + flash-linear-attention ----------------------------------------------------
@@ -358,6 +387,7 @@ def peer_part(args, wl: Workload, out: Path) -> None:
 
     device = torch.device("cpu" if args.quick else "cuda")
     os.environ.setdefault("FLA_FLASH_QLA", "0")
+    _cpu_threads(device)
     log = _logger(out / "peer.jsonl")
     raw = raw_config(args)
     text = dict(raw.get("text_config", raw))
@@ -446,7 +476,13 @@ def _peer_kernels(fn, device) -> dict:
 # ---- orchestration and report ------------------------------------------------------------------------
 
 def _logger(path: Path):
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start = time.perf_counter()
+
     def log(row: dict) -> None:
+        row = {**row, "t": round(time.perf_counter() - start, 2)}
         print(json.dumps(row, default=str), flush=True)
         with open(path, "a") as f:
             f.write(json.dumps(row, default=str) + "\n")
@@ -471,7 +507,9 @@ def report(out: Path, name: str, wl: Workload) -> str:
               f"(read + write); model {b['total'] / 1e9:.1f} GB {build[0].get('dtype', '')} (main model), dense {b['dense'] / 1e9:.2f} GB "
               f"per step, {b['moe_layers']} MoE layers x {b['expert'] / 1e6:.1f} MB per routed expert; "
               f"GDN state r+w {b['state_rw'] / 1e6:.1f} MB/seq, KV {b['kv_per_token'] / 1e3:.1f} kB/token; "
-              f"build {build[0]['s']:.1f} s", ""]
+              f"build {build[0]['s']:.1f} s", "",
+              f"ours: dummy weights, bf16 on the GPU, CUDA graphs: {build[0].get('cuda_graphs')}; chunked prefill "
+              f"budget {build[0].get('max_num_batched_tokens')} tokens per step; cache plan {build[0].get('plan')}", ""]
     conc = {r["C"]: r for r in get(ours, "concurrency")}
     pdec = {r["B"]: r for r in get(peer, "peer_decode")}
     pbuild = get(peer, "build")
@@ -526,6 +564,9 @@ def report(out: Path, name: str, wl: Workload) -> str:
 def run_part(part: str, args, out: Path, timeout: float) -> int:
     cmd = [sys.executable, os.path.abspath(__file__), "--part", part, "--out", args.out]
     cmd += ["--quick"] if args.quick else ["--model", args.model] + (["--smoke"] if args.smoke else [])
+    for flag, value in (("--concurrency", args.concurrency), ("--ttft", args.ttft), ("--peer-batches", args.peer_batches)):
+        if value:
+            cmd += [flag, value]
     with open(out / f"{part}.log", "a") as f:
         try:
             return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
@@ -544,11 +585,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny shape on CPU (a smoke test of this script)")
     ap.add_argument("--smoke", action="store_true", help="real shape, short workload (finds problems fast)")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--concurrency", default=None, help="comma list overriding the workload's (e.g. 1,8,64)")
+    ap.add_argument("--ttft", default=None, help="comma list of TTFT prompt lengths overriding the workload's")
+    ap.add_argument("--peer-batches", default=None, help="comma list overriding the peer's batch sizes")
     ap.add_argument("--ours-timeout", type=float, default=420.0)
     ap.add_argument("--peer-timeout", type=float, default=240.0)
     ap.add_argument("--part", choices=("ours", "peer"), default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     wl = QUICK if args.quick else SMOKE if args.smoke else Workload()
+    ints = lambda v: tuple(int(x) for x in v.split(","))  # noqa: E731
+    for field, value in (("concurrency", args.concurrency), ("ttft_lens", args.ttft), ("peer_batches", args.peer_batches)):
+        if value:
+            wl = dataclasses.replace(wl, **{field: ints(value)})
     name = "quick (tiny qwen3_5_moe, CPU)" if args.quick else Path(args.model).name
     out = Path(args.out) / ("quick" if args.quick else Path(args.model).name)
     out.mkdir(parents=True, exist_ok=True)
