@@ -70,21 +70,23 @@ def main() -> int:
     results = []
 
     # chunked prefill
-    prep_types = dict(q=bf, k=bf, g=f32, beta=f32, A_log=f32, dt_bias=f32, coff=i32, cu=i32, Tb=f32, Pb=f32,
-                      Gb=f32, Bb=f32, rq_b=f32, rk_b=f32, scale="fp32")
+    prep_types = dict(q=bf, k=bf, v=bf, g=f32, beta=f32, A_log=f32, dt_bias=f32, coff=i32, cu=i32, Wb=bf, Ub=f32,
+                      Pb=bf, Gb=f32, rq_b=f32, rk_b=f32, scale="fp32")
     for gates in (False, True):
-        for warps in ([2, 4, 8] if args.sweep else [4]):
+        for warps in ([1, 2, 4, 8] if args.sweep else [4]):
             t = dict(prep_types, **({"g": bf, "beta": bf} if gates else {}))
             results.append(compile_one(
                 f"chunk_prep gates={int(gates)} w{warps}", chunk_t._chunk_prep_kernel, t,
-                dict(R=R, K=K, BT=64, BLOCK_N=16, L2NORM=True, GATES=gates, QK_PREC="native"), warps))
-    state_types = dict(q=bf, k=bf, v=bf, o=bf, Tb=f32, Pb=f32, Gb=f32, Bb=f32, rq_b=f32, rk_b=f32, ssm=f32,
-                       cu=i32, idx=i32, has_init="*u8", scale="fp32")
-    variants = [(32, "tf32", 4, 2)]
+                dict(R=R, K=K, V=V, BT=64, BLOCK_N=16, L2NORM=True, GATES=gates, QK_PREC="native",
+                     UT_PREC="tf32x3", WU_PREC="tf32"), warps))
+    state_types = dict(q=bf, k=bf, o=bf, Wb=bf, Ub=f32, Pb=bf, Gb=f32, rq_b=f32, rk_b=f32, ssm=f32,
+                       cu=i32, idx=i32, has_init="*u8")
+    variants = [(32, "bf16x2", 4, 2), (32, "bf16", 4, 2), (32, "tf32", 4, 2)]
     if args.sweep:
-        variants += [(32, "tf32", 4, 1), (64, "tf32", 4, 2), (16, "tf32", 4, 2), (32, "tf32", 8, 2)]
+        variants += [(16, "bf16x2", 4, 2), (64, "bf16x2", 4, 2), (32, "bf16x2", 8, 2), (32, "bf16x2", 4, 3),
+                     (64, "bf16x2", 8, 2)]
     for bv, prec, warps, stages in variants:
-        t = state_types
+        t = dict(state_types, **({} if prec.startswith("bf16") else {"Wb": f32, "Pb": f32}))
         results.append(compile_one(
             f"chunk_state bv={bv} prec={prec} w{warps} s{stages}", chunk_t._chunk_state_kernel, t,
             dict(R=R, K=K, V=V, BV=bv, BT=64, PREC=prec, STAGES=stages), warps, stages))
@@ -96,12 +98,19 @@ def main() -> int:
             dict(q=bf, k=bf, v=bf, g=f32, beta=f32, o=bf, ssm=f32, idx=i32, scale="fp32"),
             dict(R=R, K=K, V=V, BV=bv, L2NORM=True), warps))
     tok_types = dict(x=bf, a=bf, b=bf, conv_w=bf, A_log=f32, dt_bias=f32, conv_state=bf, ssm=f32, idx=i32,
-                     cu=i32, o_tmp=bf, st_k=f32, st_g=f32, st_d=f32, scale="fp32")
+                     o_tmp=bf, scale="fp32")
+    for bv, warps in [(8, 1), (16, 2), (32, 2), (32, 4)]:
+        results.append(compile_one(f"decode tokens bv={bv} w{warps}", rec_t._tokens_kernel, tok_types,
+                                   dict(R=R, K=K, V=V, BV=bv, W=4), warps))
+        results.append(compile_one(
+            f"verify recurrence bv={bv} w{warps}", rec_t._verify_rec_kernel,
+            dict(qn=f32, st_k=f32, vn=bf, st_g=f32, bn=f32, ssm=f32, idx=i32, cu=i32, o_tmp=bf, st_d=f32),
+            dict(R=R, K=K, V=V, BV=bv), warps))
+    results.append(compile_one(
+        "verify pre-pass", rec_t._verify_prep_kernel,
+        dict(x=bf, a=bf, b=bf, conv_w=bf, A_log=f32, dt_bias=f32, conv_state=bf, idx=i32, cu=i32, qn=f32, vn=bf,
+             st_k=f32, st_g=f32, bn=f32, scale="fp32"), dict(K=K, V=V, W=4), 1))
     for verify in (False, True):
-        for bv, warps in [(16, 2), (32, 4)]:
-            results.append(compile_one(
-                f"tokens verify={int(verify)} bv={bv} w{warps}", rec_t._tokens_kernel, tok_types,
-                dict(R=R, K=K, V=V, BV=bv, W=4, VERIFY=verify), warps))
         results.append(compile_one(
             f"finish verify={int(verify)}", rec_t._finish_kernel,
             dict(o_tmp=bf, z=bf, norm_w=bf, out=bf, x=bf, conv_state=bf, idx=i32, st_x=bf, eps="fp32"),

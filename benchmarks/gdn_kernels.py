@@ -12,7 +12,7 @@ use disjoint state slots, so no call finds its state in L2.
   verify   T = 2, 4 tokens at B = 1, 64: gdn_verify (+ gdn_commit) vs gdn_decode at the same B
   ceilings device-to-device copy bandwidth and bf16 matmul rate, measured in the same run
 
-Run (GPU):  PYTHONPATH=.:$FLA python benchmarks/gdn_kernels.py --out DIR [--sweep] [--workers 8]
+Run (GPU):  PYTHONPATH=.:$FLA python benchmarks/gdn_kernels.py --out DIR [--sweep [prefill,verify]] [--workers 8]
 The warm-up phase compiles every kernel variant in parallel worker processes (shared Triton cache) and
 lets FLA autotune, so the timed phase only replays.
 """
@@ -149,8 +149,9 @@ def prefill_cases(sweep: bool) -> list[Case]:
             (f"bv{bv}/w{w}/s{st}/{prec}/prep-w{pw}",
              tc.ChunkConfig(bv=bv, warps_state=w, stages_state=st, prec=prec, warps_prep=pw))
             for bv, w, st, prec, pw in [
-                (32, 4, 1, "tf32", 4), (64, 4, 2, "tf32", 4), (16, 4, 2, "tf32", 4), (32, 8, 2, "tf32", 4),
-                (32, 4, 2, "tf32", 2), (32, 4, 2, "tf32", 8)]]
+                (32, 4, 2, "bf16", 4), (32, 4, 2, "tf32", 4), (16, 4, 2, "bf16x2", 4), (64, 4, 2, "bf16x2", 4),
+                (64, 8, 2, "bf16x2", 4), (32, 4, 3, "bf16x2", 4), (32, 4, 2, "bf16x2", 2), (32, 4, 2, "bf16x2", 8),
+                (16, 4, 2, "bf16", 4)]]
     for name, lengths in PREFILL.items():
         T = sum(lengths)
 
@@ -170,13 +171,13 @@ def prefill_cases(sweep: bool) -> list[Case]:
             d = prefill_inputs(lengths)
             N = len(lengths)
             cfg = tc.default_chunk_config(N, HV, DV, torch.bfloat16)
-            bufs = tc._launch_prep(d["q"], d["k"], d["g"], d["beta"], False, None, None, SCALE, d["cu"], N, HV,
+            bufs = tc._launch_prep(d["q"], d["k"], d["v"], d["g"], d["beta"], False, None, None, SCALE, d["cu"], N,
                                    True, cfg)
             o = torch.empty_like(d["v"])
             if which == "prep":
-                return lambda i: tc._launch_prep(d["q"], d["k"], d["g"], d["beta"], False, None, None, SCALE,
-                                                 d["cu"], N, HV, True, cfg)
-            return lambda i: tc._launch_state(d["q"], d["k"], d["v"], o, bufs, SCALE, d["cu"], d["pool"], d["idx"],
+                return lambda i: tc._launch_prep(d["q"], d["k"], d["v"], d["g"], d["beta"], False, None, None, SCALE,
+                                                 d["cu"], N, True, cfg)
+            return lambda i: tc._launch_state(d["q"], d["k"], d["v"], o, bufs, d["cu"], d["pool"], d["idx"],
                                               d["has_init"], cfg)
 
         def fla_chunk(calls, lengths=lengths):
@@ -259,6 +260,8 @@ def decode_cases(sweep: bool) -> list[Case]:
 
 TOKEN_CONFIGS = [(f"bv{bv}/w{w}", tr.RecurrentConfig(bv=bv, num_warps=w))
                  for bv, w in [(8, 1), (32, 2), (64, 4)]]
+VERIFY_CONFIGS = [(f"bv{bv}/w{w}", tr.RecurrentConfig(bv=bv, num_warps=w))
+                  for bv, w in [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4)]]
 
 
 def verify_cases(sweep: bool = False) -> list[Case]:
@@ -289,7 +292,7 @@ def verify_cases(sweep: bool = False) -> list[Case]:
 
         name = f"T={T} B={B}"
         cases.append(Case("verify", name, "ours gdn_verify", calls, verify, state_bytes=B * STATE_BYTES))
-        for label, cfg in TOKEN_CONFIGS if sweep else []:
+        for label, cfg in VERIFY_CONFIGS if sweep else []:
             cases.append(Case("verify", name, f"gdn_verify {label}", calls, lambda c, cfg=cfg, f=verify: f(c, cfg=cfg),
                               state_bytes=B * STATE_BYTES, sweep=True))
         cases.append(Case("verify", name, "ours gdn_commit (all accepted)", calls, commit,
@@ -299,9 +302,12 @@ def verify_cases(sweep: bool = False) -> list[Case]:
     return cases
 
 
-def all_cases(sweep: bool, only: str = "") -> list[Case]:
-    """Every case, or those whose "group impl" contains one of the comma-separated `only` words."""
-    cases = prefill_cases(sweep) + decode_cases(sweep) + verify_cases(sweep)
+def all_cases(sweep: str, only: str = "") -> list[Case]:
+    """Every case, or those whose "group impl" contains one of the comma-separated `only` words; config
+    variants for the comma-separated groups in `sweep`. Verify before decode: a run cut short by its
+    time budget loses the decode rows, which earlier runs already have."""
+    groups = sweep.split(",")
+    cases = prefill_cases("prefill" in groups) + verify_cases("verify" in groups) + decode_cases("decode" in groups)
     words = [w for w in only.split(",") if w]
     return [c for c in cases if not words or any(w in f"{c.group} {c.impl}" for w in words)]
 
@@ -340,7 +346,7 @@ def ceilings() -> dict:
 
 # ---- warm-up workers ----------------------------------------------------------------------------
 
-def worker(index: int, count: int, sweep: bool, with_fla: bool, only: str = "") -> None:
+def worker(index: int, count: int, sweep: str, with_fla: bool, only: str = "") -> None:
     """Compile the kernels of every count-th case (or let FLA autotune) by calling each once."""
     cases = all_cases(sweep, only)
     for j, case in enumerate(cases):
@@ -360,7 +366,7 @@ def warm_up(args, log) -> None:
     t0 = time.time()
     procs = []
     base = [sys.executable, os.path.abspath(__file__), "--worker-of", str(args.workers)]
-    sweep = (["--sweep"] if args.sweep else []) + ["--only", args.only]
+    sweep = ["--sweep", args.sweep, "--only", args.only]
     for i in range(args.workers):
         procs.append(subprocess.Popen(base + ["--worker", str(i)] + sweep))
     if not args.no_fla:
@@ -440,7 +446,7 @@ def timed_phase(args, env, ceil, t_start, log) -> list[dict]:
     while first < n_cases:
         cmd = [sys.executable, os.path.abspath(__file__), "--timed-child", "--first", str(first), "--results",
                results_path, "--progress", progress, "--deadline", str(deadline), "--ceil", json.dumps(ceil)]
-        cmd += (["--sweep"] if args.sweep else []) + ["--only", args.only]
+        cmd += ["--sweep", args.sweep, "--only", args.only]
         cmd += ["--no-fla"] if (args.no_fla or env["fla"] is None) else []
         with open(progress, "w") as f:
             f.write(str(first))
@@ -472,7 +478,8 @@ def timed_phase(args, env, ceil, t_start, log) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--sweep", action="store_true", help="also time launch-config variants of our kernels")
+    ap.add_argument("--sweep", nargs="?", const="prefill,decode,verify", default="",
+                    help="also time launch-config variants of our kernels (optionally only for these groups)")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--gpu-tests", action="store_true", help="run tests/ops/test_gpu.py during the warm-up")
@@ -565,7 +572,8 @@ def summary(results, ceil) -> str:
     sweeps = [r for r in results if r["impl"] not in ("ours", "fla") and "/" in r["impl"]]
     if sweeps:
         lines += ["", "sweep (launch-config variants):"]
-        lines += [f"  {r['group']:8s} {r['name']:8s} {r['impl']:40s} {r['us']:10.2f} us" for r in sweeps]
+        lines += [f"  {r['group']:8s} {r['name']:8s} {r['impl']:40s} {r['us']:10.2f} us"
+                  + (f" {r['ns_per_token']:7.1f} ns/token" if "ns_per_token" in r else "") for r in sweeps]
     return "\n".join(lines)
 
 

@@ -123,3 +123,21 @@ def test_unsupported_inputs_raise(device):
         _run(tc.chunk_gated_delta_rule, d, d["pool"], chunk_size=32)
     with pytest.raises(ValueError, match="ssm_state must be float32"):
         _run(tc.chunk_gated_delta_rule, d, d["pool"].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("prec", tc.PRECISIONS)
+def test_chunk_operand_precisions(prec, device):
+    """Every operand precision of the state kernel (bf16 limbs, tf32, exact) runs and matches the reference
+    (the interpreter computes all of them in fp32; the GPU tests check the real roundings)."""
+    d = _batch([65, 1, 64], 2, torch.bfloat16, device, seed=9)
+    p_ref, p_tri = d["pool"].clone(), d["pool"].clone()
+    o_ref = _run(ref.chunk_gated_delta_rule, d, p_ref)
+    o_tri = _run(tc.chunk_gated_delta_rule, d, p_tri, config=tc.ChunkConfig(prec=prec))
+    assert_close(o_tri, o_ref, TOL[torch.bfloat16], "output")
+    assert_close(p_tri, p_ref, TOL[torch.bfloat16], "state pool")
+
+
+def test_chunk_rejects_unknown_precision(device):
+    d = _batch([10], 1, torch.bfloat16, device, seed=1)
+    with pytest.raises(ValueError, match="prec='fp8'"):
+        _run(tc.chunk_gated_delta_rule, d, d["pool"], config=tc.ChunkConfig(prec="fp8"))

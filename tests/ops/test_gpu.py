@@ -19,7 +19,7 @@ from .helpers import assert_close, cu_seqlens, gen, rel_err
 pytestmark = pytest.mark.gpu
 
 HK, HV, D = 16, 32, 128
-TOL_BF16 = 3e-2  # bf16 activations and outputs; tf32 dot operands
+TOL_BF16 = 3e-2  # bf16 activations and outputs; bf16 / tf32 dot operands
 
 
 def _report(**row) -> None:
@@ -46,13 +46,15 @@ def _inputs(lengths, hk, hv, *, seed, mild_decay=False):
     return q, k, v, gg, beta
 
 
-def _prep_reference(q, k, g, beta, lengths, scale, hv):
-    """What kernel 1 stores, in fp32 torch: per token row the UT inverse T and gated scores P of its
-    chunk (lower triangle), the chunk-local cumulative decay G, and the q / k inverse norms."""
+def _prep_reference(q, k, v, g, beta, lengths, scale, hv):
+    """What kernel 1 stores, in fp32 torch: per token row W = T diag(beta exp(G)) K^ and U = T diag(beta) V
+    with T the UT inverse of its chunk, the gated scores P of its chunk (lower triangle, zeros above), the
+    chunk-local cumulative decay G, and the q (times scale) / k inverse norms."""
     T = q.shape[0]
     hk = q.shape[1]
     r = hv // hk
-    Tm = torch.zeros(T, hv, 64, device=q.device)
+    Wm = torch.zeros(T, hv, D, device=q.device)
+    Um = torch.zeros(T, hv, D, device=q.device)
     Pm = torch.zeros(T, hv, 64, device=q.device)
     G = torch.zeros(T, hv, device=q.device)
     qf, kf = q.float(), k.float()
@@ -70,44 +72,46 @@ def _prep_reference(q, k, g, beta, lengths, scale, hv):
             low = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
             E = torch.where(low, diff, torch.full_like(diff, float("-inf"))).exp()
             kk = kn[c0:c1].transpose(0, 1)                              # [hv, L, K]
-            A = (beta[c0:c1].T[:, :, None] * (kk @ kk.transpose(1, 2)) * E).tril(-1)
+            bt = beta[c0:c1].T.float()                                   # [hv, L]
+            A = (bt[:, :, None] * (kk @ kk.transpose(1, 2)) * E).tril(-1)
             eye = torch.eye(L, device=q.device).expand(hv, L, L)
-            Tm[c0:c1, :, :L] = torch.linalg.solve_triangular(eye + A, eye, upper=False).transpose(0, 1)
+            Tm = torch.linalg.solve_triangular(eye + A, eye, upper=False)
+            Wm[c0:c1] = (Tm @ (kk * (bt * Gc.exp())[:, :, None])).transpose(0, 1)
+            Um[c0:c1] = (Tm @ (v[c0:c1].float().transpose(0, 1) * bt[:, :, None])).transpose(0, 1)
             Pm[c0:c1, :, :L] = ((qn[c0:c1].transpose(0, 1) @ kk.transpose(1, 2)) * E).transpose(0, 1)
             G[c0:c1] = Gc.T
         start += n
-    return dict(Tb=Tm, Pb=Pm, Gb=G, Bb=beta.float().clone(), rq=rq, rk=rk)
+    return dict(Wb=Wm, Ub=Um, Pb=Pm, Gb=G, rq=rq, rk=rk)
 
 
 def test_chunk_prep_buffers_match_torch():
-    """Kernel 1 alone: T, P, G, beta and the norms of every chunk against torch (localises failures)."""
+    """Kernel 1 alone: W, U, P, G and the norms of every chunk against torch (localises failures)."""
     from deltaserve.ops.gdn import triton_chunk as tc
 
     lengths = [1, 63, 64, 65, 300]
     q, k, v, g, beta = _inputs(lengths, HK, HV, seed=12)
     cfg = tc.default_chunk_config(len(lengths), HV, D, torch.bfloat16)
-    bufs = tc._launch_prep(q, k, g, beta, False, None, None, D ** -0.5, cu_seqlens(lengths, "cuda"), len(lengths),
-                           HV, True, cfg)
-    want = _prep_reference(q, k, g, beta, lengths, D ** -0.5, HV)
-    low = torch.ones(64, 64, dtype=torch.bool, device="cuda").tril()
-    rows = torch.cat([torch.arange(n, device="cuda") % 64 for n in lengths])
-    mask = low[rows][:, None, :].expand_as(want["Tb"])                 # entries a token row really has
-    errs = {name: rel_err(torch.where(mask, bufs[name].float(), 0), want[name]) for name in ("Tb", "Pb")}
-    errs.update({name: rel_err(bufs[name], want[name]) for name in ("Gb", "Bb", "rq", "rk")})
+    bufs = tc._launch_prep(q, k, v, g, beta, False, None, None, D ** -0.5, cu_seqlens(lengths, "cuda"), len(lengths),
+                           True, cfg)
+    want = _prep_reference(q, k, v, g, beta, lengths, D ** -0.5, HV)
+    errs = {name: rel_err(bufs[name], want[name]) for name in ("Wb", "Ub", "Pb", "Gb", "rq", "rk")}
     _report(test="chunk_prep_buffers", **errs)
     for name, err in errs.items():
         assert err < 2e-2, f"{name}: relative error {err:.3g}"
 
 
-def test_chunk_state_kernel_with_torch_buffers():
+@pytest.mark.parametrize("prec", ["bf16x2", "bf16", "tf32"])
+def test_chunk_state_kernel_with_torch_buffers(prec):
     """Kernel 2 alone, fed kernel 1's outputs computed by torch, against the reference (localises)."""
     from deltaserve.ops.gdn import triton_chunk as tc
 
     lengths = [1, 63, 64, 65, 300]
     q, k, v, g, beta = _inputs(lengths, HK, HV, seed=13)
     N = len(lengths)
-    cfg = tc.default_chunk_config(N, HV, D, torch.bfloat16)
-    bufs = _prep_reference(q, k, g, beta, lengths, D ** -0.5, HV)
+    cfg = tc.ChunkConfig(prec=prec)
+    bufs = _prep_reference(q, k, v, g, beta, lengths, D ** -0.5, HV)
+    op_dtype = tc._operand_dtype(prec)
+    bufs["Wb"], bufs["Pb"] = bufs["Wb"].to(op_dtype), bufs["Pb"].to(op_dtype)
     pool = torch.randn(N, HV, D, D, generator=gen(3)).mul(0.1).cuda()
     kw = dict(scale=D ** -0.5, cu_seqlens=cu_seqlens(lengths, "cuda"),
               state_indices=torch.arange(N, dtype=torch.int32, device="cuda"),
@@ -115,15 +119,14 @@ def test_chunk_state_kernel_with_torch_buffers():
     p_ref, p_tri = pool.clone(), pool.clone()
     o_ref = ref.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_ref, **kw)
     o_tri = torch.empty_like(v)
-    tc._launch_state(q, k, v, o_tri, bufs, D ** -0.5, kw["cu_seqlens"], p_tri, kw["state_indices"],
-                     kw["has_initial_state"], cfg)
-    _report(test="chunk_state_kernel", out_rel=rel_err(o_tri, o_ref), state_rel=rel_err(p_tri, p_ref))
+    tc._launch_state(q, k, v, o_tri, bufs, kw["cu_seqlens"], p_tri, kw["state_indices"], kw["has_initial_state"], cfg)
+    _report(test="chunk_state_kernel", prec=prec, out_rel=rel_err(o_tri, o_ref), state_rel=rel_err(p_tri, p_ref))
     assert_close(o_tri, o_ref, TOL_BF16, "output")
     assert_close(p_tri, p_ref, TOL_BF16, "state")
 
 
-@pytest.mark.parametrize("hk", [32, 16, 8])
-def test_chunk_real_shape_mixed_batch(hk):
+@pytest.mark.parametrize("hk,prec", [(32, None), (16, None), (8, None), (16, "bf16"), (16, "tf32")])
+def test_chunk_real_shape_mixed_batch(hk, prec):
     from deltaserve.ops.gdn import triton_chunk as tc
 
     lengths = [1, 63, 64, 65, 1000]
@@ -136,8 +139,10 @@ def test_chunk_real_shape_mixed_batch(hk):
               has_initial_state=has_init)
     p_ref, p_tri = pool.clone(), pool.clone()
     o_ref = ref.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_ref, **kw)
-    o_tri = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_tri, **kw)
-    _report(test="chunk_mixed", hk=hk, out_rel=rel_err(o_tri, o_ref), state_rel=rel_err(p_tri, p_ref))
+    cfg = tc.ChunkConfig(prec=prec) if prec else None
+    o_tri = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_tri, config=cfg, **kw)
+    _report(test="chunk_mixed", hk=hk, prec=prec or "default", out_rel=rel_err(o_tri, o_ref),
+            state_rel=rel_err(p_tri, p_ref))
     assert_close(o_tri, o_ref, TOL_BF16, "output")
     assert_close(p_tri, p_ref, TOL_BF16, "state")
     assert (o_tri[64:128] == 0).all(), "padded sequence gives zeros"
@@ -157,9 +162,12 @@ def test_chunk_8k_vs_fp32_token_recurrence():
     p_rec = pool.clone()
     o_rec = ref.recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state=p_rec, **kw)
     rows = {}
-    p = pool.clone()
-    o = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p, **kw)
-    rows["ours"] = (rel_err(o, o_rec), (o.float() - o_rec.float()).abs().max().item(), rel_err(p, p_rec))
+    for prec in (None, "bf16", "tf32"):
+        p = pool.clone()
+        o = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p, config=tc.ChunkConfig(prec=prec) if prec else None,
+                                      **kw)
+        rows[f"ours {prec or 'default'}"] = (rel_err(o, o_rec), (o.float() - o_rec.float()).abs().max().item(),
+                                             rel_err(p, p_rec))
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
@@ -172,7 +180,10 @@ def test_chunk_8k_vs_fp32_token_recurrence():
     for name, (out_rel, out_abs, state_rel) in rows.items():
         _report(test="chunk_8k_vs_fp32_recurrence", impl=name, out_rel=out_rel, out_max_abs=out_abs,
                 out_max=o_rec.float().abs().max().item(), state_rel=state_rel)
-    assert rows["ours"][0] < 1e-2 and rows["ours"][2] < 1e-2
+    ours = rows["ours default"]
+    assert ours[0] < 1e-2 and ours[2] < 1e-2
+    if "fla" in rows:  # the issue's bar: not less accurate than FLA on the same inputs
+        assert ours[0] <= rows["fla"][0] and ours[2] <= rows["fla"][2], rows
 
 
 def test_decode_verify_commit_real_shape():

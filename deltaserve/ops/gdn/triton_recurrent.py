@@ -7,10 +7,12 @@ every column of the state is independent, so splitting V costs nothing but the r
 q/k work, and gives enough programs at batch 1. No host sync anywhere: all launches are CUDA-graph
 capturable once the batch shape is known; padded rows (slot -1) are masked out on the device.
 
-The fused decode/verify are two launches: (1) conv + SiLU + gates + L2 norm + delta rule per
-(sequence, head, V-slice), writing the un-normalised output; (2) the gated RMSNorm (it needs a full V
-row, i.e. all slices) and the conv-window update (it must wait until every program of (1) has read the
-old window) -- or, in verify, the copy of the inputs into the stash.
+The fused decode is two launches: (1) conv + SiLU + gates + L2 norm + delta rule per (sequence, head,
+V-slice), writing the un-normalised output; (2) the gated RMSNorm (it needs a full V row, i.e. all
+slices) and the conv-window update (it must wait until every program of (1) has read the old window).
+Verify is three: a token-parallel pre-pass (conv + SiLU, q/k L2 norms, gates of every token, once per
+head instead of once per V-slice), the recurrence over the T_n tokens (state math only), and (2) with
+the copy of the inputs into the stash instead of the window update.
 """
 
 from __future__ import annotations
@@ -195,10 +197,10 @@ def fused_recurrent_gated_delta_rule(
 # ---- fused decode / verify: launch 1 (conv + gates + norm + delta rule) -------------------------
 
 @triton.jit
-def _tokens_kernel(x, s_x_t, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, conv_state, ssm, idx, cu,
-                   o_tmp, st_k, st_g, st_d, scale, HK, HV, D,
-                   R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
-                   VERIFY: tl.constexpr):
+def _tokens_kernel(x, s_x_t, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, conv_state, ssm, idx,
+                   o_tmp, scale, HK, HV, D,
+                   R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, W: tl.constexpr):
+    """Fused decode, launch 1: one token per sequence, conv + norms + gates + delta rule per program."""
     j = tl.program_id(0)
     nh = tl.program_id(1)
     n = nh // HV
@@ -206,12 +208,6 @@ def _tokens_kernel(x, s_x_t, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, conv_st
     hk = hv // R
     slot = tl.load(idx + n).to(tl.int64)
     live = slot >= 0
-    if VERIFY:
-        bos = tl.load(cu + n).to(tl.int32)
-        eos = tl.load(cu + n + 1).to(tl.int32)
-    else:
-        bos = n
-        eos = n + 1
     ok = tl.arange(0, K)
     ov = j * BV + tl.arange(0, BV)
     cq = hk * K + ok
@@ -221,25 +217,86 @@ def _tokens_kernel(x, s_x_t, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, conv_st
     sp = ssm + slot * (HV * K * V) + hv * (K * V) + ok[:, None] * V + ov[None, :]
     smask = (ok[:, None] >= 0) & live
     S = tl.load(sp, mask=smask, other=0.0)
-    neg_a = -tl.exp(tl.load(A_log + hv).to(tl.float32))
-    dtb = tl.load(dt_bias + hv).to(tl.float32)
+    t = n.to(tl.int64)
+    qh = _l2norm(_conv_token(x, s_x_t, win, D, conv_w, cq, t, n, live, K, W)) * scale
+    kh = _l2norm(_conv_token(x, s_x_t, win, D, conv_w, ck, t, n, live, K, W))
+    vv = _conv_token(x, s_x_t, win, D, conv_w, cv, t, n, live, BV, W)
+    gt = -tl.exp(tl.load(A_log + hv).to(tl.float32)) * softplus(
+        tl.load(a + t * s_a_t + hv).to(tl.float32) + tl.load(dt_bias + hv).to(tl.float32))
+    bt = sigmoid(tl.load(b + t * s_b_t + hv).to(tl.float32))
+    S, out, delta = _delta_step(S, kh, qh, vv, gt, bt)
+    tl.store(o_tmp + (t * HV + hv) * V + ov, tl.where(live, out, 0.0).to(o_tmp.dtype.element_ty))
+    tl.store(sp, S, mask=smask)
+
+
+@triton.jit
+def _verify_prep_kernel(x, s_x_t, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, conv_state, idx, cu,
+                        qn, vn, st_k, st_g, bn, scale, HK, HV, D,
+                        K: tl.constexpr, V: tl.constexpr, W: tl.constexpr):
+    """Verify, launch 1 (token-parallel pre-pass): per (sequence, head group) the conv + SiLU of every
+    token, then for a q / k head its L2 norm (q scaled), for a v head the values and the gates.
+    Program (n, grp): grp < HK a q head, < 2 HK a k head, else v head grp - 2 HK."""
+    n = tl.program_id(0)
+    grp = tl.program_id(1)
+    slot = tl.load(idx + n).to(tl.int64)
+    live = slot >= 0
+    bos = tl.load(cu + n).to(tl.int32)
+    eos = tl.load(cu + n + 1).to(tl.int32)
+    win = conv_state + slot * ((W - 1) * D)
+    bos64 = bos.to(tl.int64)
+    if grp < 2 * HK:
+        ok = tl.arange(0, K)
+        ch = grp * K + ok  # q heads then k heads, contiguous in the conv channels
+        for i in range(0, eos - bos):
+            t = bos64 + i
+            xh = _l2norm(_conv_token(x, s_x_t, win, D, conv_w, ch, t, bos, live, K, W))
+            if grp < HK:
+                tl.store(qn + (t * HK + grp) * K + ok, xh * scale)
+            else:
+                tl.store(st_k + (t * HK + grp - HK) * K + ok, xh)
+    else:
+        hv = grp - 2 * HK
+        ov = tl.arange(0, V)
+        ch = 2 * HK * K + hv * V + ov
+        neg_a = -tl.exp(tl.load(A_log + hv).to(tl.float32))
+        dtb = tl.load(dt_bias + hv).to(tl.float32)
+        for i in range(0, eos - bos):
+            t = bos64 + i
+            row = t * HV + hv
+            vv = _conv_token(x, s_x_t, win, D, conv_w, ch, t, bos, live, V, W)
+            tl.store(vn + row * V + ov, vv.to(vn.dtype.element_ty))
+            tl.store(st_g + row, neg_a * softplus(tl.load(a + t * s_a_t + hv).to(tl.float32) + dtb))
+            tl.store(bn + row, sigmoid(tl.load(b + t * s_b_t + hv).to(tl.float32)))
+
+
+@triton.jit
+def _verify_rec_kernel(qn, st_k, vn, st_g, bn, ssm, idx, cu, o_tmp, st_d, HK, HV,
+                       R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """Verify, launch 2: per (sequence, value head, V-slice) only the state math of the T_n tokens (every
+    per-token input was prepared by the pre-pass, so the loads are off the dependency chain)."""
+    j = tl.program_id(0)
+    nh = tl.program_id(1)
+    n = nh // HV
+    hv = nh % HV
+    hk = hv // R
+    slot = tl.load(idx + n).to(tl.int64)
+    live = slot >= 0
+    bos = tl.load(cu + n).to(tl.int32)
+    eos = tl.load(cu + n + 1).to(tl.int32)
+    ok = tl.arange(0, K)
+    ov = j * BV + tl.arange(0, BV)
+    sp = ssm + slot * (HV * K * V) + hv * (K * V) + ok[:, None] * V + ov[None, :]
+    S = tl.load(sp, mask=(ok[:, None] >= 0) & live, other=0.0)
     bos64 = bos.to(tl.int64)
     for i in range(0, eos - bos):
         t = bos64 + i
-        qh = _l2norm(_conv_token(x, s_x_t, win, D, conv_w, cq, t, bos, live, K, W)) * scale
-        kh = _l2norm(_conv_token(x, s_x_t, win, D, conv_w, ck, t, bos, live, K, W))
-        vv = _conv_token(x, s_x_t, win, D, conv_w, cv, t, bos, live, BV, W)
-        gt = neg_a * softplus(tl.load(a + t * s_a_t + hv).to(tl.float32) + dtb)
-        bt = sigmoid(tl.load(b + t * s_b_t + hv).to(tl.float32))
-        S, out, delta = _delta_step(S, kh, qh, vv, gt, bt)
         row = t * HV + hv
+        kh = tl.load(st_k + (t * HK + hk) * K + ok)
+        qh = tl.load(qn + (t * HK + hk) * K + ok)
+        vv = tl.load(vn + row * V + ov).to(tl.float32)
+        S, out, delta = _delta_step(S, kh, qh, vv, tl.load(st_g + row), tl.load(bn + row))
         tl.store(o_tmp + row * V + ov, tl.where(live, out, 0.0).to(o_tmp.dtype.element_ty))
-        if VERIFY:
-            tl.store(st_d + row * V + ov, delta, mask=(ov >= 0) & live)
-            tl.store(st_k + (t * HK + hk) * K + ok, kh, mask=(ok >= 0) & live & (j == 0) & (hv % R == 0))
-            tl.store(st_g + row, gt, mask=live & (j == 0))
-    if not VERIFY:
-        tl.store(sp, S, mask=smask)
+        tl.store(st_d + row * V + ov, delta, mask=(ov >= 0) & live)
 
 
 # ---- fused decode / verify: launch 2 (gated RMSNorm + conv window / stash) ----------------------
@@ -335,11 +392,23 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
     check(V % cfg.bv == 0, op, f"config bv={cfg.bv} must divide V={V}")
     o_tmp = torch.empty((T, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     dummy = o_tmp  # pointer arguments that the decode variant never touches
-    _tokens_kernel[(V // cfg.bv, N * HV)](
-        mixed_qkv, mixed_qkv.stride(0), a, a.stride(0), b, b.stride(0), conv_weight, A_log, dt_bias, conv_state,
-        ssm_state, state_indices, cu_seqlens if verify else state_indices, o_tmp,
-        stash.k if verify else dummy, stash.g if verify else dummy, stash.delta if verify else dummy,
-        float(scale), HK, HV, D, R=HV // HK, K=K, V=V, BV=cfg.bv, W=W, VERIFY=verify, num_warps=cfg.num_warps)
+    if verify:
+        f32 = torch.float32
+        qn = torch.empty((T, HK, K), dtype=f32, device=mixed_qkv.device)
+        vn = torch.empty((T, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+        bn = torch.empty((T, HV), dtype=f32, device=mixed_qkv.device)
+        _verify_prep_kernel[(N, 2 * HK + HV)](
+            mixed_qkv, mixed_qkv.stride(0), a, a.stride(0), b, b.stride(0), conv_weight, A_log, dt_bias, conv_state,
+            state_indices, cu_seqlens, qn, vn, stash.k, stash.g, bn, float(scale), HK, HV, D, K=K, V=V, W=W,
+            num_warps=1)
+        _verify_rec_kernel[(V // cfg.bv, N * HV)](
+            qn, stash.k, vn, stash.g, bn, ssm_state, state_indices, cu_seqlens, o_tmp, stash.delta, HK, HV,
+            R=HV // HK, K=K, V=V, BV=cfg.bv, num_warps=cfg.num_warps)
+    else:
+        _tokens_kernel[(V // cfg.bv, N * HV)](
+            mixed_qkv, mixed_qkv.stride(0), a, a.stride(0), b, b.stride(0), conv_weight, A_log, dt_bias,
+            conv_state, ssm_state, state_indices, o_tmp, float(scale), HK, HV, D, R=HV // HK, K=K, V=V,
+            BV=cfg.bv, W=W, num_warps=cfg.num_warps)
     HB = max(1, min(next_pow2(HV), 4096 // V))
     BD = 1024
     norm_blocks = triton.cdiv(HV, HB)
