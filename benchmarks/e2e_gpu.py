@@ -231,12 +231,14 @@ def run_requests(engine, prompts: list[list[int]], params, tag: str) -> dict:
 
 
 KERNEL_FAMILIES = [   # first match wins: our MoE GEMV kernels contain "gemv", the GDN gated norm "norm"
-    ("MoE (routing + experts)", r"moe|topk_softmax|gemv_w13|gemv_w2|_w13_kernel|_w2_kernel|combine|align"),
-    ("GDN (conv, gates, delta rule, gated norm)", r"gdn|recurrent|delta|conv1d|chunk|gating|l2norm"),
-    ("attention (paged, store_kv, rope)", r"attention|attn|paged|store_kv|flash|rotary|rope"),
+    ("MoE (routing + experts)", r"moe|topk_softmax|gemv_w13|gemv_w2|_w13_kernel|_w2_kernel|_combine_kernel"),
+    ("GDN (conv, gates, delta rule, gated norm)",
+     r"gdn|recurrent|delta|conv1d|_conv_|chunk|gating|l2norm|recompute_w_u|_tokens_kernel|_finish_kernel|"
+     r"_verify|_commit|rms_norm_gated"),
+    ("attention (paged, store_kv, rope)", r"attention|attn|paged|store_kv|merge_splits|flash|rotary|rope"),
     ("norms (RMSNorm + residual)", r"rms|norm"),
-    ("linears (GEMV / GEMM)", r"gemm|gemv|cutlass|nvjet|sm90|sm80|xmma|splitk|cublas|kernel2|matmul|linear|addmm|::mm"),
     ("activations (silu*mul, sigmoid*mul)", r"silu|sigmoid|act_and_mul"),
+    ("linears (GEMV / GEMM)", r"gemm|gemv|cutlass|nvjet|sm90|sm80|xmma|splitk|cublas|kernel2|matmul|linear|addmm|::mm"),
     ("sampler / logits", r"softmax|argmax|sampl|cumsum|sort|topk|multinomial|log_softmax"),
 ]
 
@@ -508,7 +510,7 @@ def report(out: Path, name: str, wl: Workload) -> str:
               f"per step, {b['moe_layers']} MoE layers x {b['expert'] / 1e6:.1f} MB per routed expert; "
               f"GDN state r+w {b['state_rw'] / 1e6:.1f} MB/seq, KV {b['kv_per_token'] / 1e3:.1f} kB/token; "
               f"build {build[0]['s']:.1f} s", "",
-              f"ours: dummy weights, bf16 on the GPU, CUDA graphs: {build[0].get('cuda_graphs')}; chunked prefill "
+              f"ours: dummy weights, {build[0].get('dtype')} on {build[0]['gpu']}, CUDA graphs: {build[0].get('cuda_graphs')}; chunked prefill "
               f"budget {build[0].get('max_num_batched_tokens')} tokens per step; cache plan {build[0].get('plan')}", ""]
     conc = {r["C"]: r for r in get(ours, "concurrency")}
     pdec = {r["B"]: r for r in get(peer, "peer_decode")}

@@ -56,8 +56,13 @@ def test_limits(e2e):
     assert e2e.step_limit(info, 8, 1000, 60, 4e12)["tok_s"] > one["tok_s"]
 
 
-@pytest.mark.parametrize("name,fam", [("_gemv_w13_kernel", "MoE"), ("_gdn_decode_kernel", "GDN"),
-                                      ("_paged_attention_decode", "attention"), ("_rms_norm_fwd", "norms"),
-                                      ("nvjet_tst_64x8_64x16_4x1_v_bz_TNN", "linears"), ("gemv2T_kernel", "linears")])
+@pytest.mark.parametrize("name,fam", [
+    ("_gemv_w13_kernel", "MoE"), ("_gemv_w2_combine_kernel", "MoE"), ("_topk_softmax_kernel", "MoE"),
+    ("_tokens_kernel", "GDN"), ("_finish_kernel", "GDN"), ("_rms_norm_gated_kernel", "GDN"),
+    ("_conv_update_kernel", "GDN"), ("fused_recurrent_gated_delta_rule_fwd_kernel", "GDN"),
+    ("_attention_kernel", "attention"), ("_merge_splits_kernel", "attention"), ("_store_kv_kernel", "attention"),
+    ("_rms_norm_kernel", "norms"), ("_silu_and_mul_kernel", "activations"),
+    ("nvjet_tst_64x8_64x16_4x1_v_bz_TNN", "linears"), ("void gemv2T_kernel_val<int, int, __nv_bfloat16>", "linears"),
+])
 def test_kernel_families(e2e, name, fam):
     assert e2e.family(name).startswith(fam)
