@@ -67,6 +67,9 @@ class ModelRunner:
         # updated as blocks are added; a step gathers the rows of its sequences.
         self._block_table = np.zeros((cache.num_slots, -(-max_model_len // self.block_size)), dtype=np.int32)
         self.graphs: DecodeGraphs | None = None
+        # Runs decode-only batches in place of self.model when set (the compiled CPU step, cpu_compile.py);
+        # called like the model: (batch, cache) -> hidden, and .compute_logits(hidden).
+        self.compiled_decode = None
 
     def capture_decode_graphs(self, max_batch: int) -> None:
         """Capture decode CUDA graphs for batches of up to max_batch sequences (the caller has checked
@@ -190,15 +193,18 @@ class ModelRunner:
             return RunnerOutput([], [], [])
         chunks = sorted(out.chunks, key=self.is_decode)     # stable: prefills first, then decodes
         plan = self._logit_rows(chunks)
+        model = self.model
         if self.uses_graph(chunks):
             hidden = self._replay_decodes(chunks)
         else:
-            hidden = self.model(self.build_batch(chunks), self.cache)
+            if self.compiled_decode is not None and self.is_decode(chunks[0]):  # prefills sort first
+                model = self.compiled_decode
+            hidden = model(self.build_batch(chunks), self.cache)
         if not plan.rows:                                    # only mid-prompt chunks: nothing to read out
             return RunnerOutput([], [], [])
         # rows are increasing and distinct, so as many rows as tokens means every row (decode-only batches)
         picked = hidden if len(plan.rows) == hidden.shape[0] else hidden[self._index(plan.rows)]
-        logits = self.model.compute_logits(picked).float()
+        logits = model.compute_logits(picked).float()
 
         result = RunnerOutput([seq_id for seq_id, _ in plan.samples], [], [])
         if plan.samples:
