@@ -587,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny shape on CPU (a smoke test of this script)")
     ap.add_argument("--smoke", action="store_true", help="real shape, short workload (finds problems fast)")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--no-ours", action="store_true", help="run only the peer (keeps an earlier ours.jsonl for the report)")
     ap.add_argument("--concurrency", default=None, help="comma list overriding the workload's (e.g. 1,8,64)")
     ap.add_argument("--ttft", default=None, help="comma list of TTFT prompt lengths overriding the workload's")
     ap.add_argument("--peer-batches", default=None, help="comma list overriding the peer's batch sizes")
@@ -608,11 +609,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.part == "peer":
         peer_part(args, wl, out)
         return 0
-    for f in ("ours.jsonl", "peer.jsonl"):
-        (out / f).unlink(missing_ok=True)
-    rc = {"ours": run_part("ours", args, out, args.ours_timeout)}
-    if not args.no_peer:
-        rc["peer"] = run_part("peer", args, out, args.peer_timeout)
+    rc = {}
+    for part, skip, timeout in (("ours", args.no_ours, args.ours_timeout), ("peer", args.no_peer, args.peer_timeout)):
+        if not skip:
+            (out / f"{part}.jsonl").unlink(missing_ok=True)
+            rc[part] = run_part(part, args, out, timeout)
     text = report(out, name, wl) + f"\n\nexit codes: {rc}\n"
     (out / "report.md").write_text(text)
     print(text)
