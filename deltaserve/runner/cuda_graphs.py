@@ -19,6 +19,9 @@ Triton kernel: the torch references may read device values on the host (.tolist(
 The graphs share one memory pool (captured largest first, so the smaller ones reuse its blocks); its
 size is reserved in the cache budget before the pools are sized (runner/memory.py measures a decode
 forward of the largest bucket), since the graphs cannot be captured before the cache they write into.
+
+On a CPU device a "graph" is an eager forward over the same static buffers (no capture, no pinned
+staging): the padded static-buffer path, testable without a GPU.
 """
 
 from __future__ import annotations
@@ -97,6 +100,16 @@ def padded_decode_batch(num_rows: int, device: torch.device, max_blocks: int = 1
         num_prefills=0, num_prefill_tokens=0)
 
 
+class _EagerGraph:
+    """CPU stand-in for a captured graph: replay runs the forward and writes the static output."""
+
+    def __init__(self, forward, out: torch.Tensor):
+        self.forward, self.out = forward, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.forward())
+
+
 class DecodeGraphs:
     """The static buffers, the pinned staging they are filled from, and one graph per bucket."""
 
@@ -114,15 +127,20 @@ class DecodeGraphs:
         self._cu = torch.arange(B + 1, dtype=torch.int32, device=self.device)
         self._has_init = torch.ones(B, dtype=torch.bool, device=self.device)
         # pinned host staging (numpy views for cheap writes), reused once the last copy out of it is done
-        self._h_tok = torch.zeros(3, B, dtype=torch.long).pin_memory()
-        self._h_seq = torch.zeros(2, B, dtype=torch.int32).pin_memory()
-        self._h_tables = torch.zeros(B * W, dtype=torch.int32).pin_memory()
+        cuda = self.device.type == "cuda"
+        pin = (lambda t: t.pin_memory()) if cuda else (lambda t: t)  # noqa: E731
+        self._h_tok = pin(torch.zeros(3, B, dtype=torch.long))
+        self._h_seq = pin(torch.zeros(2, B, dtype=torch.int32))
+        self._h_tables = pin(torch.zeros(B * W, dtype=torch.int32))
         self._n_tok, self._n_seq, self._n_tables = self._h_tok.numpy(), self._h_seq.numpy(), self._h_tables.numpy()
-        self._copied = torch.cuda.Event()
-        self._copied.record()
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._copied = torch.cuda.Event() if cuda else None
+        if self._copied is not None:
+            self._copied.record()
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | _EagerGraph, torch.Tensor]] = {}
         self.pool_bytes = 0
         self.capture_seconds = 0.0
+        self.num_replays = 0              # decode steps run as a graph
+        self.num_padded_replays = 0       # ... of them in a bucket larger than the batch
 
     @property
     def max_size(self) -> int:
@@ -144,11 +162,18 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Warm up and capture every bucket, largest first, into one shared pool. Inputs are all padding
         rows, so neither the warm-up nor the capture touches the cache."""
+        self._pad_all()
+        if self.device.type != "cuda":
+            for b in self.sizes:
+                batch = self._batch(b)
+                forward = lambda batch=batch: self.model(batch, self.cache)  # noqa: E731
+                out = forward()
+                self._graphs[b] = (_EagerGraph(forward, out), out)
+            return
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
-        self._pad_all()
         side = torch.cuda.Stream(self.device)
         for b in reversed(self.sizes):
             batch = self._batch(b)
@@ -176,7 +201,8 @@ class DecodeGraphs:
         if b is None:
             raise ValueError(f"decode batch of {n} sequences exceeds the largest captured bucket {self.max_size}")
         mb = block_tables.shape[1]
-        self._copied.synchronize()                  # the previous step's copies have left the staging
+        if self._copied is not None:
+            self._copied.synchronize()              # the previous step's copies have left the staging
         tok, seq = self._n_tok, self._n_seq
         tok[0, :n], tok[1, :n], tok[2, :n] = input_ids, positions, slot_mapping
         tok[:2, n:b], tok[2, n:b] = 0, -1
@@ -187,9 +213,12 @@ class DecodeGraphs:
         self._seq.copy_(self._h_seq, non_blocking=True)
         if mb:
             self._tables[:n, :mb].copy_(self._h_tables[: n * mb].view(n, mb), non_blocking=True)
-        self._copied.record()
+        if self._copied is not None:
+            self._copied.record()
         graph, out = self._graphs[b]
         graph.replay()
+        self.num_replays += 1
+        self.num_padded_replays += b > n
         return out[:n]
 
 

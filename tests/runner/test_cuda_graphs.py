@@ -4,6 +4,7 @@ finishing and joining mid-stream, with the shared expert folded into the MoE op,
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 
@@ -107,6 +108,28 @@ def test_cpu_runs_eagerly_and_says_why(tiny_model, caplog):
     assert sum("no CUDA graphs" in r.message and "cpu" in r.message for r in caplog.records) == 1
 
 
+@pytest.mark.parametrize("sample", [False, True])
+def test_padded_static_buffer_path_gives_the_eager_tokens_on_cpu(tiny_model, sample):
+    """The graph path's data flow without a GPU: on CPU each "graph" is an eager forward over the static
+    buffers, padded to the bucket, so packing, padding and row selection are checked against eager."""
+    path = tiny_model(TinySpec(family="qwen3_next", ratio=2, seed=5))
+    prompts, params = _workload(7, seed=11, sample=sample)
+    results = []
+    for graphs in (False, True):
+        llm = LLM(path, device="cpu", max_num_seqs=8, max_num_batched_tokens=48)
+        if graphs:
+            llm.engine.runner.capture_decode_graphs(8)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append(([o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]))
+    g = llm.engine.runner.graphs
+    assert g.sizes == [1, 2, 4, 8] and g.num_replays > 0 and g.num_padded_replays > 0
+    (tokens, logprobs), (g_tokens, g_logprobs) = results
+    assert g_tokens == tokens
+    for lps, g_lps in zip(logprobs, g_logprobs):
+        for la, lb in zip(lps or [], g_lps or []):
+            assert la.keys() == lb.keys() and all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
+
+
 # ---- graph == eager on the GPU ----------------------------------------------------------------------
 
 def _workload(n: int, seed: int, sample: bool = False):
@@ -121,22 +144,23 @@ def _workload(n: int, seed: int, sample: bool = False):
 
 
 def _run(path, *, eager: bool, n: int, seed: int, sample: bool = False, **kw):
+    """(completions' token ids, their logprobs, the graph replay counts); the engine is freed before
+    returning, so two engines never hold GPU memory at once (the second would find no room for a cache)."""
     llm = LLM(path, device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=16,
-              max_num_batched_tokens=48, **kw)
-    runner = llm.engine.runner
-    assert (runner.graphs is None) == eager
-    replays = []
-    if runner.graphs is not None:
-        original = runner.graphs.replay
-
-        def counting(*args):
-            replays.append(len(args[0]))
-            return original(*args)
-
-        runner.graphs.replay = counting
+              max_num_batched_tokens=48, num_gpu_blocks=256, **kw)
+    graphs = llm.engine.runner.graphs
+    assert (graphs is None) == eager
     prompts, params = _workload(n, seed, sample)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return outs, replays, runner
+    counts = (graphs.num_replays, graphs.num_padded_replays) if graphs is not None else (0, 0)
+    del llm, graphs
+    _free_gpu()
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs], counts
+
+
+def _free_gpu():
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
@@ -144,14 +168,14 @@ def _run(path, *, eager: bool, n: int, seed: int, sample: bool = False, **kw):
 @gpu_test
 def test_graph_replay_gives_the_eager_tokens(tiny_model, family, n):
     path = tiny_model(TinySpec(family=family, ratio=2, seed=41))
-    eager, _, _ = _run(path, eager=True, n=n, seed=n)
-    graph, replays, runner = _run(path, eager=False, n=n, seed=n)
-    assert replays, "no decode step replayed a graph"
+    tokens, logprobs, _ = _run(path, eager=True, n=n, seed=n)
+    g_tokens, g_logprobs, (replays, padded) = _run(path, eager=False, n=n, seed=n)
+    assert replays > 0, "no decode step replayed a graph"
     if n > 1:
-        assert any(k not in runner.graphs.sizes for k in replays), "no step ran a padded bucket"
-    for a, b in zip(eager, graph):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
+        assert padded > 0, "no step ran a padded bucket"
+    assert g_tokens == tokens
+    for lps, g_lps in zip(logprobs, g_logprobs):
+        for la, lb in zip(lps or [], g_lps or []):
             assert la.keys() == lb.keys() and all(abs(la[t].logprob - lb[t].logprob) < 1e-3 for t in la)
 
 
@@ -161,17 +185,16 @@ def test_graph_replay_seeded_sampling_and_folded_shared_expert():
     from tests.models.test_dummy_weights import tiny_config
 
     cfg = tiny_config("qwen3_5_moe", layers=4)
-    eager, _, _ = _run(cfg, eager=True, n=10, seed=3, sample=True, load_format="dummy")
-    graph, replays, runner = _run(cfg, eager=False, n=10, seed=3, sample=True, load_format="dummy")
-    assert replays and runner.model.layers[0].mlp.shared_slices == 1
-    assert [o.outputs[0].token_ids for o in eager] == [o.outputs[0].token_ids for o in graph]
+    tokens, _, _ = _run(cfg, eager=True, n=10, seed=3, sample=True, load_format="dummy")
+    g_tokens, _, (replays, _) = _run(cfg, eager=False, n=10, seed=3, sample=True, load_format="dummy")
+    assert replays > 0 and g_tokens == tokens
 
 
 @gpu_test
 def test_reference_ops_fall_back_to_eager(tiny_model, caplog):
     path = tiny_model(TinySpec(family="qwen3_next", ratio=2, seed=41))
     with caplog.at_level(logging.INFO, logger="deltaserve.runner.cuda_graphs"):
-        llm = LLM(path, device="cuda", enforce_reference_ops=True, max_num_seqs=4)
+        llm = LLM(path, device="cuda", enforce_reference_ops=True, max_num_seqs=4, num_gpu_blocks=256)
     assert llm.engine.runner.graphs is None
     assert any("no CUDA graphs" in r.message and "reference" in r.message for r in caplog.records)
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
@@ -181,7 +204,7 @@ def test_reference_ops_fall_back_to_eager(tiny_model, caplog):
 @gpu_test
 def test_embedded_model_on_gpu_runs_eagerly():
     """Its head dims (GDN 48, attention 96) keep the GDN / attention references, so no graphs."""
-    llm = LLM(device="cuda", max_num_seqs=4)
+    llm = LLM(device="cuda", max_num_seqs=4, num_gpu_blocks=256)
     assert llm.engine.runner.graphs is None
 
 
@@ -189,7 +212,17 @@ def test_embedded_model_on_gpu_runs_eagerly():
 def test_graphs_cover_max_num_seqs():
     from tests.models.test_dummy_weights import tiny_config
 
-    llm = LLM(tiny_config("qwen3_5_moe", layers=4), device="cuda", load_format="dummy", max_num_seqs=64)
+    llm = LLM(tiny_config("qwen3_5_moe", layers=4), device="cuda", load_format="dummy", max_num_seqs=64,
+              num_gpu_blocks=256)
     g = llm.engine.runner.graphs
     assert g is not None and g.sizes[-1] == 64 and g.capture_seconds > 0
+    assert llm.model.layers[0].mlp.shared_slices == 1          # the shared expert runs inside fused_moe
     print(f"graphs {g.sizes}: capture {g.capture_seconds:.2f} s, pool {g.pool_bytes / 2**20:.1f} MiB")
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """Each GPU test's engine gives its memory back before the next one sizes its cache."""
+    yield
+    if torch.cuda.is_available():
+        _free_gpu()
