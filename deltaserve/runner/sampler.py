@@ -171,7 +171,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], which: list[
         logits[r] = logits[r] - (fp[0, :, None] * counts + fp[1, :, None] * (counts > 0).to(logits.dtype))
     if stop[0]:
         r, t = to_device(torch.tensor(stop, dtype=torch.long), dev)
-        logits[r, t] = float("-inf")
+        logits.index_put_((r, t), torch.full(t.shape, float("-inf"), dtype=logits.dtype, device=dev))
 
 
 class Sampler:

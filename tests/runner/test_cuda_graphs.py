@@ -226,3 +226,73 @@ def _release_gpu_memory():
     yield
     if torch.cuda.is_available():
         _free_gpu()
+
+
+class _SyncsAllowed:
+    """Run `fn` with torch's sync debug mode off (the one sync a step is allowed), counting the calls."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+
+@gpu_test
+def test_sampler_reads_the_device_once(monkeypatch):
+    """Penalties, min_tokens, top-k / top-p / min-p, seeded and unseeded draws, logprobs: no synchronizing
+    CUDA call but the one transfer of tokens and logprobs (torch's sync debug mode raises on the others)."""
+    from deltaserve.runner import sampler as sampler_mod
+    from deltaserve.runner.sampler import Sampler, SamplingRow
+
+    reads = _SyncsAllowed(sampler_mod.to_host)
+    monkeypatch.setattr(sampler_mod, "to_host", reads)
+    logits = torch.randn(6, 1000, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 3
+    rows = [SamplingRow(SamplingParams(**kw), seed, [1, 2, 3, 5, 5], 3, frozenset({7}))
+            for seed, kw in [(None, dict(temperature=0)), (3, dict(temperature=0.8, top_k=20, logprobs=2)),
+                             (None, dict(temperature=1.0, top_p=0.7, repetition_penalty=1.3)),
+                             (5, dict(temperature=1.2, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.2)),
+                             (None, dict(temperature=0, min_tokens=4, logprobs=0)), (9, dict(temperature=0.5))]]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = Sampler(torch.device("cuda"), 0)(logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert reads.calls == 1 and len(out.token_ids) == 6 and out.logprobs[1] is not None
+    assert out.token_ids[0] == int(logits[0].argmax())
+
+
+@gpu_test
+def test_a_decode_step_syncs_only_to_read_its_tokens(tiny_model, monkeypatch):
+    """An engine step of decodes (graph replay, sampling with logprobs) makes one synchronizing call."""
+    from deltaserve.runner import sampler as sampler_mod
+
+    llm = LLM(tiny_model(TinySpec(family="qwen3_5_moe", ratio=2, seed=41)), device="cuda", max_num_seqs=8,
+              num_gpu_blocks=256)
+    engine = llm.engine
+    for i in range(5):
+        engine.add_request(str(i), {"prompt_token_ids": random_ids(5 + i, seed=i)},
+                           SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.7, seed=i, logprobs=1),
+                           stream=False)
+    for _ in range(3):                                   # prefill (eager, allowed to sync) and a first decode
+        engine.step()
+    graphs = engine.runner.graphs
+    graphs._copied = type("Ev", (), {"record": graphs._copied.record,
+                                     "synchronize": _SyncsAllowed(graphs._copied.synchronize)})()
+    reads = _SyncsAllowed(sampler_mod.to_host)
+    monkeypatch.setattr(sampler_mod, "to_host", reads)
+    replays = graphs.num_replays
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert reads.calls == 4 and graphs.num_replays == replays + 4
