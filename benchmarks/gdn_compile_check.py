@@ -71,14 +71,23 @@ def main() -> int:
 
     # chunked prefill
     prep_types = dict(q=bf, k=bf, v=bf, g=f32, beta=f32, A_log=f32, dt_bias=f32, coff=i32, cu=i32, Wb=bf, Ub=f32,
-                      Pb=bf, Gb=f32, rq_b=f32, rk_b=f32, scale="fp32")
+                      Pb=bf, Gb=f32, Tb=f32, Bb=f32, rq_b=f32, rk_b=f32, scale="fp32")
     for gates in (False, True):
-        for warps in ([1, 2, 4, 8] if args.sweep else [4]):
-            t = dict(prep_types, **({"g": bf, "beta": bf} if gates else {}))
+        for warps in ([1, 2, 4] if args.sweep else [2]):
+            for split in (True, False):
+                t = dict(prep_types, **({"g": bf, "beta": bf} if gates else {}))
+                results.append(compile_one(
+                    f"chunk_prep gates={int(gates)} split={int(split)} w{warps}", chunk_t._chunk_prep_kernel, t,
+                    dict(R=R, K=K, V=V, BT=64, BLOCK_N=16, L2NORM=True, GATES=gates, QK_PREC="native",
+                         UT_PREC="tf32x3", WU_PREC="tf32", SPLIT=split, P_IN_WU=False), warps))
+    for warps in ([2, 4, 8] if args.sweep else [4]):
+        for p_in_wu in (False, True):
             results.append(compile_one(
-                f"chunk_prep gates={int(gates)} w{warps}", chunk_t._chunk_prep_kernel, t,
-                dict(R=R, K=K, V=V, BT=64, BLOCK_N=16, L2NORM=True, GATES=gates, QK_PREC="native",
-                     UT_PREC="tf32x3", WU_PREC="tf32"), warps))
+                f"chunk_wu p_in_wu={int(p_in_wu)} w{warps}", chunk_t._chunk_wu_kernel,
+                dict(q=bf, k=bf, v=bf, coff=i32, cu=i32, Wb=bf, Ub=f32, Pb=bf, Gb=f32, Tb=f32, Bb=f32, rq_b=f32,
+                     rk_b=f32, scale="fp32"),
+                dict(R=R, K=K, V=V, BT=64, BLOCK_N=16, WU_PREC="tf32", P_IN_WU=p_in_wu, L2NORM=True,
+                     QK_PREC="native"), warps))
     state_types = dict(q=bf, k=bf, o=bf, Wb=bf, Ub=f32, Pb=bf, Gb=f32, rq_b=f32, rk_b=f32, ssm=f32,
                        cu=i32, idx=i32, has_init="*u8")
     variants = [(32, "bf16x2", 4, 2), (32, "bf16", 4, 2), (32, "tf32", 4, 2)]
@@ -109,7 +118,7 @@ def main() -> int:
     results.append(compile_one(
         "verify pre-pass", rec_t._verify_prep_kernel,
         dict(x=bf, a=bf, b=bf, conv_w=bf, A_log=f32, dt_bias=f32, conv_state=bf, idx=i32, cu=i32, qn=f32, vn=bf,
-             st_k=f32, st_g=f32, bn=f32, scale="fp32"), dict(K=K, V=V, W=4), 1))
+             st_k=f32, st_g=f32, bn=f32, scale="fp32"), dict(K=K, V=V, W=4, BLOCK_N=64), 1))
     for verify in (False, True):
         results.append(compile_one(
             f"finish verify={int(verify)}", rec_t._finish_kernel,

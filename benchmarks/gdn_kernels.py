@@ -20,6 +20,7 @@ lets FLA autotune, so the timed phase only replays.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -141,17 +142,16 @@ class Case:
     sweep: bool = False
 
 
+def chunk_label(cfg) -> str:
+    prep = f"split w{cfg.warps_prep}+wu w{cfg.warps_wu}" if cfg.split_prep else f"fused w{cfg.warps_prep}"
+    prep += f" P{'@wu' if cfg.p_in_wu else '@solve'} merge {cfg.merge_prec}"
+    return f"bv{cfg.bv}/w{cfg.warps_state}/s{cfg.stages_state}/{cfg.prec}/prep {prep}"
+
+
 def prefill_cases(sweep: bool) -> list[Case]:
     cases = []
-    variants = [("ours", None)]
-    if sweep:
-        variants += [
-            (f"bv{bv}/w{w}/s{st}/{prec}/prep-w{pw}",
-             tc.ChunkConfig(bv=bv, warps_state=w, stages_state=st, prec=prec, warps_prep=pw))
-            for bv, w, st, prec, pw in [
-                (32, 4, 2, "bf16", 4), (32, 4, 2, "tf32", 4), (16, 4, 2, "bf16x2", 4), (64, 4, 2, "bf16x2", 4),
-                (64, 8, 2, "bf16x2", 4), (32, 4, 3, "bf16x2", 4), (32, 4, 2, "bf16x2", 2), (32, 4, 2, "bf16x2", 8),
-                (16, 4, 2, "bf16", 4)]]
+    changes = [dict(p_in_wu=False), dict(merge_prec="tf32"), dict(bv=32), dict(bv=64), dict(stages_state=2),
+               dict(prec="bf16"), dict(warps_prep=1), dict(warps_wu=8)] if sweep else []
     for name, lengths in PREFILL.items():
         T = sum(lengths)
 
@@ -187,13 +187,17 @@ def prefill_cases(sweep: bool) -> list[Case]:
                                    scale=SCALE, initial_state=d["init"], output_final_state=True,
                                    use_qk_l2norm_in_kernel=True, cu_seqlens=d["cu64"])
 
-        for label, cfg in variants:
-            cases.append(Case("prefill", name, label, 3, lambda c, cfg=cfg, f=ours: f(c, cfg=cfg), tokens=T,
-                              sweep=label != "ours"))
+        cases.append(Case("prefill", name, "ours", 3, ours, tokens=T))
+        cases.append(Case("prefill", name, "fla", 3, fla_chunk, tokens=T))
         cases.append(Case("prefill", name, "ours: prep kernel", 3, lambda c, f=parts: f(c, which="prep"), tokens=T))
         cases.append(Case("prefill", name, "ours: state kernel", 3, lambda c, f=parts: f(c, which="state"), tokens=T))
+        base = tc.default_chunk_config(len(lengths), HV, DV, torch.bfloat16)
+        variants = {chunk_label(dataclasses.replace(base, **ch)): dataclasses.replace(base, **ch) for ch in changes}
+        variants.pop(chunk_label(base), None)
+        for label, cfg in variants.items():
+            cases.append(Case("prefill", name, label, 3, lambda c, cfg=cfg, f=ours: f(c, cfg=cfg), tokens=T,
+                              sweep=True))
         cases.append(Case("prefill", name, "ours gdn_prefill (gates fused)", 3, ours_gates, tokens=T))
-        cases.append(Case("prefill", name, "fla", 3, fla_chunk, tokens=T))
     return cases
 
 

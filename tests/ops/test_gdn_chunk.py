@@ -141,3 +141,15 @@ def test_chunk_rejects_unknown_precision(device):
     d = _batch([10], 1, torch.bfloat16, device, seed=1)
     with pytest.raises(ValueError, match="prec='fp8'"):
         _run(tc.chunk_gated_delta_rule, d, d["pool"], config=tc.ChunkConfig(prec="fp8"))
+
+
+@pytest.mark.parametrize("change", [dict(split_prep=False), dict(p_in_wu=True)])
+def test_chunk_prep_layouts_agree(change, device):
+    """W and U formed inside the solve kernel (16-row blocks), or P formed in the W/U kernel, == the
+    default split prep."""
+    d = _batch([65, 1, 64], 2, torch.float32, device, seed=4)
+    p_base, p_var = d["pool"].clone(), d["pool"].clone()
+    o_base = _run(tc.chunk_gated_delta_rule, d, p_base, config=tc.ChunkConfig(prec="ieee"))
+    o_var = _run(tc.chunk_gated_delta_rule, d, p_var, config=tc.ChunkConfig(prec="ieee", **change))
+    assert_close(o_var, o_base, 2e-5, "output")
+    assert_close(p_var, p_base, 2e-5, "state pool")

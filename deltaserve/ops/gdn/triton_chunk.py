@@ -59,15 +59,22 @@ class ChunkConfig:
     """
 
     bv: int = 32
-    warps_prep: int = 4
+    warps_prep: int = 2
     warps_state: int = 4
-    stages_state: int = 2
+    stages_state: int = 3
     prec: str = "bf16x2"
+    split_prep: bool = True
+    warps_wu: int = 4
+    p_in_wu: bool = True
+    merge_prec: str = "tf32x3"
 
 
 def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.dtype) -> ChunkConfig:
+    """64-column state slices once that still gives >= 256 programs (fewer redundant W/Q/K/P loads per
+    column), 32 below (more programs for few long sequences); measured on the H200 (docs/PERFORMANCE.md)."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
-    return ChunkConfig(bv=min(32, v), prec="ieee" if exact else "bf16x2")
+    bv = 64 if num_seqs * num_v_heads * max(v // 64, 1) >= 256 else 32
+    return ChunkConfig(bv=min(bv, v), prec="ieee" if exact else "bf16x2")
 
 
 def _operand_dtype(prec: str) -> torch.dtype:
@@ -190,12 +197,14 @@ def _store_cols(base, tok, m, hv, HV, col0, X, W: tl.constexpr, N: tl.constexpr)
 def _chunk_prep_kernel(
     q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h,
     g, beta, s_g_t, s_b_t, A_log, dt_bias,
-    coff, cu, N, Wb, Ub, Pb, Gb, rq_b, rk_b, scale, HK, HV,
+    coff, cu, N, Wb, Ub, Pb, Gb, Tb, Bb, rq_b, rk_b, scale, HK, HV,
     R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
     L2NORM: tl.constexpr, GATES: tl.constexpr, QK_PREC: tl.constexpr, UT_PREC: tl.constexpr,
-    WU_PREC: tl.constexpr,
+    WU_PREC: tl.constexpr, SPLIT: tl.constexpr, P_IN_WU: tl.constexpr,
 ):
-    """One program per (chunk, value head); the chunk is four 16-token sub-blocks (row blocks 0..3)."""
+    """One program per (chunk, value head); the chunk is four 16-token sub-blocks (row blocks 0..3).
+    SPLIT: store T (fp32, zeros above the diagonal) and beta for `_chunk_wu_kernel` instead of forming
+    W and U here from 16-row blocks; P_IN_WU: leave P and the q norms to that kernel too."""
     SB: tl.constexpr = 16
     p = tl.program_id(0)
     hv = tl.program_id(1)
@@ -254,83 +263,148 @@ def _chunk_prep_kernel(
     X20 = -_mm(X2, _mm(A20, X0, UT_PREC) + _mm(A21, X10, UT_PREC), UT_PREC)
     X31 = -_mm(X3, _mm(A31, X1, UT_PREC) + _mm(A32, X21, UT_PREC), UT_PREC)
     X30 = -_mm(X3, _mm(A30, X0, UT_PREC) + _mm(A31, X10, UT_PREC) + _mm(A32, X20, UT_PREC), UT_PREC)
-    # W = T diag(beta exp(G) rk) K (raw rows) and U = T diag(beta) V, row block by row block
-    kt0 = k0.to(tl.float32) * (b0 * tl.exp(G0) * rk0)[:, None]
-    kt1 = k1.to(tl.float32) * (b1 * tl.exp(G1) * rk1)[:, None]
-    kt2 = k2.to(tl.float32) * (b2 * tl.exp(G2) * rk2)[:, None]
-    kt3 = k3.to(tl.float32) * (b3 * tl.exp(G3) * rk3)[:, None]
-    _store_cols(Wb, tok0, m0, hv, HV, 0, _mm(X0, kt0, WU_PREC), K, K)
-    _store_cols(Wb, tok1, m1, hv, HV, 0, _mm(X10, kt0, WU_PREC) + _mm(X1, kt1, WU_PREC), K, K)
-    _store_cols(Wb, tok2, m2, hv, HV, 0,
-                _mm(X20, kt0, WU_PREC) + _mm(X21, kt1, WU_PREC) + _mm(X2, kt2, WU_PREC), K, K)
-    _store_cols(Wb, tok3, m3, hv, HV, 0, _mm(X30, kt0, WU_PREC) + _mm(X31, kt1, WU_PREC)
-                + _mm(X32, kt2, WU_PREC) + _mm(X3, kt3, WU_PREC), K, K)
-    # beta scales the columns of T (exact rows of V stay exact operands)
-    vb0 = _load_rows(v, tok0, m0, s_v_t, voff, V).to(tl.float32)
-    vb1 = _load_rows(v, tok1, m1, s_v_t, voff, V).to(tl.float32)
-    vb2 = _load_rows(v, tok2, m2, s_v_t, voff, V).to(tl.float32)
-    vb3 = _load_rows(v, tok3, m3, s_v_t, voff, V).to(tl.float32)
-    X0 = X0 * b0[None, :]
-    X1 = X1 * b1[None, :]
-    X2 = X2 * b2[None, :]
-    X3 = X3 * b3[None, :]
-    X10 = X10 * b0[None, :]
-    X20 = X20 * b0[None, :]
-    X30 = X30 * b0[None, :]
-    X21 = X21 * b1[None, :]
-    X31 = X31 * b1[None, :]
-    X32 = X32 * b2[None, :]
-    _store_cols(Ub, tok0, m0, hv, HV, 0, _mm(X0, vb0, WU_PREC), V, V)
-    _store_cols(Ub, tok1, m1, hv, HV, 0, _mm(X10, vb0, WU_PREC) + _mm(X1, vb1, WU_PREC), V, V)
-    _store_cols(Ub, tok2, m2, hv, HV, 0,
-                _mm(X20, vb0, WU_PREC) + _mm(X21, vb1, WU_PREC) + _mm(X2, vb2, WU_PREC), V, V)
-    _store_cols(Ub, tok3, m3, hv, HV, 0, _mm(X30, vb0, WU_PREC) + _mm(X31, vb1, WU_PREC)
-                + _mm(X32, vb2, WU_PREC) + _mm(X3, vb3, WU_PREC), V, V)
-    # P = scale Q^ K^T * exp(G_i - G_j) on and below the diagonal; explicit zeros above it
-    q0 = _load_rows(q, tok0, m0, s_q_t, qoff, K)
-    q1 = _load_rows(q, tok1, m1, s_q_t, qoff, K)
-    q2 = _load_rows(q, tok2, m2, s_q_t, qoff, K)
-    q3 = _load_rows(q, tok3, m3, s_q_t, qoff, K)
-    rq0 = _rstd(q0, L2NORM) * scale
-    rq1 = _rstd(q1, L2NORM) * scale
-    rq2 = _rstd(q2, L2NORM) * scale
-    rq3 = _rstd(q3, L2NORM) * scale
+    if SPLIT:
+        zt = tl.zeros([SB, SB], dtype=tl.float32)
+        _store_cols(Tb, tok0, m0, hv, HV, 0, X0, BT, SB)
+        _store_cols(Tb, tok0, m0, hv, HV, SB, zt, BT, SB)
+        _store_cols(Tb, tok0, m0, hv, HV, 2 * SB, zt, BT, SB)
+        _store_cols(Tb, tok0, m0, hv, HV, 3 * SB, zt, BT, SB)
+        _store_cols(Tb, tok1, m1, hv, HV, 0, X10, BT, SB)
+        _store_cols(Tb, tok1, m1, hv, HV, SB, X1, BT, SB)
+        _store_cols(Tb, tok1, m1, hv, HV, 2 * SB, zt, BT, SB)
+        _store_cols(Tb, tok1, m1, hv, HV, 3 * SB, zt, BT, SB)
+        _store_cols(Tb, tok2, m2, hv, HV, 0, X20, BT, SB)
+        _store_cols(Tb, tok2, m2, hv, HV, SB, X21, BT, SB)
+        _store_cols(Tb, tok2, m2, hv, HV, 2 * SB, X2, BT, SB)
+        _store_cols(Tb, tok2, m2, hv, HV, 3 * SB, zt, BT, SB)
+        _store_cols(Tb, tok3, m3, hv, HV, 0, X30, BT, SB)
+        _store_cols(Tb, tok3, m3, hv, HV, SB, X31, BT, SB)
+        _store_cols(Tb, tok3, m3, hv, HV, 2 * SB, X32, BT, SB)
+        _store_cols(Tb, tok3, m3, hv, HV, 3 * SB, X3, BT, SB)
+        tl.store(Bb + tok0 * HV + hv, b0, mask=m0)
+        tl.store(Bb + tok1 * HV + hv, b1, mask=m1)
+        tl.store(Bb + tok2 * HV + hv, b2, mask=m2)
+        tl.store(Bb + tok3 * HV + hv, b3, mask=m3)
+    else:
+        # W = T diag(beta exp(G) rk) K (raw rows) and U = T diag(beta) V, row block by row block
+        kt0 = k0.to(tl.float32) * (b0 * tl.exp(G0) * rk0)[:, None]
+        kt1 = k1.to(tl.float32) * (b1 * tl.exp(G1) * rk1)[:, None]
+        kt2 = k2.to(tl.float32) * (b2 * tl.exp(G2) * rk2)[:, None]
+        kt3 = k3.to(tl.float32) * (b3 * tl.exp(G3) * rk3)[:, None]
+        _store_cols(Wb, tok0, m0, hv, HV, 0, _mm(X0, kt0, WU_PREC), K, K)
+        _store_cols(Wb, tok1, m1, hv, HV, 0, _mm(X10, kt0, WU_PREC) + _mm(X1, kt1, WU_PREC), K, K)
+        _store_cols(Wb, tok2, m2, hv, HV, 0,
+                    _mm(X20, kt0, WU_PREC) + _mm(X21, kt1, WU_PREC) + _mm(X2, kt2, WU_PREC), K, K)
+        _store_cols(Wb, tok3, m3, hv, HV, 0, _mm(X30, kt0, WU_PREC) + _mm(X31, kt1, WU_PREC)
+                    + _mm(X32, kt2, WU_PREC) + _mm(X3, kt3, WU_PREC), K, K)
+        # beta scales the columns of T (exact rows of V stay exact operands)
+        vb0 = _load_rows(v, tok0, m0, s_v_t, voff, V).to(tl.float32)
+        vb1 = _load_rows(v, tok1, m1, s_v_t, voff, V).to(tl.float32)
+        vb2 = _load_rows(v, tok2, m2, s_v_t, voff, V).to(tl.float32)
+        vb3 = _load_rows(v, tok3, m3, s_v_t, voff, V).to(tl.float32)
+        X0 = X0 * b0[None, :]
+        X1 = X1 * b1[None, :]
+        X2 = X2 * b2[None, :]
+        X3 = X3 * b3[None, :]
+        X10 = X10 * b0[None, :]
+        X20 = X20 * b0[None, :]
+        X30 = X30 * b0[None, :]
+        X21 = X21 * b1[None, :]
+        X31 = X31 * b1[None, :]
+        X32 = X32 * b2[None, :]
+        _store_cols(Ub, tok0, m0, hv, HV, 0, _mm(X0, vb0, WU_PREC), V, V)
+        _store_cols(Ub, tok1, m1, hv, HV, 0, _mm(X10, vb0, WU_PREC) + _mm(X1, vb1, WU_PREC), V, V)
+        _store_cols(Ub, tok2, m2, hv, HV, 0,
+                    _mm(X20, vb0, WU_PREC) + _mm(X21, vb1, WU_PREC) + _mm(X2, vb2, WU_PREC), V, V)
+        _store_cols(Ub, tok3, m3, hv, HV, 0, _mm(X30, vb0, WU_PREC) + _mm(X31, vb1, WU_PREC)
+                    + _mm(X32, vb2, WU_PREC) + _mm(X3, vb3, WU_PREC), V, V)
     if hv % R == 0:  # the norms are per key head: one of its value heads stores them
         tl.store(rk_b + tok0 * HK + hk, rk0, mask=m0)
         tl.store(rk_b + tok1 * HK + hk, rk1, mask=m1)
         tl.store(rk_b + tok2 * HK + hk, rk2, mask=m2)
         tl.store(rk_b + tok3 * HK + hk, rk3, mask=m3)
-        tl.store(rq_b + tok0 * HK + hk, rq0, mask=m0)
-        tl.store(rq_b + tok1 * HK + hk, rq1, mask=m1)
-        tl.store(rq_b + tok2 * HK + hk, rq2, mask=m2)
-        tl.store(rq_b + tok3 * HK + hk, rq3, mask=m3)
-    zero = tl.zeros([SB, SB], dtype=tl.float32)
-    P00 = _gram(q0, k0, QK_PREC) * (rq0[:, None] * rk0[None, :]) * _decay(G0, G0, True, False, SB)
-    _store_cols(Pb, tok0, m0, hv, HV, 0, P00, BT, SB)
-    _store_cols(Pb, tok0, m0, hv, HV, SB, zero, BT, SB)
-    _store_cols(Pb, tok0, m0, hv, HV, 2 * SB, zero, BT, SB)
-    _store_cols(Pb, tok0, m0, hv, HV, 3 * SB, zero, BT, SB)
-    P10 = _gram(q1, k0, QK_PREC) * (rq1[:, None] * rk0[None, :]) * _decay(G1, G0, False, False, SB)
-    P11 = _gram(q1, k1, QK_PREC) * (rq1[:, None] * rk1[None, :]) * _decay(G1, G1, True, False, SB)
-    _store_cols(Pb, tok1, m1, hv, HV, 0, P10, BT, SB)
-    _store_cols(Pb, tok1, m1, hv, HV, SB, P11, BT, SB)
-    _store_cols(Pb, tok1, m1, hv, HV, 2 * SB, zero, BT, SB)
-    _store_cols(Pb, tok1, m1, hv, HV, 3 * SB, zero, BT, SB)
-    P20 = _gram(q2, k0, QK_PREC) * (rq2[:, None] * rk0[None, :]) * _decay(G2, G0, False, False, SB)
-    P21 = _gram(q2, k1, QK_PREC) * (rq2[:, None] * rk1[None, :]) * _decay(G2, G1, False, False, SB)
-    P22 = _gram(q2, k2, QK_PREC) * (rq2[:, None] * rk2[None, :]) * _decay(G2, G2, True, False, SB)
-    _store_cols(Pb, tok2, m2, hv, HV, 0, P20, BT, SB)
-    _store_cols(Pb, tok2, m2, hv, HV, SB, P21, BT, SB)
-    _store_cols(Pb, tok2, m2, hv, HV, 2 * SB, P22, BT, SB)
-    _store_cols(Pb, tok2, m2, hv, HV, 3 * SB, zero, BT, SB)
-    P30 = _gram(q3, k0, QK_PREC) * (rq3[:, None] * rk0[None, :]) * _decay(G3, G0, False, False, SB)
-    P31 = _gram(q3, k1, QK_PREC) * (rq3[:, None] * rk1[None, :]) * _decay(G3, G1, False, False, SB)
-    P32 = _gram(q3, k2, QK_PREC) * (rq3[:, None] * rk2[None, :]) * _decay(G3, G2, False, False, SB)
-    P33 = _gram(q3, k3, QK_PREC) * (rq3[:, None] * rk3[None, :]) * _decay(G3, G3, True, False, SB)
-    _store_cols(Pb, tok3, m3, hv, HV, 0, P30, BT, SB)
-    _store_cols(Pb, tok3, m3, hv, HV, SB, P31, BT, SB)
-    _store_cols(Pb, tok3, m3, hv, HV, 2 * SB, P32, BT, SB)
-    _store_cols(Pb, tok3, m3, hv, HV, 3 * SB, P33, BT, SB)
+    if not P_IN_WU:
+        # P = scale Q^ K^T * exp(G_i - G_j) on and below the diagonal; explicit zeros above it
+        q0 = _load_rows(q, tok0, m0, s_q_t, qoff, K)
+        q1 = _load_rows(q, tok1, m1, s_q_t, qoff, K)
+        q2 = _load_rows(q, tok2, m2, s_q_t, qoff, K)
+        q3 = _load_rows(q, tok3, m3, s_q_t, qoff, K)
+        rq0 = _rstd(q0, L2NORM) * scale
+        rq1 = _rstd(q1, L2NORM) * scale
+        rq2 = _rstd(q2, L2NORM) * scale
+        rq3 = _rstd(q3, L2NORM) * scale
+        if hv % R == 0:  # the norms are per key head: one of its value heads stores them
+            tl.store(rq_b + tok0 * HK + hk, rq0, mask=m0)
+            tl.store(rq_b + tok1 * HK + hk, rq1, mask=m1)
+            tl.store(rq_b + tok2 * HK + hk, rq2, mask=m2)
+            tl.store(rq_b + tok3 * HK + hk, rq3, mask=m3)
+        zero = tl.zeros([SB, SB], dtype=tl.float32)
+        P00 = _gram(q0, k0, QK_PREC) * (rq0[:, None] * rk0[None, :]) * _decay(G0, G0, True, False, SB)
+        _store_cols(Pb, tok0, m0, hv, HV, 0, P00, BT, SB)
+        _store_cols(Pb, tok0, m0, hv, HV, SB, zero, BT, SB)
+        _store_cols(Pb, tok0, m0, hv, HV, 2 * SB, zero, BT, SB)
+        _store_cols(Pb, tok0, m0, hv, HV, 3 * SB, zero, BT, SB)
+        P10 = _gram(q1, k0, QK_PREC) * (rq1[:, None] * rk0[None, :]) * _decay(G1, G0, False, False, SB)
+        P11 = _gram(q1, k1, QK_PREC) * (rq1[:, None] * rk1[None, :]) * _decay(G1, G1, True, False, SB)
+        _store_cols(Pb, tok1, m1, hv, HV, 0, P10, BT, SB)
+        _store_cols(Pb, tok1, m1, hv, HV, SB, P11, BT, SB)
+        _store_cols(Pb, tok1, m1, hv, HV, 2 * SB, zero, BT, SB)
+        _store_cols(Pb, tok1, m1, hv, HV, 3 * SB, zero, BT, SB)
+        P20 = _gram(q2, k0, QK_PREC) * (rq2[:, None] * rk0[None, :]) * _decay(G2, G0, False, False, SB)
+        P21 = _gram(q2, k1, QK_PREC) * (rq2[:, None] * rk1[None, :]) * _decay(G2, G1, False, False, SB)
+        P22 = _gram(q2, k2, QK_PREC) * (rq2[:, None] * rk2[None, :]) * _decay(G2, G2, True, False, SB)
+        _store_cols(Pb, tok2, m2, hv, HV, 0, P20, BT, SB)
+        _store_cols(Pb, tok2, m2, hv, HV, SB, P21, BT, SB)
+        _store_cols(Pb, tok2, m2, hv, HV, 2 * SB, P22, BT, SB)
+        _store_cols(Pb, tok2, m2, hv, HV, 3 * SB, zero, BT, SB)
+        P30 = _gram(q3, k0, QK_PREC) * (rq3[:, None] * rk0[None, :]) * _decay(G3, G0, False, False, SB)
+        P31 = _gram(q3, k1, QK_PREC) * (rq3[:, None] * rk1[None, :]) * _decay(G3, G1, False, False, SB)
+        P32 = _gram(q3, k2, QK_PREC) * (rq3[:, None] * rk2[None, :]) * _decay(G3, G2, False, False, SB)
+        P33 = _gram(q3, k3, QK_PREC) * (rq3[:, None] * rk3[None, :]) * _decay(G3, G3, True, False, SB)
+        _store_cols(Pb, tok3, m3, hv, HV, 0, P30, BT, SB)
+        _store_cols(Pb, tok3, m3, hv, HV, SB, P31, BT, SB)
+        _store_cols(Pb, tok3, m3, hv, HV, 2 * SB, P32, BT, SB)
+        _store_cols(Pb, tok3, m3, hv, HV, 3 * SB, P33, BT, SB)
+
+
+@triton.jit
+def _chunk_wu_kernel(
+    q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, coff, cu, N, Wb, Ub, Pb, Gb, Tb, Bb, rq_b, rk_b, scale,
+    HK, HV, R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
+    WU_PREC: tl.constexpr, P_IN_WU: tl.constexpr, L2NORM: tl.constexpr, QK_PREC: tl.constexpr,
+):
+    """Split prep, part 2, one program per (chunk, value head): W = (T diag(beta exp(G) rk)) K and
+    U = (T diag(beta)) V as whole-chunk [BT, BT] x [BT, K|V] tensor-core products (the diagonal factors
+    scale T's columns, so the raw bf16 rows of K and V stay exact operands)."""
+    p = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // R
+    n, c, bos, eos = locate_chunk(coff, cu, N, p, BLOCK_N)
+    t0 = bos + c * BT
+    rows = tl.arange(0, BT)
+    m = rows < eos - t0
+    tok = (t0 + rows).to(tl.int64)
+    Tm = tl.load(Tb + (tok[:, None] * HV + hv) * BT + rows[None, :], mask=m[:, None], other=0.0)
+    bt = tl.load(Bb + tok * HV + hv, mask=m, other=0.0)
+    G = tl.load(Gb + tok * HV + hv, mask=m, other=0.0)
+    rk = tl.load(rk_b + tok * HK + hk, mask=m, other=0.0)
+    kraw = _load_rows(k, tok, m, s_k_t, hk * s_k_h, K)
+    kk = kraw.to(tl.float32)
+    vv = _load_rows(v, tok, m, s_v_t, hv * s_v_h, V).to(tl.float32)
+    if P_IN_WU:  # P = scale Q^ K^T * exp(G_i - G_j) as one whole-chunk product, zeros above the diagonal
+        qq = _load_rows(q, tok, m, s_q_t, hk * s_q_h, K)
+        rq = _rstd(qq, L2NORM) * scale
+        if hv % R == 0:
+            tl.store(rq_b + tok * HK + hk, rq, mask=m)
+        diff = tl.where(rows[:, None] >= rows[None, :], G[:, None] - G[None, :], float("-inf"))
+        Pm = _gram(qq, kraw, QK_PREC) * (rq[:, None] * rk[None, :]) * tl.exp(diff)
+        tl.store(Pb + (tok[:, None] * HV + hv) * BT + rows[None, :], Pm.to(Pb.dtype.element_ty), mask=m[:, None])
+    W = tl.dot(Tm * (bt * tl.exp(G) * rk)[None, :], kk, input_precision=WU_PREC)
+    U = tl.dot(Tm * bt[None, :], vv, input_precision=WU_PREC)
+    ok = tl.arange(0, K)
+    ov = tl.arange(0, V)
+    tl.store(Wb + (tok[:, None] * HV + hv) * K + ok[None, :], W.to(Wb.dtype.element_ty), mask=m[:, None])
+    tl.store(Ub + (tok[:, None] * HV + hv) * V + ov[None, :], U, mask=m[:, None])
 
 
 @triton.jit
@@ -340,6 +414,7 @@ def _chunk_state_kernel(
     R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     PREC: tl.constexpr, STAGES: tl.constexpr,
 ):
+    OUT_PREC: tl.constexpr = "bf16" if PREC == "bf16x2" else PREC
     j = tl.program_id(0)
     nh = tl.program_id(1)
     n = nh // HV
@@ -370,7 +445,8 @@ def _chunk_state_kernel(
         rq = tl.load(rq_b + tok * HK + hk, mask=rm, other=0.0)
         g_last = tl.load(Gb + (bos + c * BT + tl.minimum(left, BT) - 1).to(tl.int64) * HV + hv)
         Vn = u - _mmx(w, S, PREC)
-        O = _mmx(qq, S, PREC) * (rq * tl.exp(G))[:, None] + _mmx(pm, Vn, PREC)
+        # the output products leave the recurrence: one bf16 limb is enough for a bf16 output
+        O = _mmx(qq, S, OUT_PREC) * (rq * tl.exp(G))[:, None] + _mmx(pm, Vn, OUT_PREC)
         tl.store(o + tok[:, None] * (HV * V) + hv * V + ov[None, :],
                  tl.where(live, O, 0.0).to(o.dtype.element_ty), mask=rm[:, None])
         d = tl.where(rm, tl.exp(g_last - G) * rk, 0.0)
@@ -429,17 +505,31 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
         rq=torch.empty((T, HK), dtype=f32, device=dev),
         rk=torch.empty((T, HK), dtype=f32, device=dev),
     )
+    if cfg.split_prep:
+        bufs.update(Tb=torch.empty((T, HV, CHUNK), dtype=f32, device=dev), Bb=torch.empty((T, HV), dtype=f32, device=dev))
     dummy = bufs["Gb"]
     exact = q.dtype == torch.float32
-    _chunk_prep_kernel[(triton.cdiv(T, CHUNK) + N, HV)](
+    wu_prec = "ieee" if exact else "tf32"
+    qk_prec = "ieee" if exact else "native"
+    p_in_wu = cfg.split_prep and cfg.p_in_wu
+    coff = chunk_offsets(cu_seqlens, CHUNK)
+    grid = (triton.cdiv(T, CHUNK) + N, HV)
+    block_n = max(16, next_pow2(N))
+    _chunk_prep_kernel[grid](
         q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g, beta, g.stride(0), beta.stride(0), A_log if gates_in_kernel else dummy,
-        dt_bias if gates_in_kernel else dummy, chunk_offsets(cu_seqlens, CHUNK), cu_seqlens, N,
-        bufs["Wb"], bufs["Ub"], bufs["Pb"], bufs["Gb"], bufs["rq"], bufs["rk"], float(scale), HK, HV,
-        R=HV // HK, K=K, V=V, BT=CHUNK, BLOCK_N=max(16, next_pow2(N)), L2NORM=bool(l2norm),
-        GATES=bool(gates_in_kernel), QK_PREC="ieee" if exact else "native", UT_PREC="ieee" if exact else "tf32x3",
-        WU_PREC="ieee" if exact else "tf32",
-        num_warps=cfg.warps_prep)
+        dt_bias if gates_in_kernel else dummy, coff, cu_seqlens, N,
+        bufs["Wb"], bufs["Ub"], bufs["Pb"], bufs["Gb"], bufs.get("Tb", dummy), bufs.get("Bb", dummy),
+        bufs["rq"], bufs["rk"], float(scale), HK, HV,
+        R=HV // HK, K=K, V=V, BT=CHUNK, BLOCK_N=block_n, L2NORM=bool(l2norm),
+        GATES=bool(gates_in_kernel), QK_PREC=qk_prec, UT_PREC="ieee" if exact else cfg.merge_prec,
+        WU_PREC=wu_prec, SPLIT=cfg.split_prep, P_IN_WU=p_in_wu, num_warps=cfg.warps_prep)
+    if cfg.split_prep:
+        _chunk_wu_kernel[grid](
+            q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), coff, cu_seqlens, N,
+            bufs["Wb"], bufs["Ub"], bufs["Pb"], bufs["Gb"], bufs["Tb"], bufs["Bb"], bufs["rq"], bufs["rk"],
+            float(scale), HK, HV, R=HV // HK, K=K, V=V, BT=CHUNK, BLOCK_N=block_n, WU_PREC=wu_prec,
+            P_IN_WU=p_in_wu, L2NORM=bool(l2norm), QK_PREC=qk_prec, num_warps=cfg.warps_wu)
     return bufs
 
 

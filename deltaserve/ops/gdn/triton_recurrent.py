@@ -230,43 +230,38 @@ def _tokens_kernel(x, s_x_t, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, conv_st
 
 
 @triton.jit
-def _verify_prep_kernel(x, s_x_t, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, conv_state, idx, cu,
+def _verify_prep_kernel(x, s_x_t, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, conv_state, idx, cu, N,
                         qn, vn, st_k, st_g, bn, scale, HK, HV, D,
-                        K: tl.constexpr, V: tl.constexpr, W: tl.constexpr):
-    """Verify, launch 1 (token-parallel pre-pass): per (sequence, head group) the conv + SiLU of every
-    token, then for a q / k head its L2 norm (q scaled), for a v head the values and the gates.
-    Program (n, grp): grp < HK a q head, < 2 HK a k head, else v head grp - 2 HK."""
-    n = tl.program_id(0)
+                        K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Verify, launch 1 (token-parallel pre-pass), one program per (token, head group): the conv + SiLU of
+    the group's channels, then for a q / k head its L2 norm (q scaled), for a v head the values and the
+    gates. grp < HK: q head, < 2 HK: k head, else v head grp - 2 HK."""
+    t = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_N)
+    ends = tl.load(cu + 1 + offs, mask=offs < N, other=2147483647)
+    n = tl.sum((ends <= t).to(tl.int32), 0)  # the sequence holding token t
     slot = tl.load(idx + n).to(tl.int64)
     live = slot >= 0
     bos = tl.load(cu + n).to(tl.int32)
-    eos = tl.load(cu + n + 1).to(tl.int32)
     win = conv_state + slot * ((W - 1) * D)
-    bos64 = bos.to(tl.int64)
     if grp < 2 * HK:
         ok = tl.arange(0, K)
-        ch = grp * K + ok  # q heads then k heads, contiguous in the conv channels
-        for i in range(0, eos - bos):
-            t = bos64 + i
-            xh = _l2norm(_conv_token(x, s_x_t, win, D, conv_w, ch, t, bos, live, K, W))
-            if grp < HK:
-                tl.store(qn + (t * HK + grp) * K + ok, xh * scale)
-            else:
-                tl.store(st_k + (t * HK + grp - HK) * K + ok, xh)
+        xh = _l2norm(_conv_token(x, s_x_t, win, D, conv_w, grp * K + ok, t, bos, live, K, W))
+        if grp < HK:  # q heads then k heads, contiguous in the conv channels
+            tl.store(qn + (t * HK + grp) * K + ok, xh * scale)
+        else:
+            tl.store(st_k + (t * HK + grp - HK) * K + ok, xh)
     else:
         hv = grp - 2 * HK
         ov = tl.arange(0, V)
-        ch = 2 * HK * K + hv * V + ov
-        neg_a = -tl.exp(tl.load(A_log + hv).to(tl.float32))
-        dtb = tl.load(dt_bias + hv).to(tl.float32)
-        for i in range(0, eos - bos):
-            t = bos64 + i
-            row = t * HV + hv
-            vv = _conv_token(x, s_x_t, win, D, conv_w, ch, t, bos, live, V, W)
-            tl.store(vn + row * V + ov, vv.to(vn.dtype.element_ty))
-            tl.store(st_g + row, neg_a * softplus(tl.load(a + t * s_a_t + hv).to(tl.float32) + dtb))
-            tl.store(bn + row, sigmoid(tl.load(b + t * s_b_t + hv).to(tl.float32)))
+        row = t * HV + hv
+        vv = _conv_token(x, s_x_t, win, D, conv_w, 2 * HK * K + hv * V + ov, t, bos, live, V, W)
+        tl.store(vn + row * V + ov, vv.to(vn.dtype.element_ty))
+        gt = -tl.exp(tl.load(A_log + hv).to(tl.float32)) * softplus(
+            tl.load(a + t * s_a_t + hv).to(tl.float32) + tl.load(dt_bias + hv).to(tl.float32))
+        tl.store(st_g + row, gt)
+        tl.store(bn + row, sigmoid(tl.load(b + t * s_b_t + hv).to(tl.float32)))
 
 
 @triton.jit
@@ -397,10 +392,10 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
         qn = torch.empty((T, HK, K), dtype=f32, device=mixed_qkv.device)
         vn = torch.empty((T, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
         bn = torch.empty((T, HV), dtype=f32, device=mixed_qkv.device)
-        _verify_prep_kernel[(N, 2 * HK + HV)](
+        _verify_prep_kernel[(T, 2 * HK + HV)](
             mixed_qkv, mixed_qkv.stride(0), a, a.stride(0), b, b.stride(0), conv_weight, A_log, dt_bias, conv_state,
-            state_indices, cu_seqlens, qn, vn, stash.k, stash.g, bn, float(scale), HK, HV, D, K=K, V=V, W=W,
-            num_warps=1)
+            state_indices, cu_seqlens, N, qn, vn, stash.k, stash.g, bn, float(scale), HK, HV, D, K=K, V=V, W=W,
+            BLOCK_N=max(16, next_pow2(N)), num_warps=1)
         _verify_rec_kernel[(V // cfg.bv, N * HV)](
             qn, stash.k, vn, stash.g, bn, ssm_state, state_indices, cu_seqlens, o_tmp, stash.delta, HK, HV,
             R=HV // HK, K=K, V=V, BV=cfg.bv, num_warps=cfg.num_warps)
