@@ -1,7 +1,9 @@
 """Compile every GDN Triton kernel for sm_90 (H100/H200) on a machine without a GPU and print each
 kernel's registers, spills and shared memory (from the cubin, via the cuobjdump Triton ships).
 
-Catches compile failures and register spills before any device time is spent:
+Catches compile failures and register spills before any device time is spent. Shared memory printed
+here is a lower bound: without the launch-time divisibility specialisation fewer loads become
+multi-buffered async copies (the bv64 / 3-stage state kernel shows 124 KB here, 239 KB on the H200).
     PYTHONPATH=. python benchmarks/gdn_compile_check.py [--warps-sweep]
 """
 
@@ -90,7 +92,7 @@ def main() -> int:
                      QK_PREC="native"), warps))
     state_types = dict(q=bf, k=bf, o=bf, Wb=bf, Ub=f32, Pb=bf, Gb=f32, rq_b=f32, rk_b=f32, ssm=f32,
                        cu=i32, idx=i32, has_init="*u8")
-    variants = [(32, "bf16x2", 4, 2), (32, "bf16", 4, 2), (32, "tf32", 4, 2)]
+    variants = [(32, "bf16x2", 4, 3), (32, "bf16", 4, 3), (32, "tf32", 4, 2)]
     if args.sweep:
         variants += [(16, "bf16x2", 4, 2), (64, "bf16x2", 4, 2), (32, "bf16x2", 8, 2), (32, "bf16x2", 4, 3),
                      (64, "bf16x2", 8, 2)]

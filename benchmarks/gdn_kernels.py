@@ -145,12 +145,12 @@ class Case:
 def chunk_label(cfg) -> str:
     prep = f"split w{cfg.warps_prep}+wu w{cfg.warps_wu}" if cfg.split_prep else f"fused w{cfg.warps_prep}"
     prep += f" P{'@wu' if cfg.p_in_wu else '@solve'} merge {cfg.merge_prec}"
-    return f"bv{cfg.bv}/w{cfg.warps_state}/s{cfg.stages_state}/{cfg.prec}/prep {prep}"
+    return f"bv{cfg.bv}/w{cfg.warps_state}/s{cfg.state_stages()}/{cfg.prec}/prep {prep}"
 
 
 def prefill_cases(sweep: bool) -> list[Case]:
     cases = []
-    changes = [dict(p_in_wu=False), dict(merge_prec="tf32"), dict(bv=32), dict(bv=64), dict(stages_state=2),
+    changes = [dict(p_in_wu=True), dict(merge_prec="tf32"), dict(bv=32), dict(bv=64), dict(stages_state=2),
                dict(prec="bf16"), dict(warps_prep=1), dict(warps_wu=8)] if sweep else []
     for name, lengths in PREFILL.items():
         T = sum(lengths)
@@ -380,7 +380,8 @@ def warm_up(args, log) -> None:
         # one process per test: a CUDA fault in one cannot take the others down
         env = dict(os.environ, DELTASERVE_GPU_REPORT=os.path.join(args.out, "gpu_tests.jsonl"))
         tests = subprocess.run([sys.executable, "-m", "pytest", "tests/ops/test_gpu.py", "--co", "-q",
-                                "-p", "no:cacheprovider"], capture_output=True, text=True, env=env).stdout.split()
+                                "-p", "no:cacheprovider", "-k", args.gpu_tests_k], capture_output=True, text=True,
+                               env=env).stdout.split()
         log_path = os.path.join(args.out, "gpu_tests.log")
         for t in [t for t in tests if "::" in t]:
             f = open(log_path + "." + str(len(logs)), "w")
@@ -487,6 +488,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--gpu-tests", action="store_true", help="run tests/ops/test_gpu.py during the warm-up")
+    ap.add_argument("--gpu-tests-k", default="", help="pytest -k expression selecting those tests")
     ap.add_argument("--budget-s", type=float, default=400.0, help="skip remaining cases after this wall time")
     ap.add_argument("--only", default="", help="comma-separated words; keep cases whose 'group impl' has one")
     ap.add_argument("--worker", default=None)

@@ -141,6 +141,8 @@ def test_chunk_rejects_unknown_precision(device):
     d = _batch([10], 1, torch.bfloat16, device, seed=1)
     with pytest.raises(ValueError, match="prec='fp8'"):
         _run(tc.chunk_gated_delta_rule, d, d["pool"], config=tc.ChunkConfig(prec="fp8"))
+    with pytest.raises(ValueError, match="merge_prec='bf16'"):
+        _run(tc.chunk_gated_delta_rule, d, d["pool"], config=tc.ChunkConfig(merge_prec="bf16"))
 
 
 @pytest.mark.parametrize("change", [dict(split_prep=False), dict(p_in_wu=True)])
@@ -153,3 +155,11 @@ def test_chunk_prep_layouts_agree(change, device):
     o_var = _run(tc.chunk_gated_delta_rule, d, p_var, config=tc.ChunkConfig(prec="ieee", **change))
     assert_close(o_var, o_base, 2e-5, "output")
     assert_close(p_var, p_base, 2e-5, "state pool")
+
+
+def test_state_stages_fit_the_operand_dtype():
+    """3 pipeline stages only with bf16 operand tiles: fp32 W / P tiles at 3 stages overflow shared memory."""
+    assert tc.ChunkConfig().state_stages() == 3
+    assert tc.ChunkConfig(prec="tf32").state_stages() == 2
+    assert tc.ChunkConfig(prec="ieee").state_stages() == 2
+    assert tc.ChunkConfig(prec="tf32", stages_state=1).state_stages() == 1

@@ -1,36 +1,39 @@
 """Triton chunked prefill of the gated delta rule (same signature as reference.chunk_gated_delta_rule),
-in two launches (FLA: five + fills):
+in three launches (FLA: five + fills):
 
-1. `_chunk_prep_kernel`, one program per (chunk of 64 tokens, value head), everything that does not
-   depend on the state: the q/k inverse norms, the gates (optionally from their pre-activations), the
-   chunk-local cumulative log decay G, the UT transform T = (I + A)^-1 with
-   A = strictly_lower(diag(beta) K^ K^T * exp(G_i - G_j)), and from it
-     W = T diag(beta exp(G)) K^   (stored in the state kernel's operand dtype),
-     U = T diag(beta) V           (stored fp32),
-     P = scale * (Q^ K^T * exp(G_i - G_j)) on and below the diagonal, zeros above.
-   The inverse is formed in fp32: the four 16x16 diagonal blocks by forward substitution (interleaved,
-   so the four dependency chains overlap), the six blocks below them by block back-substitution with
-   tensor-core products at tf32x3 (three-pass, ~fp32 accuracy); W and U are tf32 products of that
-   inverse (one rounding to 11 bits; FLA rounds T, W and U to bf16). The L2 norms are never
-   materialised on q and k: the raw bf16 rows are exact dot operands and the norms scale the products.
-2. `_chunk_state_kernel`, one program per (sequence, value head, V-slice), walks the sequence's chunks
+1. `_chunk_prep_kernel` ("solve"), one program per (chunk of 64 tokens, value head): the q/k inverse
+   norms, the gates (optionally from their pre-activations), the chunk-local cumulative log decay G,
+   the UT transform T = (I + A)^-1 with A = strictly_lower(diag(beta) K^ K^T * exp(G_i - G_j)), and
+   P = scale * (Q^ K^T * exp(G_i - G_j)) on and below the diagonal, zeros above. The inverse is formed
+   in fp32: the four 16x16 diagonal blocks by forward substitution (the four chains interleaved), the
+   six blocks below them by block back-substitution with tensor-core products at tf32x3 (three-pass,
+   ~fp32 accuracy). The L2 norms are never materialised on q and k: the raw bf16 rows are exact dot
+   operands and the norms scale the products.
+2. `_chunk_wu_kernel`, same grid: W = T diag(beta exp(G)) K^ (stored in the state kernel's operand
+   dtype) and U = T diag(beta) V (stored fp32) as whole-chunk tf32 products (one rounding to 11 bits;
+   FLA rounds T, W and U to bf16). With ChunkConfig.split_prep off, kernel 1 forms W and U itself from
+   16-row blocks (one launch less, slower); with p_in_wu, kernel 2 forms P instead of kernel 1.
+3. `_chunk_state_kernel`, one program per (sequence, value head, V-slice), walks the sequence's chunks
    in order with the fp32 state slice S in registers. Two dependent products per chunk:
      V_new = U - W S;   S <- exp(G_last) S + K^T (exp(G_last - G) * rk * V_new)
    and, off that chain, O = exp(G) * rq * scale * (Q S) + P V_new. The initial state is read from the
    pool slot (or zero) and the final state written back in place.
 
-Operand precision of kernel 2 (ChunkConfig.prec), always with fp32 accumulation and an fp32 state:
-"bf16x2" (default for bf16 activations) splits each fp32 operand (S, V_new) into two bf16 limbs
-(hi + lo, ~16 mantissa bits) against the bf16 W / K / Q / P, so every product runs on bf16 tensor cores
-at twice the MMA count; "bf16" rounds S and V_new to bf16 once (FLA's precision); "tf32" and "ieee"
-(exact fp32, the fp32-activation default) keep W and P in fp32.
+Operand precision of kernel 3 (ChunkConfig.prec), always with fp32 accumulation and an fp32 state:
+"bf16x2" (default for bf16 activations) splits the fp32 operands of the state chain (S in W S, V_new in
+K^T V_new) into two bf16 limbs (hi + lo, ~16 mantissa bits) against the bf16 W / K, on bf16 tensor cores
+at twice the MMA count; the output products (Q S, P V_new) use one limb (the output is bf16). "bf16"
+rounds S and V_new to bf16 once (FLA's precision); "tf32" and "ieee" (exact fp32, the fp32-activation
+default) keep W and P in fp32.
 
-Loads that feed products carry only row masks (constant along the contiguous dimension): P is stored
-with explicit zeros above the diagonal instead of being masked element-wise on load.
+Loads that feed products carry only row masks (constant along the contiguous dimension): T and P are
+stored with explicit zeros above the diagonal instead of being masked element-wise on load. (The
+session-1 kernel masked its bf16 T / P tile loads by the triangle; pipelined into shared memory as
+async copies they gave wrong values on the H200, while the interpreter was exact.)
 
 Exactness: no contribution is truncated; chunks never cross sequence boundaries; padding rows are
 masked before any exp so no inf or NaN can arise. Host work is shape-only (grid bounds from T and N),
-so the op is CUDA-graph capturable: the chunk -> (sequence, chunk) map is computed inside kernel 1.
+so the op is CUDA-graph capturable: the chunk -> (sequence, chunk) map is computed inside kernels 1-2.
 """
 
 from __future__ import annotations
@@ -48,37 +51,47 @@ from ..triton_common import (
 
 CHUNK = 64
 PRECISIONS = ("bf16x2", "bf16", "tf32", "ieee")
+MERGE_PRECISIONS = ("tf32x3", "tf32", "ieee")
 
 
 @dataclasses.dataclass(frozen=True)
 class ChunkConfig:
     """Launch and precision choices of the chunked prefill.
 
-    bv: state columns per program of kernel 2; prec: operand precision of kernel 2's products (module
-    docstring), one of PRECISIONS. The UT-transform inverse is always formed in fp32.
+    bv: state columns per program of kernel 3 (state); warps_* / stages_state: launch shapes; prec:
+    operand precision of kernel 3's products (module docstring), one of PRECISIONS; split_prep: W and U
+    formed by a second prep kernel from the stored inverse (whole-chunk tensor-core products) instead of
+    from 16-row blocks in the solve kernel; p_in_wu: P formed there too (verified on the H200, not yet
+    timed); merge_prec: precision of the inverse's off-diagonal block products ("tf32x3" ~ fp32, or
+    "tf32" as FLA). The diagonal blocks of the inverse are always exact fp32 forward substitution.
     """
 
     bv: int = 32
     warps_prep: int = 2
     warps_state: int = 4
-    stages_state: int = 3
+    stages_state: int = 0
     prec: str = "bf16x2"
     split_prep: bool = True
     warps_wu: int = 4
-    p_in_wu: bool = True
+    p_in_wu: bool = False
     merge_prec: str = "tf32x3"
+
+    def state_stages(self) -> int:
+        """Pipeline depth of kernel 3; 0 means 3 with bf16 operand tiles, 2 with fp32 ones (3 stages of
+        fp32 W / P tiles exceed the H200's 227 KiB of shared memory)."""
+        return self.stages_state or (3 if self.prec.startswith("bf16") else 2)
 
 
 def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.dtype) -> ChunkConfig:
-    """64-column state slices once that still gives >= 256 programs (fewer redundant W/Q/K/P loads per
-    column), 32 below (more programs for few long sequences); measured on the H200 (docs/PERFORMANCE.md)."""
+    """The fastest configuration measured on the H200 that is also verified there (docs/PERFORMANCE.md):
+    32-column slices, 3 stages, split prep. 64-column slices measured 3-11 % faster with many sequences
+    but were not verified on the device, so they are not the default."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
-    bv = 64 if num_seqs * num_v_heads * max(v // 64, 1) >= 256 else 32
-    return ChunkConfig(bv=min(bv, v), prec="ieee" if exact else "bf16x2")
+    return ChunkConfig(bv=min(32, v), prec="ieee" if exact else "bf16x2")
 
 
 def _operand_dtype(prec: str) -> torch.dtype:
-    """dtype of the W and P buffers: the A operand of kernel 2's products."""
+    """dtype of the W and P buffers: the A operand of kernel 3's products."""
     return torch.bfloat16 if prec.startswith("bf16") else torch.float32
 
 
@@ -481,6 +494,8 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     cfg = config or default_chunk_config(N, HV, V, q.dtype)
     check(V % cfg.bv == 0, op, f"config bv={cfg.bv} must divide V={V}")
     check(cfg.prec in PRECISIONS, op, f"config prec={cfg.prec!r} is not one of {PRECISIONS}")
+    check(cfg.merge_prec in MERGE_PRECISIONS, op,
+          f"config merge_prec={cfg.merge_prec!r} is not one of {MERGE_PRECISIONS}")
     o = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)
     if T == 0 or N == 0:
         return o
@@ -491,7 +506,7 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
 
 
 def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_seqlens, N, l2norm, cfg):
-    """Kernel 1: per (chunk, value head) norms, gates, W, U and P."""
+    """Kernels 1 (and 2 when split): per (chunk, value head) norms, gates, W, U and P."""
     T, HK, K = q.shape
     HV, V = v.shape[1:]
     dev = q.device
@@ -534,7 +549,7 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
 
 
 def _launch_state(q, k, v, o, bufs, cu_seqlens, ssm_state, state_indices, has_initial_state, cfg):
-    """Kernel 2: per (sequence, value head, V-slice) the chunk recurrence, outputs and final state."""
+    """Kernel 3: per (sequence, value head, V-slice) the chunk recurrence, outputs and final state."""
     HK, K = q.shape[1:]
     HV, V = v.shape[1:]
     N = state_indices.shape[0]
@@ -543,7 +558,7 @@ def _launch_state(q, k, v, o, bufs, cu_seqlens, ssm_state, state_indices, has_in
         q, k, q.stride(0), q.stride(1), k.stride(0), k.stride(1), o,
         bufs["Wb"], bufs["Ub"], bufs["Pb"], bufs["Gb"], bufs["rq"], bufs["rk"], ssm_state, cu_seqlens,
         state_indices, has_init, HK, HV,
-        R=HV // HK, K=K, V=V, BV=cfg.bv, BT=CHUNK, PREC=cfg.prec, STAGES=cfg.stages_state,
+        R=HV // HK, K=K, V=V, BV=cfg.bv, BT=CHUNK, PREC=cfg.prec, STAGES=cfg.state_stages(),
         num_warps=cfg.warps_state)
 
 
