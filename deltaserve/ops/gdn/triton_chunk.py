@@ -27,9 +27,9 @@ rounds S and V_new to bf16 once (FLA's precision); "tf32" and "ieee" (exact fp32
 default) keep W and P in fp32.
 
 Loads that feed products carry only row masks (constant along the contiguous dimension): T and P are
-stored with explicit zeros above the diagonal instead of being masked element-wise on load. (The
-session-1 kernel masked its bf16 T / P tile loads by the triangle; pipelined into shared memory as
-async copies they gave wrong values on the H200, while the interpreter was exact.)
+stored with explicit zeros above the diagonal instead of being masked element-wise on load. (An earlier
+bf16 state kernel with a third in-loop product and triangle-masked tile loads computed wrong values on
+the H200 while exact under the interpreter; this structure is verified there, docs/PERFORMANCE.md.)
 
 Exactness: no contribution is truncated; chunks never cross sequence boundaries; padding rows are
 masked before any exp so no inf or NaN can arise. Host work is shape-only (grid bounds from T and N),
