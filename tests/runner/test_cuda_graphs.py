@@ -164,7 +164,7 @@ def _free_gpu():
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
-@pytest.mark.parametrize("n", [1, 3, 13])
+@pytest.mark.parametrize("n", [3, 13])            # batch sizes 13 -> 1 as sequences finish: hits and misses
 @gpu_test
 def test_graph_replay_gives_the_eager_tokens(tiny_model, family, n):
     path = tiny_model(TinySpec(family=family, ratio=2, seed=41))
