@@ -163,3 +163,13 @@ def test_state_stages_fit_the_operand_dtype():
     assert tc.ChunkConfig(prec="tf32").state_stages() == 2
     assert tc.ChunkConfig(prec="ieee").state_stages() == 2
     assert tc.ChunkConfig(prec="tf32", stages_state=1).state_stages() == 1
+
+
+def test_chunk_wide_state_slices(device):
+    """64-column state slices (one program per 64 value columns) == the reference."""
+    d = _batch([65, 1, 70], 2, torch.bfloat16, device, seed=6, dk=16, dv=64)
+    p_ref, p_tri = d["pool"].clone(), d["pool"].clone()
+    o_ref = _run(ref.chunk_gated_delta_rule, d, p_ref)
+    o_tri = _run(tc.chunk_gated_delta_rule, d, p_tri, config=tc.ChunkConfig(bv=64))
+    assert_close(o_tri, o_ref, TOL[torch.bfloat16], "output")
+    assert_close(p_tri, p_ref, TOL[torch.bfloat16], "state pool")
