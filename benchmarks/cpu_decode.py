@@ -1,19 +1,26 @@
-"""CPU decode speed of the embedded default model: deltaserve vs transformers, batch 1 and 8.
+"""CPU decode speed of the embedded default model: deltaserve eager and compiled vs transformers, batch 1 and 8.
 
 Decode tokens/s = B * N / (time(prefill + 1 + N tokens) - time(prefill + 1 token)), so prompt processing is
-excluded; the median of --repeats runs. Both engines run in this process, fp32, on the same prompts, with
---threads torch threads. The hardware limit printed is the memory-bandwidth roofline: fp32 weight bytes a
-decode step must read (lm_head, every mixer, router, shared expert and the experts a batch of B is expected to
-hit) over a copy bandwidth measured here. `--profile` prints where deltaserve's decode time goes, by op.
+excluded; the median of --repeats runs. fp32 models, the same prompts, --threads torch threads. deltaserve runs
+eagerly and then with the compiled decode step (runner/cpu_compile.py, compiled before timing; its compile time
+is printed, --cold-cache measures it without inductor's on-disk cache). transformers runs in a subprocess (loading
+it into this process was seen to slow our decode ~20 %). The hardware limit printed is the memory-bandwidth
+roofline: the weight bytes a decode step must read (lm_head, every mixer, router, shared expert and the experts a
+batch of B is expected to hit; fp32, or bf16 where the compiled step reads bf16) over a copy bandwidth measured
+here. `--profile` prints where deltaserve's eager decode time goes, by op.
 
-    python benchmarks/cpu_decode.py [--model DIR] [--batch 1 8] [--tokens 64] [--threads 2] [--profile]
+    python benchmarks/cpu_decode.py [--model DIR] [--batch 1 8] [--tokens 64] [--threads 1] [--cold-cache] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,18 +48,19 @@ def copy_bandwidth(mib: int = 256) -> float:
     return 2 * src.numel() * 4 / best
 
 
-def decode_bytes(cfg: ModelConfig, batch: int, bytes_per: int = 4) -> float:
-    """Weight bytes one decode step of `batch` tokens reads (tied lm_head counted once)."""
+def decode_bytes(cfg: ModelConfig, batch: int, bytes_per: int = 4, expert_bytes: int | None = None) -> float:
+    """Weight bytes one decode step of `batch` tokens reads (tied lm_head counted once); experts at
+    expert_bytes per weight (default bytes_per)."""
     h = cfg.hidden_size
     gdn = (cfg.gdn_conv_dim + cfg.gdn_value_dim + 2 * cfg.linear_num_value_heads) * h \
         + cfg.gdn_conv_dim * cfg.linear_conv_kernel_dim + cfg.gdn_value_dim * h
     attn = (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim * h \
         + cfg.num_attention_heads * cfg.head_dim * h
     hit = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** batch)  # expected experts hit
-    moe = cfg.num_experts * h + h + 3 * h * cfg.shared_expert_intermediate_size \
-        + hit * 3 * h * cfg.moe_intermediate_size
+    moe = cfg.num_experts * h + h + 3 * h * cfg.shared_expert_intermediate_size
+    experts = cfg.num_hidden_layers * hit * 3 * h * cfg.moe_intermediate_size
     total = len(cfg.gdn_layer_ids) * gdn + len(cfg.attention_layer_ids) * attn + cfg.num_hidden_layers * moe
-    return (total + cfg.vocab_size * h) * bytes_per
+    return (total + cfg.vocab_size * h) * bytes_per + experts * (expert_bytes or bytes_per)
 
 
 def timed(fn, repeats: int) -> tuple[float, float]:
@@ -92,6 +100,27 @@ def transformers_decode(hf, tok, prompts: list[str], n: int, repeats: int) -> tu
     return len(prompts) * n / (wn - w1), (cn - c1) / n * 1e3
 
 
+def peer_main(args) -> None:
+    """--peer: transformers alone in this (sub)process; one JSON line {batch: [tok/s, CPU ms/step]}."""
+    from transformers import AutoTokenizer, Qwen3NextForCausalLM
+
+    hf = Qwen3NextForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(args.model, padding_side="left")
+    print(json.dumps({b: transformers_decode(hf, tok, prompts_for(b), args.tokens, args.repeats)
+                      for b in args.batch}))
+
+
+def run_peer(args) -> dict[int, tuple[float, float]]:
+    cmd = [sys.executable, __file__, "--peer", "--model", args.model, "--tokens", str(args.tokens),
+           "--repeats", str(args.repeats), "--threads", str(args.threads), "--batch", *map(str, args.batch)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    return {int(b): tuple(v) for b, v in json.loads(out).items()}
+
+
+def prompts_for(b: int) -> list[str]:
+    return (PROMPTS * (b // len(PROMPTS) + 1))[:b]
+
+
 def profile(llm: LLM, n: int, rows: int = 25) -> None:
     """Self CPU time by op over n decode steps at batch 1 (prefill excluded by subtraction is not possible
     here, so the prompt is one token), and the share of wall time not spent inside torch ops."""
@@ -118,38 +147,55 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--tokens", type=int, default=64, help="decode steps timed")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-peer", action="store_true", help="skip transformers")
+    p.add_argument("--no-compile", action="store_true", help="eager only")
+    p.add_argument("--cold-cache", action="store_true", help="compile without inductor's on-disk cache")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.peer:
+        return peer_main(args)
+    peer = None if args.no_peer else run_peer(args)   # first, alone: nothing of ours running beside it
 
-    llm = LLM(args.model, device="cpu", dtype="float32")
+    from deltaserve.runner.cpu_compile import CompiledDecode
+
+    llm = LLM(args.model, device="cpu", dtype="float32", compile="off")
     cfg = llm.config
     bandwidth = copy_bandwidth()
-    hf = tok = None
-    if not args.no_peer:
-        from transformers import AutoTokenizer, Qwen3NextForCausalLM
-
-        hf = Qwen3NextForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-        tok = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     print(f"model {args.model}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, fp32; torch "
           f"{torch.__version__}, {args.threads} threads; copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
-          f"{args.tokens} decode steps, median of {args.repeats}")
-    print("| batch | deltaserve tok/s | CPU ms/step | transformers tok/s | CPU ms/step | ratio | roofline tok/s | "
-          "frac roofline |")
+          f"{args.tokens} decode steps, median of {args.repeats}", flush=True)
+    eager = {b: deltaserve_decode(llm, prompts_for(b), args.tokens, args.repeats) for b in args.batch}
+    compiled = {}
+    if not args.no_compile:
+        runner = llm.engine.runner
+        if args.cold_cache:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cold-")
+        start = time.perf_counter()
+        runner.compiled_decode = CompiledDecode(runner.model, runner.cache, background=False)
+        print(f"compiled decode step: {time.perf_counter() - start:.1f} s "
+              f"({', '.join(f'{k} {v:.1f} s' for k, v in runner.compiled_decode.compile_seconds.items())}; inductor "
+              f"cache {'cold' if args.cold_cache else 'as found'})", flush=True)
+        compiled = {b: deltaserve_decode(llm, prompts_for(b), args.tokens, args.repeats) for b in args.batch}
+    print("| batch | eager tok/s | compiled tok/s | compiled CPU ms/step | transformers tok/s | compiled / "
+          "transformers | roofline tok/s (bytes read) | frac roofline |")
     print("|---|---|---|---|---|---|---|---|")
     for b in args.batch:
-        prompts = (PROMPTS * (b // len(PROMPTS) + 1))[:b]
-        ours, ours_cpu = deltaserve_decode(llm, prompts, args.tokens, args.repeats)
-        roof = b * bandwidth / decode_bytes(cfg, b)
-        peer = ("-", "-", "-")
-        if hf is not None:
-            theirs, theirs_cpu = transformers_decode(hf, tok, prompts, args.tokens, args.repeats)
-            peer = (f"{theirs:.1f}", f"{theirs_cpu:.1f}", f"{ours / theirs:.2f}x")
-        print(f"| {b} | {ours:.1f} | {ours_cpu:.1f} | {peer[0]} | {peer[1]} | {peer[2]} | {roof:.0f} | "
-              f"{ours / roof:.1%} |", flush=True)
+        ours = compiled.get(b, eager[b])
+        # the compiled step reads bf16 copies of exact-bf16 weights: all of them at B = 1, the experts at B > 1
+        nbytes = decode_bytes(cfg, b, 2 if compiled and b == 1 else 4, 2 if compiled else 4)
+        roof = b * bandwidth / nbytes
+        theirs = f"{peer[b][0]:.1f}" if peer else "-"
+        ratio = f"{ours[0] / peer[b][0]:.2f}x" if peer else "-"
+        print(f"| {b} | {eager[b][0]:.1f} | {compiled[b][0]:.1f} | {compiled[b][1]:.1f} | {theirs} | {ratio} | "
+              f"{roof:.0f} ({nbytes / 1e6:.1f} MB) | {ours[0] / roof:.1%} |" if compiled else
+              f"| {b} | {eager[b][0]:.1f} | - | {eager[b][1]:.1f} (eager) | {theirs} | {ratio} | {roof:.0f} "
+              f"({nbytes / 1e6:.1f} MB) | {ours[0] / roof:.1%} |", flush=True)
     if args.profile:
+        runner = llm.engine.runner
+        runner.compiled_decode = None
         profile(llm, args.tokens)
 
 

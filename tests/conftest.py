@@ -13,6 +13,8 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No compiled CPU decode step (an inductor compile per engine) except in tests/runner/test_cpu_compile.py.
+os.environ.setdefault("DELTASERVE_COMPILE", "off")
 # One intra-op thread: the tensors here are tiny, and OpenMP spin-waits collapse when the two cores
 # are shared with a server subprocess or another job.
 torch.set_num_threads(1)

@@ -93,14 +93,18 @@ class LLMEngine:
                   gpu_memory_utilization: float = 0.9, cpu_cache_bytes: int | None = None,
                   num_gpu_blocks: int | None = None, seed: int | None = 0,
                   enforce_reference_ops: bool = False, load_format: str = "auto",
-                  enforce_eager: bool = False) -> "LLMEngine":
+                  enforce_eager: bool = False, compile: str | None = None) -> "LLMEngine":
         """Load a checkpoint directory (default: the embedded model), size the cache from the memory budget
         (GPU: measured; CPU: cpu_cache_bytes) and build the runner. num_gpu_blocks fixes the number of KV
         blocks on any device (tests, tuning); max_num_seqs / max_model_len may come out lower (logged).
         load_format="dummy": random weights from the config alone (`model` is a directory holding a
         config.json, or a config dict); without a tokenizer.json only token-id prompts work.
         enforce_eager: no CUDA graphs (decode steps are otherwise captured per batch-size bucket on CUDA when
-        every decode-path op is a Triton kernel; runner/cuda_graphs.py)."""
+        every decode-path op is a Triton kernel; runner/cuda_graphs.py) and no compiled CPU decode step.
+        compile: the compiled CPU decode step (runner/cpu_compile.py): "auto" compiles in the background and
+        decodes eagerly until it is ready, "on" compiles before returning, "off" never; None reads
+        DELTASERVE_COMPILE (default "auto"). Ignored off CPU."""
+        from ..runner.cpu_compile import CompiledDecode, resolve_compile_mode
         from ..runner.cuda_graphs import plan_decode_graphs
         from ..runner.memory import profile_gpu_cache_budget
         from ..runner.model_runner import ModelRunner, allocate_cache
@@ -118,6 +122,7 @@ class LLMEngine:
             path = Path(model) if model is not None else DEFAULT_MODEL_PATH
             model_config = ModelConfig.from_hf(path)
         dev = resolve_device(device)
+        compile_mode = resolve_compile_mode(settings().compile if compile is None else compile, dev)
         dt = resolve_dtype(dtype, model_config, dev)
         limit = model_config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
@@ -146,6 +151,8 @@ class LLMEngine:
         runner = ModelRunner(net, buffers, device=dev, max_model_len=plan.max_model_len, seed=seed)
         if graph_sizes:
             runner.capture_decode_graphs(min(plan.max_num_seqs, config.token_budget))
+        if compile_mode != "off" and not enforce_eager:
+            runner.compiled_decode = CompiledDecode(net, buffers, background=compile_mode == "auto")
         manager = HybridCacheManager(num_blocks=plan.num_blocks, block_size=block_size, num_slots=plan.num_slots)
         if config.token_budget < plan.max_num_seqs:
             logger.info("max_num_batched_tokens %d < max_num_seqs %d: a full batch decodes over several steps",

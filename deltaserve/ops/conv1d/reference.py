@@ -60,6 +60,16 @@ def causal_conv1d_update(
             out[live] = causal_conv1d_update(x[live], weight, conv_state=conv_state,
                                              state_indices=state_indices[live], activation=activation)
         return out
+    return causal_conv1d_update_unpadded(x, weight, conv_state=conv_state, state_indices=state_indices,
+                                         activation=activation)
+
+
+def causal_conv1d_update_unpadded(
+    x: torch.Tensor, weight: torch.Tensor, *, conv_state: torch.Tensor, state_indices: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """causal_conv1d_update for a batch without padded rows (every slot >= 0): no host read, so it can
+    be traced into a compiled graph."""
     slots = state_indices.long()
     window = torch.cat([conv_state.index_select(0, slots), x.to(conv_state.dtype).unsqueeze(1)], dim=1)  # [N,W,D]
     conv_state.index_copy_(0, slots, window[:, 1:])

@@ -174,6 +174,18 @@ def fused_recurrent_gated_delta_rule(
                 q[live], k[live], v[live], g[live], beta[live], scale=scale, ssm_state=ssm_state,
                 state_indices=state_indices[live], use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         return out
+    return fused_recurrent_gated_delta_rule_unpadded(q, k, v, g, beta, scale=scale, ssm_state=ssm_state,
+                                                     state_indices=state_indices,
+                                                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def fused_recurrent_gated_delta_rule_unpadded(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    *, scale: float, ssm_state: torch.Tensor, state_indices: torch.Tensor,
+    use_qk_l2norm_in_kernel: bool = True,
+) -> torch.Tensor:
+    """fused_recurrent_gated_delta_rule for a batch without padded rows (every slot >= 0): no host read,
+    so it can be traced into a compiled graph."""
     N, HV, V = v.shape
     K = q.shape[-1]
     slots = state_indices.long()
@@ -240,14 +252,36 @@ def gdn_decode(
     mixed_qkv's dtype; updates conv_state and ssm_state in place. Rows with slot -1 are skipped (zero
     output, no state touched). Equal to the layer's unfused decode path op by op (o is rounded to the
     activation dtype before the norm, as there)."""
+    kw = {"conv_weight": conv_weight, "A_log": A_log, "dt_bias": dt_bias, "norm_weight": norm_weight, "eps": eps,
+          "scale": scale, "conv_state": conv_state, "ssm_state": ssm_state, "norm_activation": norm_activation}
+    if min(state_indices.tolist(), default=0) < 0:  # padded rows: compute the live ones, zeros elsewhere
+        N, (HV, _, V) = mixed_qkv.shape[0], ssm_state.shape[1:]
+        out = torch.zeros((N, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+        live = (state_indices >= 0).nonzero().flatten()
+        if live.numel():
+            out[live] = gdn_decode_unpadded(mixed_qkv[live], z[live], a[live], b[live],
+                                            state_indices=state_indices[live], **kw)
+        return out
+    return gdn_decode_unpadded(mixed_qkv, z, a, b, state_indices=state_indices, **kw)
+
+
+def gdn_decode_unpadded(
+    mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
+    conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
+    eps: float, scale: float, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+    state_indices: torch.Tensor, norm_activation: str = "silu",
+) -> torch.Tensor:
+    """gdn_decode for a batch without padded rows (every slot >= 0): no host read, so it can be traced
+    into a compiled graph."""
     N = mixed_qkv.shape[0]
     HV, K, V = ssm_state.shape[1:]
     HK = num_key_heads(mixed_qkv.shape[1], HV, K, V)
-    x = _conv.causal_conv1d_update(mixed_qkv, conv_weight, conv_state=conv_state, state_indices=state_indices)
+    x = _conv.causal_conv1d_update_unpadded(mixed_qkv, conv_weight, conv_state=conv_state,
+                                            state_indices=state_indices)
     qk = l2norm(x[:, : 2 * HK * K].reshape(N, 2 * HK, K))     # q and k heads normalised together
     v = x[:, 2 * HK * K :].reshape(N, HV, V)
     g, beta = gdn_gating(A_log, a, dt_bias, b)
-    o = fused_recurrent_gated_delta_rule(
+    o = fused_recurrent_gated_delta_rule_unpadded(
         qk[:, :HK], qk[:, HK:], v, g, beta, scale=scale, ssm_state=ssm_state, state_indices=state_indices,
         use_qk_l2norm_in_kernel=False).to(mixed_qkv.dtype)
     return _norm.rms_norm_gated(o, z.reshape(N, HV, V), norm_weight, eps, activation=norm_activation)
