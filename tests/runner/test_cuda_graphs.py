@@ -132,11 +132,11 @@ def test_padded_static_buffer_path_gives_the_eager_tokens_on_cpu(tiny_model, sam
 
 # ---- graph == eager on the GPU ----------------------------------------------------------------------
 
-def _workload(n: int, seed: int, sample: bool = False):
+def _workload(n: int, seed: int, sample: bool = False, vocab: int = 128):
     """n requests with staggered prompt and output lengths: sequences finish and join mid-stream, so the
     decode batch size moves through several buckets (and between them)."""
     rng = random.Random(seed)
-    prompts = [{"prompt_token_ids": random_ids(rng.randint(1, 40), seed=seed * 100 + i)} for i in range(n)]
+    prompts = [{"prompt_token_ids": random_ids(rng.randint(1, 40), vocab=vocab, seed=seed * 100 + i)} for i in range(n)]
     params = [SamplingParams(max_tokens=rng.randint(3, 24), ignore_eos=True, logprobs=1 if i % 3 == 0 else None,
                              **(dict(temperature=0.8, top_p=0.9, seed=i) if sample else dict(temperature=0)))
               for i in range(n)]
