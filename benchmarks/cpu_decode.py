@@ -9,7 +9,7 @@ roofline: the weight bytes a decode step must read (lm_head, every mixer, router
 batch of B is expected to hit; fp32, or bf16 where the compiled step reads bf16) over a copy bandwidth measured
 here. `--profile` prints where deltaserve's eager decode time goes, by op.
 
-    python benchmarks/cpu_decode.py [--model DIR] [--batch 1 8] [--tokens 64] [--threads 1] [--cold-cache] [--profile]
+    python benchmarks/cpu_decode.py [--model DIR] [--batch 1 8] [--tokens 64] [--threads 2] [--cold-cache] [--profile]
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--tokens", type=int, default=64, help="decode steps timed")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (2: torch's default here)")
     p.add_argument("--no-peer", action="store_true", help="skip transformers")
     p.add_argument("--no-compile", action="store_true", help="eager only")
     p.add_argument("--cold-cache", action="store_true", help="compile without inductor's on-disk cache")

@@ -262,6 +262,8 @@ class CompiledDecode:
         self.compile_seconds: dict[str, float] = {}
         self.compiled_steps = 0                                          # decode steps run compiled
         self.error: BaseException | None = None
+        # inductor's C++ kernels are built for the intra-op thread count seen when compiling: the caller's
+        self._threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._compile_all, name="deltaserve-compile", daemon=True)
         if background:
             atexit.register(_exit_now_if_compiling, self._thread)
@@ -308,6 +310,7 @@ class CompiledDecode:
         scratch.conv[:, :2].zero_()
         scratch.kv[:, :, :4].zero_()
         pools = layer_pools(scratch)
+        torch.set_num_threads(self._threads)
         try:
             with torch.inference_mode():
                 for kind in self.graphs:
