@@ -281,7 +281,11 @@ class CompiledDecode:
         if batch.block_tables.shape[1] < 2:          # widths 0/1 would be specialised: keep the graph dynamic
             batch = dataclasses.replace(batch, block_tables=F.pad(batch.block_tables, (0, 1)))
         self.compiled_steps += 1
-        self._last = self._compiled[kind](batch, self._pools)
+        if self.ready:   # never recompile on the decode path (a guard miss runs the twin eagerly for that step)
+            with torch.compiler.set_stance("eager_on_recompile"):
+                self._last = self._compiled[kind](batch, self._pools)
+        else:            # the stance is process-wide: not while the other graph is still compiling
+            self._last = self._compiled[kind](batch, self._pools)
         return self._last[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
