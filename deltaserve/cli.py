@@ -23,7 +23,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="run every step eagerly (no CUDA graphs for decode steps, no compiled CPU decode step)")
     p.add_argument("--compile", default=None, choices=("auto", "on", "off"),
                    help="compiled CPU decode step: auto = compile in the background, eager until ready; on = compile "
-                        "first; off = never (default: $DELTASERVE_COMPILE, else auto)")
+                        "first; off = never (default: $DELTASERVE_COMPILE, else auto for serve and off for "
+                        "generate, whose one-shot run ends before a compile could pay off)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,7 +65,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("deltaserve generate: give a prompt (or --prompt-token-ids '[1, 2, 3]')", file=sys.stderr)
         return 2
     llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
-              load_format=args.load_format, enforce_eager=args.enforce_eager, compile=args.compile)
+              load_format=args.load_format, enforce_eager=args.enforce_eager,
+              compile=args.compile or settings().compile or "off")
     for out in llm.generate(prompts, params, use_tqdm=False):
         for c in out.outputs:
             if args.json:

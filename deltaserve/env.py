@@ -14,12 +14,12 @@ def _flag(name: str) -> bool:
 class Settings:
     force_reference_ops: bool     # DELTASERVE_REFERENCE_OPS=1: torch references everywhere, even on CUDA
     log_level: str                # DELTASERVE_LOG_LEVEL (default INFO)
-    compile: str                  # DELTASERVE_COMPILE=auto|on|off: default of the compiled CPU decode step
+    compile: str | None           # DELTASERVE_COMPILE=auto|on|off (None: unset, each command's own default)
 
 
 def settings() -> Settings:
     return Settings(
         force_reference_ops=_flag("DELTASERVE_REFERENCE_OPS"),
         log_level=os.environ.get("DELTASERVE_LOG_LEVEL", "INFO").upper(),
-        compile=os.environ.get("DELTASERVE_COMPILE", "auto").strip().lower(),
+        compile=os.environ.get("DELTASERVE_COMPILE", "").strip().lower() or None,
     )

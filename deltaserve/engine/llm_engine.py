@@ -122,7 +122,7 @@ class LLMEngine:
             path = Path(model) if model is not None else DEFAULT_MODEL_PATH
             model_config = ModelConfig.from_hf(path)
         dev = resolve_device(device)
-        compile_mode = resolve_compile_mode(settings().compile if compile is None else compile, dev)
+        compile_mode = resolve_compile_mode(compile or settings().compile or "auto", dev)
         dt = resolve_dtype(dtype, model_config, dev)
         limit = model_config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:

@@ -202,3 +202,36 @@ def test_engine_compile_setting(bf16_model_path, monkeypatch):
     assert made == [True]
     with pytest.raises(ValueError, match="compile must be one of"):
         LLM(bf16_model_path, device="cpu", num_gpu_blocks=16, compile="always")
+
+
+def test_generate_cli_defaults_to_no_compile(bf16_model_path, monkeypatch):
+    """A one-shot `generate` ends before a background compile could pay off (and the compile thread slows
+    its eager decode), so its default is off; the engine's default (serve, LLM) stays auto."""
+    from deltaserve import cli
+
+    made = []
+
+    class Recorder:                      # records the choice, decodes with the eager model
+        def __init__(self, model, cache, *, background):
+            made.append(background)
+            self.model = model
+
+        def __call__(self, batch, cache):
+            return self.model(batch, cache)
+
+        def compute_logits(self, hidden):
+            return self.model.compute_logits(hidden)
+
+    monkeypatch.setattr(cc, "CompiledDecode", Recorder)
+    monkeypatch.delenv("DELTASERVE_COMPILE", raising=False)
+    base = ["generate", "--model", str(bf16_model_path), "--device", "cpu", "--max-tokens", "2",
+            "--prompt-token-ids", "[1, 2, 3]"]
+    assert cli.main(base) == 0 and made == []
+    assert cli.main([*base, "--compile", "auto"]) == 0 and made == [True]
+    made.clear()
+    monkeypatch.setenv("DELTASERVE_COMPILE", "auto")
+    assert cli.main(base) == 0 and made == [True]
+    made.clear()
+    monkeypatch.delenv("DELTASERVE_COMPILE")
+    LLM(bf16_model_path, device="cpu", num_gpu_blocks=16)
+    assert made == [True]
