@@ -124,8 +124,8 @@ def test_decode_twin_eager_equals_model(bf16_model_path):
         got = twin(batch, cc.layer_pools(cache))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(cc.twin_logits(twin, got), want_logits, rtol=1e-4, atol=1e-4)
-        for mine, theirs in zip(pools(), after):
-            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+        for mine, theirs in zip(pools(), after):   # unwritten KV positions hold whatever was there: NaN too
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6, equal_nan=True)
         for dst, src in zip(pools(), before):
             dst.copy_(src)
 
