@@ -30,8 +30,8 @@ class GatedAttention(nn.Module):
         self.q_size = 2 * self.o_size                             # queries and gates
         self.kv_size = self.num_kv_heads * self.head_dim
         h = config.hidden_size
-        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, dtype=dtype, device=device)
-        self.o_proj = Linear(self.num_heads * self.head_dim, h, dtype=dtype, device=device)
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, kernels, dtype=dtype, device=device)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, kernels, dtype=dtype, device=device)
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps, kernels, dtype=dtype, device=device)
         self.k_norm = RMSNorm(self.head_dim, eps, kernels, dtype=dtype, device=device)

@@ -34,14 +34,14 @@ class GatedDeltaNet(nn.Module):
         self.norm_activation = config.gdn_norm_activation
         h = config.hidden_size
         self.split_sizes = [self.conv_dim, self.value_dim, self.nv, self.nv]
-        self.in_proj = Linear(h, sum(self.split_sizes), dtype=dtype, device=device)
+        self.in_proj = Linear(h, sum(self.split_sizes), kernels, dtype=dtype, device=device)
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.conv_width, dtype=dtype, device=device),
                                         requires_grad=False)
         # Gate parameters stay fp32 whatever the activation dtype (as vLLM keeps A_log).
         self.A_log = nn.Parameter(torch.empty(self.nv, dtype=torch.float32, device=device), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.nv, dtype=torch.float32, device=device), requires_grad=False)
         self.norm_weight = nn.Parameter(torch.empty(self.dv, dtype=dtype, device=device), requires_grad=False)
-        self.out_proj = Linear(self.value_dim, h, dtype=dtype, device=device)
+        self.out_proj = Linear(self.value_dim, h, kernels, dtype=dtype, device=device)
         self.scale = self.dk ** -0.5
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, ssm_state: torch.Tensor,

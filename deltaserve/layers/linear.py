@@ -7,21 +7,24 @@ the storage and the loading without the model or the loader changing.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from ..ops import Kernels
 
 
 class Linear(nn.Module):
     """y = x W^T, no bias. W is [out_features, in_features], possibly filled from several row shards."""
 
-    def __init__(self, in_features: int, out_features: int, *, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, in_features: int, out_features: int, kernels: Kernels, *, dtype: torch.dtype,
+                 device: torch.device | str):
         super().__init__()
+        self.kernels = kernels
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
                                    requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self.kernels.linear(x, self.weight)
 
     def load_rows(self, offset: int, tensor: torch.Tensor) -> None:
         """Copy a [rows, in_features] checkpoint tensor into rows offset..offset+rows."""

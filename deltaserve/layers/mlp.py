@@ -17,8 +17,8 @@ class MLP(nn.Module):
         super().__init__()
         self.kernels = kernels
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype=dtype, device=device)
-        self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype, device=device)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, kernels, dtype=dtype, device=device)
+        self.down_proj = Linear(intermediate_size, hidden_size, kernels, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))

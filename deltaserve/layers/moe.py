@@ -35,12 +35,12 @@ class SparseMoeBlock(nn.Module):
         # shared-expert slices stored as experts E.. (0: no shared expert, or kept separate)
         self.shared_slices = s // i if s > 0 and s % i == 0 else 0
         stored = e + self.shared_slices
-        self.gate = Linear(h, e, dtype=dtype, device=device)
+        self.gate = Linear(h, e, kernels, dtype=dtype, device=device)
         self.w13 = nn.Parameter(torch.empty(stored, 2 * i, h, dtype=dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(stored, h, i, dtype=dtype, device=device), requires_grad=False)
         self.shared_expert = MLP(h, s, kernels, dtype=dtype, device=device) \
             if s > 0 and not self.shared_slices else None
-        self.shared_expert_gate = Linear(h, 1, dtype=dtype, device=device) if s > 0 else None
+        self.shared_expert_gate = Linear(h, 1, kernels, dtype=dtype, device=device) if s > 0 else None
         self.register_buffer("shared_ids", torch.arange(e, stored, device=device)[None], persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -81,7 +81,7 @@ class MTPHead(nn.Module):
         h, eps = config.hidden_size, config.rms_norm_eps
         self.pre_fc_norm_embedding = RMSNorm(h, eps, kernels, **kw)
         self.pre_fc_norm_hidden = RMSNorm(h, eps, kernels, **kw)
-        self.fc = Linear(2 * h, h, **kw)
+        self.fc = Linear(2 * h, h, kernels, **kw)
         moe = config.num_experts > 0 and config.family != "qwen3_5"
         self.layers = nn.ModuleList(
             DecoderLayer(config, 0, kernels, layer_type=FULL_ATTENTION, moe=moe, **kw) for _ in range(num_layers))
@@ -120,7 +120,7 @@ class HybridForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, kernels, **kw) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, **kw)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, **kw)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, kernels, **kw)
         self.rope = RotaryEmbedding(config.rotary_dim, config.rope_theta, device=device)
         self.mtp = MTPHead(config, mtp_layers, kernels, **kw) if mtp_layers else None
         # layer index -> index into the GDN pools or the attention KV layers
@@ -142,7 +142,7 @@ class HybridForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)
+        return self.kernels.linear(hidden, weight)
 
     def checkpoint_weights(self, fused_experts: bool) -> WeightMap:
         """Expected checkpoint tensors by canonical name (Qwen3.5's `model.language_model.` read as `model.`)."""

@@ -18,6 +18,7 @@ from .activation import reference as activation_ref
 from .attention import reference as attention_ref
 from .conv1d import reference as conv1d_ref
 from .gdn import reference as gdn_ref
+from .linear import reference as linear_ref
 from .moe import reference as moe_ref
 from .norm import reference as norm_ref
 
@@ -48,6 +49,7 @@ class Kernels:
     fused_moe: Callable
     silu_and_mul: Callable           # SwiGLU middle: [.., 2I] (gate | up) -> silu(gate) * up
     sigmoid_mul: Callable            # x * sigmoid(gate): the attention output gate
+    linear: Callable                 # y = x W^T: every projection and the logits
 
 
 REFERENCE_OPS: dict[str, Callable] = {
@@ -68,6 +70,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "fused_moe": moe_ref.fused_moe,
     "silu_and_mul": activation_ref.silu_and_mul,
     "sigmoid_mul": activation_ref.sigmoid_mul,
+    "linear": linear_ref.linear,
 }
 
 
