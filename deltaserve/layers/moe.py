@@ -9,7 +9,9 @@ width I (Qwen3-Next and Qwen3.5-MoE: S = I): it is stored as m more experts E ..
 its intermediate columns jI .. (j+1)I - 1, and every token is routed to all m with weight
 sigmoid(shared_expert_gate(x)). silu(gate) * up is per column and the down projection sums over columns,
 so the slices' outputs add up to the shared expert's output: the same function, one op, one fp32
-combine. Other widths keep the shared expert as a separate MLP.
+combine. The shared gate's row is the router's last row, and topk_softmax appends the slices with weight
+sigmoid(gate logit), so a decode step's MoE block is four launches: router GEMV, route, w13, w2 + combine.
+Other widths keep the shared expert as a separate MLP.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ..config import ModelConfig
 from ..ops import Kernels
 from .linear import Linear
 from .mlp import MLP
-from .weights import Target, WeightMap, prefixed, whole
+from .weights import Target, WeightMap, prefixed, rows, whole
 
 
 class SparseMoeBlock(nn.Module):
@@ -35,22 +37,19 @@ class SparseMoeBlock(nn.Module):
         # shared-expert slices stored as experts E.. (0: no shared expert, or kept separate)
         self.shared_slices = s // i if s > 0 and s % i == 0 else 0
         stored = e + self.shared_slices
-        self.gate = Linear(h, e, kernels, dtype=dtype, device=device)
+        # the router; with folded slices its last row is the shared expert's gate (one GEMV for both)
+        self.gate = Linear(h, e + (1 if self.shared_slices else 0), kernels, dtype=dtype, device=device)
         self.w13 = nn.Parameter(torch.empty(stored, 2 * i, h, dtype=dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(stored, h, i, dtype=dtype, device=device), requires_grad=False)
         self.shared_expert = MLP(h, s, kernels, dtype=dtype, device=device) \
             if s > 0 and not self.shared_slices else None
-        self.shared_expert_gate = Linear(h, 1, kernels, dtype=dtype, device=device) if s > 0 else None
-        self.register_buffer("shared_ids", torch.arange(e, stored, device=device)[None], persistent=False)
+        self.shared_expert_gate = Linear(h, 1, kernels, dtype=dtype, device=device) \
+            if self.shared_expert is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.kernels.topk_softmax(self.gate(x), self.top_k, self.renormalize)
-        if self.shared_slices:
-            T, m = x.shape[0], self.shared_slices
-            shared_w = torch.sigmoid(self.shared_expert_gate(x)).float()
-            weights = torch.cat([weights, shared_w.expand(T, m)], dim=1)
-            ids = torch.cat([ids, self.shared_ids.expand(T, m).to(ids.dtype)], dim=1)
-            return self.kernels.fused_moe(x, self.w13, self.w2, weights, ids)
+        # routing and the shared slices' sigmoid weights in one op: router GEMV, route, w13, w2+combine
+        weights, ids = self.kernels.topk_softmax(self.gate(x), self.top_k, self.renormalize,
+                                                 shared_slices=self.shared_slices)
         out = self.kernels.fused_moe(x, self.w13, self.w2, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -58,13 +57,14 @@ class SparseMoeBlock(nn.Module):
 
     def checkpoint_weights(self, fused_experts: bool) -> WeightMap:
         h, i, e = self.w13.shape[-1], self.intermediate_size, self.num_experts
-        mapping: WeightMap = {"gate.weight": whole(self.gate.weight)}
+        mapping: WeightMap = {"gate.weight": rows(self.gate, 0, e)}
         if self.shared_expert_gate is not None:
             mapping["shared_expert_gate.weight"] = whole(self.shared_expert_gate.weight)
         if self.shared_expert is not None:
             mapping.update(prefixed("shared_expert", self.shared_expert.checkpoint_weights()))
         elif self.shared_slices:
             s = self.shared_size
+            mapping["shared_expert_gate.weight"] = rows(self.gate, e, 1)
             mapping["shared_expert.gate_proj.weight"] = Target((s, h), lambda t: self._load_shared(t, 0, rows=True))
             mapping["shared_expert.up_proj.weight"] = Target((s, h), lambda t: self._load_shared(t, i, rows=True))
             mapping["shared_expert.down_proj.weight"] = Target((h, s), lambda t: self._load_shared(t, 0, rows=False))

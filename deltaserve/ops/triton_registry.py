@@ -51,6 +51,7 @@ def _all_ops() -> dict[str, Callable]:
     from .conv1d import triton as conv1d_triton
     from .gdn import triton_chunk, triton_recurrent
     from .moe import triton as moe_triton
+    from .moe import triton_routing
     from .norm import triton as norm_triton
 
     return {
@@ -67,7 +68,7 @@ def _all_ops() -> dict[str, Callable]:
         "rms_norm_gated": norm_triton.rms_norm_gated,
         "store_kv": attention_triton.store_kv,
         "paged_attention": attention_triton.paged_attention,
-        "topk_softmax": moe_triton.topk_softmax,
+        "topk_softmax": triton_routing.topk_softmax,
         "fused_moe": moe_triton.fused_moe,
         "silu_and_mul": activation_triton.silu_and_mul,
         "sigmoid_mul": activation_triton.sigmoid_mul,

@@ -1,6 +1,7 @@
 """Mixture-of-experts routing and expert compute in plain PyTorch.
 
-  router_logits [T, E]; topk_softmax -> weights [T, k] (fp32), ids [T, k] (int64)
+  router_logits [T, E] (or [T, E + 1] with the shared expert's gate last); topk_softmax -> weights [T, k]
+  (fp32), ids [T, k] (int64), plus the shared-expert slices when asked
   w13 [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up), w2 [E, H, I]
   fused_moe: y_t = sum_j weights[t, j] * w2[e] (silu(gate_e x_t) * up_e x_t), e = ids[t, j]
 Weighted expert outputs are accumulated in fp32 and rounded once.
@@ -12,11 +13,23 @@ import torch
 import torch.nn.functional as F
 
 
-def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
+                 shared_slices: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the expert logits, the top_k of them (ties: lowest index first), optionally renormalised.
+
+    With `shared_slices` = m > 0 the last logit column is the shared expert's gate: the m slices of the
+    shared expert, stored as experts E .. E+m-1 (layers/moe.py), are appended to every token's choice with
+    weight sigmoid(gate logit) computed in fp32. Outputs [T, top_k + m]."""
+    E = router_logits.shape[-1] - (1 if shared_slices else 0)
+    probs = torch.softmax(router_logits[:, :E], dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if shared_slices:
+        T = router_logits.shape[0]
+        shared_w = torch.sigmoid(router_logits[:, E:].float()).expand(T, shared_slices)
+        shared_ids = torch.arange(E, E + shared_slices, device=ids.device).expand(T, shared_slices)
+        weights, ids = torch.cat([weights, shared_w], dim=1), torch.cat([ids, shared_ids], dim=1)
     return weights, ids
 
 

@@ -1,0 +1,77 @@
+"""Triton MoE routing (same signature as reference.topk_softmax): softmax over the expert logits, top-k,
+optional renormalisation, and the shared expert's slices appended with their sigmoid gate, in one launch.
+
+One program takes BT tokens with all their logits in registers; the k choices are k max-reductions, each
+taking the lowest index among equal maxima (torch.topk's order for distinct values; for exact ties the
+reference's order is not defined either). No host sync, CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton_common import ACTIVATION_DTYPES, check, check_last_contiguous
+
+MAX_EXPERTS = 4096
+
+
+@triton.jit
+def _route_kernel(logits, weights, ids, T, E, s_l, K: tl.constexpr, M: tl.constexpr, KP: tl.constexpr,
+                  EP: tl.constexpr, BT: tl.constexpr, RENORM: tl.constexpr):
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.arange(0, EP)
+    row_ok = rows < T
+    row_ptr = logits + rows[:, None].to(tl.int64) * s_l
+    x = tl.load(row_ptr + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < E), other=float("-inf"))
+    x = tl.where(row_ok[:, None], x.to(tl.float32), 0.0)        # rows past T: finite, never stored
+    x = tl.exp(x - tl.max(x, 1)[:, None])
+    probs = x / tl.sum(x, 1)[:, None]
+    kcol = tl.arange(0, KP)
+    w_sel = tl.zeros([BT, KP], dtype=tl.float32)
+    i_sel = tl.zeros([BT, KP], dtype=tl.int32)
+    avail = probs
+    for j in tl.static_range(K):
+        best = tl.max(avail, 1)
+        idx = tl.min(tl.where(avail == best[:, None], cols[None, :], EP), 1)
+        w_sel = tl.where(kcol[None, :] == j, best[:, None], w_sel)
+        i_sel = tl.where(kcol[None, :] == j, idx[:, None], i_sel)
+        avail = tl.where(cols[None, :] == idx[:, None], -1.0, avail)   # taken (probabilities are >= 0)
+    if RENORM:
+        w_sel = w_sel / tl.sum(tl.where(kcol[None, :] < K, w_sel, 0.0), 1)[:, None]
+    if M > 0:
+        gate = tl.load(logits + rows.to(tl.int64) * s_l + E, mask=row_ok, other=0.0).to(tl.float32)
+        shared_w = 1.0 / (1.0 + tl.exp(-gate))
+        is_shared = (kcol[None, :] >= K) & (kcol[None, :] < K + M)
+        w_sel = tl.where(is_shared, shared_w[:, None], w_sel)
+        i_sel = tl.where(is_shared, E + kcol[None, :] - K, i_sel)
+    out = rows[:, None] * (K + M) + kcol[None, :]
+    m = row_ok[:, None] & (kcol[None, :] < K + M)
+    tl.store(weights + out, w_sel, mask=m)
+    tl.store(ids + out, i_sel.to(ids.dtype.element_ty), mask=m)
+
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
+                 shared_slices: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    op = "topk_softmax"
+    check(router_logits.dim() == 2, op, f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
+    check(shared_slices >= 0, op, f"shared_slices must be >= 0, got {shared_slices}")
+    T = router_logits.shape[0]
+    E = router_logits.shape[1] - (1 if shared_slices else 0)
+    check(E >= 1, op, f"router_logits {tuple(router_logits.shape)} leave no expert column besides the shared gate")
+    check(1 <= top_k <= E, op, f"top_k = {top_k} must be in [1, {E}]")
+    check(E <= MAX_EXPERTS, op, f"{E} experts: at most {MAX_EXPERTS} supported")
+    check(router_logits.dtype in ACTIVATION_DTYPES, op, f"unsupported dtype {router_logits.dtype}")
+    check_last_contiguous(op, router_logits=router_logits)
+    width = top_k + shared_slices
+    weights = torch.empty((T, width), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((T, width), dtype=torch.int64, device=router_logits.device)
+    if T == 0:
+        return weights, ids
+    ep = triton.next_power_of_2(E)
+    bt = max(1, min(16, 4096 // ep))
+    _route_kernel[(triton.cdiv(T, bt),)](
+        router_logits, weights, ids, T, E, router_logits.stride(0), K=top_k, M=shared_slices,
+        KP=triton.next_power_of_2(width), EP=ep, BT=bt, RENORM=bool(renormalize), num_warps=4)
+    return weights, ids

@@ -1,0 +1,59 @@
+"""MoE routing (Triton topk_softmax) against the reference: plain top-k softmax, renormalised or not, and
+with the shared expert's slices appended from the router's last logit column; bad inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.ops.moe import reference as ref
+from deltaserve.ops.moe import triton_routing as tri
+
+from .helpers import assert_close, gen, randn
+
+
+def _logits(T, E, *, seed, device, dtype):
+    return (randn(T, E, g=gen(seed), scale=2.0)).to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("E,top_k,renorm,slices", [(8, 2, True, 0), (8, 2, False, 0), (60, 4, True, 0),
+                                                    (8, 2, True, 1), (60, 4, False, 2), (256, 8, True, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_softmax_matches_reference(E, top_k, renorm, slices, dtype, device):
+    logits = _logits(37, E + (1 if slices else 0), seed=E + top_k + slices, device=device, dtype=dtype)
+    w_ref, i_ref = ref.topk_softmax(logits, top_k, renorm, shared_slices=slices)
+    w_tri, i_tri = tri.topk_softmax(logits, top_k, renorm, shared_slices=slices)
+    assert w_tri.shape == w_ref.shape == (37, top_k + slices)
+    assert i_tri.dtype == i_ref.dtype and w_tri.dtype == w_ref.dtype == torch.float32
+    # bf16 logits tie often; among equal probabilities the order is not defined (we take the lowest index)
+    probs = torch.softmax(logits[:, :E].float(), dim=-1)
+    assert torch.equal(probs.gather(1, i_tri[:, :top_k]), probs.gather(1, i_ref[:, :top_k])), "another expert set"
+    assert all(len(set(r)) == top_k + slices for r in i_tri.tolist()), "an expert chosen twice"
+    if dtype == torch.float32:
+        assert torch.equal(i_tri, i_ref)
+    assert torch.equal(i_tri[:, top_k:], torch.arange(E, E + slices, device=device).expand(37, slices))
+    assert_close(w_tri, w_ref, 1e-6, "weights")
+
+
+def test_shared_slices_weight_is_the_sigmoid_of_the_last_column(device):
+    logits = torch.zeros(2, 9, device=device)
+    logits[:, 8] = torch.tensor([0.0, 2.0])
+    w, ids = tri.topk_softmax(logits, 2, True, shared_slices=2)
+    assert_close(w[:, 2:], torch.sigmoid(torch.tensor([[0.0, 0.0], [2.0, 2.0]], device=device)), 1e-6, "shared")
+    assert ids[:, 2:].tolist() == [[8, 9], [8, 9]]
+
+
+def test_topk_softmax_bad_inputs(device):
+    with pytest.raises(ValueError, match="top_k"):
+        tri.topk_softmax(torch.zeros(4, 8, device=device), 9, True)
+    with pytest.raises(ValueError, match="top_k"):
+        tri.topk_softmax(torch.zeros(4, 9, device=device), 9, True, shared_slices=1)   # 8 experts + gate
+    with pytest.raises(ValueError, match="shared_slices"):
+        tri.topk_softmax(torch.zeros(4, 8, device=device), 2, True, shared_slices=-1)
+    with pytest.raises(ValueError, match=r"\[T, E\]"):
+        tri.topk_softmax(torch.zeros(8, device=device), 2, True)
+
+
+def test_empty_batch(device):
+    w, ids = tri.topk_softmax(torch.zeros(0, 9, device=device), 2, True, shared_slices=1)
+    assert w.shape == ids.shape == (0, 3)
