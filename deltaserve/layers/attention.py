@@ -16,7 +16,6 @@ from ..config import ModelConfig
 from ..ops import Kernels
 from .linear import Linear
 from .norm import RMSNorm
-from .rotary import RotaryEmbedding
 from .weights import Target, WeightMap, rows, whole
 
 
@@ -38,14 +37,16 @@ class GatedAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
-                rope: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, H] -> [T, H]; cos_sin: the step's RoPE tables [T, rotary_dim] (RotaryEmbedding.cos_sin)."""
         T = x.shape[0]
         q, gate, k, v = self.qkv_proj(x).split([self.o_size, self.o_size, self.kv_size, self.kv_size], dim=-1)
-        q = rope.apply(self.q_norm(q.view(T, self.num_heads, self.head_dim)), *cos_sin)
-        k = rope.apply(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), *cos_sin)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        self.kernels.store_kv(k, v, kv_cache, batch.slot_mapping)
-        o = self.kernels.paged_attention(q.contiguous(), kv_cache, cu_seqlens=batch.cu_seqlens,
+        # q/k norms, RoPE and the KV store in one op (the norms here are zero-centred, as the prologue's are)
+        q = self.kernels.attention_prologue(
+            q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim),
+            v.view(T, self.num_kv_heads, self.head_dim), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+            *cos_sin, kv_cache, batch.slot_mapping)
+        o = self.kernels.paged_attention(q, kv_cache, cu_seqlens=batch.cu_seqlens,
                                          seq_lens=batch.seq_lens, block_tables=batch.block_tables, scale=self.scale)
         return self.o_proj(self.kernels.sigmoid_mul(o.view(T, self.o_size), gate))
 

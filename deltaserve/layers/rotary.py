@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.attention.reference import apply_rope
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, theta: float, *, device: torch.device | str):
@@ -25,9 +27,4 @@ class RotaryEmbedding(nn.Module):
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate the first rd dims of x [T, heads, D]; the rest pass through."""
-        rd = self.rotary_dim
-        rot, rest = x[..., :rd], x[..., rd:]
-        half = rd // 2
-        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        rot = rot * cos[:, None, :] + rotated * sin[:, None, :]
-        return torch.cat((rot, rest), dim=-1)
+        return apply_rope(x, cos, sin)

@@ -45,14 +45,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, **kw)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, state: tuple,
-                rope: RotaryEmbedding, cos_sin: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+                cos_sin: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (FFN output, residual stream before it); the next layer's norm adds them."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
         if self.layer_type == FULL_ATTENTION:
-            h = self.self_attn(h, batch, state[0], rope, cos_sin)
+            h = self.self_attn(h, batch, state[0], cos_sin)
         else:
             h = self.linear_attn(h, batch, state[0], state[1])
         h, residual = self.post_attention_layernorm(h, residual)
@@ -93,7 +93,7 @@ class MTPHead(nn.Module):
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
         cos_sin = rope.cos_sin(batch.positions, x.dtype)
         layer = self.layers[step % len(self.layers)]
-        out, residual = layer(x, None, batch, (kv_cache,), rope, cos_sin)
+        out, residual = layer(x, None, batch, (kv_cache,), cos_sin)
         return self.norm(out, residual)[0]
 
     def checkpoint_weights(self, fused_experts: bool) -> WeightMap:
@@ -136,7 +136,7 @@ class HybridForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             j = self._state_index[i]
             state = (cache.kv[j],) if layer.layer_type == FULL_ATTENTION else (cache.ssm[j], cache.conv[j])
-            x, residual = layer(x, residual, batch, state, self.rope, cos_sin)
+            x, residual = layer(x, residual, batch, state, cos_sin)
         x, _ = self.norm(x, residual)
         return x
 

@@ -44,6 +44,7 @@ class Kernels:
     rms_norm: Callable
     rms_norm_gated: Callable
     store_kv: Callable
+    attention_prologue: Callable     # q/k RMSNorm + partial RoPE + KV store, between QKV proj and attention
     paged_attention: Callable
     topk_softmax: Callable
     fused_moe: Callable
@@ -65,6 +66,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "rms_norm": norm_ref.rms_norm,
     "rms_norm_gated": norm_ref.rms_norm_gated,
     "store_kv": attention_ref.store_kv,
+    "attention_prologue": attention_ref.attention_prologue,
     "paged_attention": attention_ref.paged_attention,
     "topk_softmax": moe_ref.topk_softmax,
     "fused_moe": moe_ref.fused_moe,

@@ -19,7 +19,7 @@ _ATTN_DIMS = ("attn_head_dim",)
 SHAPE_LIMITS = {
     "chunk_gated_delta_rule": _GDN_DIMS, "fused_recurrent_gated_delta_rule": _GDN_DIMS, "gdn_prefill": _GDN_DIMS,
     "gdn_decode": _GDN_DIMS, "gdn_verify": _GDN_DIMS, "gdn_commit": _GDN_DIMS,
-    "store_kv": _ATTN_DIMS, "paged_attention": _ATTN_DIMS,
+    "store_kv": _ATTN_DIMS, "attention_prologue": _ATTN_DIMS, "paged_attention": _ATTN_DIMS,
 }
 
 
@@ -67,6 +67,7 @@ def _all_ops() -> dict[str, Callable]:
         "rms_norm": norm_triton.rms_norm,
         "rms_norm_gated": norm_triton.rms_norm_gated,
         "store_kv": attention_triton.store_kv,
+        "attention_prologue": attention_triton.attention_prologue,
         "paged_attention": attention_triton.paged_attention,
         "topk_softmax": triton_routing.topk_softmax,
         "fused_moe": moe_triton.fused_moe,

@@ -41,7 +41,9 @@ from ..layers.linear import Linear
 from ..layers.moe import SparseMoeBlock
 from ..models.qwen3_next import HybridForCausalLM
 from ..ops import Kernels
+from ..ops.attention import reference as attention_ref
 from ..ops.gdn import reference as gdn_ref
+from ..ops.norm import reference as norm_ref
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,14 @@ def store_kv_decode(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, sl
                         torch.stack([k, v]).to(kv_cache.dtype))
 
 
+def attention_prologue_decode(q, k, v, q_norm_weight, k_norm_weight, eps, cos, sin, kv_cache, slot_mapping):
+    """attention_prologue with store_kv_decode's in-place store."""
+    q = attention_ref.apply_rope(norm_ref.rms_norm(q, q_norm_weight, eps), cos, sin)
+    store_kv_decode(attention_ref.apply_rope(norm_ref.rms_norm(k, k_norm_weight, eps), cos, sin), v, kv_cache,
+                    slot_mapping)
+    return q.contiguous()
+
+
 def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor,
                            seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     """paged_attention when every sequence has exactly one query token (cu_seqlens is then 0..N): all
@@ -103,10 +113,11 @@ def fused_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
 
 def decode_kernels(kernels: Kernels) -> Kernels:
     return dataclasses.replace(
-        kernels, store_kv=store_kv_decode, paged_attention=paged_attention_decode, fused_moe=fused_moe_decode,
-        gdn_decode=gdn_ref.gdn_decode_unpadded,
+        kernels, store_kv=store_kv_decode, attention_prologue=attention_prologue_decode,
+        paged_attention=paged_attention_decode, fused_moe=fused_moe_decode, gdn_decode=gdn_ref.gdn_decode_unpadded,
         backend={**kernels.backend, **{n: "compiled-decode" for n in
-                                      ("store_kv", "paged_attention", "fused_moe", "gdn_decode")}})
+                                      ("store_kv", "attention_prologue", "paged_attention", "fused_moe",
+                                       "gdn_decode")}})
 
 
 # ---- the decode twin ----------------------------------------------------------------------------------

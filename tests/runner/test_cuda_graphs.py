@@ -52,10 +52,10 @@ def test_capture_is_refused_off_cuda_forced_or_with_reference_ops():
     assert "paged_attention" in why and "gdn_decode" in why
     # all Triton but one op on the decode path: still refused, naming it
     backend = {name: "triton" for name in REFERENCE_OPS}
-    backend["store_kv"] = "reference"
+    backend["attention_prologue"] = "reference"
     mixed = Kernels(backend=backend, **REFERENCE_OPS)
-    assert eager_reason(torch.device("cuda"), mixed, enforce_eager=False).count("store_kv") == 1
-    backend["store_kv"] = "triton"
+    assert eager_reason(torch.device("cuda"), mixed, enforce_eager=False).count("attention_prologue") == 1
+    backend["attention_prologue"] = "triton"
     backend["chunk_gated_delta_rule"] = "reference"        # a prefill-only op does not matter
     assert eager_reason(torch.device("cuda"), Kernels(backend=backend, **REFERENCE_OPS), enforce_eager=False) is None
     assert set(DECODE_PATH_OPS) <= set(REFERENCE_OPS)

@@ -17,6 +17,32 @@ from __future__ import annotations
 
 import torch
 
+from ..norm.reference import rms_norm
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half ("NeoX") partial RoPE on the first rd = cos.shape[-1] dims of x [T, heads, D], pairing
+    (i, i + rd/2), in x's dtype; the other dims pass through. cos, sin: [T, rd]."""
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    rot = rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat((rot, rest), dim=-1)
+
+
+def attention_prologue(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+    eps: float, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Everything between the QKV projection and attention: zero-centred RMSNorm of each q and k head,
+    partial RoPE of both, k and v stored into the paged cache. q [T, NH, D], k and v [T, NKV, D] (may be
+    strided views of the projection output). Returns the rotated q, contiguous [T, NH, D]."""
+    q = apply_rope(rms_norm(q, q_norm_weight, eps), cos, sin)
+    k = apply_rope(rms_norm(k, k_norm_weight, eps), cos, sin)
+    store_kv(k, v, kv_cache, slot_mapping)
+    return q.contiguous()
+
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     live = slot_mapping >= 0

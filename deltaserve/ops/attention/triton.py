@@ -86,6 +86,91 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
                            num_warps=4 if nkv * d >= 1024 else 2)
 
 
+# ---- prologue: q/k norm, RoPE, KV store ------------------------------------------------------------
+
+@triton.jit
+def _attn_prologue_kernel(q, k, v, q_w, k_w, cos, sin, q_out, cache, slots, eps,
+                     s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_cos, s_sin, s_c_kv,
+                     NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, RD: tl.constexpr):
+    """One (token, head) per program: heads 0..NH-1 are query heads (written to q_out), NH.. key heads
+    (written with their value head to the token's cache slot; padding rows, slot < 0, store nothing)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    dims = tl.arange(0, D)
+    HALF: tl.constexpr = RD // 2
+    # rotate-half pairing: out[i] = y[i] cos[i] + sign[i] y[partner[i]] sin[i] on the first RD dims
+    partner = tl.where(dims < HALF, dims + HALF, tl.where(dims < RD, dims - HALF, dims))
+    sign = tl.where(dims < HALF, -1.0, 1.0)
+    in_rd = dims < RD
+    if h < NH:
+        src = q + t * s_q_t + h * s_q_h
+        w = q_w
+        slot = t                                       # unused for query heads
+    else:
+        src = k + t * s_k_t + (h - NH) * s_k_h
+        w = k_w
+        slot = tl.load(slots + t).to(tl.int64)
+    if slot >= 0:
+        x = tl.load(src + dims).to(tl.float32)
+        xp = tl.load(src + partner).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+        # the norm's output is rounded to the activation dtype first, as the reference's rms_norm is
+        y = (x * rstd * (tl.load(w + dims).to(tl.float32) + 1.0)).to(q_out.dtype.element_ty).to(tl.float32)
+        yp = (xp * rstd * (tl.load(w + partner).to(tl.float32) + 1.0)).to(q_out.dtype.element_ty).to(tl.float32)
+        c = tl.load(cos + t * s_cos + dims, mask=in_rd, other=1.0).to(tl.float32)
+        sn = tl.load(sin + t * s_sin + dims, mask=in_rd, other=0.0).to(tl.float32)
+        out = y * c + sign * yp * sn
+        if h < NH:
+            tl.store(q_out + (t * NH + h) * D + dims, out.to(q_out.dtype.element_ty))
+        else:
+            kvh = h - NH
+            dst = cache + slot * (NKV * D) + kvh * D + dims
+            tl.store(dst, out.to(cache.dtype.element_ty))
+            vv = tl.load(v + t * s_v_t + kvh * s_v_h + dims)
+            tl.store(dst + s_c_kv, vv.to(cache.dtype.element_ty))
+
+
+def attention_prologue(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+    eps: float, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """See reference.attention_prologue: one launch instead of two norms, two rotations (a dozen
+    elementwise kernels) and the store. fp32 math; the normed values are rounded to the activation dtype
+    as the reference's rms_norm output is, and the rotation is rounded once (the reference rounds each
+    of its bf16 multiplies and the add: at most an ulp apart)."""
+    op = "attention_prologue"
+    _check_cache(op, kv_cache)
+    nkv, d = kv_cache.shape[-2], kv_cache.shape[-1]
+    check(q.dim() == 3 and q.shape[-1] == d, op, f"q must be [T, heads, {d}], got {tuple(q.shape)}")
+    T, nh = q.shape[0], q.shape[1]
+    check(k.shape == (T, nkv, d) and v.shape == k.shape, op,
+          f"k and v must be [{T}, {nkv}, {d}], got {tuple(k.shape)}, {tuple(v.shape)}")
+    check(q_norm_weight.shape == (d,) and k_norm_weight.shape == (d,), op,
+          f"norm weights must be [{d}], got {tuple(q_norm_weight.shape)}, {tuple(k_norm_weight.shape)}")
+    rd = cos.shape[-1] if cos.dim() == 2 else -1
+    check(cos.dim() == 2 and cos.shape[0] == T and sin.shape == cos.shape and rd % 2 == 0 and 0 < rd <= d, op,
+          f"cos and sin must be [{T}, rotary_dim] with an even rotary_dim <= {d}, got {tuple(cos.shape)}, "
+          f"{tuple(sin.shape)}")
+    check(slot_mapping.dim() == 1 and slot_mapping.shape[0] == T, op,
+          f"slot_mapping must be [{T}], got {tuple(slot_mapping.shape)}")
+    check(slot_mapping.dtype in (torch.int32, torch.int64), op,
+          f"slot_mapping must be int32/int64, got {slot_mapping.dtype}")
+    check(slot_mapping.is_contiguous(), op, "slot_mapping must be contiguous")
+    check(q.dtype in ACTIVATION_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype, op,
+          f"q, k, v must share a float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_last_contiguous(op, q=q, k=k, v=v, cos=cos, sin=sin, q_norm_weight=q_norm_weight,
+                          k_norm_weight=k_norm_weight)
+    check_same_device(op, q, k, v, cos, sin, kv_cache, slot_mapping, q_norm_weight, k_norm_weight)
+    q_out = torch.empty((T, nh, d), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return q_out
+    _attn_prologue_kernel[(T, nh + nkv)](
+        q, k, v, q_norm_weight, k_norm_weight, cos, sin, q_out, kv_cache, slot_mapping, float(eps),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+        kv_cache.stride(0), NH=nh, NKV=nkv, D=d, RD=rd, num_warps=2 if d <= 256 else 4)
+    return q_out
+
+
 # ---- paged attention ------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +213,11 @@ def default_attention_config(T: int, N: int, nh: int, nkv: int, d: int, device: 
         splits = min(MAX_SPLITS, triton.cdiv(target, programs))
         cap = SPLIT_SCRATCH_BYTES // max(1, T * nh * (d + 2) * 4)
         splits = max(1, min(splits, cap))
-    return AttentionConfig(block_m=block_m, block_n=block_n, num_splits=splits, num_warps=warps, num_stages=stages)
+    # decode segments may be one key tile long: at batch 1 with a short context the work is a few tiles,
+    # and spreading them over programs beats walking them in a chain (prefill keeps 256-key segments)
+    min_split = block_n if decode else AttentionConfig.min_split
+    return AttentionConfig(block_m=block_m, block_n=block_n, num_splits=splits, min_split=min_split,
+                           num_warps=warps, num_stages=stages)
 
 
 @triton.jit
@@ -261,30 +350,24 @@ def _attention_kernel(q, cache, cu, seq_lens, tables, out, part_ml, part_acc, qk
 
 @triton.jit
 def _merge_splits_kernel(part_ml, part_acc, out, NH: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
-                         BH: tl.constexpr, D: tl.constexpr):
-    """out[t, heads] = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp2(m_s - max_s m_s): one token and BH
-    heads per program; segments with l == 0 (no visible keys) carry no weight and are not read."""
+                         BD: tl.constexpr, D: tl.constexpr):
+    """out[t, h, dims] = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp2(m_s - max_s m_s), for one token,
+    one head and BD dims per program, every segment loaded at once (a loop over segments would be a
+    chain of dependent loads: ~20 us at 64 segments). Segments with l == 0 (no visible keys) carry no
+    weight and are not read."""
     t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BH + tl.arange(0, BH)
-    h_ok = heads < NH
-    row = t * NH + heads
+    row = t * NH + tl.program_id(1)
     s = tl.arange(0, SP)
-    ml = part_ml + (row[:, None] * SPLITS + s[None, :]) * 2
-    ok = h_ok[:, None] & (s[None, :] < SPLITS)
-    m = tl.load(ml, mask=ok, other=NEG_BIG)
-    l = tl.load(ml + 1, mask=ok, other=0.0)
-    m_all = tl.max(m, 1)
-    w = tl.where(l > 0, tl.exp2(m - m_all[:, None]), 0.0)
-    l_all = tl.sum(w * l, 1)
-    w = w / tl.where(l_all > 0, l_all, 1.0)[:, None]
-    dims = tl.arange(0, D)
-    o = tl.zeros([BH, D], dtype=tl.float32)
-    for k in range(SPLITS):
-        w_k = tl.sum(tl.where(s[None, :] == k, w, 0.0), 1)
-        a = tl.load(part_acc + (row[:, None] * SPLITS + k) * D + dims[None, :], mask=(h_ok & (w_k > 0))[:, None],
-                    other=0.0)
-        o += a * w_k[:, None]
-    tl.store(out + row[:, None] * D + dims[None, :], o.to(out.dtype.element_ty), mask=h_ok[:, None])
+    ok = s < SPLITS
+    part = row * SPLITS + s
+    m = tl.load(part_ml + part * 2, mask=ok, other=NEG_BIG)
+    l = tl.load(part_ml + part * 2 + 1, mask=ok, other=0.0)
+    w = tl.where(l > 0, tl.exp2(m - tl.max(m, 0)), 0.0)
+    l_all = tl.sum(w * l, 0)
+    w = w / tl.where(l_all > 0, l_all, 1.0)
+    dims = tl.program_id(2) * BD + tl.arange(0, BD)
+    a = tl.load(part_acc + part[:, None] * D + dims[None, :], mask=(w > 0)[:, None], other=0.0)
+    tl.store(out + row * D + dims, tl.sum(a * w[:, None], 0).to(out.dtype.element_ty))
 
 
 def paged_attention(
@@ -342,7 +425,8 @@ def paged_attention(
         MIN_SPLIT=cfg.min_split, IEEE=q.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
-        bh = min(triton.next_power_of_2(nh), max(1, 4096 // d))
-        _merge_splits_kernel[(T, triton.cdiv(nh, bh))](
-            part_ml, part_acc, out, NH=nh, SPLITS=splits, SP=triton.next_power_of_2(splits), BH=bh, D=d, num_warps=4)
+        sp = triton.next_power_of_2(splits)
+        bd = min(d, max(16, 4096 // sp))
+        _merge_splits_kernel[(T, nh, d // bd)](part_ml, part_acc, out, NH=nh, SPLITS=splits, SP=sp, BD=bd, D=d,
+                                               num_warps=4)
     return out
