@@ -50,6 +50,7 @@ def _all_ops() -> dict[str, Callable]:
     from .attention import triton as attention_triton
     from .conv1d import triton as conv1d_triton
     from .gdn import triton_chunk, triton_recurrent
+    from .linear import triton as linear_triton
     from .moe import triton as moe_triton
     from .moe import triton_routing
     from .norm import triton as norm_triton
@@ -71,6 +72,7 @@ def _all_ops() -> dict[str, Callable]:
         "paged_attention": attention_triton.paged_attention,
         "topk_softmax": triton_routing.topk_softmax,
         "fused_moe": moe_triton.fused_moe,
+        "linear": linear_triton.linear,
         "silu_and_mul": activation_triton.silu_and_mul,
         "sigmoid_mul": activation_triton.sigmoid_mul,
     }

@@ -361,7 +361,9 @@ def _gemv_w13_kernel(x, w13, ids, inter, H, I, s_x, s_we, s_wn,
 
 @triton.jit
 def _gemv_w2_combine_kernel(inter, w2, ids, weights, out, H, I, s_we, s_wn, s_w, s_o,
-                            TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                            TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_STEP: tl.constexpr):
+    """ONE_STEP (BK >= I): no loop over I, so the unrolled experts are straight-line code and their
+    weight loads can all be in flight at once instead of one DRAM round trip per expert."""
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BN + tl.arange(0, BN)
     row_ok = rows < H
@@ -372,11 +374,16 @@ def _gemv_w2_combine_kernel(inter, w2, ids, weights, out, H, I, s_we, s_wn, s_w,
         e = tl.load(ids + a).to(tl.int64)
         wp = w2 + e * s_we + rows[:, None].to(tl.int64) * s_wn + kk[None, :]
         hp = inter + a * I + kk
-        acc = tl.zeros([BN, BK], dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            k_ok = kk + k0 < I
-            hv = tl.load(hp + k0, mask=k_ok, other=0.0).to(tl.float32)
-            acc += tl.load(wp + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * hv[None, :]
+        if ONE_STEP:
+            k_ok = kk < I
+            hv = tl.load(hp, mask=k_ok, other=0.0).to(tl.float32)
+            acc = tl.load(wp, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * hv[None, :]
+        else:
+            acc = tl.zeros([BN, BK], dtype=tl.float32)
+            for k0 in range(0, I, BK):
+                k_ok = kk + k0 < I
+                hv = tl.load(hp + k0, mask=k_ok, other=0.0).to(tl.float32)
+                acc += tl.load(wp + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * hv[None, :]
         y = tl.sum(acc, 1).to(out.dtype.element_ty).to(tl.float32)    # the expert's output, rounded
         total += tl.load(weights + t * s_w + j).to(tl.float32) * y
     tl.store(out + t * s_o + rows, total.to(out.dtype.element_ty), mask=row_ok)
@@ -429,7 +436,8 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, cfg: GemvMoeConfig) -> t
         return out
     _gemv_w2_combine_kernel[(T, triton.cdiv(H, cfg.block_n2))](
         h, w2, topk_ids, topk_weights, out, H, inter, w2.stride(0), w2.stride(1), topk_weights.stride(0),
-        out.stride(0), TOP_K=top_k, BN=cfg.block_n2, BK=cfg.block_k2, num_warps=cfg.warps2, num_stages=cfg.stages)
+        out.stride(0), TOP_K=top_k, BN=cfg.block_n2, BK=cfg.block_k2, ONE_STEP=cfg.block_k2 >= inter,
+        num_warps=cfg.warps2, num_stages=cfg.stages)
     return out
 
 

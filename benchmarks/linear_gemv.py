@@ -1,0 +1,384 @@
+"""Small-M dense projections and the MoE GEMV path (Triton) on the GPU, against cuBLAS in the same process
+on the same inputs.
+
+  dense  y = x W^T, bf16, the decode-step shapes of Qwen3.5-35B-A3B (GDN in_proj 2048->12352, GDN out_proj /
+         attention o_proj 4096->2048, attention qkv 2048->9216, router + shared-expert gate 2048->257,
+         lm_head 2048->248320) and Qwen3.5-27B (GDN in_proj 5120->16480, MLP gate/up 5120->34816, MLP down
+         17408->5120), M = 1, 2, 4, 8, 16, 32 rows. `linear` (our default tiles; F.linear above the
+         crossover) against torch F.linear (cuBLAS); with --sweep also other tile configs. GB/s counts the
+         weight bytes + x + y; "frac copy" divides by the device-to-device copy rate of the same run.
+  moe    fused_moe's GEMV path at the 35B-A3B experts (E 256 + the shared expert as a 257th, top-8 + 1
+         shared slot, H 2048, I 512), T = 1 and 8: whole-op time (graph) and each kernel's duration
+         (torch.profiler over graph replays); bytes = distinct experts touched x 6.29 MB (w13: 2/3, w2: 1/3).
+
+Every time is `triton.testing.do_bench` (median; L2 flushed before each replay) around the replay of a CUDA
+graph of `calls` invocations, each on its own copy of the weights (so weights come from HBM, not L2),
+divided by `calls`; the per-call time includes the launch gap between consecutive kernels of a graph.
+Every timed configuration's output is checked against cuBLAS (rel. error printed). A warm-up phase
+compiles every kernel variant in parallel worker processes (shared Triton cache) and runs the GPU tests.
+
+Run (GPU):  PYTHONPATH=. python benchmarks/linear_gemv.py --out DIR [--sweep] [--gpu-tests] [--workers 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from deltaserve.ops.linear import triton as lin
+from deltaserve.ops.moe import triton as moe_t
+
+DEV = "cuda"
+BF = torch.bfloat16
+SHAPES = [  # (name, K, N)
+    ("35B gdn in_proj", 2048, 12352), ("35B out_proj/o_proj", 4096, 2048), ("35B attn qkv", 2048, 9216),
+    ("35B router+gate", 2048, 257), ("35B lm_head", 2048, 248320),
+    ("27B gdn in_proj", 5120, 16480), ("27B mlp gate_up", 5120, 34816), ("27B mlp down", 17408, 5120),
+]
+MS = [1, 2, 4, 8, 16, 32]
+C = lin.LinearConfig
+FMA_CFGS = [C(4, 1024, 4, 3), C(2, 2048, 4, 1), C(1, 4096, 4, 1), C(8, 512, 4, 3), C(2, 1024, 2, 3),
+            C(4, 2048, 8, 1)]
+DOT_CFGS = [C(64, 128, 4, 4, True), C(32, 256, 4, 4, True), C(64, 256, 4, 3, True), C(128, 128, 8, 3, True),
+            C(16, 512, 4, 3, True), C(32, 128, 2, 6, True)]
+SMALL_N = 5120          # shapes with N up to this also try split K
+E, TOP_K, H, INTER = 256, 8, 2048, 512
+G = moe_t.GemvMoeConfig
+MOE_CFGS = [  # (n1, k1, n2, k2, warps1, warps2, stages[, all_experts, pdl]): w13 and w2 tiles
+    G(8, 512, 4, 512, 2, 2, 3), G(4, 1024, 1, 512, 4, 4, 3, all_experts=True),
+    G(2, 2048, 2, 512, 4, 8, 3, all_experts=True), G(4, 2048, 2, 256, 8, 4, 3, all_experts=True),
+    G(8, 1024, 1, 512, 4, 4, 3, all_experts=True, pdl=True), G(2, 1024, 2, 512, 2, 8, 3, all_experts=True, pdl=True),
+    G(1, 2048, 1, 256, 4, 2, 3, all_experts=True, pdl=True), G(16, 512, 4, 128, 4, 4, 3, all_experts=True, pdl=True),
+    G(4, 1024, 2, 256, 4, 4, 3, all_experts=True, pdl=True), G(4, 2048, 1, 512, 8, 4, 3),
+]
+
+
+def configs_for(M: int, N: int, K: int, sweep: bool) -> list:
+    """(label, config) pairs to time: our default first, then (with sweep) the variants for this M."""
+    out = [("default", None)]
+    if not sweep or M > 32:
+        return out
+    fma = FMA_CFGS if M <= 2 else FMA_CFGS[:4] if M == 4 else FMA_CFGS[:1] if M == 8 else []
+    dot = DOT_CFGS if 8 <= M <= 16 else DOT_CFGS[:3] if M >= 2 else []
+    kp2 = triton.next_power_of_2(K)
+    cfgs = [replace(c, block_k=min(c.block_k, kp2)) for c in fma + dot]
+    if N <= SMALL_N:
+        cfgs += [replace(c, split_k=4) for c in cfgs[:2] + cfgs[len(fma):len(fma) + 2]]
+    seen = set()
+    for c in cfgs:
+        if c not in seen:
+            seen.add(c)
+            out.append((label(c), c))
+    return out
+
+
+def label(c) -> str:
+    return (f"{'dot' if c.dot else 'fma'} n{c.block_n} k{c.block_k} w{c.warps} s{c.stages}"
+            + (f" split{c.split_k}" if c.split_k > 1 else ""))
+
+
+def moe_label(c) -> str:
+    return (f"w13 n{c.block_n1} k{c.block_k1} w{c.warps1} | w2 n{c.block_n2} k{c.block_k2} w{c.warps2}"
+            + (" all" if c.all_experts else "") + (" pdl" if c.pdl else ""))
+
+
+def copies_for(nbytes: int) -> int:
+    """Distinct weight copies per graph: >= ~4x the L2 (60 MB) in total, 2..16."""
+    return max(2, min(16, -(-240_000_000 // nbytes)))
+
+
+def rel_err(got, want) -> float:
+    got, want = got.float(), want.float()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+# ---- timing -----------------------------------------------------------------------------------------
+
+def graph_of(fn, calls):
+    for i in range(calls):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    torch.cuda.synchronize()
+    return graph
+
+
+def graph_time(fn, calls, rep=25) -> float:
+    graph = graph_of(fn, calls)
+    ms = triton.testing.do_bench(graph.replay, warmup=5, rep=rep, return_mode="median")
+    del graph
+    return ms * 1e-3 / calls
+
+
+def kernel_durations(fn, calls, replays=10) -> dict:
+    """Mean duration (us) per kernel name and call, from torch.profiler over graph replays (L2 flushed
+    between replays by a 256 MB write, excluded)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = graph_of(fn, calls)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            flush.zero_()
+            graph.replay()
+        torch.cuda.synchronize()
+    tot: dict = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA and ("gemv" in e.name or "topk" in e.name):
+            tot[e.name] = tot.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
+    del graph
+    return {k: v / (replays * calls) for k, v in tot.items()}
+
+
+def ceilings() -> dict:
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
+    return dict(copy_TBps=2 * n / (ms * 1e-3) / 1e12)
+
+
+# ---- cases ------------------------------------------------------------------------------------------
+
+def dense_jobs(sweep: bool):
+    for name, K, N in SHAPES:
+        for M in MS:
+            for lab, cfg in configs_for(M, N, K, sweep):
+                yield name, K, N, M, lab, cfg
+
+
+def dense_weights(K, N, copies, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return [(torch.randn(N, K, device=DEV, generator=g) * K ** -0.5).to(BF) for _ in range(copies)]
+
+
+def moe_setup(T, calls, seed=0):
+    """Weights with the shared expert as expert E, and `calls` routings (top-8 + the shared slot)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    w13 = (torch.randn(E + 1, 2 * INTER, H, device=DEV, generator=g) * H ** -0.5).to(BF)
+    w2 = (torch.randn(E + 1, H, INTER, device=DEV, generator=g) * INTER ** -0.5).to(BF)
+    xs, routes, distinct = [], [], []
+    for _ in range(calls):
+        xs.append(torch.randn(T, H, device=DEV, generator=g).to(BF))
+        w, i = moe_t.topk_softmax(torch.randn(T, E, device=DEV, generator=g).to(BF), TOP_K, True)
+        sw = torch.sigmoid(torch.randn(T, 1, device=DEV, generator=g))
+        ids = torch.cat([i, torch.full((T, 1), E, dtype=i.dtype, device=DEV)], 1)
+        routes.append((torch.cat([w, sw], 1).contiguous(), ids.contiguous()))
+        distinct.append(int(torch.unique(ids).numel()))
+    return w13, w2, xs, routes, sum(distinct) / calls
+
+
+def moe_reference(x, w13, w2, weights, ids):
+    from deltaserve.ops.moe import reference as moe_ref
+
+    return moe_ref.fused_moe(x.float(), w13.float(), w2.float(), weights, ids)
+
+
+# ---- warm-up ------------------------------------------------------------------------------------
+
+def worker(index: int, count: int, sweep: bool) -> None:
+    jobs = [j for n, j in enumerate(dense_jobs(sweep)) if n % count == index]
+    weights = {}
+    for name, K, N, M, lab, cfg in jobs:
+        try:
+            if (K, N) not in weights:
+                weights.clear()
+                torch.cuda.empty_cache()
+                weights[(K, N)] = dense_weights(K, N, 1)[0]
+            x = torch.randn(M, K, device=DEV).to(BF)
+            lin.linear(x, weights[(K, N)], config=cfg)
+        except Exception as exc:  # reported again by the timed phase
+            print(f"[warm {index}] {name} M={M} {lab}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    moe_cfgs = [None] + (MOE_CFGS if sweep else [])
+    for n, cfg in enumerate(moe_cfgs):
+        if n % count != index:
+            continue
+        for T in (1, 8):
+            w13, w2, xs, routes, _ = moe_setup(T, 1)
+            moe_t.fused_moe(xs[0], w13, w2, *routes[0], config=cfg)
+    torch.cuda.synchronize()
+
+
+def warm_up(args, log) -> None:
+    t0 = time.time()
+    base = [sys.executable, os.path.abspath(__file__), "--worker-of", str(args.workers)]
+    procs = [subprocess.Popen(base + ["--worker", str(i)] + (["--sweep"] if args.sweep else []))
+             for i in range(args.workers)]
+    if args.gpu_tests:
+        with open(os.path.join(args.out, "gpu_tests.log"), "w") as f:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                 "tests/ops/test_linear_triton.py", "tests/ops/test_moe_triton.py"], stdout=f, stderr=subprocess.STDOUT))
+    for p in procs:
+        try:
+            p.wait(timeout=max(1.0, args.warmup_s - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            log(f"warm-up process {p.pid} killed after {args.warmup_s:.0f} s")
+    log(f"warm-up (parallel compile, GPU tests) {time.time() - t0:.0f} s")
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+def run_dense(args, ceil, log, t_start) -> list:
+    rows = []
+    for name, K, N in SHAPES:
+        if args.only and not any(p in name for p in args.only.split(",")):
+            continue
+        if time.time() - t_start > args.budget_s:
+            log(f"SKIPPED (budget): {name}")
+            continue
+        wbytes = N * K * 2
+        calls = copies_for(wbytes)
+        ws = dense_weights(K, N, calls)
+        for M in MS:
+            xs = [torch.randn(M, K, device=DEV).to(BF) for _ in range(calls)]
+            moved = wbytes + 2 * M * (K + N)
+            want = F.linear(xs[0].float(), ws[0].float())
+            cublas = F.linear(xs[0], ws[0])
+            base = dict(shape=name, K=K, N=N, M=M)
+            t_cublas = graph_time(lambda i: F.linear(xs[i], ws[i]), calls)
+            rows.append(dict(base, impl="cublas", us=t_cublas * 1e6, err_fp32=rel_err(cublas, want)))
+            for lab, cfg in configs_for(M, N, K, args.sweep):
+                if time.time() - t_start > args.budget_s:
+                    break
+                try:
+                    got = lin.linear(xs[0], ws[0], config=cfg)
+                    err = rel_err(got, cublas)
+                    t = graph_time(lambda i, cfg=cfg: lin.linear(xs[i], ws[i], config=cfg), calls)
+                except Exception as exc:
+                    log(f"FAILED {name} M={M} {lab}: {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                row = dict(base, impl=lab, us=t * 1e6, err_cublas=err)
+                if cfg is None:
+                    row["err_fp32"] = rel_err(got, want)
+                    row["cfg"] = str(lin.default_linear_config(M, N, K))
+                rows.append(row)
+            for r in rows:
+                if r["shape"] == name and r["M"] == M:
+                    r["TBps"] = moved / (r["us"] * 1e-6) / 1e12
+                    r["frac_copy"] = r["TBps"] / ceil["copy_TBps"]
+                    r["vs_cublas"] = t_cublas * 1e6 / r["us"]
+            for r in rows:
+                if r["shape"] == name and r["M"] == M:
+                    log(json.dumps(r))
+        ws = xs = None
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run_moe(args, ceil, log) -> list:
+    rows = []
+    expert_bytes = 3 * INTER * H * 2
+    for T in (1, 8):
+        calls = 4
+        w13, w2, xs, routes, distinct = moe_setup(T, calls)
+        want = moe_reference(xs[0], w13, w2, *routes[0])
+        for cfg in [None] + (MOE_CFGS if args.sweep else []):
+            lab = "default " + moe_label(cfg or moe_t.default_moe_config(T, TOP_K + 1, E + 1, H, INTER))
+            try:
+                got = moe_t.fused_moe(xs[0], w13, w2, *routes[0], config=cfg)
+                err = rel_err(got, want)
+                fn = (lambda i, cfg=cfg: moe_t.fused_moe(xs[i], w13, w2, *routes[i], config=cfg))
+                t = graph_time(fn, calls)
+                kd = kernel_durations(fn, calls)
+            except Exception as exc:
+                log(f"FAILED moe T={T} {lab}: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            byts = distinct * expert_bytes
+            row = dict(T=T, impl=lab if cfg is None else moe_label(cfg), us=t * 1e6, err_fp32=err,
+                       distinct=distinct, TBps=byts / t / 1e12, frac_copy=byts / t / 1e12 / ceil["copy_TBps"],
+                       kernels_us=kd)
+            for k, v in kd.items():
+                part = 2 / 3 if "w13" in k else 1 / 3 if "w2" in k else 0
+                if part:
+                    row[f"frac_copy {k}"] = byts * part / (v * 1e-6) / 1e12 / ceil["copy_TBps"]
+            rows.append(row)
+            log(json.dumps(row))
+        w13 = w2 = xs = routes = None
+        torch.cuda.empty_cache()
+    return rows
+
+
+def summary(dense, moe, ceil) -> str:
+    lines = [f"copy {ceil['copy_TBps']:.2f} TB/s", "",
+             "| shape (K->N) | M | cuBLAS us | ours us (default) | TB/s | frac copy | cuBLAS/ours | best sweep |",
+             "|---|---|---|---|---|---|---|---|"]
+    keys = []
+    for r in dense:
+        if (r["shape"], r["M"]) not in keys:
+            keys.append((r["shape"], r["M"]))
+    for shape, M in keys:
+        rs = [r for r in dense if r["shape"] == shape and r["M"] == M]
+        cb = next((r for r in rs if r["impl"] == "cublas"), None)
+        df = next((r for r in rs if r["impl"] == "default"), None)
+        sw = [r for r in rs if r["impl"] not in ("cublas", "default")]
+        best = min(sw, key=lambda r: r["us"]) if sw else None
+        if not cb or not df:
+            continue
+        b = f"{best['impl']} {best['us']:.1f} ({best['frac_copy']:.0%})" if best else "-"
+        lines.append(f"| {shape} ({df['K']}->{df['N']}) | {M} | {cb['us']:.1f} ({cb['frac_copy']:.0%}) | "
+                     f"{df['us']:.1f} | {df['TBps']:.2f} | {df['frac_copy']:.0%} | {df['vs_cublas']:.2f}x | {b} |")
+    lines += ["", "| MoE T | config | us | TB/s | frac copy | kernels us |", "|---|---|---|---|---|---|"]
+    for r in moe:
+        ks = ", ".join(f"{k.split('_kernel')[0].lstrip('_')} {v:.1f}" for k, v in r["kernels_us"].items())
+        lines.append(f"| {r['T']} | {r['impl']} | {r['us']:.1f} | {r['TBps']:.2f} | {r['frac_copy']:.0%} | {ks} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--sweep", action="store_true", help="also time other tile configs")
+    ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--gpu-tests", action="store_true", help="run the gpu-marked linear/MoE tests in the warm-up")
+    ap.add_argument("--budget-s", type=float, default=200.0, help="skip remaining dense shapes after this")
+    ap.add_argument("--warmup-s", type=float, default=90.0)
+    ap.add_argument("--only", default="", help="substrings of dense shape names to run (comma: any)")
+    ap.add_argument("--no-moe", action="store_true")
+    ap.add_argument("--worker", default=None)
+    ap.add_argument("--worker-of", type=int, default=1)
+    args = ap.parse_args()
+    if args.worker is not None:
+        worker(int(args.worker), args.worker_of, args.sweep)
+        return 0
+    t_start = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    logf = open(os.path.join(args.out, "linear_gemv.log"), "a")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+        logf.flush()
+
+    props = torch.cuda.get_device_properties(0)
+    env = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__)
+    log(json.dumps(env))
+    if args.workers > 0:
+        warm_up(args, log)
+    ceil = ceilings()
+    log(json.dumps(ceil))
+    moe = [] if args.no_moe else run_moe(args, ceil, log)
+    dense = run_dense(args, ceil, log, t_start)
+    with open(os.path.join(args.out, "linear_gemv.json"), "w") as f:
+        json.dump(dict(env=env, ceilings=ceil, dense=dense, moe=moe), f, indent=1)
+    log(summary(dense, moe, ceil))
+    log(f"total {time.time() - t_start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
