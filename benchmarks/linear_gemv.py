@@ -115,9 +115,9 @@ def graph_of(fn, calls):
     return graph
 
 
-def graph_time(fn, calls, rep=25) -> float:
+def graph_time(fn, calls, rep=15) -> float:
     graph = graph_of(fn, calls)
-    ms = triton.testing.do_bench(graph.replay, warmup=5, rep=rep, return_mode="median")
+    ms = triton.testing.do_bench(graph.replay, warmup=3, rep=rep, return_mode="median")
     del graph
     return ms * 1e-3 / calls
 
