@@ -115,6 +115,65 @@ def test_decode_matches_token_recurrence(ratio, dtype, activation, device):
     assert torch.equal(s_tri[1], layer.ssm_state[1]), "untouched slot changed"
 
 
+ONE_LAUNCH_CASES = [  # (ratio, dv, bv, dtype, activation): the programs of a (sequence, key head) group
+    (2, 32, 16, torch.float32, "silu"),     # 2 V-slices x 2 heads: the last program normalises both rows
+    (3, 16, 16, torch.bfloat16, "silu"),    # whole rows (local norm), 3 heads share the q/k window
+    (1, 32, 16, torch.float32, "sigmoid"),  # one head, 2 slices
+    (1, 16, 16, torch.float32, "silu"),     # a group of one program: no counter at all
+]
+
+
+@pytest.mark.parametrize("ratio,dv,bv,dtype,activation", ONE_LAUNCH_CASES)
+def test_one_launch_decode_matches_two_launches_and_reference(ratio, dv, bv, dtype, activation, device):
+    """Two steps of the one-launch decode == the two-launch decode (same math, fp32 rounding) == the
+    unfused reference; padded rows give zeros and touch nothing; the group counters end at zero."""
+    layer = Layer(device, dtype, ratio=ratio, dv=dv, seed=30 + ratio + bv, activation=activation)
+    idx = torch.tensor([6, -1, 0, 3, 5], dtype=torch.int32, device=device)
+    one = tr.RecurrentConfig(bv=bv, num_warps=1, one_launch=True)
+    two = tr.RecurrentConfig(bv=bv, num_warps=1)
+    c_ref, s_ref = layer.pools()
+    c_one, s_one = layer.pools()
+    c_two, s_two = layer.pools()
+    for step in range(2):  # the second finds the counters the first left
+        mixed, z, a, b = layer.tokens(5)
+        want = unfused_decode(layer, mixed, z, a, b, c_ref, s_ref, idx)
+        got = tr.gdn_decode(mixed, z, a, b, conv_state=c_one, ssm_state=s_one, state_indices=idx, config=one,
+                            **layer.kw())
+        got2 = tr.gdn_decode(mixed, z, a, b, conv_state=c_two, ssm_state=s_two, state_indices=idx, config=two,
+                             **layer.kw())
+        assert_close(got, got2, 1e-6, f"one vs two launches, step {step}")
+        assert_close(got, want, TOL[dtype], f"output step {step}")
+        assert (got[1] == 0).all(), "padded row gives zeros"
+    assert_close(s_one, s_two, 1e-6, "state pool, one vs two launches")
+    assert_close(s_one, s_ref, TOL[dtype], "state pool")
+    assert torch.equal(c_one, c_ref), "conv pool"
+    for untouched in (1, 2, 4, 7):
+        assert torch.equal(s_one[untouched], layer.ssm_state[untouched]), f"slot {untouched} changed"
+        assert torch.equal(c_one[untouched], layer.conv_state[untouched]), f"window {untouched} changed"
+    counters = tr._group_counters(torch.device(device), 5 * layer.hk)
+    assert not counters.any(), "every launch leaves the group counters at zero"
+
+
+def test_decode_path_rule():
+    """The path is a function of the shapes alone (graph capture sees one path per batch size)."""
+    n_max = tr.ONE_LAUNCH_MAX_ROWS
+    for n in (1, 2, n_max):
+        cfg = tr.default_decode_config(n, 32, 128)
+        assert cfg.one_launch and 128 % cfg.bv == 0, (n, cfg)
+        assert cfg == tr.default_decode_config(n, 32, 128)
+    assert not tr.default_decode_config(n_max + 1, 32, 128).one_launch
+    assert not tr.default_decode_config(512, 32, 128).one_launch
+
+
+def test_one_launch_config_rejected_for_verify(device):
+    layer = Layer(device, torch.float32, seed=2)
+    cu, idx, mixed, z, a, b = _verify_case(layer, [2], [1])
+    with pytest.raises(ValueError, match="one_launch applies to gdn_decode only"):
+        tr.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=layer.conv_state.clone(),
+                      ssm_state=layer.ssm_state.clone(), state_indices=idx, stash=layer.stash(2),
+                      config=tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True), **layer.kw())
+
+
 def test_decode_reference_equals_unfused(device):
     """The fused-decode reference is the layer's unfused path (so the CPU path is unchanged by fusion)."""
     layer = Layer(device, torch.float32, seed=9)
@@ -224,3 +283,82 @@ def test_layer_ops_raise_on_bad_shapes(device):
         st = layer.stash(1)
         tr.gdn_verify(mixed, z, a, b, cu_seqlens=cu_seqlens([2], device), conv_state=c, ssm_state=s,
                       state_indices=idx[:1], stash=st, **layer.kw())
+
+
+# ---- real shapes on the GPU (Qwen3.5-35B-A3B / Qwen3-Next: 16 key heads, 32 value heads; 27B: 48) ----------
+
+REAL_ONE_LAUNCH = [(8, 1), (16, 1), (32, 2), (64, 4), (128, 4), (128, 8)]  # (bv, num_warps) the benchmark sweeps
+
+
+def _real_layer(hv: int, slots: int, seed: int):
+    dev, bf, hk, d = "cuda", torch.bfloat16, 16, 128
+    g = gen(seed)
+    dc = 2 * hk * d + hv * d
+    kw = dict(conv_weight=randn(dc, 4, g=g, dtype=bf, device=dev, scale=0.5),
+              A_log=torch.linspace(-3, 1, hv, device=dev), dt_bias=randn(hv, g=g, device=dev, scale=0.5),
+              norm_weight=(torch.rand(d, generator=g) + 0.5).to(dev, bf), eps=1e-6, scale=d ** -0.5)
+    pools = (randn(slots, 3, dc, g=g, dtype=bf, device=dev), randn(slots, hv, d, d, g=g, device=dev, scale=0.1))
+
+    def tokens(n):
+        return (randn(n, dc, g=g, dtype=bf, device=dev), randn(n, hv, d, g=g, dtype=bf, device=dev),
+                randn(n, hv, g=g, dtype=bf, device=dev), randn(n, hv, g=g, dtype=bf, device=dev))
+    return kw, pools, tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hv", [32, 48])
+def test_one_launch_decode_real_shape(hv):
+    """Every one-launch configuration the benchmark times, and the default rule, at B = 1, 3, 16 (padded
+    row, slots out of order): == the reference over two steps, == the two-launch path up to fp32 rounding."""
+    configs = [tr.RecurrentConfig(bv=bv, num_warps=w, one_launch=True) for bv, w in REAL_ONE_LAUNCH]
+    if hv != 32:
+        configs = configs[2:4]
+    for B in (1, 3, 16):
+        kw, (conv0, ssm0), tokens = _real_layer(hv, 2 * B + 1, seed=B)
+        idx = torch.randperm(2 * B + 1, generator=gen(B))[:B].to("cuda", torch.int32)
+        if B > 1:
+            idx[B // 2] = -1
+        steps = [tokens(B) for _ in range(2)]
+        runs = {}
+        for name, cfg in [("reference", None), ("two launches", tr.RecurrentConfig(bv=32, num_warps=2)),
+                          ("default", None)] + [(str(c), c) for c in configs]:
+            conv, ssm = conv0.clone(), ssm0.clone()
+            op = ref.gdn_decode if name == "reference" else tr.gdn_decode
+            extra = {} if cfg is None else {"config": cfg}
+            outs = [op(*t, conv_state=conv, ssm_state=ssm, state_indices=idx, **kw, **extra) for t in steps]
+            runs[name] = (torch.stack(outs), conv, ssm)
+        want, two = runs.pop("reference"), runs.pop("two launches")
+        assert_close(two[0], want[0], 2e-2, f"B={B} two launches output")
+        for name, (out, conv, ssm) in runs.items():
+            assert_close(out, want[0], 2e-2, f"B={B} {name} output")
+            assert_close(ssm, want[2], 1e-4, f"B={B} {name} state")
+            assert torch.equal(conv, want[1]), f"B={B} {name} conv windows"
+            # other tile shapes sum over K in another order: fp32 rounding, at most a bf16 ulp in the output
+            assert_close(out, two[0], 8e-3, f"B={B} {name} vs two launches")
+            assert_close(ssm, two[2], 1e-5, f"B={B} {name} state vs two launches")
+        assert not tr._group_counters(torch.device("cuda", torch.cuda.current_device()), B * 16).any()
+
+
+@pytest.mark.gpu
+def test_one_launch_decode_graph_replays():
+    """The one-launch decode captured in a CUDA graph: three replays == three eager steps (the counters
+    reset themselves inside the graph)."""
+    B = 2
+    kw, (conv0, ssm0), tokens = _real_layer(32, 4, seed=7)
+    idx = torch.tensor([3, 1], dtype=torch.int32, device="cuda")
+    mixed, z, a, b = tokens(B)
+    cfg = tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True)
+    conv_e, ssm_e = conv0.clone(), ssm0.clone()
+    eager = [tr.gdn_decode(mixed, z, a, b, conv_state=conv_e, ssm_state=ssm_e, state_indices=idx, config=cfg, **kw)
+             for _ in range(3)]
+    conv_g, ssm_g = conv0.clone(), ssm0.clone()
+    tr.gdn_decode(mixed, z, a, b, conv_state=conv_g.clone(), ssm_state=ssm_g.clone(), state_indices=idx,
+                  config=cfg, **kw)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tr.gdn_decode(mixed, z, a, b, conv_state=conv_g, ssm_state=ssm_g, state_indices=idx, config=cfg, **kw)
+    for step in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager[step]), f"replay {step}"
+    assert torch.equal(ssm_g, ssm_e) and torch.equal(conv_g, conv_e)

@@ -7,9 +7,16 @@ every column of the state is independent, so splitting V costs nothing but the r
 q/k work, and gives enough programs at batch 1. No host sync anywhere: all launches are CUDA-graph
 capturable once the batch shape is known; padded rows (slot -1) are masked out on the device.
 
-The fused decode is two launches: (1) conv + SiLU + gates + L2 norm + delta rule per (sequence, head,
-V-slice), writing the un-normalised output; (2) the gated RMSNorm (it needs a full V row, i.e. all
-slices) and the conv-window update (it must wait until every program of (1) has read the old window).
+The fused decode has two forms, picked on the host from the batch size (default_decode_config):
+- small batches, one launch (_decode_fused_kernel): per (sequence, value head, V-slice) conv + SiLU +
+  gates + L2 norm + delta rule, then the gated RMSNorm and the conv-window update. Both need the programs
+  of a key head to cooperate: the q/k window channels are read by all of them, and the norm needs all
+  slices of a row. Each program counts itself in on a per-(sequence, key head) counter after its reads
+  and writes; the last one to arrive shifts the q/k window and (with V split) normalises the rows, then
+  resets the counter to zero. A program's own value channels of the window are read by it alone, so it
+  shifts them itself. With whole-row programs (BV = V) the norm needs no other program.
+- large batches, two launches: (1) the same per-program math writing the un-normalised output; (2) the
+  gated RMSNorm and the conv-window update (after every program of (1) has read the old window).
 Verify is three: a token-parallel pre-pass (conv + SiLU, q/k L2 norms, gates of every token, once per
 head instead of once per V-slice), the recurrence over the T_n tokens (state math only), and (2) with
 the copy of the inputs into the stash instead of the window update.
@@ -18,6 +25,7 @@ the copy of the inputs into the stash instead of the window update.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -32,10 +40,12 @@ from .reference import VerifyStash, num_key_heads
 
 @dataclasses.dataclass(frozen=True)
 class RecurrentConfig:
-    """Launch shape of the per-token kernels. bv: state columns per program; num_warps per program."""
+    """Launch shape of the per-token kernels. bv: state columns per program; num_warps per program;
+    one_launch (gdn_decode only): the gated norm and the window update in the token kernel."""
 
     bv: int = 32
     num_warps: int = 4
+    one_launch: bool = False
 
 
 def default_recurrent_config(num_programs_bv32: int, v: int) -> RecurrentConfig:
@@ -53,6 +63,20 @@ def default_tokens_config(num_programs_bv32: int, v: int) -> RecurrentConfig:
     if num_programs_bv32 >= 1024:
         return RecurrentConfig(bv=min(32, v), num_warps=2)
     return RecurrentConfig(bv=min(8, v), num_warps=1)
+
+
+def default_decode_config(n: int, hv: int, v: int) -> RecurrentConfig:
+    """gdn_decode for n sequences (host-side rule from shapes only, so graph capture sees one path).
+    Measured on the H200 (benchmarks/gdn_decode_latency.py, docs/PERFORMANCE.md): one launch up to
+    ONE_LAUNCH_MAX_ROWS sequences, the two-launch path above."""
+    if n <= ONE_LAUNCH_MAX_ROWS:
+        bv, warps = (32, 2) if n * hv <= 128 else (64, 4)
+        return RecurrentConfig(bv=min(bv, v), num_warps=warps, one_launch=True)
+    return default_tokens_config(n * hv * max(v // 32, 1), v)
+
+
+# gdn_decode batches up to this size take the one-launch path.
+ONE_LAUNCH_MAX_ROWS = 16
 
 
 # ---- shared device pieces -----------------------------------------------------------------------
@@ -86,6 +110,30 @@ def _conv_token(x, s_x_t, win, D, conv_w, ch, t, bos, live, C: tl.constexpr, W: 
         wv = tl.load(win + (W - 1 + p - bos) * D + ch, mask=in_w, other=0.0).to(tl.float32)
         acc += (xv + wv) * tl.load(conv_w + ch * W + i).to(tl.float32)
     return silu(acc).to(x.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _shift_window(win, D, ch, cm, xrow, live, W: tl.constexpr, WP: tl.constexpr):
+    """Window rows of channels ch (mask cm) <- [rows 1.., x_t]. Every thread reads the old rows it moves
+    before any thread of the program writes (the barrier); other programs must be done reading them."""
+    r = tl.arange(0, WP)
+    p = win + r[:, None] * D + ch[None, :]
+    shifted = tl.load(p + D, mask=(r[:, None] + 1 < W - 1) & cm[None, :] & live, other=0.0)
+    xt = tl.load(xrow + ch, mask=cm & live, other=0.0)
+    new = tl.where(r[:, None] == W - 2, xt[None, :].to(tl.float32), shifted.to(tl.float32))
+    tl.debug_barrier()
+    tl.store(p, new.to(win.dtype.element_ty), mask=(r[:, None] < W - 1) & cm[None, :] & live)
+
+
+@triton.jit
+def _gated_rms(ot, zt, w, eps, V: tl.constexpr, SIGMOID: tl.constexpr):
+    """Gated RMSNorm of fp32 rows ot [H, V] with gate inputs zt [H, V] and weight w [V] (fp32)."""
+    y = ot * tl.rsqrt(tl.sum(ot * ot, axis=1) / V + eps)[:, None] * w[None, :]
+    if SIGMOID:
+        gate = sigmoid(zt)
+    else:
+        gate = silu(zt)
+    return y * gate
 
 
 # ---- gates --------------------------------------------------------------------------------------
@@ -230,6 +278,76 @@ def _tokens_kernel(x, s_x_t, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, conv_st
 
 
 @triton.jit
+def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, norm_w,
+                         conv_state, ssm, idx, o_tmp, out, counters, scale, eps, HK, HV, D,
+                         R: tl.constexpr, RP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         BV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, SIGMOID: tl.constexpr):
+    """Fused decode in one launch (small batches): _tokens_kernel's math, then the gated norm and the
+    window update, coordinated per (sequence, key head) by a counter (module docstring)."""
+    j = tl.program_id(0)
+    nh = tl.program_id(1)
+    n = nh // HV
+    hv = nh % HV
+    hk = hv // R
+    slot = tl.load(idx + n).to(tl.int64)
+    live = slot >= 0
+    ok = tl.arange(0, K)
+    ov = j * BV + tl.arange(0, BV)
+    cq = hk * K + ok
+    ck = HK * K + hk * K + ok
+    cv = 2 * HK * K + hv * V + ov
+    win = conv_state + slot * ((W - 1) * D)
+    sp = ssm + slot * (HV * K * V) + hv * (K * V) + ok[:, None] * V + ov[None, :]
+    smask = (ok[:, None] >= 0) & live
+    S = tl.load(sp, mask=smask, other=0.0)
+    t = n.to(tl.int64)
+    xrow = x + t * s_x_t
+    qh = _l2norm(_conv_token(x, s_x_t, win, D, conv_w, cq, t, n, live, K, W)) * scale
+    kh = _l2norm(_conv_token(x, s_x_t, win, D, conv_w, ck, t, n, live, K, W))
+    vv = _conv_token(x, s_x_t, win, D, conv_w, cv, t, n, live, BV, W)
+    gt = -tl.exp(tl.load(A_log + hv).to(tl.float32)) * softplus(
+        tl.load(a + t * s_a_t + hv).to(tl.float32) + tl.load(dt_bias + hv).to(tl.float32))
+    bt = sigmoid(tl.load(b + t * s_b_t + hv).to(tl.float32))
+    S, o, _ = _delta_step(S, kh, qh, vv, gt, bt)
+    tl.store(sp, S, mask=smask)
+    o = tl.where(live, o, 0.0).to(out.dtype.element_ty)  # rounded to the activation dtype, as unfused
+    if BV == V:  # whole rows: the norm is local (dead rows: zeros in, zeros out)
+        zt = tl.load(z + t * s_z_t + hv * s_z_h + ov).to(tl.float32)
+        w = tl.load(norm_w + ov).to(tl.float32)
+        y = _gated_rms(o.to(tl.float32)[None, :], zt[None, :], w, eps, V, SIGMOID)
+        tl.store(out + (t * HV + hv) * V + ov[None, :], y.to(out.dtype.element_ty))
+    else:
+        tl.store(o_tmp + (t * HV + hv) * V + ov, o)
+        tl.store(out + (t * HV + hv) * V + ov, tl.zeros([BV], dtype=out.dtype.element_ty), mask=(ov >= 0) & (slot < 0))
+    # the value channels of this slice are read by this program alone
+    _shift_window(win, D, cv, ov >= 0, xrow, live, W, WP)
+    if R * (V // BV) == 1:  # the only program of its (sequence, key head)
+        _shift_window(win, D, cq, ok >= 0, xrow, live, W, WP)
+        _shift_window(win, D, ck, ok >= 0, xrow, live, W, WP)
+    else:
+        if live:
+            tl.debug_barrier()  # every thread's o_tmp stores and window reads precede the release below
+            cnt = counters + n * HK + hk
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if arrived == R * (V // BV) - 1:  # the last of the group: the q/k window is free, o_tmp complete
+                tl.store(cnt, 0)
+                _shift_window(win, D, cq, ok >= 0, xrow, live, W, WP)
+                _shift_window(win, D, ck, ok >= 0, xrow, live, W, WP)
+                if BV < V:
+                    hr = tl.arange(0, RP)
+                    heads = hk * R + hr
+                    of = tl.arange(0, V)
+                    hm = (hr[:, None] < R) & (of[None, :] >= 0)
+                    ot = tl.load(o_tmp + (t * HV + heads[:, None]) * V + of[None, :], mask=hm, other=0.0,
+                                 cache_modifier=".cg").to(tl.float32)
+                    zt = tl.load(z + t * s_z_t + heads[:, None] * s_z_h + of[None, :], mask=hm,
+                                 other=0.0).to(tl.float32)
+                    w = tl.load(norm_w + of).to(tl.float32)
+                    y = _gated_rms(ot, zt, w, eps, V, SIGMOID)
+                    tl.store(out + (t * HV + heads[:, None]) * V + of[None, :], y.to(out.dtype.element_ty), mask=hm)
+
+
+@triton.jit
 def _verify_prep_kernel(x, s_x_t, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, conv_state, idx, cu, N,
                         qn, vn, st_k, st_g, bn, scale, HK, HV, D,
                         K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -309,29 +427,31 @@ def _finish_kernel(o_tmp, z, s_z_t, s_z_h, norm_w, out, x, s_x_t, conv_state, id
         ot = tl.load(o_tmp + (t * HV + heads[:, None]) * V + ov[None, :], mask=hm, other=0.0).to(tl.float32)
         zt = tl.load(z + t * s_z_t + heads[:, None] * s_z_h + ov[None, :], mask=hm, other=0.0).to(tl.float32)
         w = tl.load(norm_w + ov).to(tl.float32)
-        y = ot * tl.rsqrt(tl.sum(ot * ot, axis=1) / V + eps)[:, None] * w[None, :]
-        if SIGMOID:
-            gate = sigmoid(zt)
-        else:
-            gate = silu(zt)
-        tl.store(out + (t * HV + heads[:, None]) * V + ov[None, :], (y * gate).to(out.dtype.element_ty), mask=hm)
+        y = _gated_rms(ot, zt, w, eps, V, SIGMOID)
+        tl.store(out + (t * HV + heads[:, None]) * V + ov[None, :], y.to(out.dtype.element_ty), mask=hm)
     else:
         ch = (p - NORM_BLOCKS) * BD + tl.arange(0, BD)
         cm = ch < D
-        xt = tl.load(x + t * s_x_t + ch, mask=cm, other=0.0)
         if VERIFY:
+            xt = tl.load(x + t * s_x_t + ch, mask=cm, other=0.0)
             tl.store(st_x + t * D + ch, xt.to(st_x.dtype.element_ty), mask=cm)
-        else:
-            # window <- [window[1:], x_t]; read the whole old window before any thread overwrites it
+        else:  # window <- [window[1:], x_t]
             slot = tl.load(idx + t).to(tl.int64)
-            r = tl.arange(0, WP)
-            win = conv_state + slot * ((W - 1) * D) + r[:, None] * D + ch[None, :]
-            live = slot >= 0
-            shifted = tl.load(win + D, mask=(r[:, None] + 1 < W - 1) & cm[None, :] & live, other=0.0)
-            new = tl.where(r[:, None] == W - 2, xt[None, :].to(tl.float32), shifted.to(tl.float32))
-            tl.debug_barrier()
-            dst_m = (r[:, None] < W - 1) & cm[None, :] & live
-            tl.store(win, new.to(conv_state.dtype.element_ty), mask=dst_m)
+            _shift_window(conv_state + slot * ((W - 1) * D), D, ch, cm, x + t * s_x_t, slot >= 0, W, WP)
+
+
+def _group_counters(device: torch.device, groups: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (sequence, key head), for _decode_fused_kernel; every launch leaves
+    them zero again. Shared by all calls on a device (calls on one device are stream-ordered in the
+    engine; two gdn_decode launches must not run concurrently)."""
+    return _zeroed_counters(device, next_pow2(max(groups, 4096)))
+
+
+@functools.cache
+def _zeroed_counters(device: torch.device, size: int) -> torch.Tensor:
+    # The one cache in the ops: the op's signature has no workspace, and zeroing a fresh buffer on every
+    # call would add back the launch that the one-launch path removes.
+    return torch.zeros(size, dtype=torch.int32, device=device)
 
 
 def _check_layer_inputs(op, mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, ssm_state):
@@ -383,9 +503,21 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
     out = torch.empty((T, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     if T == 0 or N == 0:
         return out
-    cfg = config or default_tokens_config(N * HV * max(V // 32, 1), V)
+    if verify:
+        cfg = config or default_tokens_config(N * HV * max(V // 32, 1), V)
+        check(not cfg.one_launch, op, "config one_launch applies to gdn_decode only")
+    else:
+        cfg = config or default_decode_config(N, HV, V)
     check(V % cfg.bv == 0, op, f"config bv={cfg.bv} must divide V={V}")
     o_tmp = torch.empty((T, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+    if cfg.one_launch:
+        _decode_fused_kernel[(V // cfg.bv, N * HV)](
+            mixed_qkv, mixed_qkv.stride(0), z3, z3.stride(0), z3.stride(1), a, a.stride(0), b, b.stride(0),
+            conv_weight, A_log, dt_bias, norm_weight, conv_state, ssm_state, state_indices, o_tmp, out,
+            _group_counters(mixed_qkv.device, N * HK), float(scale), float(eps), HK, HV, D, R=HV // HK,
+            RP=next_pow2(HV // HK), K=K, V=V, BV=cfg.bv, W=W, WP=next_pow2(W - 1), SIGMOID=sigmoid_gate,
+            num_warps=cfg.num_warps)
+        return out
     dummy = o_tmp  # pointer arguments that the decode variant never touches
     if verify:
         f32 = torch.float32
