@@ -35,6 +35,15 @@ def test_topk_softmax_matches_reference(E, top_k, renorm, slices, dtype, device)
     assert_close(w_tri, w_ref, 1e-6, "weights")
 
 
+@pytest.mark.parametrize("T", [1, 100])                  # one token per program, and 16-token tiles
+def test_batch_sizes_take_both_launch_shapes(T, device):
+    logits = _logits(T, 61, seed=T, device=device, dtype=torch.float32)
+    w_ref, i_ref = ref.topk_softmax(logits, 4, True, shared_slices=1)
+    w_tri, i_tri = tri.topk_softmax(logits, 4, True, shared_slices=1)
+    assert torch.equal(i_tri, i_ref)
+    assert_close(w_tri, w_ref, 1e-6, "weights")
+
+
 def test_shared_slices_weight_is_the_sigmoid_of_the_last_column(device):
     logits = torch.zeros(2, 9, device=device)
     logits[:, 8] = torch.tensor([0.0, 2.0])
