@@ -143,15 +143,25 @@ class Case:
 
 
 def chunk_label(cfg) -> str:
-    prep = f"split w{cfg.warps_prep}+wu w{cfg.warps_wu}" if cfg.split_prep else f"fused w{cfg.warps_prep}"
-    prep += f" P{'@wu' if cfg.p_in_wu else '@solve'} merge {cfg.merge_prec}"
-    return f"bv{cfg.bv}/w{cfg.warps_state}/s{cfg.state_stages()}/{cfg.prec}/prep {prep}"
+    if cfg.solve == "tc":
+        prep = f"tc w{cfg.warps_tc}"
+    else:
+        prep = (f"subst split w{cfg.warps_prep}+wu w{cfg.warps_wu}" if cfg.split_prep
+                else f"subst fused w{cfg.warps_prep}")
+        prep += f" P{'@wu' if cfg.p_in_wu else '@solve'}"
+    return f"bv{cfg.bv}/w{cfg.warps_state}/s{cfg.state_stages()}/{cfg.prec}/prep {prep} merge {cfg.merge_prec}"
+
+
+# Variants timed with --sweep prefill (each is also a configuration of tests/ops/test_gdn_chunk.py's GPU tests).
+PREFILL_SWEEP = [dict(solve="subst", merge_prec="tf32x3"), dict(warps_tc=8), dict(merge_prec="tf32x3"), dict(bv=64),
+                 dict(bv=64, warps_state=8), dict(prec="bf16"), dict(bv=64, prec="bf16")]
 
 
 def prefill_cases(sweep: bool) -> list[Case]:
-    cases = []
-    changes = [dict(p_in_wu=True), dict(merge_prec="tf32"), dict(bv=32), dict(bv=64), dict(stages_state=2),
-               dict(prec="bf16"), dict(warps_prep=1), dict(warps_wu=8)] if sweep else []
+    """Per shape: ours, FLA and our two prep / state parts first (every shape), then the variants (a run
+    cut short by its time budget loses variants, not the main table)."""
+    cases, later = [], []
+    changes = PREFILL_SWEEP if sweep else []
     for name, lengths in PREFILL.items():
         T = sum(lengths)
 
@@ -195,10 +205,10 @@ def prefill_cases(sweep: bool) -> list[Case]:
         variants = {chunk_label(dataclasses.replace(base, **ch)): dataclasses.replace(base, **ch) for ch in changes}
         variants.pop(chunk_label(base), None)
         for label, cfg in variants.items():
-            cases.append(Case("prefill", name, label, 3, lambda c, cfg=cfg, f=ours: f(c, cfg=cfg), tokens=T,
+            later.append(Case("prefill", name, label, 3, lambda c, cfg=cfg, f=ours: f(c, cfg=cfg), tokens=T,
                               sweep=True))
-        cases.append(Case("prefill", name, "ours gdn_prefill (gates fused)", 3, ours_gates, tokens=T))
-    return cases
+        later.append(Case("prefill", name, "ours gdn_prefill (gates fused)", 3, ours_gates, tokens=T))
+    return cases + later
 
 
 def _calls_for(B):
@@ -379,7 +389,7 @@ def warm_up(args, log) -> None:
     if args.gpu_tests:
         # one process per test: a CUDA fault in one cannot take the others down
         env = dict(os.environ, DELTASERVE_GPU_REPORT=os.path.join(args.out, "gpu_tests.jsonl"))
-        tests = subprocess.run([sys.executable, "-m", "pytest", "tests/ops/test_gpu.py", "--co", "-q",
+        tests = subprocess.run([sys.executable, "-m", "pytest", *args.gpu_tests_files.split(","), "--co", "-q",
                                 "-p", "no:cacheprovider", "-k", args.gpu_tests_k], capture_output=True, text=True,
                                env=env).stdout.split()
         log_path = os.path.join(args.out, "gpu_tests.log")
@@ -487,8 +497,10 @@ def main() -> int:
                     help="also time launch-config variants of our kernels (optionally only for these groups)")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--no-fla", action="store_true")
-    ap.add_argument("--gpu-tests", action="store_true", help="run tests/ops/test_gpu.py during the warm-up")
+    ap.add_argument("--gpu-tests", action="store_true", help="run the GPU tests (--gpu-tests-files) during the warm-up")
     ap.add_argument("--gpu-tests-k", default="", help="pytest -k expression selecting those tests")
+    ap.add_argument("--gpu-tests-files", default="tests/ops/test_gpu.py",
+                    help="comma-separated test files for --gpu-tests (one process per test)")
     ap.add_argument("--budget-s", type=float, default=400.0, help="skip remaining cases after this wall time")
     ap.add_argument("--only", default="", help="comma-separated words; keep cases whose 'group impl' has one")
     ap.add_argument("--worker", default=None)

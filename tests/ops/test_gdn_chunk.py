@@ -1,15 +1,19 @@
 """Chunked prefill (Triton) against the plain-torch references: mixed lengths around the chunk size in
-one batch, GVA head ratios, slots out of order and padded, with and without initial state."""
+one batch, GVA head ratios, slots out of order and padded, with and without initial state. The `gpu`
+tests at the end run every launch configuration the benchmark times at the real Qwen3-Next shape."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from deltaserve.ops.gdn import reference as ref
 from deltaserve.ops.gdn import triton_chunk as tc
+from deltaserve.ops.gdn.triton_chunk import _ut_inverse
 
-from .helpers import assert_close, cu_seqlens, gdn_inputs, gen
+from .helpers import assert_close, cu_seqlens, gdn_inputs, gen, rel_err
 
 # bf16 activations: outputs are rounded to bf16 (on the GPU kernel 2 also rounds its operands to tf32).
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -143,12 +147,15 @@ def test_chunk_rejects_unknown_precision(device):
         _run(tc.chunk_gated_delta_rule, d, d["pool"], config=tc.ChunkConfig(prec="fp8"))
     with pytest.raises(ValueError, match="merge_prec='bf16'"):
         _run(tc.chunk_gated_delta_rule, d, d["pool"], config=tc.ChunkConfig(merge_prec="bf16"))
+    with pytest.raises(ValueError, match="solve='lu'"):
+        _run(tc.chunk_gated_delta_rule, d, d["pool"], config=tc.ChunkConfig(solve="lu"))
 
 
-@pytest.mark.parametrize("change", [dict(split_prep=False), dict(p_in_wu=True)])
+@pytest.mark.parametrize("change", [dict(solve="subst"), dict(solve="subst", split_prep=False),
+                                    dict(solve="subst", p_in_wu=True)])
 def test_chunk_prep_layouts_agree(change, device):
-    """W and U formed inside the solve kernel (16-row blocks), or P formed in the W/U kernel, == the
-    default split prep."""
+    """The forward-substitution prep (W and U in the W/U kernel, or from 16-row blocks in the solve
+    kernel, or P in the W/U kernel) == the default one-kernel tensor-core prep."""
     d = _batch([65, 1, 64], 2, torch.float32, device, seed=4)
     p_base, p_var = d["pool"].clone(), d["pool"].clone()
     o_base = _run(tc.chunk_gated_delta_rule, d, p_base, config=tc.ChunkConfig(prec="ieee"))
@@ -158,8 +165,10 @@ def test_chunk_prep_layouts_agree(change, device):
 
 
 def test_state_stages_fit_the_operand_dtype():
-    """3 pipeline stages only with bf16 operand tiles: fp32 W / P tiles at 3 stages overflow shared memory."""
+    """3 pipeline stages only with bf16 operand tiles of <= 32 columns: fp32 W / P tiles or 64-column
+    slices at 3 stages overflow shared memory."""
     assert tc.ChunkConfig().state_stages() == 3
+    assert tc.ChunkConfig(bv=64).state_stages() == 2
     assert tc.ChunkConfig(prec="tf32").state_stages() == 2
     assert tc.ChunkConfig(prec="ieee").state_stages() == 2
     assert tc.ChunkConfig(prec="tf32", stages_state=1).state_stages() == 1
@@ -173,3 +182,118 @@ def test_chunk_wide_state_slices(device):
     o_tri = _run(tc.chunk_gated_delta_rule, d, p_tri, config=tc.ChunkConfig(bv=64))
     assert_close(o_tri, o_ref, TOL[torch.bfloat16], "output")
     assert_close(p_tri, p_ref, TOL[torch.bfloat16], "state pool")
+
+
+@triton.jit
+def _inverse_kernel(A_ptr, T_ptr, BT: tl.constexpr):
+    r = tl.arange(0, BT)
+    A = tl.load(A_ptr + r[:, None] * BT + r[None, :])
+    tl.store(T_ptr + r[:, None] * BT + r[None, :], _ut_inverse(A, BT, "ieee", "ieee"))
+
+
+@pytest.mark.parametrize("kind", ["random keys", "identical keys"])
+def test_ut_inverse_by_doubling(kind, device):
+    """The tensor-core UT inverse (I + A)^-1 (recursive doubling: batched 16 x 16 diagonal blocks, then
+    the 32- and 64-wide joins) against a float64 triangular solve, including identical keys with beta = 1,
+    where powers of A grow to binomial sizes (a power series would cancel them; the joins never form them)."""
+    g = gen(17)
+    if kind == "random keys":
+        k = torch.nn.functional.normalize(torch.randn(64, 128, generator=g), dim=-1)
+        A = (torch.rand(64, 1, generator=g) * (k @ k.T)).tril(-1)
+    else:
+        A = torch.ones(64, 64).tril(-1)
+    T = torch.empty(64, 64, device=device)
+    _inverse_kernel[(1,)](A.to(device), T, BT=64)
+    eye = torch.eye(64, dtype=torch.float64)
+    want = torch.linalg.solve_triangular(eye + A.double(), eye, upper=False)
+    assert_close(T.cpu().double(), want, 1e-6, "inverse")
+
+
+# ---- real shape, every configuration the benchmark times (GPU only) ------------------------------
+
+GPU_CONFIGS = {
+    "default": None,
+    "tc merge tf32x3": tc.ChunkConfig(merge_prec="tf32x3"),
+    "tc w8": tc.ChunkConfig(warps_tc=8),
+    "bv64": tc.ChunkConfig(bv=64),
+    "bv64 w8": tc.ChunkConfig(bv=64, warps_state=8),
+    "bv64 bf16": tc.ChunkConfig(bv=64, prec="bf16"),
+    "bf16": tc.ChunkConfig(prec="bf16"),
+    "subst (session 2)": tc.ChunkConfig(solve="subst", merge_prec="tf32x3"),
+}
+
+
+@pytest.mark.gpu
+def test_tc_prep_buffers_match_torch_gpu():
+    """The one-kernel tensor-core prep alone: W, U, P, G and the norms against torch (localises)."""
+    from .test_gpu import HK, HV, D, _inputs, _prep_reference, _report
+
+    lengths = [1, 63, 64, 65, 300]
+    q, k, v, g, beta = _inputs(lengths, HK, HV, seed=12)
+    for name in ("default", "tc merge tf32x3", "tc w8"):
+        cfg = GPU_CONFIGS[name] or tc.default_chunk_config(len(lengths), HV, D, torch.bfloat16)
+        bufs = tc._launch_prep(q, k, v, g, beta, False, None, None, D ** -0.5, cu_seqlens(lengths, "cuda"),
+                               len(lengths), True, cfg)
+        want = _prep_reference(q, k, v, g, beta, lengths, D ** -0.5, HV)
+        errs = {b: rel_err(bufs[b], want[b]) for b in ("Wb", "Ub", "Pb", "Gb", "rq", "rk")}
+        _report(test="tc_prep_buffers", config=name, **errs)
+        for b, err in errs.items():
+            assert err < 2e-2, f"{name} {b}: relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_CONFIGS) + ["default, gates fused"])
+def test_chunk_configs_real_shape_gpu(name):
+    """Mixed lengths around the chunk size, a padded row, slots out of order, half without initial state."""
+    from .test_gpu import HK, HV, TOL_BF16, D, _inputs, _report
+
+    lengths = [1, 63, 64, 65, 1000]
+    q, k, v, g, beta = _inputs(lengths, HK, HV, seed=21)
+    N = len(lengths)
+    pool = torch.randn(N + 2, HV, D, D, generator=gen(1)).mul(0.1).cuda()
+    kw = dict(scale=D ** -0.5, cu_seqlens=cu_seqlens(lengths, "cuda"),
+              state_indices=torch.tensor([5, 0, -1, 3, 1], dtype=torch.int32, device="cuda"),
+              has_initial_state=torch.tensor([True, False, True, True, False], device="cuda"))
+    p_ref, p_tri = pool.clone(), pool.clone()
+    if name.endswith("gates fused"):
+        a = torch.randn(sum(lengths), HV, generator=gen(2)).to("cuda", torch.bfloat16)
+        b = torch.randn(sum(lengths), HV, generator=gen(3)).to("cuda", torch.bfloat16)
+        gk = dict(A_log=torch.linspace(-3.0, 1.0, HV, device="cuda"), dt_bias=torch.zeros(HV, device="cuda"))
+        o_ref = ref.gdn_prefill(q, k, v, a, b, ssm_state=p_ref, **gk, **kw)
+        o_tri = tc.gdn_prefill(q, k, v, a, b, ssm_state=p_tri, **gk, **kw)
+    else:
+        o_ref = ref.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_ref, **kw)
+        o_tri = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_tri, config=GPU_CONFIGS[name], **kw)
+    _report(test="chunk_config_mixed", config=name, out_rel=rel_err(o_tri, o_ref), state_rel=rel_err(p_tri, p_ref))
+    assert_close(o_tri, o_ref, TOL_BF16, "output")
+    assert_close(p_tri, p_ref, TOL_BF16, "state")
+    assert (o_tri[64:128] == 0).all(), "padded sequence gives zeros"
+
+
+@pytest.mark.gpu
+def test_chunk_configs_8k_not_less_accurate_than_fla_gpu():
+    """One 8192-token sequence with slow decay against the fp32 token-by-token recurrence: every
+    configuration's output and final-state errors must not exceed FLA's on the same inputs."""
+    from .test_gpu import HK, HV, D, _inputs, _report
+
+    T = 8192
+    q, k, v, g, beta = _inputs([T], HK, HV, seed=8, mild_decay=True)
+    pool = torch.randn(1, HV, D, D, generator=gen(2)).mul(0.1).cuda()
+    kw = dict(scale=D ** -0.5, cu_seqlens=cu_seqlens([T], "cuda"),
+              state_indices=torch.zeros(1, dtype=torch.int32, device="cuda"),
+              has_initial_state=torch.ones(1, dtype=torch.bool, device="cuda"))
+    p_rec = pool.clone()
+    o_rec = ref.recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state=p_rec, **kw)
+    rows = {}
+    for name, cfg in GPU_CONFIGS.items():
+        p = pool.clone()
+        o = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p, config=cfg, **kw)
+        rows[name] = (rel_err(o, o_rec), rel_err(p, p_rec))
+    fla_chunk = pytest.importorskip("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+    o, st = fla_chunk(q[None], k[None], v[None], g[None], beta[None], scale=D ** -0.5, initial_state=pool.clone(),
+                      output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=kw["cu_seqlens"].long())
+    fla = (rel_err(o[0], o_rec), rel_err(st, p_rec))
+    for name, (out_rel, state_rel) in dict(rows, fla=fla).items():
+        _report(test="chunk_8k_configs", impl=name, out_rel=out_rel, state_rel=state_rel)
+    worse = {name: r for name, r in rows.items() if r[0] > fla[0] or r[1] > fla[1]}
+    assert not worse, f"less accurate than FLA {fla}: {worse}"

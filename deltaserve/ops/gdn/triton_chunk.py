@@ -52,6 +52,7 @@ from ..triton_common import (
 CHUNK = 64
 PRECISIONS = ("bf16x2", "bf16", "tf32", "ieee")
 MERGE_PRECISIONS = ("tf32x3", "tf32", "ieee")
+SOLVES = ("tc", "subst")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +60,14 @@ class ChunkConfig:
     """Launch and precision choices of the chunked prefill.
 
     bv: state columns per program of kernel 3 (state); warps_* / stages_state: launch shapes; prec:
-    operand precision of kernel 3's products (module docstring), one of PRECISIONS; split_prep: W and U
-    formed by a second prep kernel from the stored inverse (whole-chunk tensor-core products) instead of
-    from 16-row blocks in the solve kernel; p_in_wu: P formed there too (verified on the H200, not yet
-    timed); merge_prec: precision of the inverse's off-diagonal block products ("tf32x3" ~ fp32, or
-    "tf32" as FLA). The diagonal blocks of the inverse are always exact fp32 forward substitution.
+    operand precision of kernel 3's products (module docstring), one of PRECISIONS.
+    solve: "tc" forms the whole prep (P, the UT inverse by tensor-core doubling, W, U) in one kernel
+    (`_chunk_prep_tc_kernel`, warps_tc); "subst" is the earlier forward-substitution solve kernel, whose
+    layout the next two fields choose: split_prep: W and U formed by a second prep kernel from the
+    stored inverse (whole-chunk tensor-core products) instead of from 16-row blocks in the solve kernel;
+    p_in_wu: P formed there too. merge_prec: precision of the inverse's off-diagonal block products
+    ("tf32x3" ~ fp32, or "tf32" as FLA). The 16 x 16 diagonal blocks are always exact fp32 (forward
+    substitution, or the batched doubling products in fp32 FMA).
     """
 
     bv: int = 32
@@ -74,12 +78,15 @@ class ChunkConfig:
     split_prep: bool = True
     warps_wu: int = 4
     p_in_wu: bool = False
-    merge_prec: str = "tf32x3"
+    merge_prec: str = "tf32"
+    solve: str = "tc"
+    warps_tc: int = 4
 
     def state_stages(self) -> int:
-        """Pipeline depth of kernel 3; 0 means 3 with bf16 operand tiles, 2 with fp32 ones (3 stages of
-        fp32 W / P tiles exceed the H200's 227 KiB of shared memory)."""
-        return self.stages_state or (3 if self.prec.startswith("bf16") else 2)
+        """Pipeline depth of kernel 3; 0 means 3 with bf16 operand tiles and slices of <= 32 columns,
+        else 2 (3 stages of fp32 W / P tiles, or of 64-column slices, exceed the H200's 227 KiB of
+        shared memory)."""
+        return self.stages_state or (3 if self.prec.startswith("bf16") and self.bv <= 32 else 2)
 
 
 def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.dtype) -> ChunkConfig:
@@ -421,6 +428,96 @@ def _chunk_wu_kernel(
 
 
 @triton.jit
+def _sub_mask(n: tl.constexpr, s: tl.constexpr):
+    """[n, n] mask of the blocks that join inverse blocks of size s into blocks of size 2s: rows in the
+    lower s-half, columns in the upper s-half of each diagonal 2s-block."""
+    r = tl.arange(0, n)
+    i = r[:, None]
+    j = r[None, :]
+    return (i // (2 * s) == j // (2 * s)) & ((i // s) % 2 == 1) & ((j // s) % 2 == 0)
+
+
+@triton.jit
+def _join(X, A, s: tl.constexpr, n: tl.constexpr, PREC: tl.constexpr):
+    """Inverse blocks of size s -> 2s: with X = diag(X1, X2) the inverses of the two halves' (I + L) and
+    C the block of L below them, (I + [[L1, 0], [C, L2]])^-1 = [[X1, 0], [-X2 C X1, X2]] = X - X C X.
+    X and A are [n, n] or batched [B, n, n]; every product is a block of the inverse times a block of
+    A (no power series, so nothing grows and cancels)."""
+    if len(A.shape) == 3:
+        C = tl.where(_sub_mask(n, s)[None, :, :], A, 0.0)
+    else:
+        C = tl.where(_sub_mask(n, s), A, 0.0)
+    return X - tl.dot(tl.dot(X, C, input_precision=PREC), X, input_precision=PREC)
+
+
+@triton.jit
+def _ut_inverse(A, BT: tl.constexpr, DIAG_PREC: tl.constexpr, MERGE_PREC: tl.constexpr):
+    """(I + A)^-1 of a strictly lower-triangular fp32 [BT, BT] tile (BT = 64) by recursive doubling on
+    tensor cores: the four 16 x 16 diagonal blocks as one batched [4, 16, 16] problem (levels 1 -> 16,
+    DIAG_PREC), then the 32- and 64-wide joins on the whole tile (MERGE_PREC)."""
+    SB: tl.constexpr = 16
+    NB: tl.constexpr = BT // SB
+    b = tl.arange(0, NB)
+    same = b[:, None, None, None] == b[None, None, :, None]
+    Ad = tl.sum(tl.where(same, tl.reshape(A, (NB, SB, NB, SB)), 0.0), axis=2)   # diagonal blocks [NB, SB, SB]
+    rs = tl.arange(0, SB)
+    X = tl.zeros([NB, SB, SB], dtype=tl.float32) + tl.where(rs[:, None] == rs[None, :], 1.0, 0.0)[None, :, :]
+    X = _join(X, Ad, 1, SB, DIAG_PREC)
+    X = _join(X, Ad, 2, SB, DIAG_PREC)
+    X = _join(X, Ad, 4, SB, DIAG_PREC)
+    X = _join(X, Ad, 8, SB, DIAG_PREC)
+    Xf = tl.reshape(tl.where(same, tl.expand_dims(X, 2), 0.0), (BT, BT))        # block-diagonal [BT, BT]
+    Xf = _join(Xf, A, 16, BT, MERGE_PREC)
+    return _join(Xf, A, 32, BT, MERGE_PREC)
+
+
+@triton.jit
+def _chunk_prep_tc_kernel(
+    q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h,
+    g, beta, s_g_t, s_b_t, A_log, dt_bias,
+    coff, cu, N, Wb, Ub, Pb, Gb, rq_b, rk_b, scale, HK, HV,
+    R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
+    L2NORM: tl.constexpr, GATES: tl.constexpr, QK_PREC: tl.constexpr, DIAG_PREC: tl.constexpr,
+    MERGE_PREC: tl.constexpr, WU_PREC: tl.constexpr,
+):
+    """The whole prep in one program per (chunk, value head), on whole-chunk tiles: norms, gates, G,
+    P, A, the tensor-core UT inverse T (never stored), W = (T diag(beta e^G rk)) K, U = (T diag(beta)) V.
+    The diagonal factors scale T's columns, so the raw bf16 rows of K and V stay exact operands."""
+    p = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // R
+    n, c, bos, eos = locate_chunk(coff, cu, N, p, BLOCK_N)
+    t0 = bos + c * BT
+    rows = tl.arange(0, BT)
+    m = rows < eos - t0
+    tok = (t0 + rows).to(tl.int64)
+    kraw = _load_rows(k, tok, m, s_k_t, hk * s_k_h, K)
+    rk = _rstd(kraw, L2NORM)
+    gv, bt = _gates(g, beta, s_g_t, s_b_t, A_log, dt_bias, tok, m, hv, GATES)
+    G = _cumsum(gv, BT)
+    tl.store(Gb + tok * HV + hv, G, mask=m)
+    # exp(G_i - G_j) on and below the diagonal, masked before the exp (no exp(+x) overflow)
+    E = tl.exp(tl.where(rows[:, None] >= rows[None, :], G[:, None] - G[None, :], float("-inf")))
+    qraw = _load_rows(q, tok, m, s_q_t, hk * s_q_h, K)
+    rq = _rstd(qraw, L2NORM) * scale
+    if hv % R == 0:  # the norms are per key head: one of its value heads stores them
+        tl.store(rq_b + tok * HK + hk, rq, mask=m)
+        tl.store(rk_b + tok * HK + hk, rk, mask=m)
+    Pm = _gram(qraw, kraw, QK_PREC) * (rq[:, None] * rk[None, :]) * E
+    tl.store(Pb + (tok[:, None] * HV + hv) * BT + rows[None, :], Pm.to(Pb.dtype.element_ty), mask=m[:, None])
+    KK = _gram(kraw, kraw, QK_PREC)
+    A = tl.where(rows[:, None] > rows[None, :], KK * ((bt * rk)[:, None] * rk[None, :]) * E, 0.0)
+    T = _ut_inverse(A, BT, DIAG_PREC, MERGE_PREC)
+    ok = tl.arange(0, K)
+    W = tl.dot(T * (bt * tl.exp(G) * rk)[None, :], kraw.to(tl.float32), input_precision=WU_PREC)
+    tl.store(Wb + (tok[:, None] * HV + hv) * K + ok[None, :], W.to(Wb.dtype.element_ty), mask=m[:, None])
+    vv = _load_rows(v, tok, m, s_v_t, hv * s_v_h, V).to(tl.float32)
+    U = tl.dot(T * bt[None, :], vv, input_precision=WU_PREC)
+    ov = tl.arange(0, V)
+    tl.store(Ub + (tok[:, None] * HV + hv) * V + ov[None, :], U, mask=m[:, None])
+
+
+@triton.jit
 def _chunk_state_kernel(
     q, k, s_q_t, s_q_h, s_k_t, s_k_h, o,
     Wb, Ub, Pb, Gb, rq_b, rk_b, ssm, cu, idx, has_init, HK, HV,
@@ -496,6 +593,7 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     check(cfg.prec in PRECISIONS, op, f"config prec={cfg.prec!r} is not one of {PRECISIONS}")
     check(cfg.merge_prec in MERGE_PRECISIONS, op,
           f"config merge_prec={cfg.merge_prec!r} is not one of {MERGE_PRECISIONS}")
+    check(cfg.solve in SOLVES, op, f"config solve={cfg.solve!r} is not one of {SOLVES}")
     o = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)
     if T == 0 or N == 0:
         return o
@@ -506,7 +604,7 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
 
 
 def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_seqlens, N, l2norm, cfg):
-    """Kernels 1 (and 2 when split): per (chunk, value head) norms, gates, W, U and P."""
+    """The prep launch(es): per (chunk, value head) norms, gates, G, W, U and P (module docstring)."""
     T, HK, K = q.shape
     HV, V = v.shape[1:]
     dev = q.device
@@ -520,16 +618,27 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
         rq=torch.empty((T, HK), dtype=f32, device=dev),
         rk=torch.empty((T, HK), dtype=f32, device=dev),
     )
-    if cfg.split_prep:
-        bufs.update(Tb=torch.empty((T, HV, CHUNK), dtype=f32, device=dev), Bb=torch.empty((T, HV), dtype=f32, device=dev))
     dummy = bufs["Gb"]
     exact = q.dtype == torch.float32
     wu_prec = "ieee" if exact else "tf32"
     qk_prec = "ieee" if exact else "native"
-    p_in_wu = cfg.split_prep and cfg.p_in_wu
+    merge_prec = "ieee" if exact else cfg.merge_prec
     coff = chunk_offsets(cu_seqlens, CHUNK)
     grid = (triton.cdiv(T, CHUNK) + N, HV)
     block_n = max(16, next_pow2(N))
+    if cfg.solve == "tc":
+        _chunk_prep_tc_kernel[grid](
+            q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            g, beta, g.stride(0), beta.stride(0), A_log if gates_in_kernel else dummy,
+            dt_bias if gates_in_kernel else dummy, coff, cu_seqlens, N,
+            bufs["Wb"], bufs["Ub"], bufs["Pb"], bufs["Gb"], bufs["rq"], bufs["rk"], float(scale), HK, HV,
+            R=HV // HK, K=K, V=V, BT=CHUNK, BLOCK_N=block_n, L2NORM=bool(l2norm), GATES=bool(gates_in_kernel),
+            QK_PREC=qk_prec, DIAG_PREC="ieee", MERGE_PREC=merge_prec, WU_PREC=wu_prec, num_warps=cfg.warps_tc)
+        return bufs
+    if cfg.split_prep:
+        bufs.update(Tb=torch.empty((T, HV, CHUNK), dtype=f32, device=dev),
+                    Bb=torch.empty((T, HV), dtype=f32, device=dev))
+    p_in_wu = cfg.split_prep and cfg.p_in_wu
     _chunk_prep_kernel[grid](
         q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g, beta, g.stride(0), beta.stride(0), A_log if gates_in_kernel else dummy,
@@ -537,7 +646,7 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
         bufs["Wb"], bufs["Ub"], bufs["Pb"], bufs["Gb"], bufs.get("Tb", dummy), bufs.get("Bb", dummy),
         bufs["rq"], bufs["rk"], float(scale), HK, HV,
         R=HV // HK, K=K, V=V, BT=CHUNK, BLOCK_N=block_n, L2NORM=bool(l2norm),
-        GATES=bool(gates_in_kernel), QK_PREC=qk_prec, UT_PREC="ieee" if exact else cfg.merge_prec,
+        GATES=bool(gates_in_kernel), QK_PREC=qk_prec, UT_PREC=merge_prec,
         WU_PREC=wu_prec, SPLIT=cfg.split_prep, P_IN_WU=p_in_wu, num_warps=cfg.warps_prep)
     if cfg.split_prep:
         _chunk_wu_kernel[grid](
