@@ -213,13 +213,13 @@ def test_ut_inverse_by_doubling(kind, device):
 
 GPU_CONFIGS = {
     "default": None,
-    "tc merge tf32x3": tc.ChunkConfig(merge_prec="tf32x3"),
-    "tc w8": tc.ChunkConfig(warps_tc=8),
+    "tc-merge-tf32x3": tc.ChunkConfig(merge_prec="tf32x3"),
+    "tc-w8": tc.ChunkConfig(warps_tc=8),
     "bv64": tc.ChunkConfig(bv=64),
-    "bv64 w8": tc.ChunkConfig(bv=64, warps_state=8),
-    "bv64 bf16": tc.ChunkConfig(bv=64, prec="bf16"),
+    "bv64-w8": tc.ChunkConfig(bv=64, warps_state=8),
+    "bv64-bf16": tc.ChunkConfig(bv=64, prec="bf16"),
     "bf16": tc.ChunkConfig(prec="bf16"),
-    "subst (session 2)": tc.ChunkConfig(solve="subst", merge_prec="tf32x3"),
+    "subst-session2": tc.ChunkConfig(solve="subst", merge_prec="tf32x3"),
 }
 
 
@@ -230,7 +230,7 @@ def test_tc_prep_buffers_match_torch_gpu():
 
     lengths = [1, 63, 64, 65, 300]
     q, k, v, g, beta = _inputs(lengths, HK, HV, seed=12)
-    for name in ("default", "tc merge tf32x3", "tc w8"):
+    for name in ("default", "tc-merge-tf32x3", "tc-w8"):
         cfg = GPU_CONFIGS[name] or tc.default_chunk_config(len(lengths), HV, D, torch.bfloat16)
         bufs = tc._launch_prep(q, k, v, g, beta, False, None, None, D ** -0.5, cu_seqlens(lengths, "cuda"),
                                len(lengths), True, cfg)
@@ -242,7 +242,7 @@ def test_tc_prep_buffers_match_torch_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", list(GPU_CONFIGS) + ["default, gates fused"])
+@pytest.mark.parametrize("name", list(GPU_CONFIGS) + ["default-gates-fused"])
 def test_chunk_configs_real_shape_gpu(name):
     """Mixed lengths around the chunk size, a padded row, slots out of order, half without initial state."""
     from .test_gpu import HK, HV, TOL_BF16, D, _inputs, _report
@@ -255,7 +255,7 @@ def test_chunk_configs_real_shape_gpu(name):
               state_indices=torch.tensor([5, 0, -1, 3, 1], dtype=torch.int32, device="cuda"),
               has_initial_state=torch.tensor([True, False, True, True, False], device="cuda"))
     p_ref, p_tri = pool.clone(), pool.clone()
-    if name.endswith("gates fused"):
+    if name.endswith("gates-fused"):
         a = torch.randn(sum(lengths), HV, generator=gen(2)).to("cuda", torch.bfloat16)
         b = torch.randn(sum(lengths), HV, generator=gen(3)).to("cuda", torch.bfloat16)
         gk = dict(A_log=torch.linspace(-3.0, 1.0, HV, device="cuda"), dt_bias=torch.zeros(HV, device="cuda"))
