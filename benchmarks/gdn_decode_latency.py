@@ -42,7 +42,7 @@ W = 4
 SHAPES = {"35B-A3B": 32, "27B": 48}          # value heads
 BATCHES = [1, 2, 4, 8, 16, 64, 256]
 SWEEP = [(8, 1), (16, 1), (32, 2), (64, 4), (128, 4), (128, 8)]   # one-launch (bv, num_warps) candidates
-SWEEP_B = [1, 2, 4, 8, 16, 64]
+SWEEP_B = [1, 2, 4, 8, 16, 64, 256]                                 # (bv >= 32 only at 256)
 DEV = "cuda"
 
 
@@ -73,7 +73,7 @@ def cases() -> list[Case]:
             sweep = SWEEP if shape == "35B-A3B" else SWEEP[2:4]
             if B in SWEEP_B:
                 out += [Case(shape, B, f"one-launch bv{bv}/w{w}", tr.RecurrentConfig(bv, w, one_launch=True))
-                        for bv, w in sweep]
+                        for bv, w in sweep if B < 256 or bv >= 32]
     return out
 
 

@@ -113,16 +113,29 @@ def _conv_token(x, s_x_t, win, D, conv_w, ch, t, bos, live, C: tl.constexpr, W: 
 
 
 @triton.jit
-def _shift_window(win, D, ch, cm, xrow, live, W: tl.constexpr, WP: tl.constexpr):
-    """Window rows of channels ch (mask cm) <- [rows 1.., x_t]. Every thread reads the old rows it moves
-    before any thread of the program writes (the barrier); other programs must be done reading them."""
+def _shifted_window(win, D, ch, cm, xrow, live, W: tl.constexpr, WP: tl.constexpr):
+    """The next window rows of channels ch (mask cm): [rows 1.., x_t], [WP, C] fp32."""
     r = tl.arange(0, WP)
-    p = win + r[:, None] * D + ch[None, :]
-    shifted = tl.load(p + D, mask=(r[:, None] + 1 < W - 1) & cm[None, :] & live, other=0.0)
+    shifted = tl.load(win + (r[:, None] + 1) * D + ch[None, :], mask=(r[:, None] + 1 < W - 1) & cm[None, :] & live,
+                      other=0.0)
     xt = tl.load(xrow + ch, mask=cm & live, other=0.0)
-    new = tl.where(r[:, None] == W - 2, xt[None, :].to(tl.float32), shifted.to(tl.float32))
+    return tl.where(r[:, None] == W - 2, xt[None, :].to(tl.float32), shifted.to(tl.float32))
+
+
+@triton.jit
+def _store_window(win, D, ch, cm, new, live, W: tl.constexpr, WP: tl.constexpr):
+    """Write rows from _shifted_window after every thread of the program has read the old ones (the
+    barrier); other programs must be done reading them."""
+    r = tl.arange(0, WP)
     tl.debug_barrier()
-    tl.store(p, new.to(win.dtype.element_ty), mask=(r[:, None] < W - 1) & cm[None, :] & live)
+    tl.store(win + r[:, None] * D + ch[None, :], new.to(win.dtype.element_ty),
+             mask=(r[:, None] < W - 1) & cm[None, :] & live)
+
+
+@triton.jit
+def _shift_window(win, D, ch, cm, xrow, live, W: tl.constexpr, WP: tl.constexpr):
+    """Window rows of channels ch (mask cm) <- [rows 1.., x_t]."""
+    _store_window(win, D, ch, cm, _shifted_window(win, D, ch, cm, xrow, live, W, WP), live, W, WP)
 
 
 @triton.jit
@@ -321,9 +334,10 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
         tl.store(out + (t * HV + hv) * V + ov, tl.zeros([BV], dtype=out.dtype.element_ty), mask=(ov >= 0) & (slot < 0))
     # the value channels of this slice are read by this program alone
     _shift_window(win, D, cv, ov >= 0, xrow, live, W, WP)
+    i2 = tl.arange(0, 2 * K)
+    cqk = tl.where(i2 < K, hk * K + i2, HK * K + hk * K + i2 - K)  # the key head's q and k channels
     if R * (V // BV) == 1:  # the only program of its (sequence, key head)
-        _shift_window(win, D, cq, ok >= 0, xrow, live, W, WP)
-        _shift_window(win, D, ck, ok >= 0, xrow, live, W, WP)
+        _shift_window(win, D, cqk, i2 >= 0, xrow, live, W, WP)
     else:
         if live:
             tl.debug_barrier()  # every thread's o_tmp stores and window reads precede the release below
@@ -331,8 +345,7 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
             arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
             if arrived == R * (V // BV) - 1:  # the last of the group: the q/k window is free, o_tmp complete
                 tl.store(cnt, 0)
-                _shift_window(win, D, cq, ok >= 0, xrow, live, W, WP)
-                _shift_window(win, D, ck, ok >= 0, xrow, live, W, WP)
+                new_qk = _shifted_window(win, D, cqk, i2 >= 0, xrow, live, W, WP)  # loads overlap the norm's
                 if BV < V:
                     hr = tl.arange(0, RP)
                     heads = hk * R + hr
@@ -345,6 +358,7 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                     w = tl.load(norm_w + of).to(tl.float32)
                     y = _gated_rms(ot, zt, w, eps, V, SIGMOID)
                     tl.store(out + (t * HV + heads[:, None]) * V + of[None, :], y.to(out.dtype.element_ty), mask=hm)
+                _store_window(win, D, cqk, i2 >= 0, new_qk, live, W, WP)
 
 
 @triton.jit
