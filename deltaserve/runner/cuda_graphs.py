@@ -222,5 +222,12 @@ class DecodeGraphs:
         return out[:n]
 
 
+    def replay_static(self, n: int) -> None:
+        """Replay the bucket for n rows on whatever its static inputs hold now (no host packing, no copies):
+        the forward's own GPU time, for benchmarks. It advances the state of the sequences last replayed."""
+        graph, _ = self._graphs[bucket_for(n, self.sizes)]
+        graph.replay()
+
+
 def _ranges(sizes: list[int]) -> str:
     return ", ".join(map(str, sizes)) if len(sizes) <= 6 else f"{sizes[0]}, {sizes[1]}, ..., {sizes[-1]}"
