@@ -1,6 +1,11 @@
 """Helpers shared by the Triton ops: small @triton.jit math functions and host-side input checks.
 
 Only the Triton implementations import this module (it imports triton).
+
+Kernels list the integers that change from batch to batch (token and sequence counts, the block table's
+row stride) in `do_not_specialize`: Triton otherwise compiles a variant per value class (== 1, multiple of
+16, other), seconds each, the first time a batch of that class shows up (mid-serving, for every request
+in the step) and once per class during CUDA-graph capture. Strides fixed by the model stay specialised.
 """
 
 from __future__ import annotations

@@ -273,7 +273,7 @@ def _attend(qv, m_i, l_i, acc, cache, table, start, hi, q_pos, dims, qk_scale, s
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "N", "s_bt_n"])
 def _attention_kernel(q, cache, cu, seq_lens, tables, out, part_ml, part_acc, qk_scale, T, N,
                       s_q_t, s_q_h, s_bt_n, s_c_kv, BS,
                       NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,

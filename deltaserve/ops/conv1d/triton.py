@@ -21,7 +21,7 @@ from ..triton_common import (
 BT = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _conv_fwd_kernel(x, s_x_t, w, y, conv_state, coff, cu, idx, has_init, N, D,
                      W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                      BLOCK_N: tl.constexpr, SILU: tl.constexpr):

@@ -18,7 +18,7 @@ MAX_EXPERTS = 4096
 SMALL_BATCH = 64     # up to this many tokens: one token per program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _route_kernel(logits, weights, ids, T, E, s_l, K: tl.constexpr, M: tl.constexpr, KP: tl.constexpr,
                   EP: tl.constexpr, BT: tl.constexpr, RENORM: tl.constexpr):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)

@@ -11,7 +11,7 @@ import triton.language as tl
 from ..triton_common import check, check_last_contiguous, check_same_device, next_pow2, sigmoid, silu
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _rms_norm_gated_kernel(x, z, w, y, M, H, s_x_m, s_x_h, s_z_m, s_z_h, eps,
                            N: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, SIGMOID: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
