@@ -11,9 +11,12 @@ on the same inputs.
          shared slot, H 2048, I 512), T = 1 and 8: whole-op time (graph) and each kernel's duration
          (torch.profiler over graph replays); bytes = distinct experts touched x 6.29 MB (w13: 2/3, w2: 1/3).
 
-Every time is `triton.testing.do_bench` (median; L2 flushed before each replay) around the replay of a CUDA
-graph of `calls` invocations, each on its own copy of the weights (so weights come from HBM, not L2),
-divided by `calls`; the per-call time includes the launch gap between consecutive kernels of a graph.
+Every time is the median over replays of a CUDA graph of `calls` invocations, each on its own copy of the
+weights (so weights come from HBM, not L2), divided by `calls`; the per-call time includes the launch gap
+between consecutive kernels of a graph. Before each replay the L2 is flushed (Timer): by default by
+reading 256 MB (clean lines, as in a decode step after another layer's weights), with --flush write by
+writing them as triton's do_bench does (session-3 run 1; the first ~60 MB a kernel reads then also pay the
+write-back of dirty lines, which penalises ~10-50 MB reads).
 Every timed configuration's output is checked against cuBLAS (rel. error printed). A warm-up phase
 compiles every kernel variant in parallel worker processes (shared Triton cache) and runs the GPU tests.
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -62,9 +66,21 @@ MOE_CFGS = [  # (n1, k1, n2, k2, warps1, warps2, stages[, all_experts, pdl]): w1
 ]
 
 
-def configs_for(M: int, N: int, K: int, sweep: bool) -> list:
+M1_EXTRA = [C(16, 512, 4, 3), C(8, 256, 4, 4), C(8, 512, 4, 4), C(16, 256, 4, 4), C(8, 1024, 4, 2),
+            C(8, 512, 8, 3), C(4, 512, 4, 3)]
+MOE_T1_EXTRA = [  # around GEMV_T1: other w13 tiles with its w2
+    G(4, 512, 1, 512, 4, 4, 3, all_experts=True, pdl=True), G(16, 512, 1, 512, 4, 4, 3, all_experts=True, pdl=True),
+    G(8, 2048, 1, 512, 8, 4, 3, all_experts=True, pdl=True), G(8, 512, 1, 512, 4, 4, 4, all_experts=True, pdl=True),
+    G(8, 1024, 1, 512, 4, 4, 3, all_experts=True, pdl=False), G(8, 1024, 2, 512, 4, 8, 3, all_experts=True, pdl=True),
+]
+
+
+def configs_for(M: int, N: int, K: int, sweep: bool, m1_extra: bool = False) -> list:
     """(label, config) pairs to time: our default first, then (with sweep) the variants for this M."""
     out = [("default", None)]
+    if m1_extra and M == 1:
+        kp2 = triton.next_power_of_2(K)
+        out += [(label(c), replace(c, block_k=min(c.block_k, kp2))) for c in M1_EXTRA]
     if not sweep or M > 32:
         return out
     fma = FMA_CFGS if M <= 2 else FMA_CFGS[:4] if M == 4 else FMA_CFGS[:1] if M == 8 else []
@@ -115,24 +131,54 @@ def graph_of(fn, calls):
     return graph
 
 
-def graph_time(fn, calls, rep=15) -> float:
-    graph = graph_of(fn, calls)
-    ms = triton.testing.do_bench(graph.replay, warmup=3, rep=rep, return_mode="median")
-    del graph
-    return ms * 1e-3 / calls
+class Timer:
+    """Graph-replay timing with the L2 flushed before every replay, by reading 256 MB ("read": the L2 then
+    holds clean lines, as after the previous layer's weight reads in a decode step) or by writing them
+    ("write", what triton's do_bench does: the kernel's first ~60 MB of reads also pay the write-back of
+    the dirty lines). Median of the replays, divided by the calls per graph."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.buf = torch.zeros(256 << 20, dtype=torch.uint8, device=DEV)
+        self.buf_f = self.buf.view(torch.float32)
+
+    def flush(self, mode: str | None = None) -> None:
+        if (mode or self.mode) == "write":
+            self.buf.zero_()
+        else:
+            torch.sum(self.buf_f)
+
+    def graph_time(self, fn, calls, rep_ms=15.0, mode: str | None = None) -> float:
+        graph = graph_of(fn, calls)
+        graph.replay()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        torch.cuda.synchronize()
+        n = int(min(300, max(10, rep_ms / max(s.elapsed_time(e), 1e-3))))
+        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        for a, b in evs:
+            self.flush(mode)
+            a.record()
+            graph.replay()
+            b.record()
+        torch.cuda.synchronize()
+        ts = sorted(a.elapsed_time(b) for a, b in evs)
+        del graph
+        return ts[len(ts) // 2] * 1e-3 / calls
 
 
-def kernel_durations(fn, calls, replays=10) -> dict:
+def kernel_durations(timer, fn, calls, replays=10) -> dict:
     """Mean duration (us) per kernel name and call, from torch.profiler over graph replays (L2 flushed
-    between replays by a 256 MB write, excluded)."""
+    between replays as the timer does; the flush kernels are excluded)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     graph = graph_of(fn, calls)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
-            flush.zero_()
+            timer.flush()
             graph.replay()
         torch.cuda.synchronize()
     tot: dict = {}
@@ -153,10 +199,10 @@ def ceilings() -> dict:
 
 # ---- cases ------------------------------------------------------------------------------------------
 
-def dense_jobs(sweep: bool):
+def dense_jobs(sweep: bool, m1_extra: bool = False):
     for name, K, N in SHAPES:
         for M in MS:
-            for lab, cfg in configs_for(M, N, K, sweep):
+            for lab, cfg in configs_for(M, N, K, sweep, m1_extra):
                 yield name, K, N, M, lab, cfg
 
 
@@ -189,8 +235,8 @@ def moe_reference(x, w13, w2, weights, ids):
 
 # ---- warm-up ------------------------------------------------------------------------------------
 
-def worker(index: int, count: int, sweep: bool) -> None:
-    jobs = [j for n, j in enumerate(dense_jobs(sweep)) if n % count == index]
+def worker(index: int, count: int, sweep: bool, m1_extra: bool) -> None:
+    jobs = [j for n, j in enumerate(dense_jobs(sweep, m1_extra)) if n % count == index]
     weights = {}
     for name, K, N, M, lab, cfg in jobs:
         try:
@@ -202,7 +248,7 @@ def worker(index: int, count: int, sweep: bool) -> None:
             lin.linear(x, weights[(K, N)], config=cfg)
         except Exception as exc:  # reported again by the timed phase
             print(f"[warm {index}] {name} M={M} {lab}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-    moe_cfgs = [None] + (MOE_CFGS if sweep else [])
+    moe_cfgs = [None] + (MOE_CFGS if sweep else []) + (MOE_T1_EXTRA if m1_extra else [])
     for n, cfg in enumerate(moe_cfgs):
         if n % count != index:
             continue
@@ -215,13 +261,14 @@ def worker(index: int, count: int, sweep: bool) -> None:
 def warm_up(args, log) -> None:
     t0 = time.time()
     base = [sys.executable, os.path.abspath(__file__), "--worker-of", str(args.workers)]
-    procs = [subprocess.Popen(base + ["--worker", str(i)] + (["--sweep"] if args.sweep else []))
-             for i in range(args.workers)]
+    flags = (["--sweep"] if args.sweep else []) + (["--sweep-m1"] if args.sweep_m1 else [])
+    procs = [subprocess.Popen(base + ["--worker", str(i)] + flags) for i in range(args.workers)]
     if args.gpu_tests:
         with open(os.path.join(args.out, "gpu_tests.log"), "w") as f:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                 "tests/ops/test_linear_triton.py", "tests/ops/test_moe_triton.py"], stdout=f, stderr=subprocess.STDOUT))
+                 "tests/ops/test_linear_triton.py", "tests/ops/test_moe_triton.py"] + shlex.split(args.test_args),
+                stdout=f, stderr=subprocess.STDOUT))
     for n, p in enumerate(procs):
         limit = args.warmup_s + (40.0 if n == args.workers else 0.0)     # the GPU tests get 40 s more
         try:
@@ -234,8 +281,8 @@ def warm_up(args, log) -> None:
 
 # ---- main ---------------------------------------------------------------------------------------
 
-def run_dense(args, ceil, log, t_start) -> list:
-    rows = []
+def run_dense(args, ceil, log, t_start, timer) -> list:
+    rows, extra = [], []
     for name, K, N in SHAPES:
         if args.only and not any(p in name for p in args.only.split(",")):
             continue
@@ -251,15 +298,21 @@ def run_dense(args, ceil, log, t_start) -> list:
             want = F.linear(xs[0].float(), ws[0].float())
             cublas = F.linear(xs[0], ws[0])
             base = dict(shape=name, K=K, N=N, M=M)
-            t_cublas = graph_time(lambda i: F.linear(xs[i], ws[i]), calls)
+            t_cublas = timer.graph_time(lambda i: F.linear(xs[i], ws[i]), calls)
             rows.append(dict(base, impl="cublas", us=t_cublas * 1e6, err_fp32=rel_err(cublas, want)))
-            for lab, cfg in configs_for(M, N, K, args.sweep):
+            if args.both_flush:   # the other flush, for cuBLAS and our default (own rows, ratio to cuBLAS's)
+                other = "write" if timer.mode == "read" else "read"
+                tc = timer.graph_time(lambda i: F.linear(xs[i], ws[i]), calls, mode=other)
+                to = timer.graph_time(lambda i: lin.linear(xs[i], ws[i]), calls, mode=other)
+                extra.append(dict(base, impl=f"cublas ({other} flush)", us=tc * 1e6))
+                extra.append(dict(base, impl=f"default ({other} flush)", us=to * 1e6, vs_cublas=tc / to))
+            for lab, cfg in configs_for(M, N, K, args.sweep, args.sweep_m1):
                 if time.time() - t_start > args.budget_s:
                     break
                 try:
                     got = lin.linear(xs[0], ws[0], config=cfg)
                     err = rel_err(got, cublas)
-                    t = graph_time(lambda i, cfg=cfg: lin.linear(xs[i], ws[i], config=cfg), calls)
+                    t = timer.graph_time(lambda i, cfg=cfg: lin.linear(xs[i], ws[i], config=cfg), calls)
                 except Exception as exc:
                     log(f"FAILED {name} M={M} {lab}: {type(exc).__name__}: {str(exc)[:200]}")
                     continue
@@ -273,6 +326,11 @@ def run_dense(args, ceil, log, t_start) -> list:
                     r["TBps"] = moved / (r["us"] * 1e-6) / 1e12
                     r["frac_copy"] = r["TBps"] / ceil["copy_TBps"]
                     r["vs_cublas"] = t_cublas * 1e6 / r["us"]
+            for r in extra:
+                r["TBps"] = moved / (r["us"] * 1e-6) / 1e12
+                r["frac_copy"] = r["TBps"] / ceil["copy_TBps"]
+            rows += extra
+            extra.clear()
             for r in rows:
                 if r["shape"] == name and r["M"] == M:
                     log(json.dumps(r))
@@ -281,21 +339,22 @@ def run_dense(args, ceil, log, t_start) -> list:
     return rows
 
 
-def run_moe(args, ceil, log) -> list:
+def run_moe(args, ceil, log, timer) -> list:
     rows = []
     expert_bytes = 3 * INTER * H * 2
     for T in (1, 8):
         calls = 4
         w13, w2, xs, routes, distinct = moe_setup(T, calls)
         want = moe_reference(xs[0], w13, w2, *routes[0])
-        for cfg in [None] + (MOE_CFGS if args.sweep else []):
-            lab = "default " + moe_label(cfg or moe_t.default_moe_config(T, TOP_K + 1, E + 1, H, INTER))
+        extra = MOE_T1_EXTRA if args.sweep_m1 and T == 1 else []
+        for cfg in [None] + (MOE_CFGS if args.sweep else []) + extra:
+            lab = "default " + moe_label(cfg or moe_t.default_moe_config(T, TOP_K + 1, E + 1, H, INTER, pdl=True))
             try:
                 got = moe_t.fused_moe(xs[0], w13, w2, *routes[0], config=cfg)
                 err = rel_err(got, want)
                 fn = (lambda i, cfg=cfg: moe_t.fused_moe(xs[i], w13, w2, *routes[i], config=cfg))
-                t = graph_time(fn, calls)
-                kd = kernel_durations(fn, calls)
+                t = timer.graph_time(fn, calls)
+                kd = kernel_durations(timer, fn, calls)
             except Exception as exc:
                 log(f"FAILED moe T={T} {lab}: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
@@ -316,8 +375,8 @@ def run_moe(args, ceil, log) -> list:
 
 def summary(dense, moe, ceil) -> str:
     lines = [f"copy {ceil['copy_TBps']:.2f} TB/s", "",
-             "| shape (K->N) | M | cuBLAS us | ours us (default) | TB/s | frac copy | cuBLAS/ours | best sweep |",
-             "|---|---|---|---|---|---|---|---|"]
+             ("| shape (K->N) | M | cuBLAS us | ours us (default) | TB/s | frac copy | cuBLAS/ours | best sweep | "
+              "other flush: cuBLAS / ours us |"), "|---|---|---|---|---|---|---|---|---|"]
     keys = []
     for r in dense:
         if (r["shape"], r["M"]) not in keys:
@@ -326,13 +385,16 @@ def summary(dense, moe, ceil) -> str:
         rs = [r for r in dense if r["shape"] == shape and r["M"] == M]
         cb = next((r for r in rs if r["impl"] == "cublas"), None)
         df = next((r for r in rs if r["impl"] == "default"), None)
-        sw = [r for r in rs if r["impl"] not in ("cublas", "default")]
+        sw = [r for r in rs if r["impl"] not in ("cublas", "default") and "flush" not in r["impl"]]
+        oc = next((r for r in rs if r["impl"].startswith("cublas (")), None)
+        od = next((r for r in rs if r["impl"].startswith("default (")), None)
         best = min(sw, key=lambda r: r["us"]) if sw else None
         if not cb or not df:
             continue
         b = f"{best['impl']} {best['us']:.1f} ({best['frac_copy']:.0%})" if best else "-"
+        o = f"{oc['us']:.1f} / {od['us']:.1f} ({od['frac_copy']:.0%}, {od['vs_cublas']:.2f}x)" if oc and od else "-"
         lines.append(f"| {shape} ({df['K']}->{df['N']}) | {M} | {cb['us']:.1f} ({cb['frac_copy']:.0%}) | "
-                     f"{df['us']:.1f} | {df['TBps']:.2f} | {df['frac_copy']:.0%} | {df['vs_cublas']:.2f}x | {b} |")
+                     f"{df['us']:.1f} | {df['TBps']:.2f} | {df['frac_copy']:.0%} | {df['vs_cublas']:.2f}x | {b} | {o} |")
     lines += ["", "| MoE T | config | us | TB/s | frac copy | kernels us |", "|---|---|---|---|---|---|"]
     for r in moe:
         ks = ", ".join(f"{k.split('_kernel')[0].lstrip('_')} {v:.1f}" for k, v in r["kernels_us"].items())
@@ -350,11 +412,15 @@ def main() -> int:
     ap.add_argument("--warmup-s", type=float, default=90.0)
     ap.add_argument("--only", default="", help="substrings of dense shape names to run (comma: any)")
     ap.add_argument("--no-moe", action="store_true")
+    ap.add_argument("--sweep-m1", action="store_true", help="extra M = 1 tiles and MoE T = 1 tiles")
+    ap.add_argument("--flush", choices=("read", "write"), default="read", help="how the L2 is flushed (Timer)")
+    ap.add_argument("--both-flush", action="store_true", help="also time cuBLAS and our default with the other")
+    ap.add_argument("--test-args", default="", help="extra pytest arguments for --gpu-tests (e.g. -k ...)")
     ap.add_argument("--worker", default=None)
     ap.add_argument("--worker-of", type=int, default=1)
     args = ap.parse_args()
     if args.worker is not None:
-        worker(int(args.worker), args.worker_of, args.sweep)
+        worker(int(args.worker), args.worker_of, args.sweep, args.sweep_m1)
         return 0
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
@@ -372,8 +438,10 @@ def main() -> int:
         warm_up(args, log)
     ceil = ceilings()
     log(json.dumps(ceil))
-    moe = [] if args.no_moe else run_moe(args, ceil, log)
-    dense = run_dense(args, ceil, log, t_start)
+    timer = Timer(args.flush)
+    log(f"L2 flush before each replay: {args.flush}")
+    moe = [] if args.no_moe else run_moe(args, ceil, log, timer)
+    dense = run_dense(args, ceil, log, t_start, timer)
     with open(os.path.join(args.out, "linear_gemv.json"), "w") as f:
         json.dump(dict(env=env, ceilings=ceil, dense=dense, moe=moe), f, indent=1)
     log(summary(dense, moe, ceil))

@@ -122,8 +122,17 @@ def test_default_rule_is_deterministic_and_valid():
         for K, N in ((2048, 12352), (4096, 2048), (2048, 257), (2048, 248320), (5120, 34816), (17408, 5120)):
             cfg = tri.default_linear_config(M, N, K)
             assert cfg == tri.default_linear_config(M, N, K)
-            tri._check_config(cfg, M)
+            assert (cfg is None) == (M > 16 and N > tri.SMALL_N), (M, N, K)
+            if cfg is not None:
+                tri._check_config(cfg, M)
     assert tri.default_linear_config(tri.GEMV_MAX_M + 1, 2048, 2048) is None
+
+
+def test_fallback_above_the_crossover_is_cublas_path(device):
+    """Above the crossover (M = 17 at a large N) `linear` is F.linear itself: bit-identical."""
+    x, w = _inputs(17, tri.SMALL_N + 3, 24, torch.float32, device, seed=9)
+    assert tri.default_linear_config(17, tri.SMALL_N + 3, 24) is None
+    assert torch.equal(tri.linear(x, w), torch.nn.functional.linear(x, w))
 
 
 def test_signature_matches_the_reference():
@@ -144,7 +153,7 @@ def test_real_shapes_gpu(K, N, device):
     and of cuBLAS (summation order only)."""
     g = torch.Generator(device=device).manual_seed(K + N)
     w = (torch.randn(N, K, device=device, generator=g) * K ** -0.5).to(torch.bfloat16)
-    for M in (1, 2, 3, 4, 8, 16):
+    for M in (1, 2, 3, 4, 8, 16, 32):
         x = torch.randn(M, K, device=device, generator=g).to(torch.bfloat16)
         got = tri.linear(x, w)
         assert_close(got, _want(x, w), 1e-2, f"K={K} N={N} M={M} vs fp32")

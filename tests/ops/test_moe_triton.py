@@ -105,6 +105,18 @@ def test_gemv_odd_tiles_shared_experts_and_shared_expert_slot(device):
             tri.fused_moe(x, w13, w2, weights, ids, config=tri.GemvMoeConfig(all_experts=True, pdl=True))
 
 
+def test_default_gemv_configs():
+    """T = 1 gets its own tiles (programmatic launch only where the device has it), T = 2..8 the shared
+    GEMV tiles, and the choice is valid for fused_moe's checks."""
+    E, top_k, H, inter = 257, 9, 2048, 512
+    assert tri.default_moe_config(1, top_k, E, H, inter, pdl=True) == tri.GEMV_T1
+    assert tri.default_moe_config(1, top_k, E, H, inter) == tri.GEMV_T1_NO_PDL
+    assert not tri.GEMV_T1_NO_PDL.pdl and tri.GEMV_T1.all_experts
+    for T in (2, 8):
+        assert tri.default_moe_config(T, top_k, E, H, inter, pdl=True) == tri.GemvMoeConfig()
+    assert isinstance(tri.default_moe_config(11, top_k, E, H, inter, pdl=True), tri.MoeConfig)
+
+
 def test_multi_chunk_alignment_and_odd_tiles(device, monkeypatch):
     """Assignments spread over several counting/scatter chunks, I not a multiple of the tile, int32 ids."""
     monkeypatch.setattr(tri, "ALIGN_CHUNK", 64)

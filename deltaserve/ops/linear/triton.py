@@ -7,19 +7,20 @@ copy rate on an H200. Up to GEMV_MAX_M rows this module runs one of two kernels,
 (outputs differ from cuBLAS only by summation order), both with every launch parameter fixed by the
 shapes (no autotuning at call time, no host sync: CUDA-graph capturable):
 
-- `_gemv_fma_kernel` (M <= 4): CUDA cores. A program owns BN weight rows, walks K in BK-wide steps of
-  16-byte loads and keeps an fp32 [BN, BK] (M = 1) or [M, BN] partial sum; many small programs keep
-  enough loads in flight to cover DRAM latency.
-- `_gemv_dot_kernel` (M up to GEMV_MAX_M): tensor cores on the swapped product y^T = W x^T: a program's
+- `_gemv_fma_kernel` (M = 1, and M <= 4 at small N): CUDA cores. A program owns BN weight rows, walks
+  K in BK-wide steps of 16-byte loads and keeps an fp32 [BN, BK] (M = 1) or [M, BN] partial sum; many
+  small programs keep enough loads in flight to cover DRAM latency.
+- `_gemv_dot_kernel` (the other M): tensor cores on the swapped product y^T = W x^T: a program's
   [BN, BK] weight tile is the dot's left operand, x^T padded to 16 / 32 columns the right one, so the
   weight tile fills the dot's long side whatever M is; the weight stream is software-pipelined.
 
 Shapes whose N gives too few programs to fill the GPU split K over SPLIT programs: each writes an fp32
 partial [SPLIT, M, N] and a second launch sums the partials in a fixed order (deterministic: no atomics).
 
-Above GEMV_MAX_M rows the product is compute-bound and `linear` calls F.linear (cuBLAS), which is the
-right kernel there. The tile table (`default_linear_config`) comes from benchmarks/linear_gemv.py on an
-H200 (see docs/PERFORMANCE.md, "Dense GEMV").
+Above 16 rows (32 for N <= SMALL_N) `linear` calls F.linear: the product turns compute-bound, and
+cuBLAS, whose tensor-core GEMMs tie or beat ours there, is the right kernel. The tile rule
+(`default_linear_config`) comes from benchmarks/linear_gemv.py on an H200 (docs/PERFORMANCE.md,
+"Dense GEMV").
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ import triton.language as tl
 
 from ..triton_common import ACTIVATION_DTYPES, check, check_same_device
 
-GEMV_MAX_M = 16          # rows of x up to which our kernels run; above, F.linear (cuBLAS)
-FMA_MAX_M = 4            # rows up to which the CUDA-core kernel is used by default
+GEMV_MAX_M = 32          # rows of x up to which our kernels can run (M > 16 only for N <= SMALL_N)
+SMALL_N = 4096           # N up to which M = 17..32 still beats cuBLAS (its small-N tiles leave SMs idle)
+NUM_SMS = 132            # H200; only sizes the split-K rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +44,8 @@ class LinearConfig:
     """Launch parameters of one small-M product: `dot` picks the tensor-core kernel, `block_n` weight rows
     and `block_k` reduction columns per step, `split_k` programs per row block (1: no split)."""
 
-    block_n: int = 4
-    block_k: int = 1024
+    block_n: int = 8
+    block_k: int = 512
     warps: int = 4
     stages: int = 3
     dot: bool = False
@@ -51,23 +53,32 @@ class LinearConfig:
 
 
 def default_linear_config(M: int, N: int, K: int) -> LinearConfig | None:
-    """Tiles for an M x K by K x N product, or None where F.linear (cuBLAS) is used. A rule on (M, N, K)
-    from the H200 sweep: enough programs for several per SM, as many weight bytes per program step as
-    the registers hold."""
-    if M < 1 or M > GEMV_MAX_M:
+    """Tiles for an M x K by K x N product, or None where F.linear (cuBLAS) is used. A rule distilled
+    from the H200 sweep of benchmarks/linear_gemv.py (docs/PERFORMANCE.md, "Dense GEMV"):
+
+    - M = 1: 8 rows x 512 columns per step, 3 stages; where that gives under two programs per SM
+      (N < 2112), whole-row steps (2048 columns x 4 rows, 8 warps; 4096 x 1 row for longer K).
+    - M = 2..4 with N <= 1024: CUDA cores, 2 rows x 2048 columns (the router: 5 programs of 64 rows
+      would leave the GPU idle).
+    - otherwise tensor cores, 64 weight rows x 128 columns, 4 stages; K split in 4 where the 64-row
+      blocks are fewer than the SMs (N < 8448), 256-column steps at 3 stages for K > 8192.
+    - above 16 rows only for N <= SMALL_N (where cuBLAS's small-N tiles are slow); else F.linear.
+    """
+    if M < 1 or M > GEMV_MAX_M or (M > 16 and N > SMALL_N):
         return None
-    if M <= FMA_MAX_M:
-        block_k = min(1024, max(64, triton.next_power_of_2(K)))
-        block_n = 4 if M == 1 else 2 if M == 2 else 1
-        split = 1
-        while triton.cdiv(N, block_n) * split < 4 * 132 and split < 8 and K // (split * 2) >= block_k:
-            split *= 2
-        return LinearConfig(block_n=block_n, block_k=block_k, warps=4, stages=3, dot=False, split_k=split)
-    block_n = 64
-    split = 1
-    while triton.cdiv(N, block_n) * split < 2 * 132 and split < 8 and K // (split * 2) >= 256:
-        split *= 2
-    return LinearConfig(block_n=block_n, block_k=128, warps=4, stages=4, dot=True, split_k=split)
+    kp = triton.next_power_of_2(max(K, 16))
+    if M == 1:
+        if triton.cdiv(N, 8) >= 2 * NUM_SMS:
+            return LinearConfig(block_n=8, block_k=min(512, kp), warps=4, stages=3)
+        if K <= 2048:
+            return LinearConfig(block_n=4, block_k=min(2048, kp), warps=8, stages=1)
+        return LinearConfig(block_n=1, block_k=min(4096, kp), warps=4, stages=1)
+    if M <= 4 and N <= 1024:
+        return LinearConfig(block_n=2, block_k=min(2048, kp), warps=4, stages=1)
+    if K > 8192:
+        return LinearConfig(block_n=64, block_k=256, warps=4, stages=3, dot=True)
+    split = 4 if triton.cdiv(N, 64) < NUM_SMS else 1
+    return LinearConfig(block_n=64, block_k=128, warps=4, stages=4, dot=True, split_k=split)
 
 
 @triton.jit

@@ -222,10 +222,10 @@ class MoeConfig:
 @dataclasses.dataclass(frozen=True)
 class GemvMoeConfig:
     """Tiles of the small-batch GEMV path (no alignment, no tensor cores): weight rows per program and the
-    reduction step of each of the two kernels. The defaults were the fastest of a sweep on an H200 at the
-    Qwen3.5-35B-A3B shape (benchmarks/attention_moe_ops.py --sweep: T = 1 23.6 us, T = 8 101.6 us; the
-    first choice, 16/256/16/256 with 4 warps, took 33.9 / 117.5 us): many small programs with long rows
-    keep more loads in flight."""
+    reduction step of each of the two kernels. The defaults are the fastest at T = 8 of a sweep on an H200
+    at the Qwen3.5-35B-A3B shape (benchmarks/linear_gemv.py: 102 us, 85 % of copy; the first choice,
+    16/256/16/256 with 4 warps, took 117.5 us): many small programs with long rows keep more loads in
+    flight. T = 1 has its own choice (GEMV_T1)."""
 
     block_n1: int = 8        # rows of I per w13 program (gate and up each)
     block_k1: int = 512      # reduction step over H
@@ -234,18 +234,30 @@ class GemvMoeConfig:
     warps1: int = 2
     warps2: int = 2
     stages: int = 3
-    # experimental (off by default, being measured): the w2 kernel loads all top_k experts' tiles of a step
-    # in one [top_k, block_n2, block_k2] gather instead of one expert after the other; with `pdl` (Hopper
-    # programmatic dependent launch, needs all_experts) its first weight tiles are read while the w13
-    # kernel is still running, and it waits for w13's output only after them.
+    # all_experts: the w2 kernel loads all top_k experts' tiles of a step in one [top_k, block_n2, block_k2]
+    # gather instead of one expert after the other; with `pdl` (Hopper programmatic dependent launch, needs
+    # all_experts) its first weight tiles are read while the w13 kernel is still running, and it waits for
+    # w13's output only after them. Faster at T = 1, slower at T = 8 (the gather pads top_k to a power of 2).
     all_experts: bool = False
     pdl: bool = False
 
 
-def default_moe_config(T: int, top_k: int, E: int, H: int, inter: int) -> MoeConfig | GemvMoeConfig:
-    """GEMV tiles up to GEMV_MAX_ASSIGNMENTS assignments, else grouped-GEMM tiles by the mean rows per
-    expert; the small and large grouped choices were measured on an H200 at the Qwen3.5-35B-A3B shape
+# T = 1 (H200 sweep at the 35B-A3B shape, top-8 + the shared slot: 23.2 us against 27.1 for the T = 8 tiles):
+# w2 one weight row per program with every expert's row gathered at once, launched programmatically
+# (needs compute capability 9.0; GEMV_T1_NO_PDL elsewhere: 26.0 us).
+GEMV_T1 = GemvMoeConfig(block_n1=8, block_k1=1024, block_n2=1, block_k2=512, warps1=4, warps2=4, stages=3,
+                        all_experts=True, pdl=True)
+GEMV_T1_NO_PDL = dataclasses.replace(GEMV_T1, block_n1=4, pdl=False)
+
+
+def default_moe_config(T: int, top_k: int, E: int, H: int, inter: int, *,
+                       pdl: bool = False) -> MoeConfig | GemvMoeConfig:
+    """GEMV tiles up to GEMV_MAX_ASSIGNMENTS assignments (T = 1: GEMV_T1 where `pdl` says the device has
+    programmatic dependent launch), else grouped-GEMM tiles by the mean rows per expert; the small and
+    large grouped choices were measured on an H200 at the Qwen3.5-35B-A3B shape
     (benchmarks/attention_moe_ops.py --sweep), the middle one was not."""
+    if T == 1 and top_k <= GEMV_MAX_ASSIGNMENTS:
+        return GEMV_T1 if pdl else GEMV_T1_NO_PDL
     if T * top_k <= GEMV_MAX_ASSIGNMENTS:
         return GemvMoeConfig()
     rows_per_expert = T * top_k / E
@@ -441,6 +453,11 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, cfg: GemvMoeConfig) -> t
     return out
 
 
+def _has_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol): compute capability 9.0 and newer."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     *, config: MoeConfig | GemvMoeConfig | None = None,
@@ -470,7 +487,7 @@ def fused_moe(
     A = T * top_k
     if A == 0:
         return out.zero_()
-    cfg = config or default_moe_config(T, top_k, E, H, inter)
+    cfg = config or default_moe_config(T, top_k, E, H, inter, pdl=x.is_cuda and _has_pdl(x.device))
     gemv = isinstance(cfg, GemvMoeConfig)
     for name in ("block_n1", "block_k1", "block_n2", "block_k2") + (() if gemv else ("block_m",)):
         v, least = getattr(cfg, name), 1 if gemv else 16
@@ -478,7 +495,7 @@ def fused_moe(
     if gemv:
         if cfg.pdl:
             check(cfg.all_experts, op, "config pdl=True needs all_experts=True")
-            check(x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9, op,
+            check(x.is_cuda and _has_pdl(x.device), op,
                   "config pdl=True needs a CUDA device of compute capability 9.0 or newer")
         return _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, cfg)
     sorted_ids, block_expert = align_by_expert(topk_ids, E, cfg.block_m)
