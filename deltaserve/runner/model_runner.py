@@ -23,7 +23,7 @@ from ..engine.interfaces import NewSequence, RunnerOutput, ScheduledChunk, Sched
 from ..models.qwen3_next import HybridForCausalLM
 from ..outputs import PositionLogprobs
 from .cuda_graphs import DecodeGraphs, capture_sizes
-from .sampler import Sampler, SamplingRow, to_device, top_logprobs
+from .sampler import Sampler, SamplingRow, log_softmax, to_device, top_logprobs
 
 
 @dataclasses.dataclass
@@ -246,5 +246,5 @@ class ModelRunner:
     def _prompt_logprobs(logits: torch.Tensor, st: _SeqState, start: int) -> list[PositionLogprobs]:
         """Logprobs of prompt tokens start + 1, start + 2, ... each given everything before it."""
         targets = st.token_ids[start + 1 : start + 1 + logits.shape[0]]
-        lp = torch.log_softmax(logits, dim=-1)
+        lp = log_softmax(logits)
         return top_logprobs(lp, targets, [st.prompt_logprobs] * len(targets))
