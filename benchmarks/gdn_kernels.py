@@ -144,7 +144,7 @@ class Case:
 
 def chunk_label(cfg) -> str:
     if cfg.solve == "tc":
-        prep = f"tc w{cfg.warps_tc}"
+        prep = f"tc w{cfg.warps_tc} wu {cfg.wu_prec}" + (f" r{cfg.maxnreg_tc}" if cfg.maxnreg_tc else "")
     else:
         prep = (f"subst split w{cfg.warps_prep}+wu w{cfg.warps_wu}" if cfg.split_prep
                 else f"subst fused w{cfg.warps_prep}")
@@ -153,8 +153,8 @@ def chunk_label(cfg) -> str:
 
 
 # Variants timed with --sweep prefill (each is also a configuration of tests/ops/test_gdn_chunk.py's GPU tests).
-PREFILL_SWEEP = [dict(solve="subst", merge_prec="tf32x3"), dict(warps_tc=8), dict(merge_prec="tf32x3"), dict(bv=64),
-                 dict(bv=64, warps_state=8), dict(prec="bf16"), dict(bv=64, prec="bf16")]
+PREFILL_SWEEP = [dict(solve="subst", merge_prec="tf32x3"), dict(wu_prec="tf32"), dict(maxnreg_tc=168), dict(bv=64),
+                 dict(prec="bf16"), dict(bv=64, prec="bf16")]
 
 
 def prefill_cases(sweep: bool) -> list[Case]:
@@ -323,7 +323,7 @@ def all_cases(sweep: str, only: str = "") -> list[Case]:
     groups = sweep.split(",")
     cases = prefill_cases("prefill" in groups) + verify_cases("verify" in groups) + decode_cases("decode" in groups)
     words = [w for w in only.split(",") if w]
-    return [c for c in cases if not words or any(w in f"{c.group} {c.impl}" for w in words)]
+    return [c for c in cases if not words or any(w in f"{c.group} {c.name} {c.impl}" for w in words)]
 
 
 # ---- timing -------------------------------------------------------------------------------------
@@ -502,7 +502,7 @@ def main() -> int:
     ap.add_argument("--gpu-tests-files", default="tests/ops/test_gpu.py",
                     help="comma-separated test files for --gpu-tests (one process per test)")
     ap.add_argument("--budget-s", type=float, default=400.0, help="skip remaining cases after this wall time")
-    ap.add_argument("--only", default="", help="comma-separated words; keep cases whose 'group impl' has one")
+    ap.add_argument("--only", default="", help="comma-separated words; keep cases whose 'group name impl' has one")
     ap.add_argument("--worker", default=None)
     ap.add_argument("--worker-of", type=int, default=1)
     ap.add_argument("--timed-child", action="store_true")

@@ -215,6 +215,8 @@ GPU_CONFIGS = {
     "default": None,
     "tc-merge-tf32x3": tc.ChunkConfig(merge_prec="tf32x3"),
     "tc-w8": tc.ChunkConfig(warps_tc=8),
+    "tc-wu-tf32": tc.ChunkConfig(wu_prec="tf32"),
+    "tc-r168": tc.ChunkConfig(maxnreg_tc=168),
     "bv64": tc.ChunkConfig(bv=64),
     "bv64-w8": tc.ChunkConfig(bv=64, warps_state=8),
     "bv64-bf16": tc.ChunkConfig(bv=64, prec="bf16"),
@@ -230,7 +232,7 @@ def test_tc_prep_buffers_match_torch_gpu():
 
     lengths = [1, 63, 64, 65, 300]
     q, k, v, g, beta = _inputs(lengths, HK, HV, seed=12)
-    for name in ("default", "tc-merge-tf32x3", "tc-w8"):
+    for name in ("default", "tc-merge-tf32x3", "tc-w8", "tc-wu-tf32", "tc-r168"):
         cfg = GPU_CONFIGS[name] or tc.default_chunk_config(len(lengths), HV, D, torch.bfloat16)
         bufs = tc._launch_prep(q, k, v, g, beta, False, None, None, D ** -0.5, cu_seqlens(lengths, "cuda"),
                                len(lengths), True, cfg)
@@ -271,8 +273,9 @@ def test_chunk_configs_real_shape_gpu(name):
 
 
 @pytest.mark.gpu
-def test_chunk_configs_8k_not_less_accurate_than_fla_gpu():
-    """One 8192-token sequence with slow decay against the fp32 token-by-token recurrence: every
+@pytest.mark.parametrize("names", [",".join(GPU_CONFIGS), "default,tc-wu-tf32"])
+def test_chunk_configs_8k_not_less_accurate_than_fla_gpu(names):
+    """One 8192-token sequence with slow decay against the fp32 token-by-token recurrence: each
     configuration's output and final-state errors must not exceed FLA's on the same inputs."""
     from .test_gpu import HK, HV, D, _inputs, _report
 
@@ -285,7 +288,8 @@ def test_chunk_configs_8k_not_less_accurate_than_fla_gpu():
     p_rec = pool.clone()
     o_rec = ref.recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state=p_rec, **kw)
     rows = {}
-    for name, cfg in GPU_CONFIGS.items():
+    for name in names.split(","):
+        cfg = GPU_CONFIGS[name]
         p = pool.clone()
         o = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p, config=cfg, **kw)
         rows[name] = (rel_err(o, o_rec), rel_err(p, p_rec))

@@ -67,7 +67,9 @@ class ChunkConfig:
     stored inverse (whole-chunk tensor-core products) instead of from 16-row blocks in the solve kernel;
     p_in_wu: P formed there too. merge_prec: precision of the inverse's off-diagonal block products
     ("tf32x3" ~ fp32, or "tf32" as FLA). The 16 x 16 diagonal blocks are always exact fp32 (forward
-    substitution, or the batched doubling products in fp32 FMA).
+    substitution, or the batched doubling products in fp32 FMA). wu_prec (tc, bf16 activations): W and U
+    as "bf16x2" (T in two bf16 limbs against the exact bf16 K / V rows) or "tf32" (one tf32 rounding of
+    both); maxnreg_tc: register cap of the tc kernel (0: the compiler's choice).
     """
 
     bv: int = 32
@@ -81,6 +83,8 @@ class ChunkConfig:
     merge_prec: str = "tf32"
     solve: str = "tc"
     warps_tc: int = 4
+    wu_prec: str = "bf16x2"
+    maxnreg_tc: int = 0
 
     def state_stages(self) -> int:
         """Pipeline depth of kernel 3; 0 means 3 with bf16 operand tiles and slices of <= 32 columns,
@@ -472,6 +476,19 @@ def _ut_inverse(A, BT: tl.constexpr, DIAG_PREC: tl.constexpr, MERGE_PREC: tl.con
 
 
 @triton.jit
+def _dot_raw(a, b, PREC: tl.constexpr):
+    """a @ b for an fp32 tile a and raw activation rows b. "bf16x2": a as two bf16 limbs (hi + lo, ~16
+    mantissa bits) against the exact bf16 b, two bf16 tensor-core passes with bf16-sized shared-memory
+    operands; otherwise b is widened to fp32 and PREC is the dot's input precision."""
+    if PREC == "bf16x2":
+        hi = a.to(tl.bfloat16)
+        lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
+        return tl.dot(hi, b, tl.dot(lo, b))
+    else:
+        return tl.dot(a, b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
 def _chunk_prep_tc_kernel(
     q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h,
     g, beta, s_g_t, s_b_t, A_log, dt_bias,
@@ -509,10 +526,9 @@ def _chunk_prep_tc_kernel(
     A = tl.where(rows[:, None] > rows[None, :], KK * ((bt * rk)[:, None] * rk[None, :]) * E, 0.0)
     T = _ut_inverse(A, BT, DIAG_PREC, MERGE_PREC)
     ok = tl.arange(0, K)
-    W = tl.dot(T * (bt * tl.exp(G) * rk)[None, :], kraw.to(tl.float32), input_precision=WU_PREC)
+    W = _dot_raw(T * (bt * tl.exp(G) * rk)[None, :], kraw, WU_PREC)
     tl.store(Wb + (tok[:, None] * HV + hv) * K + ok[None, :], W.to(Wb.dtype.element_ty), mask=m[:, None])
-    vv = _load_rows(v, tok, m, s_v_t, hv * s_v_h, V).to(tl.float32)
-    U = tl.dot(T * bt[None, :], vv, input_precision=WU_PREC)
+    U = _dot_raw(T * bt[None, :], _load_rows(v, tok, m, s_v_t, hv * s_v_h, V), WU_PREC)
     ov = tl.arange(0, V)
     tl.store(Ub + (tok[:, None] * HV + hv) * V + ov[None, :], U, mask=m[:, None])
 
@@ -594,6 +610,7 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     check(cfg.merge_prec in MERGE_PRECISIONS, op,
           f"config merge_prec={cfg.merge_prec!r} is not one of {MERGE_PRECISIONS}")
     check(cfg.solve in SOLVES, op, f"config solve={cfg.solve!r} is not one of {SOLVES}")
+    check(cfg.wu_prec in ("bf16x2", "tf32"), op, f"config wu_prec={cfg.wu_prec!r} is not one of ('bf16x2', 'tf32')")
     o = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)
     if T == 0 or N == 0:
         return o
@@ -633,7 +650,9 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
             dt_bias if gates_in_kernel else dummy, coff, cu_seqlens, N,
             bufs["Wb"], bufs["Ub"], bufs["Pb"], bufs["Gb"], bufs["rq"], bufs["rk"], float(scale), HK, HV,
             R=HV // HK, K=K, V=V, BT=CHUNK, BLOCK_N=block_n, L2NORM=bool(l2norm), GATES=bool(gates_in_kernel),
-            QK_PREC=qk_prec, DIAG_PREC="ieee", MERGE_PREC=merge_prec, WU_PREC=wu_prec, num_warps=cfg.warps_tc)
+            QK_PREC=qk_prec, DIAG_PREC="ieee", MERGE_PREC=merge_prec,
+            WU_PREC=cfg.wu_prec if q.dtype == torch.bfloat16 else wu_prec, num_warps=cfg.warps_tc,
+            **({"maxnreg": cfg.maxnreg_tc} if cfg.maxnreg_tc else {}))
         return bufs
     if cfg.split_prep:
         bufs.update(Tb=torch.empty((T, HV, CHUNK), dtype=f32, device=dev),
