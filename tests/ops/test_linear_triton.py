@@ -15,7 +15,7 @@ from deltaserve.ops.linear import triton as tri
 from .helpers import assert_close, gen, randn
 
 # fp32: summation order only (dot kernel: IEEE fp32 products). bf16: one rounding of the output.
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 FMA = tri.LinearConfig(block_n=4, block_k=32, warps=2)
 FMA_SPLIT = tri.LinearConfig(block_n=8, block_k=16, warps=2, split_k=4)
 DOT = tri.LinearConfig(block_n=16, block_k=32, warps=4, stages=2, dot=True)
@@ -44,9 +44,18 @@ def test_every_m_default_config(M, device):
     assert_close(tri.linear(x, w), _want(x, w), TOL[torch.float32], f"M={M} cfg={cfg}")
 
 
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_default_config_large_n(M, device):
+    """The default tiles of a large-N shape (the many-program branch of the rule), odd K."""
+    N, K = 2200, 72
+    x, w = _inputs(M, N, K, torch.bfloat16, device, seed=20 + M)
+    assert tri.default_linear_config(M, N, K) is not None
+    assert_close(tri.linear(x, w), _want(x, w), TOL[torch.bfloat16], f"M={M} {tri.default_linear_config(M, N, K)}")
+
+
 @pytest.mark.parametrize("cfg", [FMA, FMA_SPLIT, DOT, DOT_SPLIT], ids=["fma", "fma-split", "dot", "dot-split"])
 @pytest.mark.parametrize("M,dtype", [(1, torch.float32), (3, torch.float32), (2, torch.bfloat16),
-                                     (5, torch.bfloat16)])
+                                     (5, torch.bfloat16), (4, torch.float16)])
 def test_kernels_odd_shapes(cfg, M, dtype, device):
     """N and K not multiples of the tiles (masks on both edges), each kernel, with and without split K."""
     N, K = 45, 93
@@ -122,7 +131,8 @@ def test_default_rule_is_deterministic_and_valid():
         for K, N in ((2048, 12352), (4096, 2048), (2048, 257), (2048, 248320), (5120, 34816), (17408, 5120)):
             cfg = tri.default_linear_config(M, N, K)
             assert cfg == tri.default_linear_config(M, N, K)
-            assert (cfg is None) == (M > 16 and N > tri.SMALL_N), (M, N, K)
+            cublas = (M > 16 and N > tri.SMALL_N) or (M >= 2 and K >= 4096 and N >= 24576)
+            assert (cfg is None) == cublas, (M, N, K)
             if cfg is not None:
                 tri._check_config(cfg, M)
     assert tri.default_linear_config(tri.GEMV_MAX_M + 1, 2048, 2048) is None

@@ -2,8 +2,8 @@
 reference.py, plus an optional launch `config`).
 
 With M rows of x (tokens) and W [N, K], the work is 2 M N K flops for 2 N K bytes of weights: below a few
-dozen rows the weights are the whole cost, and cuBLAS's GEMV-shaped kernels read them at ~60 % of the
-copy rate on an H200. Up to GEMV_MAX_M rows this module runs one of two kernels, both fp32-accumulating
+dozen rows the weights are the whole cost, and cuBLAS's GEMV-shaped kernels read them at 40-100 % of the
+copy rate on an H200 (worst on the small-N shapes). Up to GEMV_MAX_M rows this module runs one of two kernels, both fp32-accumulating
 (outputs differ from cuBLAS only by summation order), both with every launch parameter fixed by the
 shapes (no autotuning at call time, no host sync: CUDA-graph capturable):
 
@@ -54,27 +54,33 @@ class LinearConfig:
 
 def default_linear_config(M: int, N: int, K: int) -> LinearConfig | None:
     """Tiles for an M x K by K x N product, or None where F.linear (cuBLAS) is used. A rule distilled
-    from the H200 sweep of benchmarks/linear_gemv.py (docs/PERFORMANCE.md, "Dense GEMV"):
+    from the H200 sweeps of benchmarks/linear_gemv.py (docs/PERFORMANCE.md, "Dense GEMV"):
 
-    - M = 1: 8 rows x 512 columns per step, 3 stages; where that gives under two programs per SM
-      (N < 2112), whole-row steps (2048 columns x 4 rows, 8 warps; 4096 x 1 row for longer K).
-    - M = 2..4 with N <= 1024: CUDA cores, 2 rows x 2048 columns (the router: 5 programs of 64 rows
-      would leave the GPU idle).
+    - M = 1: CUDA cores, 16 rows x 256 columns per step at 4 stages for K <= 2048, 8 x 512 at 3 stages
+      for longer K; where that gives under two programs per SM (N < 2112), whole-row steps (2048 columns
+      x 4 rows, 8 warps; 4096 x 1 row for longer K).
+    - M = 2..4 with N <= 1024: CUDA cores, 2 rows x 2048 columns (the router: 64-row blocks would leave
+      the GPU idle).
     - otherwise tensor cores, 64 weight rows x 128 columns, 4 stages; K split in 4 where the 64-row
       blocks are fewer than the SMs (N < 8448), 256-column steps at 3 stages for K > 8192.
-    - above 16 rows only for N <= SMALL_N (where cuBLAS's small-N tiles are slow); else F.linear.
+    - cuBLAS where it already reads at >= 96 % of the copy rate and ours did not beat it: M >= 2 with
+      K >= 4096 and N >= 24576 (the 27B MLP gate/up), and above 16 rows unless N <= SMALL_N.
     """
     if M < 1 or M > GEMV_MAX_M or (M > 16 and N > SMALL_N):
         return None
     kp = triton.next_power_of_2(max(K, 16))
     if M == 1:
         if triton.cdiv(N, 8) >= 2 * NUM_SMS:
+            if K <= 2048:
+                return LinearConfig(block_n=16, block_k=min(256, kp), warps=4, stages=4)
             return LinearConfig(block_n=8, block_k=min(512, kp), warps=4, stages=3)
         if K <= 2048:
             return LinearConfig(block_n=4, block_k=min(2048, kp), warps=8, stages=1)
         return LinearConfig(block_n=1, block_k=min(4096, kp), warps=4, stages=1)
     if M <= 4 and N <= 1024:
         return LinearConfig(block_n=2, block_k=min(2048, kp), warps=4, stages=1)
+    if K >= 4096 and N >= 24576:
+        return None
     if K > 8192:
         return LinearConfig(block_n=64, block_k=256, warps=4, stages=3, dot=True)
     split = 4 if triton.cdiv(N, 64) < NUM_SMS else 1
