@@ -174,6 +174,15 @@ def test_state_stages_fit_the_operand_dtype():
     assert tc.ChunkConfig(prec="tf32", stages_state=1).state_stages() == 1
 
 
+def test_default_config_follows_the_shape():
+    """64-column slices once (sequences x value heads) fill the SMs, 32 below; exact products for fp32."""
+    assert tc.default_chunk_config(4, 32, 128, torch.bfloat16).bv == 64
+    assert tc.default_chunk_config(1, 32, 128, torch.bfloat16).bv == 32
+    assert tc.default_chunk_config(4, 32, 32, torch.bfloat16).bv == 32
+    assert tc.default_chunk_config(4, 32, 128, torch.float32).prec == "ieee"
+    assert tc.default_chunk_config(1, 32, 128, torch.bfloat16).solve == "tc"
+
+
 def test_chunk_wide_state_slices(device):
     """64-column state slices (one program per 64 value columns) == the reference."""
     d = _batch([65, 1, 70], 2, torch.bfloat16, device, seed=6, dk=16, dv=64)

@@ -1,39 +1,42 @@
 """Triton chunked prefill of the gated delta rule (same signature as reference.chunk_gated_delta_rule),
-in three launches (FLA: five + fills):
+in two launches (FLA: five + fills):
 
-1. `_chunk_prep_kernel` ("solve"), one program per (chunk of 64 tokens, value head): the q/k inverse
-   norms, the gates (optionally from their pre-activations), the chunk-local cumulative log decay G,
-   the UT transform T = (I + A)^-1 with A = strictly_lower(diag(beta) K^ K^T * exp(G_i - G_j)), and
-   P = scale * (Q^ K^T * exp(G_i - G_j)) on and below the diagonal, zeros above. The inverse is formed
-   in fp32: the four 16x16 diagonal blocks by forward substitution (the four chains interleaved), the
-   six blocks below them by block back-substitution with tensor-core products at tf32x3 (three-pass,
-   ~fp32 accuracy). The L2 norms are never materialised on q and k: the raw bf16 rows are exact dot
-   operands and the norms scale the products.
-2. `_chunk_wu_kernel`, same grid: W = T diag(beta exp(G)) K^ (stored in the state kernel's operand
-   dtype) and U = T diag(beta) V (stored fp32) as whole-chunk tf32 products (one rounding to 11 bits;
-   FLA rounds T, W and U to bf16). With ChunkConfig.split_prep off, kernel 1 forms W and U itself from
-   16-row blocks (one launch less, slower); with p_in_wu, kernel 2 forms P instead of kernel 1.
-3. `_chunk_state_kernel`, one program per (sequence, value head, V-slice), walks the sequence's chunks
+1. `_chunk_prep_tc_kernel` ("prep"), one program per (chunk of 64 tokens, value head), on whole-chunk
+   tiles: the q/k inverse norms, the gates (optionally from their pre-activations), the chunk-local
+   cumulative log decay G, P = scale * (Q^ K^T * exp(G_i - G_j)) on and below the diagonal (zeros
+   above), A = strictly_lower(diag(beta) K^ K^T * exp(G_i - G_j)) and the UT transform T = (I + A)^-1,
+   which never leaves registers: W = T diag(beta exp(G) rk) K (stored in the state kernel's operand
+   dtype) and U = T diag(beta) V (stored fp32). The inverse is formed by recursive doubling, every step
+   X <- X - X C X (C: the block of A joining two inverse blocks of size s into one of 2s; no power
+   series, so nothing grows and cancels): levels 1-8 on the four 16 x 16 diagonal blocks as one batched
+   exact-fp32 problem, the 32- and 64-wide joins as tensor-core products (tf32, ChunkConfig.merge_prec).
+   W and U take T as two bf16 limbs (~16 mantissa bits) against the exact bf16 rows of K and V
+   (wu_prec "bf16x2"; FLA rounds T, W and U to bf16). The L2 norms are never materialised on q and k:
+   the raw rows are exact dot operands and the norms scale the products.
+   ChunkConfig.solve = "subst" keeps the earlier prep: a solve kernel (16 x 16 diagonal blocks by
+   forward substitution, merges by tensor-core products) storing T, then `_chunk_wu_kernel` (split_prep)
+   or 16-row W/U blocks in the solve kernel; 1.3-1.6x slower in total.
+2. `_chunk_state_kernel`, one program per (sequence, value head, V-slice), walks the sequence's chunks
    in order with the fp32 state slice S in registers. Two dependent products per chunk:
      V_new = U - W S;   S <- exp(G_last) S + K^T (exp(G_last - G) * rk * V_new)
    and, off that chain, O = exp(G) * rq * scale * (Q S) + P V_new. The initial state is read from the
    pool slot (or zero) and the final state written back in place.
 
-Operand precision of kernel 3 (ChunkConfig.prec), always with fp32 accumulation and an fp32 state:
+Operand precision of kernel 2 (ChunkConfig.prec), always with fp32 accumulation and an fp32 state:
 "bf16x2" (default for bf16 activations) splits the fp32 operands of the state chain (S in W S, V_new in
 K^T V_new) into two bf16 limbs (hi + lo, ~16 mantissa bits) against the bf16 W / K, on bf16 tensor cores
 at twice the MMA count; the output products (Q S, P V_new) use one limb (the output is bf16). "bf16"
 rounds S and V_new to bf16 once (FLA's precision); "tf32" and "ieee" (exact fp32, the fp32-activation
 default) keep W and P in fp32.
 
-Loads that feed products carry only row masks (constant along the contiguous dimension): T and P are
-stored with explicit zeros above the diagonal instead of being masked element-wise on load. (An earlier
-bf16 state kernel with a third in-loop product and triangle-masked tile loads computed wrong values on
-the H200 while exact under the interpreter; this structure is verified there, docs/PERFORMANCE.md.)
+Loads that feed products carry only row masks (constant along the contiguous dimension): P is stored
+with explicit zeros above the diagonal instead of being masked element-wise on load. (An earlier bf16
+state kernel with a third in-loop product and triangle-masked tile loads computed wrong values on the
+H200 while exact under the interpreter; this structure is verified there, docs/PERFORMANCE.md.)
 
 Exactness: no contribution is truncated; chunks never cross sequence boundaries; padding rows are
 masked before any exp so no inf or NaN can arise. Host work is shape-only (grid bounds from T and N),
-so the op is CUDA-graph capturable: the chunk -> (sequence, chunk) map is computed inside kernels 1-2.
+so the op is CUDA-graph capturable: the chunk -> (sequence, chunk) map is computed inside the prep.
 """
 
 from __future__ import annotations
@@ -59,8 +62,8 @@ SOLVES = ("tc", "subst")
 class ChunkConfig:
     """Launch and precision choices of the chunked prefill.
 
-    bv: state columns per program of kernel 3 (state); warps_* / stages_state: launch shapes; prec:
-    operand precision of kernel 3's products (module docstring), one of PRECISIONS.
+    bv: state columns per program of the state kernel; warps_* / stages_state: launch shapes; prec:
+    operand precision of the state kernel's products (module docstring), one of PRECISIONS.
     solve: "tc" forms the whole prep (P, the UT inverse by tensor-core doubling, W, U) in one kernel
     (`_chunk_prep_tc_kernel`, warps_tc); "subst" is the earlier forward-substitution solve kernel, whose
     layout the next two fields choose: split_prep: W and U formed by a second prep kernel from the
@@ -87,22 +90,24 @@ class ChunkConfig:
     maxnreg_tc: int = 0
 
     def state_stages(self) -> int:
-        """Pipeline depth of kernel 3; 0 means 3 with bf16 operand tiles and slices of <= 32 columns,
-        else 2 (3 stages of fp32 W / P tiles, or of 64-column slices, exceed the H200's 227 KiB of
+        """Pipeline depth of the state kernel; 0 means 3 with bf16 operand tiles and slices of <= 32
+        columns, else 2 (3 stages of fp32 W / P tiles, or of 64-column slices, exceed the H200's 227 KiB of
         shared memory)."""
         return self.stages_state or (3 if self.prec.startswith("bf16") and self.bv <= 32 else 2)
 
 
 def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.dtype) -> ChunkConfig:
-    """The fastest configuration measured on the H200 that is also verified there (docs/PERFORMANCE.md):
-    32-column slices, 3 stages, split prep. 64-column slices measured 3-11 % faster with many sequences
-    but were not verified on the device, so they are not the default."""
+    """The fastest configuration measured on the H200 and verified there (docs/PERFORMANCE.md): the
+    one-kernel tensor-core prep; 64-column state slices (2 stages) once there are >= 128 (sequence,
+    value head) pairs to fill the SMs (5 % faster at 4 x 8192 and 32 x 1024), else 32 columns
+    (3 stages; 64 columns leave half the SMs idle at 1 x 32768 and are 25 % slower there)."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
-    return ChunkConfig(bv=min(32, v), prec="ieee" if exact else "bf16x2")
+    bv = 64 if num_seqs * num_v_heads >= 128 and v >= 64 else min(32, v)
+    return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2")
 
 
 def _operand_dtype(prec: str) -> torch.dtype:
-    """dtype of the W and P buffers: the A operand of kernel 3's products."""
+    """dtype of the W and P buffers: the A operand of the state kernel's products."""
     return torch.bfloat16 if prec.startswith("bf16") else torch.float32
 
 
@@ -677,7 +682,7 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
 
 
 def _launch_state(q, k, v, o, bufs, cu_seqlens, ssm_state, state_indices, has_initial_state, cfg):
-    """Kernel 3: per (sequence, value head, V-slice) the chunk recurrence, outputs and final state."""
+    """The state kernel: per (sequence, value head, V-slice) the chunk recurrence, outputs and final state."""
     HK, K = q.shape[1:]
     HV, V = v.shape[1:]
     N = state_indices.shape[0]
