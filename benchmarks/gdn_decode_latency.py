@@ -41,7 +41,8 @@ HK = 16
 W = 4
 SHAPES = {"35B-A3B": 32, "27B": 48}          # value heads
 BATCHES = [1, 2, 4, 8, 16, 64, 256]
-SWEEP = [(16, 1), (16, 2), (32, 1), (32, 2), (64, 4)]   # one-launch (bv, num_warps) candidates
+SWEEP = [(8, 1), (16, 1), (32, 1), (32, 2), (64, 4), (128, 4)]   # one-launch (bv, num_warps) candidates
+SWEEP_27B = [(16, 1), (32, 2)]
 SWEEP_B = [1, 2, 4, 8, 16, 64]
 DEV = "cuda"
 
@@ -70,7 +71,7 @@ def cases() -> list[Case]:
         for B in BATCHES:
             out += [Case(shape, B, "default"), Case(shape, B, "fla"),
                     Case(shape, B, "two-launch", tr.default_tokens_config(B * SHAPES[shape] * (DV // 32), DV))]
-            sweep = SWEEP if shape == "35B-A3B" else SWEEP[::3]
+            sweep = SWEEP if shape == "35B-A3B" else SWEEP_27B
             if B in SWEEP_B:
                 out += [Case(shape, B, f"one-launch bv{bv}/w{w}", tr.RecurrentConfig(bv, w, one_launch=True))
                         for bv, w in sweep]
@@ -143,7 +144,7 @@ def compile_case(case: Case) -> Case:
     """A B = 1 case compiling the kernels `case` runs (they specialise on the launch config, not on B)."""
     if case.impl == "fla":
         return Case(case.shape, 1, "fla")
-    cfg = case.config or tr.default_decode_config(case.B, case.hv, DV)
+    cfg = case.config or tr.default_decode_config(case.B, HK, case.hv, DV)
     return Case(case.shape, 1, case.impl, cfg)
 
 
@@ -172,8 +173,8 @@ def summary(rows: list[dict], copy: float) -> str:
             o, t, f = (by.get((shape, B, k)) for k in ("default", "two-launch", "fla"))
             if not o:
                 continue
-            path = "one launch" if tr.default_decode_config(B, hv, DV).one_launch else "two launches"
-            cfg = tr.default_decode_config(B, hv, DV)
+            cfg = tr.default_decode_config(B, HK, hv, DV)
+            path = "one launch" if cfg.one_launch else "two launches"
             lines.append(
                 f"| {B} | {path} bv{cfg.bv}/w{cfg.num_warps} | {o['us']:.2f} | {o['TBps']:.2f} ({o['frac_copy']:.0%}) | "
                 f"{t['us'] if t else float('nan'):.2f} | {f['us'] if f else float('nan'):.2f} | "

@@ -65,13 +65,15 @@ def default_tokens_config(num_programs_bv32: int, v: int) -> RecurrentConfig:
     return RecurrentConfig(bv=min(8, v), num_warps=1)
 
 
-def default_decode_config(n: int, hv: int, v: int) -> RecurrentConfig:
+def default_decode_config(n: int, hk: int, hv: int, v: int) -> RecurrentConfig:
     """gdn_decode for n sequences (host-side rule from shapes only, so graph capture sees one path).
     Measured on the H200 (benchmarks/gdn_decode_latency.py, docs/PERFORMANCE.md): one launch up to
-    ONE_LAUNCH_MAX_ROWS sequences (at 64 the paths tie, at 256 two launches win by 5 %), with one-warp
-    16-column slices up to 256 (sequence, head) rows and two-warp 32-column slices above."""
+    ONE_LAUNCH_MAX_ROWS sequences (at 64 the paths tie, at 256 two launches win by 5 %); one-warp
+    16-column slices up to 256 (sequence, value head) rows while a key head has at most 16 programs
+    (counted in one by one on its counter: 24 were slower), two-warp 32-column slices otherwise."""
     if n <= ONE_LAUNCH_MAX_ROWS:
-        bv, warps = (16, 1) if n * hv <= 256 else (32, 2)
+        narrow = n * hv <= 256 and (hv // hk) * (v // 16) <= 16
+        bv, warps = (16, 1) if narrow else (32, 2)
         return RecurrentConfig(bv=min(bv, v), num_warps=warps, one_launch=True)
     return default_tokens_config(n * hv * max(v // 32, 1), v)
 
@@ -323,6 +325,7 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
         tl.load(a + t * s_a_t + hv).to(tl.float32) + tl.load(dt_bias + hv).to(tl.float32))
     bt = sigmoid(tl.load(b + t * s_b_t + hv).to(tl.float32))
     S, o, _ = _delta_step(S, kh, qh, vv, gt, bt)
+    tl.store(sp, S, mask=smask)
     o = tl.where(live, o, 0.0).to(out.dtype.element_ty)  # rounded to the activation dtype, as unfused
     if BV == V:  # whole rows: the norm is local (dead rows: zeros in, zeros out)
         zt = tl.load(z + t * s_z_t + hv * s_z_h + ov).to(tl.float32)
@@ -332,13 +335,15 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
     else:
         tl.store(o_tmp + (t * HV + hv) * V + ov, o)
         tl.store(out + (t * HV + hv) * V + ov, tl.zeros([BV], dtype=out.dtype.element_ty), mask=(ov >= 0) & (slot < 0))
+    # the value channels of this slice are read by this program alone
+    _shift_window(win, D, cv, ov >= 0, xrow, live, W, WP)
     i2 = tl.arange(0, 2 * K)
     cqk = tl.where(i2 < K, hk * K + i2, HK * K + hk * K + i2 - K)  # the key head's q and k channels
     if R * (V // BV) == 1:  # the only program of its (sequence, key head)
         _shift_window(win, D, cqk, i2 >= 0, xrow, live, W, WP)
     else:
         if live:
-            tl.debug_barrier()  # every thread's o_tmp stores and q/k window reads precede the release below
+            tl.debug_barrier()  # every thread's o_tmp stores and window reads precede the release below
             cnt = counters + n * HK + hk
             arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
             if arrived == R * (V // BV) - 1:  # the last of the group: the q/k window is free, o_tmp complete
@@ -357,10 +362,6 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                     y = _gated_rms(ot, zt, w, eps, V, SIGMOID)
                     tl.store(out + (t * HV + heads[:, None]) * V + of[None, :], y.to(out.dtype.element_ty), mask=hm)
                 _store_window(win, D, cqk, i2 >= 0, new_qk, live, W, WP)
-    # After the release: the state and this slice's value channels of the window (read by this program
-    # alone) are nobody else's business, so the release does not wait for their stores.
-    tl.store(sp, S, mask=smask)
-    _shift_window(win, D, cv, ov >= 0, xrow, live, W, WP)
 
 
 @triton.jit
@@ -523,7 +524,7 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
         cfg = config or default_tokens_config(N * HV * max(V // 32, 1), V)
         check(not cfg.one_launch, op, "config one_launch applies to gdn_decode only")
     else:
-        cfg = config or default_decode_config(N, HV, V)
+        cfg = config or default_decode_config(N, HK, HV, V)
     check(V % cfg.bv == 0, op, f"config bv={cfg.bv} must divide V={V}")
     o_tmp = torch.empty((T, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     if cfg.one_launch:
