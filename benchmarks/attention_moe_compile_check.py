@@ -12,6 +12,7 @@ from gdn_compile_check import compile_one
 
 from deltaserve.ops.attention import triton as attn_t
 from deltaserve.ops.moe import triton as moe_t
+from deltaserve.ops.moe import triton_routing as moe_route
 
 
 def main() -> int:
@@ -32,12 +33,12 @@ def main() -> int:
                 attn_types, dict(NH=nh, NKV=nkv, D=256, G=g, BLOCK_M=bm, BLOCK_N=bn, SPLITS=splits, MIN_SPLIT=256,
                                  IEEE=False), warps, stages))
     results.append(compile_one("merge_splits", attn_t._merge_splits_kernel, dict(part_ml=f32, part_acc=f32, out=bf),
-                               dict(NH=16, SPLITS=16, SP=16, BH=16, D=256), 4))
+                               dict(NH=16, SPLITS=16, SP=16, BD=256, D=256), 4))
     results.append(compile_one("store_kv", attn_t._store_kv_kernel, dict(k=bf, v=bf, cache=bf, slots=i64),
                                dict(NKV=2, D=256, BH=2), 4))
     # MoE, Qwen3.5-35B-A3B: E 256, top-8, H 2048, I 512
-    results.append(compile_one("topk_softmax", moe_t._topk_softmax_kernel, dict(logits=bf, weights=f32, ids=i64),
-                               dict(K=8, KP=8, EP=256, BT=16, RENORM=True), 4))
+    results.append(compile_one("route", moe_route._route_kernel, dict(logits=bf, weights=f32, ids=i64),
+                               dict(K=8, M=1, KP=16, EP=256, BT=1, RENORM=True), 1))
     for fused in (True, False):
         results.append(compile_one(
             f"moe_offsets fused={int(fused)}", moe_t._moe_offsets_kernel,

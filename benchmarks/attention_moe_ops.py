@@ -43,6 +43,7 @@ from deltaserve.ops.attention import reference as attn_ref
 from deltaserve.ops.attention import triton as attn_t
 from deltaserve.ops.moe import reference as moe_ref
 from deltaserve.ops.moe import triton as moe_t
+from deltaserve.ops.moe import triton_routing as moe_route
 
 DEV = "cuda"
 BF = torch.bfloat16
@@ -275,11 +276,11 @@ def moe_cases(sweep: bool) -> list[Case]:
 
         def ours(c, T=T, cfg=None, route=True):
             d = moe_inputs(T, c)
-            routed = [moe_t.topk_softmax(lg, TOP_K, True) for lg in d.logits]
+            routed = [moe_route.topk_softmax(lg, TOP_K, True) for lg in d.logits]
 
             def fn(i):
                 if route:
-                    w, ids = moe_t.topk_softmax(d.logits[i], TOP_K, True)
+                    w, ids = moe_route.topk_softmax(d.logits[i], TOP_K, True)
                 else:
                     w, ids = routed[i]
                 return moe_t.fused_moe(d.x[i], d.w13, d.w2, w, ids, config=cfg)

@@ -40,6 +40,7 @@ import triton
 
 from deltaserve.ops.linear import triton as lin
 from deltaserve.ops.moe import triton as moe_t
+from deltaserve.ops.moe import triton_routing as moe_route
 
 DEV = "cuda"
 BF = torch.bfloat16
@@ -219,7 +220,7 @@ def moe_setup(T, calls, seed=0):
     xs, routes, distinct = [], [], []
     for _ in range(calls):
         xs.append(torch.randn(T, H, device=DEV, generator=g).to(BF))
-        w, i = moe_t.topk_softmax(torch.randn(T, E, device=DEV, generator=g).to(BF), TOP_K, True)
+        w, i = moe_route.topk_softmax(torch.randn(T, E, device=DEV, generator=g).to(BF), TOP_K, True)
         sw = torch.sigmoid(torch.randn(T, 1, device=DEV, generator=g))
         ids = torch.cat([i, torch.full((T, 1), E, dtype=i.dtype, device=DEV)], 1)
         routes.append((torch.cat([w, sw], 1).contiguous(), ids.contiguous()))

@@ -1,5 +1,5 @@
-"""Triton MoE: top-k softmax routing and the routed experts as grouped GEMMs (same signatures as
-reference.py), all on device with shapes known to the host (no syncs; CUDA-graph capturable).
+"""Triton MoE: the routed experts as grouped GEMMs (same signature as reference.fused_moe; routing is
+triton_routing.py), all on device with shapes known to the host (no syncs; CUDA-graph capturable).
 
 fused_moe runs, for T tokens routed to top_k of E experts (A = T * top_k assignments):
 
@@ -43,58 +43,6 @@ from ..triton_common import ACTIVATION_DTYPES, check, check_last_contiguous, che
 
 ALIGN_CHUNK = 1024      # assignments per counting / scatter program
 GEMV_MAX_ASSIGNMENTS = 96   # T * top_k up to this: the GEMV path (T <= 8 at top-8 or top-10 plus a shared slice)
-
-
-# ---- routing ---------------------------------------------------------------------------------------
-
-@triton.jit
-def _topk_softmax_kernel(logits, weights, ids, T, E, s_l, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                         BT: tl.constexpr, RENORM: tl.constexpr):
-    rows = tl.program_id(0) * BT + tl.arange(0, BT)
-    cols = tl.arange(0, EP)
-    row_ok = rows < T
-    x = tl.load(logits + rows[:, None].to(tl.int64) * s_l + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < E),
-                other=float("-inf")).to(tl.float32)
-    x = tl.where(row_ok[:, None], x, 0.0)                 # rows past T: finite, ignored
-    x = tl.exp(x - tl.max(x, 1)[:, None])
-    probs = x / tl.sum(x, 1)[:, None]
-    kcol = tl.arange(0, KP)
-    w_sel = tl.zeros([BT, KP], dtype=tl.float32)
-    i_sel = tl.zeros([BT, KP], dtype=tl.int32)
-    avail = probs
-    for j in tl.static_range(K):
-        best = tl.max(avail, 1)
-        # lowest index among equal maxima (padding columns hold -inf after exp -> 0; -1 marks taken)
-        idx = tl.min(tl.where(avail == best[:, None], cols[None, :], EP), 1)
-        w_sel = tl.where(kcol[None, :] == j, best[:, None], w_sel)
-        i_sel = tl.where(kcol[None, :] == j, idx[:, None], i_sel)
-        avail = tl.where(cols[None, :] == idx[:, None], -1.0, avail)
-    if RENORM:
-        w_sel = w_sel / tl.sum(w_sel, 1)[:, None]
-    out = rows[:, None] * K + kcol[None, :]
-    m = row_ok[:, None] & (kcol[None, :] < K)
-    tl.store(weights + out, w_sel, mask=m)
-    tl.store(ids + out, i_sel.to(ids.dtype.element_ty), mask=m)
-
-
-def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    op = "topk_softmax"
-    check(router_logits.dim() == 2, op, f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
-    T, E = router_logits.shape
-    check(1 <= top_k <= E, op, f"top_k = {top_k} must be in [1, {E}]")
-    check(E <= 4096, op, f"{E} experts: at most 4096 supported")
-    check(router_logits.dtype in ACTIVATION_DTYPES, op, f"unsupported dtype {router_logits.dtype}")
-    check_last_contiguous(op, router_logits=router_logits)
-    weights = torch.empty((T, top_k), dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty((T, top_k), dtype=torch.int64, device=router_logits.device)
-    if T == 0:
-        return weights, ids
-    ep = triton.next_power_of_2(E)
-    bt = max(1, min(16, 4096 // ep))
-    _topk_softmax_kernel[(triton.cdiv(T, bt),)](
-        router_logits, weights, ids, T, E, router_logits.stride(0), K=top_k, KP=triton.next_power_of_2(top_k),
-        EP=ep, BT=bt, RENORM=bool(renormalize), num_warps=4)
-    return weights, ids
 
 
 # ---- alignment: assignments grouped by expert, padded to blocks --------------------------------------
