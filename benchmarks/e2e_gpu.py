@@ -234,12 +234,12 @@ def run_requests(engine, prompts: list[list[int]], params, tag: str) -> dict:
 KERNEL_FAMILIES = [   # first match wins: our MoE GEMV kernels contain "gemv", the GDN gated norm "norm"
     ("MoE (routing + experts)", r"moe|topk_softmax|_route_kernel|gemv_w13|gemv_w2|_w13_kernel|_w2_kernel|_combine_kernel"),
     ("GDN (conv, gates, delta rule, gated norm)",
-     r"gdn|recurrent|delta|conv1d|_conv_|chunk|gating|l2norm|recompute_w_u|_tokens_kernel|_finish_kernel|"
+     r"gdn|recurrent|delta|conv1d|_conv_|chunk|gating|l2norm|recompute_w_u|_tokens_kernel|_finish_kernel|_decode_fused|"
      r"_verify|_commit|rms_norm_gated"),
     ("attention (paged, store_kv, rope)", r"attention|attn|paged|store_kv|merge_splits|flash|rotary|rope"),
     ("norms (RMSNorm + residual)", r"rms|norm"),
     ("activations (silu*mul, sigmoid*mul)", r"silu|sigmoid|act_and_mul"),
-    ("linears (GEMV / GEMM)", r"gemm|gemv|cutlass|nvjet|sm90|sm80|xmma|splitk|cublas|kernel2|matmul|linear|addmm|::mm"),
+    ("linears (GEMV / GEMM)", r"gemm|gemv|split_sum|cutlass|nvjet|sm90|sm80|xmma|splitk|cublas|kernel2|matmul|linear|addmm|::mm"),
     ("sampler / logits", r"softmax|argmax|sampl|cumsum|sort|topk|multinomial|log_softmax"),
 ]
 
