@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from gpu_common import RunLog, ceilings, device_env  # noqa: I001  (benchmarks/ is on sys.path when run)
 from deltaserve.ops.activation import reference as act_ref
 from deltaserve.ops.activation import triton as act_t
 from deltaserve.ops.attention import reference as attn_ref
@@ -376,19 +377,6 @@ def eager_time(fn: Callable, calls: int) -> float:
     return ms * 1e-3 / calls
 
 
-def ceilings() -> dict:
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
-    copy = 2 * n / (ms * 1e-3)
-    del src, dst
-    a = torch.randn(8192, 8192, device=DEV, dtype=BF)
-    b = torch.randn(8192, 8192, device=DEV, dtype=BF)
-    ms = triton.testing.do_bench(lambda: a @ b, warmup=10, rep=100, return_mode="median")
-    return dict(copy_TBps=copy / 1e12, bf16_TFLOPs=2 * 8192 ** 3 / (ms * 1e-3) / 1e12)
-
-
 # ---- warm-up --------------------------------------------------------------------------------------
 
 def selected(only: str, label: str) -> bool:
@@ -448,17 +436,8 @@ def main() -> int:
         return 0
 
     t_start = time.time()
-    os.makedirs(args.out, exist_ok=True)
-    logf = open(os.path.join(args.out, "attention_moe_bench.log"), "a")
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        logf.write(msg + "\n")
-        logf.flush()
-
-    props = torch.cuda.get_device_properties(0)
-    env = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
-               cuda=torch.version.cuda)
+    log = RunLog(args.out, "attention_moe_bench.log")
+    env = device_env()
     log(json.dumps(env))
     if args.workers > 0:
         warm_up(args, log)
@@ -490,7 +469,7 @@ def main() -> int:
                 _, case.bytes, case.flops = moe_routing(case.meta["T"], case.calls)
         except Exception as exc:
             log(f"FAILED {label}: {type(exc).__name__}: {str(exc)[:300]}")
-            logf.write(traceback.format_exc())
+            log.file.write(traceback.format_exc())
             continue
         finally:
             torch.cuda.empty_cache()

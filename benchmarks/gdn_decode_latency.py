@@ -21,7 +21,6 @@ Run (GPU): PYTHONPATH=.:$FLA FLA_FLASH_QLA=0 python benchmarks/gdn_decode_latenc
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -34,6 +33,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from gpu_common import RunLog, ceilings, device_env  # noqa: I001  (benchmarks/ is on sys.path when run)
 from deltaserve.ops.gdn import triton_recurrent as tr
 
 DK = DV = 128
@@ -130,14 +130,6 @@ def graph_seconds(fn: Callable[[int], object], calls: int, rep_ms: int) -> float
     return ms * 1e-3 / calls
 
 
-def copy_rate() -> float:
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
-    return 2 * n / (ms * 1e-3)
-
-
 # ---- warm-up: compile every variant once, in parallel worker processes (shared Triton cache) -------
 
 def compile_case(case: Case) -> Case:
@@ -203,21 +195,9 @@ def main() -> int:
         worker(args.worker, args.workers)
         return 0
     t0 = time.time()
-    os.makedirs(args.out, exist_ok=True)
-    logf = open(os.path.join(args.out, "gdn_decode_latency.log"), "a")
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        logf.write(msg + "\n")
-        logf.flush()
-
-    props = torch.cuda.get_device_properties(0)
-    env = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__,
-               triton=triton.__version__, cuda=torch.version.cuda, flash_qla_env=os.environ.get("FLA_FLASH_QLA"))
-    try:
-        env["fla"] = None if args.no_fla else importlib.metadata.version("fla-core")
-    except importlib.metadata.PackageNotFoundError:
-        env["fla"] = None
+    log = RunLog(args.out, "gdn_decode_latency.log")
+    env = device_env(fla=not args.no_fla)
+    env.setdefault("fla", None)
     log(json.dumps(env))
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", str(i), "--workers",
                                str(args.workers)]) for i in range(args.workers)]
@@ -230,8 +210,7 @@ def main() -> int:
     while args.wait_for and not os.path.exists(args.wait_for) and time.time() < deadline:
         time.sleep(0.5)
     log(f"timed phase starts at {time.time() - t0:.0f} s")
-    copy = copy_rate()
-    torch.cuda.empty_cache()
+    copy = ceilings(matmul=False, warmup=25)["copy_TBps"] * 1e12
     rows = []
     for case in cases():
         if case.impl == "fla" and not env["fla"]:

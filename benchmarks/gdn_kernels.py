@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -36,6 +35,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from gpu_common import RunLog, ceilings, device_env  # noqa: I001  (benchmarks/ is on sys.path when run)
 from deltaserve.ops.conv1d import triton as conv_t
 from deltaserve.ops.gdn import reference as ref
 from deltaserve.ops.gdn import triton_chunk as tc
@@ -343,21 +343,6 @@ def graph_time(fn: Callable, calls: int) -> float:
     return ms * 1e-3 / calls
 
 
-def ceilings() -> dict:
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    copy = 2 * n / (ms * 1e-3)
-    del src, dst
-    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    ms = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
-    del a, b
-    torch.cuda.empty_cache()
-    return dict(copy_TBps=copy / 1e12, bf16_TFLOPs=2 * 8192 ** 3 / (ms * 1e-3) / 1e12)
-
-
 # ---- warm-up workers ----------------------------------------------------------------------------
 
 def worker(index: int, count: int, sweep: str, with_fla: bool, only: str = "") -> None:
@@ -522,24 +507,11 @@ def main() -> int:
         return 0
 
     t_start = time.time()
-    os.makedirs(args.out, exist_ok=True)
-    logf = open(os.path.join(args.out, "gdn_bench.log"), "a")
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        logf.write(msg + "\n")
-        logf.flush()
-
-    props = torch.cuda.get_device_properties(0)
-    env = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
-               cuda=torch.version.cuda, flash_qla_env=os.environ.get("FLA_FLASH_QLA"))
-    try:
-        env["fla"] = importlib.metadata.version("fla-core")
-    except importlib.metadata.PackageNotFoundError:
-        env["fla"] = None
+    log = RunLog(args.out, "gdn_bench.log")
+    env = device_env(fla=True)
     log(json.dumps(env))
     warm_up(args, log)
-    ceil = ceilings()
+    ceil = ceilings(warmup=25, rep=200)
     log(json.dumps(ceil))
 
     results = timed_phase(args, env, ceil, t_start, log)

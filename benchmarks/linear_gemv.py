@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from gpu_common import RunLog, ceilings, device_env  # noqa: I001  (benchmarks/ is on sys.path when run)
 from deltaserve.ops.linear import triton as lin
 from deltaserve.ops.moe import triton as moe_t
 from deltaserve.ops.moe import triton_routing as moe_route
@@ -188,14 +189,6 @@ def kernel_durations(timer, fn, calls, replays=10) -> dict:
             tot[e.name] = tot.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
     del graph
     return {k: v / (replays * calls) for k, v in tot.items()}
-
-
-def ceilings() -> dict:
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
-    return dict(copy_TBps=2 * n / (ms * 1e-3) / 1e12)
 
 
 # ---- cases ------------------------------------------------------------------------------------------
@@ -424,20 +417,12 @@ def main() -> int:
         worker(int(args.worker), args.worker_of, args.sweep, args.sweep_m1)
         return 0
     t_start = time.time()
-    os.makedirs(args.out, exist_ok=True)
-    logf = open(os.path.join(args.out, "linear_gemv.log"), "a")
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        logf.write(msg + "\n")
-        logf.flush()
-
-    props = torch.cuda.get_device_properties(0)
-    env = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__)
+    log = RunLog(args.out, "linear_gemv.log")
+    env = device_env()
     log(json.dumps(env))
     if args.workers > 0:
         warm_up(args, log)
-    ceil = ceilings()
+    ceil = ceilings(matmul=False)
     log(json.dumps(ceil))
     timer = Timer(args.flush)
     log(f"L2 flush before each replay: {args.flush}")
