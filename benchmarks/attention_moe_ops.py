@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from gpu_common import RunLog, ceilings, device_env  # noqa: I001  (benchmarks/ is on sys.path when run)
+from gpu_common import RunLog, ceilings, device_env, graph_seconds  # noqa: I001  (benchmarks/ is on sys.path when run)
 from deltaserve.ops.activation import reference as act_ref
 from deltaserve.ops.activation import triton as act_t
 from deltaserve.ops.attention import reference as attn_ref
@@ -359,17 +359,7 @@ def all_cases(sweep: bool) -> list[Case]:
 # ---- timing -------------------------------------------------------------------------------------
 
 def graph_time(fn: Callable, calls: int) -> float:
-    for i in range(calls):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    torch.cuda.synchronize()
-    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
-    del graph
-    return ms * 1e-3 / calls
+    return graph_seconds(fn, calls, warmup=10, rep=60)
 
 
 def eager_time(fn: Callable, calls: int) -> float:

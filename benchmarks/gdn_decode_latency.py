@@ -31,9 +31,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
 
-from gpu_common import RunLog, ceilings, device_env  # noqa: I001  (benchmarks/ is on sys.path when run)
+from gpu_common import RunLog, ceilings, device_env, graph_seconds  # noqa: I001  (benchmarks/ is on sys.path when run)
 from deltaserve.ops.gdn import triton_recurrent as tr
 
 DK = DV = 128
@@ -114,20 +113,6 @@ def make_call(case: Case, d: dict) -> Callable[[int], object]:
               scale=DK ** -0.5, conv_state=d["conv_pool"], ssm_state=d["pool"])
     extra = {} if case.config is None else {"config": case.config}
     return lambda i: tr.gdn_decode(d["mixed"], d["z"], d["a"], d["b"], state_indices=d["idx"][i], **kw, **extra)
-
-
-def graph_seconds(fn: Callable[[int], object], calls: int, rep_ms: int) -> float:
-    for i in range(calls):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    torch.cuda.synchronize()
-    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=rep_ms, return_mode="median")
-    del graph
-    return ms * 1e-3 / calls
 
 
 # ---- warm-up: compile every variant once, in parallel worker processes (shared Triton cache) -------
@@ -218,7 +203,7 @@ def main() -> int:
         calls = calls_for(case.B)
         try:
             d = inputs(case.hv, case.B, calls)
-            sec = graph_seconds(make_call(case, d), calls, args.rep_ms)
+            sec = graph_seconds(make_call(case, d), calls, rep=args.rep_ms)
         except Exception as exc:
             log(f"FAILED {case}: {type(exc).__name__}: {str(exc)[:300]}")
             continue

@@ -33,9 +33,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-import triton
 
-from gpu_common import RunLog, ceilings, device_env  # noqa: I001  (benchmarks/ is on sys.path when run)
+from gpu_common import RunLog, ceilings, device_env, graph_seconds  # noqa: I001  (benchmarks/ is on sys.path when run)
 from deltaserve.ops.conv1d import triton as conv_t
 from deltaserve.ops.gdn import reference as ref
 from deltaserve.ops.gdn import triton_chunk as tc
@@ -330,17 +329,7 @@ def all_cases(sweep: str, only: str = "") -> list[Case]:
 
 def graph_time(fn: Callable, calls: int) -> float:
     """Seconds per call: `calls` invocations captured in one CUDA graph, median replay time / calls."""
-    for i in range(calls):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    torch.cuda.synchronize()
-    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=150, return_mode="median")
-    del graph
-    return ms * 1e-3 / calls
+    return graph_seconds(fn, calls, warmup=25, rep=150)
 
 
 # ---- warm-up workers ----------------------------------------------------------------------------

@@ -59,3 +59,24 @@ def ceilings(*, matmul: bool = True, warmup: int = 10, rep: int = 100) -> dict:
         out["bf16_TFLOPs"] = 2 * 8192 ** 3 / (_matmul_ms(8192, warmup, rep) * 1e-3) / 1e12
     torch.cuda.empty_cache()
     return out
+
+
+def graph_of(fn, calls: int) -> torch.cuda.CUDAGraph:
+    """fn(0) .. fn(calls - 1) run once eagerly (compiles, allocations) and then captured in one CUDA graph."""
+    for i in range(calls):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    torch.cuda.synchronize()
+    return graph
+
+
+def graph_seconds(fn, calls: int, *, warmup: int = 10, rep: int = 100) -> float:
+    """Seconds per call: `calls` invocations on distinct inputs captured in one CUDA graph, the median replay
+    time (triton.testing.do_bench, L2 flushed before each replay) divided by `calls`."""
+    graph = graph_of(fn, calls)
+    ms = triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
+    return ms * 1e-3 / calls

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from gpu_common import RunLog, ceilings, device_env  # noqa: I001  (benchmarks/ is on sys.path when run)
+from gpu_common import RunLog, ceilings, device_env, graph_of  # noqa: I001  (benchmarks/ is on sys.path when run)
 from deltaserve.ops.linear import triton as lin
 from deltaserve.ops.moe import triton as moe_t
 from deltaserve.ops.moe import triton_routing as moe_route
@@ -120,18 +120,6 @@ def rel_err(got, want) -> float:
 
 
 # ---- timing -----------------------------------------------------------------------------------------
-
-def graph_of(fn, calls):
-    for i in range(calls):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    torch.cuda.synchronize()
-    return graph
-
 
 class Timer:
     """Graph-replay timing with the L2 flushed before every replay, by reading 256 MB ("read": the L2 then
