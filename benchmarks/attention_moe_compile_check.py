@@ -2,12 +2,16 @@
 print registers, spills and shared memory per kernel and launch config (reuses gdn_compile_check's helper).
 
     PYTHONPATH=. python benchmarks/attention_moe_compile_check.py
+    PYTHONPATH=. python benchmarks/attention_moe_compile_check.py --fp32-attention   # the fp32 default tiles only
+        (exits 1 if one fails to compile or needs more shared memory than an sm_90 block has)
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
+import torch
 from gdn_compile_check import compile_one
 
 from deltaserve.ops.attention import triton as attn_t
@@ -15,7 +19,33 @@ from deltaserve.ops.moe import triton as moe_t
 from deltaserve.ops.moe import triton_routing as moe_route
 
 
+SM90_SMEM_BYTES = 232448      # the most shared memory one block may use on sm_90
+
+
+def fp32_attention_defaults() -> int:
+    """Compile the default fp32 tiles (decode and prefill, 35B-A3B heads, head_dim 256) and check their
+    shared memory: the bf16 tiles in fp32 need more than a block has."""
+    f32, i32 = "*fp32", "*i32"
+    types = dict(q=f32, cache=f32, cu=i32, seq_lens=i32, tables=i32, out=f32, part_ml=f32, part_acc=f32,
+                 qk_scale="fp32")
+    bad = []
+    for label, T, N in (("decode", 4, 4), ("prefill", 4096, 2)):
+        cfg = attn_t.default_attention_config(T, N, 16, 2, 256, torch.device("cpu"), dtype=torch.float32)
+        r = compile_one(f"attention fp32 {label} {cfg}", attn_t._attention_kernel, types,
+                        dict(NH=16, NKV=2, D=256, G=8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                             SPLITS=cfg.num_splits, MIN_SPLIT=cfg.min_split, IEEE=True),
+                        cfg.num_warps, cfg.num_stages)
+        if not r["ok"] or r["smem"] > SM90_SMEM_BYTES:
+            bad.append(label)
+    print(f"fp32 default tiles over the sm_90 limit or failing: {bad}")
+    return 1 if bad else 0
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fp32-attention", action="store_true", help="only the fp32 default attention tiles")
+    if ap.parse_args().fp32_attention:
+        return fp32_attention_defaults()
     bf, f32, i32, i64 = "*bf16", "*fp32", "*i32", "*i64"
     results = []
     # Qwen3.5-35B-A3B attention: 16 query heads, 2 KV heads, head_dim 256 (G = 8); 27B: 24 / 4 (G = 6)

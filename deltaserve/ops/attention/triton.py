@@ -193,7 +193,7 @@ def _device_sms(device: torch.device) -> int:
 
 
 def default_attention_config(T: int, N: int, nh: int, nkv: int, d: int, device: torch.device,
-                             max_query_len: int | None = None) -> AttentionConfig:
+                             max_query_len: int | None = None, dtype: torch.dtype = torch.bfloat16) -> AttentionConfig:
     """Decode-shaped batches (every sequence one token) get small query tiles and split-K when the
     (tile, KV head) programs cannot fill the GPU; batches with prefill chunks get wide tiles."""
     g = nh // nkv
@@ -205,6 +205,12 @@ def default_attention_config(T: int, N: int, nh: int, nkv: int, d: int, device: 
     else:
         block_m = max(128, triton.next_power_of_2(g))
         block_n, warps, stages = 64, (8 if d > 128 else 4), 2
+    if dtype.itemsize >= 4:
+        # fp32 operands are twice the bytes: the bf16 prefill tile (128 x 64, 2 stages) in fp32 needs 295 KB of
+        # shared memory at head_dim 256 on sm_90 (a block has 227 KB) and fails to launch; 64 x 32 in one
+        # stage needs 107 KB (`attention_moe_compile_check.py --fp32-attention` compiles them without a GPU)
+        block_m = block_m if decode else max(64, triton.next_power_of_2(g))
+        block_n, stages = 32, 1
     bq = block_m // g
     programs = (T // bq + N + 1) * nkv
     target = 4 * _device_sms(device)
@@ -402,7 +408,7 @@ def paged_attention(
     out = torch.empty((T, nh, d), dtype=q.dtype, device=q.device)
     if T == 0:
         return out
-    cfg = config or default_attention_config(T, N, nh, nkv, d, q.device, max_query_len)
+    cfg = config or default_attention_config(T, N, nh, nkv, d, q.device, max_query_len, q.dtype)
     g = nh // nkv
     check(cfg.block_m >= g and cfg.block_m >= 16 and cfg.block_m & (cfg.block_m - 1) == 0, op,
           f"config block_m={cfg.block_m} must be a power of two >= max(16, {g} query heads per KV head)")
