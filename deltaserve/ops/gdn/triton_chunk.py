@@ -222,7 +222,7 @@ def _store_cols(base, tok, m, hv, HV, col0, X, W: tl.constexpr, N: tl.constexpr)
     tl.store(base + (tok[:, None] * HV + hv) * W + col0 + c[None, :], X.to(base.dtype.element_ty), mask=m[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _chunk_prep_kernel(
     q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h,
     g, beta, s_g_t, s_b_t, A_log, dt_bias,
@@ -396,7 +396,7 @@ def _chunk_prep_kernel(
         _store_cols(Pb, tok3, m3, hv, HV, 3 * SB, P33, BT, SB)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _chunk_wu_kernel(
     q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, coff, cu, N, Wb, Ub, Pb, Gb, Tb, Bb, rq_b, rk_b, scale,
     HK, HV, R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -493,7 +493,7 @@ def _dot_raw(a, b, PREC: tl.constexpr):
         return tl.dot(a, b.to(tl.float32), input_precision=PREC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _chunk_prep_tc_kernel(
     q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h,
     g, beta, s_g_t, s_b_t, A_log, dt_bias,

@@ -154,7 +154,7 @@ def _gated_rms(ot, zt, w, eps, V: tl.constexpr, SIGMOID: tl.constexpr):
 
 # ---- gates --------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _gating_kernel(A_log, a, dt_bias, b, g, beta, T, HV, s_a_t, s_b_t,
                    BH: tl.constexpr, BT: tl.constexpr):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -364,7 +364,7 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                 _store_window(win, D, cqk, i2 >= 0, new_qk, live, W, WP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _verify_prep_kernel(x, s_x_t, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, conv_state, idx, cu, N,
                         qn, vn, st_k, st_g, bn, scale, HK, HV, D,
                         K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr):

@@ -70,7 +70,7 @@ def _scatter_chunk(topk_ids, sorted_ids, base, c, A, E, C: tl.constexpr, EB: tl.
     tl.store(sorted_ids + dest, c * C + i_s, mask=e_s < E)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["A"])
 def _moe_count_kernel(topk_ids, chunk_counts, A, E, C: tl.constexpr, EB: tl.constexpr):
     c = tl.program_id(0)
     e, _ = _chunk_ids(topk_ids, c, A, E, C)
@@ -78,7 +78,7 @@ def _moe_count_kernel(topk_ids, chunk_counts, A, E, C: tl.constexpr, EB: tl.cons
     tl.store(chunk_counts + c * EB + bins, tl.histogram(e, EB))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["A", "NB"])
 def _moe_offsets_kernel(topk_ids, chunk_counts, chunk_base, sorted_ids, block_expert, A, E, NB,
                         NCHUNK: tl.constexpr, C: tl.constexpr, EB: tl.constexpr, BM: tl.constexpr,
                         BB: tl.constexpr, FUSED: tl.constexpr):
@@ -115,7 +115,7 @@ def _moe_offsets_kernel(topk_ids, chunk_counts, chunk_base, sorted_ids, block_ex
         tl.store(block_expert + b, tl.where(first_row < used, owner, -1), mask=b < NB)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["A"])
 def _moe_scatter_kernel(topk_ids, chunk_base, sorted_ids, A, E, C: tl.constexpr, EB: tl.constexpr):
     c = tl.program_id(0)
     base = tl.load(chunk_base + c * EB + tl.arange(0, EB))
@@ -227,7 +227,7 @@ def _dot(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["A"])
 def _w13_kernel(x, w13, inter, sorted_ids, block_expert, A, H, I, s_x, s_we, s_wn,
                 TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
     blk = tl.program_id(0)
@@ -257,7 +257,7 @@ def _w13_kernel(x, w13, inter, sorted_ids, block_expert, A, H, I, s_x, s_we, s_w
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["A"])
 def _w2_kernel(inter, w2, y, sorted_ids, block_expert, A, H, I, s_we, s_wn,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
     blk = tl.program_id(0)
