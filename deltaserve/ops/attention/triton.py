@@ -74,7 +74,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     T = k.shape[0]
     check(slot_mapping.dim() == 1 and slot_mapping.shape[0] == T, op,
           f"slot_mapping must be [{T}], got {tuple(slot_mapping.shape)}")
-    check(slot_mapping.dtype in (torch.int32, torch.int64), op, f"slot_mapping must be int32/int64, got {slot_mapping.dtype}")
+    check(slot_mapping.dtype in (torch.int32, torch.int64), op,
+          f"slot_mapping must be int32/int64, got {slot_mapping.dtype}")
     check(slot_mapping.is_contiguous(), op, "slot_mapping must be contiguous")
     check(k.dtype in ACTIVATION_DTYPES and v.dtype in ACTIVATION_DTYPES, op, f"unsupported dtypes {k.dtype}, {v.dtype}")
     check_last_contiguous(op, k=k, v=v)
@@ -367,9 +368,9 @@ def _merge_splits_kernel(part_ml, part_acc, out, NH: tl.constexpr, SPLITS: tl.co
     ok = s < SPLITS
     part = row * SPLITS + s
     m = tl.load(part_ml + part * 2, mask=ok, other=NEG_BIG)
-    l = tl.load(part_ml + part * 2 + 1, mask=ok, other=0.0)
-    w = tl.where(l > 0, tl.exp2(m - tl.max(m, 0)), 0.0)
-    l_all = tl.sum(w * l, 0)
+    lsum = tl.load(part_ml + part * 2 + 1, mask=ok, other=0.0)
+    w = tl.where(lsum > 0, tl.exp2(m - tl.max(m, 0)), 0.0)
+    l_all = tl.sum(w * lsum, 0)
     w = w / tl.where(l_all > 0, l_all, 1.0)
     dims = tl.program_id(2) * BD + tl.arange(0, BD)
     a = tl.load(part_acc + part[:, None] * D + dims[None, :], mask=(w > 0)[:, None], other=0.0)

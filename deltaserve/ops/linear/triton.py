@@ -3,9 +3,9 @@ reference.py, plus an optional launch `config`).
 
 With M rows of x (tokens) and W [N, K], the work is 2 M N K flops for 2 N K bytes of weights: below a few
 dozen rows the weights are the whole cost, and cuBLAS's GEMV-shaped kernels read them at 40-100 % of the
-copy rate on an H200 (worst on the small-N shapes). Up to GEMV_MAX_M rows this module runs one of two kernels, both fp32-accumulating
-(outputs differ from cuBLAS only by summation order), both with every launch parameter fixed by the
-shapes (no autotuning at call time, no host sync: CUDA-graph capturable):
+copy rate on an H200 (worst on the small-N shapes). Up to GEMV_MAX_M rows this module runs one of two
+kernels, both fp32-accumulating (outputs differ from cuBLAS only by summation order), both with every
+launch parameter fixed by the shapes (no autotuning at call time, no host sync: CUDA-graph capturable):
 
 - `_gemv_fma_kernel` (M = 1, and M <= 4 at small N): CUDA cores. A program owns BN weight rows, walks
   K in BK-wide steps of 16-byte loads and keeps an fp32 [BN, BK] (M = 1) or [M, BN] partial sum; many
@@ -181,7 +181,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, config: LinearConfig | None
           f"got {tuple(x.shape)}")
     check(x.dtype in ACTIVATION_DTYPES, op, f"unsupported dtype {x.dtype} (expected one of {ACTIVATION_DTYPES})")
     check(weight.dtype == x.dtype, op, f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
-    check(x.stride(-1) == 1 or x.shape[-1] <= 1, op, f"x must be contiguous in its last dim (strides {tuple(x.stride())})")
+    check(x.stride(-1) == 1 or x.shape[-1] <= 1, op,
+          f"x must be contiguous in its last dim (strides {tuple(x.stride())})")
     check(weight.stride(-1) == 1 or K <= 1, op,
           f"weight must be contiguous in its last dim (strides {tuple(weight.stride())})")
     check_same_device(op, x, weight)
