@@ -7,9 +7,10 @@ import json
 import logging
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,13 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, context_ids: list[int], skip_special_tokens: bool = True) -> Callable[[int], str | None]:
+        """Incremental decoding with tokenizers' DecodeStream: feed generated tokens one at a time, get the
+        text each completes (None while a character or merge is still incomplete). `context_ids` (the end
+        of the prompt) make the first tokens render as they would after them (leading spaces, merges)."""
+        stream = DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
+        return lambda token_id: stream.step(self._tok, token_id)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:

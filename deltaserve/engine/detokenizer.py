@@ -1,10 +1,10 @@
 """Incremental detokenization with stop strings.
 
-Text is produced from token ids a few at a time: decode a window starting a few tokens back (so
-tokenizers that merge spaces or bytes across tokens render correctly) and emit only what is new once it
-no longer ends in an incomplete UTF-8 sequence. Stop strings cut the text before the match (or after it
-with include_stop_str_in_output); the tail that could still become a stop string is held back from
-`stream_text` so a streaming client never sees text that is later retracted.
+Text is produced from token ids one at a time by tokenizers' DecodeStream, started on the end of the
+prompt (so tokenizers that merge spaces or bytes across tokens render the first tokens correctly); a
+token that leaves a character incomplete adds nothing until the character is. Stop strings cut the text
+before the match (or after it with include_stop_str_in_output); the tail that could still become a stop
+string is held back from `stream_text` so a streaming client never sees text that is later retracted.
 """
 
 from __future__ import annotations
@@ -12,34 +12,24 @@ from __future__ import annotations
 from ..tokenizer import Tokenizer
 
 _CONTEXT_TOKENS = 5
-_INCOMPLETE = "\ufffd"
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], *, skip_special_tokens: bool = True,
                  stop: list[str] | None = None, include_stop_str_in_output: bool = False):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        # one DecodeStream step per token (~2 us) instead of decoding a window twice (~9 us): at 256
+        # sequences that is ~2 ms of host time per engine step on a 2-core machine
+        self._step = tokenizer.decode_stream(prompt_token_ids[-_CONTEXT_TOKENS:], skip_special_tokens)
         self.stop = list(stop or [])
         self.include_stop = include_stop_str_in_output
-        self.tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.tokens)
         self.text = ""
         self.stop_reason: str | None = None
 
     def add_token(self, token_id: int, check_stop: bool = True) -> bool:
         """Append one generated token; returns True when a stop string has ended the text. With
         check_stop False (min_tokens not reached yet) the text grows but is not searched."""
-        self.tokens.append(token_id)
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)  # noqa: E731
-        prefix_text = decode(self.tokens[self.prefix_offset : self.read_offset])
-        new_text = decode(self.tokens[self.prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_INCOMPLETE):
-            return False
-        delta = new_text[len(prefix_text) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-        return self._append(delta, check_stop)
+        delta = self._step(token_id)
+        return self._append(delta, check_stop) if delta else False
 
     def _append(self, delta: str, check_stop: bool) -> bool:
         start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)

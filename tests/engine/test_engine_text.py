@@ -121,3 +121,21 @@ def test_detokenizer_stop_across_tokens_and_holdback(byte_model):
     quiet = IncrementalDetokenizer(tok, [], stop=["zz"])
     assert not quiet.add_token(ord("z"), check_stop=False) and not quiet.add_token(ord("z"), check_stop=False)
     assert quiet.text == "zz" and quiet.stop_reason is None
+
+
+def test_detokenizer_matches_whole_decode_on_a_real_bpe_tokenizer():
+    """The embedded model's byte-level BPE: token-at-a-time text equals decoding everything at once, across
+    multi-byte characters split over tokens and a leading space that depends on the prompt."""
+    from pathlib import Path
+
+    import deltaserve
+
+    tok = Tokenizer(Path(deltaserve.__file__).parent / "default_model")
+    prompt = tok.encode("Answer:", add_special_tokens=False)
+    text = " Grüße, 世界! 🤖🚀 tabs\tand  spaces; naïve café — done."
+    gen = tok.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, prompt)
+    for t in gen:
+        d.add_token(t)
+    whole = tok.decode(prompt + gen)
+    assert d.text == whole[len(tok.decode(prompt)):] == text
