@@ -32,10 +32,11 @@ class IncrementalDetokenizer:
         return self._append(delta, check_stop) if delta else False
 
     def _append(self, delta: str, check_stop: bool) -> bool:
-        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
-        self.text += delta
         if not check_stop or not self.stop:
+            self.text += delta
             return False
+        start = max(0, len(self.text) - max(len(s) for s in self.stop) + 1)
+        self.text += delta
         hits = [(self.text.find(s, start), s) for s in self.stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
