@@ -325,6 +325,56 @@ def profile_decode(engine, prompt: list[int], steps: int, device) -> dict:
                 top_kernels_us={k: v / n for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]})
 
 
+def host_breakdown(engine, prompt: list[int], steps: int) -> dict:
+    """Wall time per batch-1 decode step split by phase (no profiler): scheduling, input packing + copies +
+    graph launch, the logits launch, the sampler's launches, its wait for the tokens (the GPU work of the
+    step shows up here), output processing, and the rest of engine.step. Timing wrappers are installed on
+    the engine's objects for the measurement and removed after."""
+    import contextlib
+
+    from deltaserve.runner import sampler as sampler_mod
+    from deltaserve.sampling_params import SamplingParams
+
+    totals: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                totals[name] = totals.get(name, 0.0) + time.perf_counter() - t
+        return wrapper
+
+    runner = engine.runner
+    patches = [(engine.scheduler, "schedule", "schedule"), (runner, "_replay_decodes", "pack + copies + graph launch"),
+               (runner.model, "compute_logits", "logits launch"), (runner, "sampler", "sampler (incl. its wait)"),
+               (sampler_mod, "to_host", "wait for tokens (GPU time)"), (engine, "_process", "process outputs")]
+    engine.add_request("host", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=steps + 4, ignore_eos=True),
+                       stream=False)
+    for _ in range(3):
+        engine.step()
+    saved = []
+    with contextlib.ExitStack() as undo:
+        for obj, attr, name in patches:
+            had = attr in vars(obj)
+            saved.append((obj, attr, getattr(obj, attr), had))
+            setattr(obj, attr, timed(name, getattr(obj, attr)))
+        undo.callback(lambda: [setattr(o, a, v) if had else delattr(o, a) for o, a, v, had in saved])
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - t0
+    while engine.has_unfinished_requests():
+        engine.step()
+    per = {k: v / steps * 1e6 for k, v in totals.items()}
+    if "sampler (incl. its wait)" in per and "wait for tokens (GPU time)" in per:
+        per["sampler (incl. its wait)"] -= per["wait for tokens (GPU time)"]
+        per["sampler launches"] = per.pop("sampler (incl. its wait)")
+    per["rest of engine.step"] = wall / steps * 1e6 - sum(per.values())
+    return dict(step_us=wall / steps * 1e6, phases_us=per)
+
+
 def _graph_info(engine) -> str:
     graphs = getattr(engine.runner, "graphs", None)
     if graphs is None:
@@ -394,6 +444,7 @@ def ours_part(args, wl: Workload, out: Path) -> None:
     concurrency(first)
     prof = profile_decode(engine, prompt(wl.prompt_len), wl.profile_steps, device)
     log(dict(what="profile", **prof))
+    log(dict(what="host", **host_breakdown(engine, prompt(wl.prompt_len), 4 * wl.profile_steps)))
     for n in wl.ttft_lens:
         r = run_requests(engine, [prompt(n)], SamplingParams(max_tokens=1, ignore_eos=True), f"ttft{n}")
         log(dict(what="ttft", prompt_len=n, s=r["first_token_s"], steps=r["steps"]))
@@ -587,6 +638,10 @@ def report(out: Path, name: str, wl: Workload) -> str:
             lines += ["", f"Without the profiler: the batch-1 forward's graph replayed back to back takes "
                       f"{prof['graph_replay_us']:.0f} us (kernels and the gaps between them, no host work, no "
                       "logits or sampling); the rest of the measured step is host time, the lm_head and the sampler."]
+    for host in get(ours, "host"):
+        lines += ["", f"Where a batch-1 decode step's wall time goes, no profiler ({host['step_us']:.0f} us per step; "
+                  "the GPU work of the step is in the wait for tokens):", "", "| phase | us / step |", "|---|---|"]
+        lines += [f"| {k} | {v:.1f} |" for k, v in host["phases_us"].items()]
     return "\n".join(lines)
 
 
