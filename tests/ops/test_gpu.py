@@ -189,7 +189,7 @@ def test_chunk_8k_vs_fp32_token_recurrence():
 def test_decode_verify_commit_real_shape():
     from deltaserve.ops.gdn import triton_recurrent as tr
 
-    B, Tn = 64, 4
+    B = 64
     dev = "cuda"
     Dc = 2 * HK * D + HV * D
     g = gen(4)
