@@ -91,10 +91,10 @@ def test_gemv_odd_tiles_shared_experts_and_shared_expert_slot(device):
 
 
 def test_default_gemv_configs():
-    """T = 1 gets its own tiles (programmatic launch only where the device has it), T = 2..8 the shared
-    GEMV tiles, and the choice is valid for fused_moe's checks."""
+    """T = 1 gets the one-pass path where the device has programmatic launch (GEMV_T1_NO_PDL elsewhere),
+    T = 2..8 the shared GEMV tiles, and the choice is valid for fused_moe's checks."""
     E, top_k, H, inter = 257, 9, 2048, 512
-    assert tri.default_moe_config(1, top_k, E, H, inter, pdl=True) == tri.GEMV_T1
+    assert tri.default_moe_config(1, top_k, E, H, inter, pdl=True) == tri.ONE_PASS_T1
     assert tri.default_moe_config(1, top_k, E, H, inter) == tri.GEMV_T1_NO_PDL
     assert not tri.GEMV_T1_NO_PDL.pdl and tri.GEMV_T1.all_experts
     for T in (2, 8):
@@ -233,3 +233,98 @@ def test_gemv_path_real_shape_graph_replay_gpu(T, device):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, tri.fused_moe(x2, w13, w2, wt2, id2)), "graph replay differs from eager"
+
+
+# ---- the one-pass small-batch path -------------------------------------------------------------------
+
+ONE_PASS_CASES = [  # (T, top_k, E, H, inter, config): programs per SM x 4 "SMs" off the GPU
+    (1, 2, 8, 64, 32, dict(rows=16, granule=4, block_k=16, block_n=16, programs_per_sm=1)),
+    (3, 3, 8, 72, 40, dict(rows=16, granule=4, block_k=32, block_n=16, programs_per_sm=1)),   # I % G != 0
+    (3, 3, 8, 72, 40, dict(rows=8, granule=8, block_k=32, block_n=32, programs_per_sm=3)),    # H % BN != 0
+    (2, 2, 8, 32, 16, dict(rows=32, granule=2, block_k=64, block_n=8, programs_per_sm=100)),  # a program per granule
+]
+
+
+@pytest.mark.parametrize("T,top_k,E,H,inter,cfg", ONE_PASS_CASES)
+def test_one_pass_path_matches_reference(T, top_k, E, H, inter, cfg, device, monkeypatch):
+    """Pieces that cross program ranges and the LP grid, ranges that span assignments, granules that do not
+    divide I; the partials buffer starts as NaN, so a combine that read a row no piece wrote would fail."""
+    monkeypatch.setattr(tri, "_partials", lambda rows, h, dev: torch.full((rows, h), float("nan"), device=dev))
+    g = gen(70 + T + inter)
+    x = randn(T, H, g=g, device=device)
+    w13, w2 = _experts(E, H, inter, g=g, dtype=torch.float32, device=device)
+    weights, ids = ref.topk_softmax(_logits(T, E, g=g, device=device), top_k, True)
+    got = tri.fused_moe(x, w13, w2, weights, ids.to(torch.int32), config=tri.OnePassMoeConfig(**cfg))
+    assert_close(got, ref.fused_moe(x, w13, w2, weights, ids), TOL[torch.float32], f"one-pass {cfg}")
+
+
+def test_one_pass_bf16_shared_slot_equals_gemv_path(device):
+    """bf16 with the shared expert as an always-on slot: the one-pass path agrees with the GEMV path (both
+    round h and each expert's output once, as the reference does) within the bf16 tolerance."""
+    E, top_k, T, H, inter = 8, 2, 2, 64, 32
+    g = gen(81)
+    x = randn(T, H, g=g, dtype=torch.bfloat16, device=device)
+    w13, w2 = _experts(E + 1, H, inter, g=g, dtype=torch.bfloat16, device=device)
+    weights, ids = ref.topk_softmax(_logits(T, E, g=g, device=device), top_k, True)
+    ids = torch.cat([ids, torch.full((T, 1), E, dtype=ids.dtype, device=device)], 1).contiguous()
+    weights = torch.cat([weights, torch.sigmoid(randn(T, 1, g=g, device=device))], 1).contiguous()
+    cfg = tri.OnePassMoeConfig(rows=16, granule=8, block_k=32, block_n=32, programs_per_sm=2)
+    got = tri.fused_moe(x, w13, w2, weights, ids, config=cfg)
+    assert_close(got, ref.fused_moe(x, w13, w2, weights, ids), TOL[torch.bfloat16], "one-pass vs reference")
+    assert_close(got, tri.fused_moe(x, w13, w2, weights, ids, config=tri.GemvMoeConfig(block_n1=8, block_k1=32,
+                 block_n2=8, block_k2=32)), TOL[torch.bfloat16], "one-pass vs gemv")
+
+
+def test_one_pass_bad_configs(device):
+    x, w13, w2 = torch.zeros(1, 64, device=device), torch.zeros(4, 64, 64, device=device), torch.zeros(4, 64, 32, device=device)
+    w, ids = torch.ones(1, 2, device=device), torch.zeros(1, 2, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="rows=24 must be a power of two"):
+        tri.fused_moe(x, w13, w2, w, ids, config=tri.OnePassMoeConfig(rows=24))
+    with pytest.raises(ValueError, match="granule=32 must be <= rows=16"):
+        tri.fused_moe(x, w13, w2, w, ids, config=tri.OnePassMoeConfig(rows=16, granule=32))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pdl=True needs a CUDA device"):
+            tri.fused_moe(x, w13, w2, w, ids, config=tri.OnePassMoeConfig(pdl=True))
+        with pytest.raises(ValueError, match="pdl_w13=True needs a CUDA device"):
+            tri.fused_moe(x, w13, w2, w, ids, config=tri.GemvMoeConfig(pdl_w13=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 4, 8])
+def test_one_pass_real_shape_gpu(T, device):
+    """The 35B-A3B decode shape (256 experts + the shared one as expert 256, top-8 + its slot, H 2048,
+    I 512, bf16): the one-pass path (programmatic launches after the routing kernel, as in the layer)
+    against the fp32 reference and the grouped path, and a CUDA-graph replay of route + fused_moe on new
+    inputs equal to an eager call on them."""
+    E, top_k, H, inter = 256, 8, 2048, 512
+    g = gen(90 + T)
+    w13, w2 = _experts(E + 1, H, inter, g=g, dtype=torch.bfloat16, device=device)
+    cfg = tri.ONE_PASS_T1
+
+    def inputs(seed):
+        gg = gen(seed)
+        x = randn(T, H, g=gg, dtype=torch.bfloat16, device=device)
+        logits = _logits(T, E + 1, g=gg, device=device).to(torch.bfloat16)
+        return x, logits
+
+    def run(x, logits, config=cfg):
+        w, i = route.topk_softmax(logits, top_k, True, shared_slices=1)
+        return tri.fused_moe(x, w13, w2, w, i, config=config)
+
+    x, logits = inputs(1)
+    w, i = route.topk_softmax(logits, top_k, True, shared_slices=1)
+    want = ref.fused_moe(x.float(), w13.float(), w2.float(), w, i)
+    got = run(x, logits)
+    assert_close(got, want, TOL[torch.bfloat16], f"one-pass T={T} vs fp32 reference")
+    assert_close(got, tri.fused_moe(x, w13, w2, w, i, config=tri.MoeConfig()), TOL[torch.bfloat16], "vs grouped")
+    for variant in (dict(pdl=False), dict(rows=32, warps=4, programs_per_sm=4, combine_cols=32, combine_warps=2)):
+        assert_close(run(x, logits, tri.dataclasses.replace(cfg, **variant)), got, TOL[torch.bfloat16], f"{variant}")
+    assert_close(run(x, logits, tri.GemvMoeConfig(pdl_w13=True)), got, TOL[torch.bfloat16], "gemv pdl_w13")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(x, logits)
+    x2, logits2 = inputs(2)
+    x.copy_(x2), logits.copy_(logits2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, run(x2, logits2)), "graph replay differs from eager"

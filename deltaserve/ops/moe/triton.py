@@ -28,6 +28,23 @@ and no alignment: the weights are the whole cost there, and the grouped path's f
 2. w2 GEMV + combine: one program per (token, slice of H) runs the token's top_k experts in order, each
    expert output rounded to the activation dtype (as in the grouped path), weighted and summed in fp32,
    rounded once -> [T, H].
+
+One-pass path (OnePassMoeConfig, the T = 1 default on Hopper): w2 split along I, so that no program waits
+for another's intermediate and the ~57 MB of a decode step's experts stream as one read, not two
+(each with its ramp-up and drain, the second waiting for the first to finish).
+
+1. Main kernel: the A x I intermediate rows (assignment-major) are cut into granules of G rows and the
+   granules into NPROG equal contiguous ranges, one per program (a few per SM, all resident: no tail
+   wave). A program walks its range in pieces of at most LP rows (a piece starts at its range's start,
+   at an assignment's start or on the LP grid of its assignment): gate and up rows of the piece (over H)
+   -> h = SiLU(gate) * up rounded to the activation dtype, then the piece's w2 columns times h -> an
+   fp32 partial expert output [H], stored at row (assignment, first granule of the piece).
+2. Combine kernel (launched programmatically on Hopper, so it is resident before the main kernel ends):
+   per (token, slice of H), each expert's output = the fp32 sum of its pieces' partials (their rows
+   follow from the same arithmetic), rounded to the activation dtype, then weighted and summed in fp32 in
+   expert order, rounded once. No atomics; fixed order.
+With `pdl` the main kernel is launched programmatically too: the routing kernel lets it start, and it
+waits (griddepcontrol.wait) before its first load, so only its launch and set-up overlap the routing.
 """
 
 from __future__ import annotations
@@ -188,6 +205,9 @@ class GemvMoeConfig:
     # w13's output only after them. Faster at T = 1, slower at T = 8 (the gather pads top_k to a power of 2).
     all_experts: bool = False
     pdl: bool = False
+    # pdl_w13: the w13 kernel is launched programmatically as well (the routing kernel lets it start; it
+    # waits before its first load, so only its launch and set-up overlap the routing kernel)
+    pdl_w13: bool = False
 
 
 # T = 1 (H200 sweep at the 35B-A3B shape, top-8 + the shared slot: 23.2 us against 27.1 for the T = 8 tiles):
@@ -198,14 +218,43 @@ GEMV_T1 = GemvMoeConfig(block_n1=8, block_k1=1024, block_n2=1, block_k2=512, war
 GEMV_T1_NO_PDL = dataclasses.replace(GEMV_T1, block_n1=4, pdl=False)
 
 
-def default_moe_config(T: int, top_k: int, E: int, H: int, inter: int, *,
-                       pdl: bool = False) -> MoeConfig | GemvMoeConfig:
-    """GEMV tiles up to GEMV_MAX_ASSIGNMENTS assignments (T = 1: GEMV_T1 where `pdl` says the device has
-    programmatic dependent launch), else grouped-GEMM tiles by the mean rows per expert; the small and
-    large grouped choices were measured on an H200 at the Qwen3.5-35B-A3B shape
-    (benchmarks/attention_moe_ops.py --sweep), the middle one was not."""
+@dataclasses.dataclass(frozen=True)
+class OnePassMoeConfig:
+    """Tiles of the one-pass small-batch path (module docstring): `rows` (LP) intermediate rows per piece,
+    pieces starting on `granule` (G) rows (w2 column runs of 2G bytes), reduction step `block_k` over H
+    for gate / up, `block_n` rows of w2 per step, `programs_per_sm` resident programs per SM (the grid is
+    that times the SM count, at most one program per granule); the combine kernel's `combine_cols`
+    columns of H per program. `pdl`: programmatic dependent launch of both kernels (compute capability
+    >= 9.0)."""
+
+    rows: int = 64
+    granule: int = 16
+    block_k: int = 128
+    block_n: int = 64
+    warps: int = 8
+    stages: int = 3
+    programs_per_sm: int = 2
+    combine_cols: int = 32
+    combine_warps: int = 2
+    pdl: bool = False
+
+
+# T = 1 on Hopper: the one-pass path, launched programmatically (chosen before any GPU run; see
+# docs/PERFORMANCE.md for what was measured).
+ONE_PASS_T1 = OnePassMoeConfig(pdl=True)
+
+
+MoeConfigs = MoeConfig | GemvMoeConfig | OnePassMoeConfig
+
+
+def default_moe_config(T: int, top_k: int, E: int, H: int, inter: int, *, pdl: bool = False) -> MoeConfigs:
+    """Small batches (up to GEMV_MAX_ASSIGNMENTS assignments): at T = 1 the one-pass path where `pdl` says
+    the device has programmatic dependent launch (ONE_PASS_T1), else GEMV_T1_NO_PDL; T >= 2 the GEMV
+    tiles. Larger batches: grouped-GEMM tiles by the mean rows per expert; the small and large grouped
+    choices were measured on an H200 at the Qwen3.5-35B-A3B shape (benchmarks/attention_moe_ops.py
+    --sweep), the middle one was not."""
     if T == 1 and top_k <= GEMV_MAX_ASSIGNMENTS:
-        return GEMV_T1 if pdl else GEMV_T1_NO_PDL
+        return ONE_PASS_T1 if pdl else GEMV_T1_NO_PDL
     if T * top_k <= GEMV_MAX_ASSIGNMENTS:
         return GemvMoeConfig()
     rows_per_expert = T * top_k / E
@@ -295,7 +344,10 @@ def _combine_kernel(y, weights, out, H, s_w, s_o, TOP_K: tl.constexpr, BH: tl.co
 
 @triton.jit
 def _gemv_w13_kernel(x, w13, ids, inter, H, I, s_x, s_we, s_wn,
-                     TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+                     TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
+                     WAIT: tl.constexpr):
+    if WAIT:
+        gdc_wait()                   # ids / x come from the kernels before us
     if PDL:
         gdc_launch_dependents()      # the w2 kernel may start now; it waits for our output itself
     a = tl.program_id(0)
@@ -378,6 +430,117 @@ def _gemv_w2_all_kernel(inter, w2, ids, weights, out, H, I, s_we, s_wn, s_w, s_o
     tl.store(out + t * s_o + rows, total.to(out.dtype.element_ty), mask=rows < H)
 
 
+@triton.jit
+def _piece_of(g, g_hi, CPA, LPG):
+    """The piece that starts at granule g of a range ending at g_hi: (assignment, first granule inside the
+    assignment, end granule inside the assignment)."""
+    a = g // CPA
+    q = g - a * CPA
+    q_end = tl.minimum(tl.minimum((q // LPG + 1) * LPG, CPA), q + (g_hi - g))
+    return a, q, q_end
+
+
+@triton.jit(do_not_specialize=["NG", "NPROG"])
+def _one_pass_kernel(x, w13, w2, ids, part, H, I, NG, NPROG, s_x, s_we, s_wn, s_w2e, s_w2n,
+                     TOP_K: tl.constexpr, CPA: tl.constexpr, G: tl.constexpr, LP: tl.constexpr,
+                     BK: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()                   # ids / x come from the kernels before us
+        gdc_launch_dependents()      # the combine kernel may become resident; it waits for us itself
+    p = tl.program_id(0)
+    g = p * NG // NPROG
+    g_hi = (p + 1) * NG // NPROG
+    kk = tl.arange(0, BK)
+    nn = tl.arange(0, BN)
+    while g < g_hi:
+        a, q, q_end = _piece_of(g, g_hi, CPA, LP // G)
+        e = tl.load(ids + a).to(tl.int64)
+        t = (a // TOP_K).to(tl.int64)
+        r = q * G + tl.arange(0, LP)
+        r_ok = (r < q_end * G) & (r < I)
+        # gate and up rows of the piece, over H (int32 offsets inside the expert: half the registers of
+        # 64-bit pointer tiles, and no tile of them stays live across the loop)
+        wg = w13 + e * s_we
+        wu = wg + I * s_wn
+        off = r[:, None] * s_wn + kk[None, :]
+        xp = x + t * s_x
+        acc_g = tl.zeros([LP, BK], dtype=tl.float32)
+        acc_u = tl.zeros([LP, BK], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            k_ok = kk + k0 < H
+            xv = tl.load(xp + (kk + k0), mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            m = r_ok[:, None] & k_ok[None, :]
+            acc_g += tl.load(wg + (off + k0), mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32) * xv
+            acc_u += tl.load(wu + (off + k0), mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32) * xv
+        h = silu(tl.sum(acc_g, 1)) * tl.sum(acc_u, 1)
+        h = tl.where(r_ok, h.to(x.dtype.element_ty).to(tl.float32), 0.0)     # rounded as the reference's
+        # the piece's w2 columns: its share of the expert's output, fp32
+        wp = w2 + e * s_w2e
+        off2 = nn[:, None] * s_w2n + r[None, :]
+        pp = part + (a * CPA + q).to(tl.int64) * H
+        for n0 in range(0, H, BN):
+            n_ok = nn + n0 < H
+            w = tl.load(wp + (off2 + n0 * s_w2n), mask=n_ok[:, None] & r_ok[None, :], other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+            tl.store(pp + (nn + n0), tl.sum(w * h[None, :], 1), mask=n_ok)
+        g = a * CPA + q_end
+
+
+@triton.jit(do_not_specialize=["NG", "NPROG"])
+def _one_pass_combine_kernel(part, weights, out, H, NG, NPROG, s_w, s_o, TOP_K: tl.constexpr,
+                             CPA: tl.constexpr, CPAP: tl.constexpr, LPG: tl.constexpr, BH: tl.constexpr,
+                             PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()                   # the partials are written by the main kernel
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    c_ok = cols < H
+    q = tl.arange(0, CPAP)
+    total = tl.zeros([BH], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        gq = (t * TOP_K + j) * CPA + q
+        # granule q of this assignment starts a piece: on the LP grid, or where a program's range starts
+        # (the program owning granule c is ((c + 1) * NPROG - 1) // NG; q = 0 is on the grid)
+        own = ((gq + 1) * NPROG - 1) // NG
+        own_prev = tl.maximum(gq * NPROG - 1, 0) // NG
+        start = (q < CPA) & ((q % LPG == 0) | (own != own_prev))
+        pv = tl.load(part + gq[:, None] * H + cols[None, :], mask=start[:, None] & c_ok[None, :], other=0.0)
+        y = tl.sum(pv, 0).to(out.dtype.element_ty).to(tl.float32)     # the expert's output, rounded
+        total += tl.load(weights + t * s_w + j).to(tl.float32) * y
+    tl.store(out + t * s_o + cols, total.to(out.dtype.element_ty), mask=c_ok)
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _partials(rows: int, H: int, device: torch.device) -> torch.Tensor:
+    """The one-pass path's fp32 partial expert outputs (only the rows that start a piece are written)."""
+    return torch.empty((rows, H), dtype=torch.float32, device=device)
+
+
+def _fused_moe_one_pass(x, w13, w2, topk_weights, topk_ids, cfg: OnePassMoeConfig) -> torch.Tensor:
+    T, H = x.shape
+    inter = w2.shape[-1]
+    top_k = topk_ids.shape[1]
+    A = T * top_k
+    cpa = triton.cdiv(inter, cfg.granule)            # granules per assignment
+    ng = A * cpa
+    nprog = min(ng, cfg.programs_per_sm * _num_sms(x.device))
+    part = _partials(ng, H, x.device)
+    pdl = {"launch_pdl": True} if cfg.pdl else {}
+    _one_pass_kernel[(nprog,)](
+        x, w13, w2, topk_ids, part, H, inter, ng, nprog, x.stride(0), w13.stride(0), w13.stride(1),
+        w2.stride(0), w2.stride(1), TOP_K=top_k, CPA=cpa, G=cfg.granule, LP=cfg.rows, BK=cfg.block_k,
+        BN=cfg.block_n, PDL=cfg.pdl, num_warps=cfg.warps, num_stages=cfg.stages, **pdl)
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    _one_pass_combine_kernel[(T, triton.cdiv(H, cfg.combine_cols))](
+        part, topk_weights, out, H, ng, nprog, topk_weights.stride(0), out.stride(0), TOP_K=top_k, CPA=cpa,
+        CPAP=triton.next_power_of_2(cpa), LPG=cfg.rows // cfg.granule, BH=cfg.combine_cols, PDL=cfg.pdl,
+        num_warps=cfg.combine_warps, **pdl)
+    return out
+
+
 def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, cfg: GemvMoeConfig) -> torch.Tensor:
     T, H = x.shape
     inter = w2.shape[-1]
@@ -386,7 +549,8 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, cfg: GemvMoeConfig) -> t
     h = torch.empty((A, inter), dtype=x.dtype, device=x.device)
     _gemv_w13_kernel[(A, triton.cdiv(inter, cfg.block_n1))](
         x, w13, topk_ids, h, H, inter, x.stride(0), w13.stride(0), w13.stride(1),
-        TOP_K=top_k, BN=cfg.block_n1, BK=cfg.block_k1, PDL=cfg.pdl, num_warps=cfg.warps1, num_stages=cfg.stages)
+        TOP_K=top_k, BN=cfg.block_n1, BK=cfg.block_k1, PDL=cfg.pdl, WAIT=cfg.pdl_w13, num_warps=cfg.warps1,
+        num_stages=cfg.stages, **({"launch_pdl": True} if cfg.pdl_w13 else {}))
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if cfg.all_experts:
         _gemv_w2_all_kernel[(T, triton.cdiv(H, cfg.block_n2))](
@@ -408,10 +572,11 @@ def _has_pdl(device: torch.device) -> bool:
 
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    *, config: MoeConfig | GemvMoeConfig | None = None,
+    *, config: MoeConfigs | None = None,
 ) -> torch.Tensor:
-    """See reference.fused_moe. `config` (optional) picks the path (GemvMoeConfig: small batches, MoeConfig:
-    grouped GEMMs) and its tiles; expert ids must lie in [0, E) (they are not checked on device)."""
+    """See reference.fused_moe. `config` (optional) picks the path (OnePassMoeConfig or GemvMoeConfig: small
+    batches, MoeConfig: grouped GEMMs) and its tiles; expert ids must lie in [0, E) (they are not checked
+    on device)."""
     op = "fused_moe"
     check(x.dim() == 2, op, f"x must be [T, H], got {tuple(x.shape)}")
     T, H = x.shape
@@ -436,11 +601,24 @@ def fused_moe(
     if A == 0:
         return out.zero_()
     cfg = config or default_moe_config(T, top_k, E, H, inter, pdl=x.is_cuda and _has_pdl(x.device))
+    if isinstance(cfg, OnePassMoeConfig):
+        for name in ("rows", "granule", "block_k", "block_n", "combine_cols"):
+            v = getattr(cfg, name)
+            check(v >= 1 and v & (v - 1) == 0, op, f"config {name}={v} must be a power of two")
+        check(cfg.granule <= cfg.rows, op, f"config granule={cfg.granule} must be <= rows={cfg.rows}")
+        check(cfg.programs_per_sm >= 1, op, f"config programs_per_sm={cfg.programs_per_sm} must be >= 1")
+        check(not cfg.pdl or (x.is_cuda and _has_pdl(x.device)), op,
+              "config pdl=True needs a CUDA device of compute capability 9.0 or newer")
+        check(2 * inter * H < 2 ** 31, op, "one expert's weights must have < 2^31 elements (int32 offsets)")
+        return _fused_moe_one_pass(x, w13, w2, topk_weights, topk_ids, cfg)
     gemv = isinstance(cfg, GemvMoeConfig)
     for name in ("block_n1", "block_k1", "block_n2", "block_k2") + (() if gemv else ("block_m",)):
         v, least = getattr(cfg, name), 1 if gemv else 16
         check(v >= least and v & (v - 1) == 0, op, f"config {name}={v} must be a power of two >= {least}")
     if gemv:
+        if cfg.pdl_w13:
+            check(x.is_cuda and _has_pdl(x.device), op,
+                  "config pdl_w13=True needs a CUDA device of compute capability 9.0 or newer")
         if cfg.pdl:
             check(cfg.all_experts, op, "config pdl=True needs all_experts=True")
             check(x.is_cuda and _has_pdl(x.device), op,

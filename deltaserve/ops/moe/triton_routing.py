@@ -1,9 +1,15 @@
 """Triton MoE routing (same signature as reference.topk_softmax): softmax over the expert logits, top-k,
 optional renormalisation, and the shared expert's slices appended with their sigmoid gate, in one launch.
 
-One program takes BT tokens with all their logits in registers; the k choices are k max-reductions, each
-taking the lowest index among equal maxima (torch.topk's order for distinct values; for exact ties the
-reference's order is not defined either). No host sync, CUDA-graph capturable.
+One program takes BT tokens with all their logits in registers; the k choices are k max-reductions of
+one int64 key per expert, (probability bits << 32) | (EP - 1 - index): a probability is >= 0, so its bits
+order as it does, and among equal maxima the lowest index wins (torch.topk's order for distinct values;
+for exact ties the reference's order is not defined either). One reduction per choice instead of two (the
+maximum, then the lowest index holding it). No host sync, CUDA-graph capturable.
+
+On Hopper (compute capability >= 9.0) the kernel is launched programmatically: it waits for the router
+GEMV before its first load, and lets the next kernel (fused_moe's first, launched programmatically too)
+start at once, so that kernel's launch and set-up overlap the routing.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..triton_common import ACTIVATION_DTYPES, check, check_last_contiguous
 
@@ -20,7 +28,10 @@ SMALL_BATCH = 64     # up to this many tokens: one token per program
 
 @triton.jit(do_not_specialize=["T"])
 def _route_kernel(logits, weights, ids, T, E, s_l, K: tl.constexpr, M: tl.constexpr, KP: tl.constexpr,
-                  EP: tl.constexpr, BT: tl.constexpr, RENORM: tl.constexpr):
+                  EP: tl.constexpr, BT: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()                   # the logits come from the kernel before us
+        gdc_launch_dependents()      # the next kernel may start; it waits for our output itself
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.arange(0, EP)
     row_ok = rows < T
@@ -32,13 +43,15 @@ def _route_kernel(logits, weights, ids, T, E, s_l, K: tl.constexpr, M: tl.conste
     kcol = tl.arange(0, KP)
     w_sel = tl.zeros([BT, KP], dtype=tl.float32)
     i_sel = tl.zeros([BT, KP], dtype=tl.int32)
-    avail = probs
+    bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
+    avail = (bits << 32) | (EP - 1 - cols)[None, :].to(tl.int64)
     for j in tl.static_range(K):
         best = tl.max(avail, 1)
-        idx = tl.min(tl.where(avail == best[:, None], cols[None, :], EP), 1)
-        w_sel = tl.where(kcol[None, :] == j, best[:, None], w_sel)
+        idx = (EP - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+        p_best = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        w_sel = tl.where(kcol[None, :] == j, p_best[:, None], w_sel)
         i_sel = tl.where(kcol[None, :] == j, idx[:, None], i_sel)
-        avail = tl.where(cols[None, :] == idx[:, None], -1.0, avail)   # taken (probabilities are >= 0)
+        avail = tl.where(cols[None, :] == idx[:, None], -1, avail)     # taken (every key is >= 0)
     if RENORM:
         w_sel = w_sel / tl.sum(tl.where(kcol[None, :] < K, w_sel, 0.0), 1)[:, None]
     if M > 0:
@@ -77,7 +90,9 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
         bt, warps = 1, 1 if ep <= 1024 else 4
     else:
         bt, warps = max(1, min(16, 4096 // ep)), 4
+    pdl = router_logits.is_cuda and torch.cuda.get_device_capability(router_logits.device)[0] >= 9
     _route_kernel[(triton.cdiv(T, bt),)](
         router_logits, weights, ids, T, E, router_logits.stride(0), K=top_k, M=shared_slices,
-        KP=triton.next_power_of_2(width), EP=ep, BT=bt, RENORM=bool(renormalize), num_warps=warps)
+        KP=triton.next_power_of_2(width), EP=ep, BT=bt, RENORM=bool(renormalize), PDL=pdl, num_warps=warps,
+        **({"launch_pdl": True} if pdl else {}))
     return weights, ids
