@@ -327,9 +327,10 @@ def profile_decode(engine, prompt: list[int], steps: int, device) -> dict:
 
 def host_breakdown(engine, prompt: list[int], steps: int) -> dict:
     """Wall time per batch-1 decode step split by phase (no profiler): scheduling, input packing + copies +
-    graph launch, the logits launch, the sampler's launches, its wait for the tokens (the GPU work of the
-    step shows up here), output processing, and the rest of engine.step. Timing wrappers are installed on
-    the engine's objects for the measurement and removed after."""
+    graph launch, the logits launch, the sampler's launches, the wait for the tokens (synchronous: the GPU
+    work of the step shows up here; async: only the part of the previous step the host work did not cover),
+    output processing, and the rest of engine.step. Timing wrappers are installed on the engine's objects
+    for the measurement and removed after."""
     import contextlib
 
     from deltaserve.runner import sampler as sampler_mod
@@ -348,8 +349,8 @@ def host_breakdown(engine, prompt: list[int], steps: int) -> dict:
 
     runner = engine.runner
     patches = [(engine.scheduler, "schedule", "schedule"), (runner, "_replay_decodes", "pack + copies + graph launch"),
-               (runner.model, "compute_logits", "logits launch"), (runner, "sampler", "sampler (incl. its wait)"),
-               (sampler_mod, "to_host", "wait for tokens (GPU time)"), (engine, "_process", "process outputs")]
+               (runner.model, "compute_logits", "logits launch"), (runner.sampler, "launch", "sampler launches"),
+               (sampler_mod.HostCopy, "get", "wait for tokens"), (engine, "_process", "process outputs")]
     engine.add_request("host", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=steps + 4, ignore_eos=True),
                        stream=False)
     for _ in range(3):
@@ -368,11 +369,8 @@ def host_breakdown(engine, prompt: list[int], steps: int) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     per = {k: v / steps * 1e6 for k, v in totals.items()}
-    if "sampler (incl. its wait)" in per and "wait for tokens (GPU time)" in per:
-        per["sampler (incl. its wait)"] -= per["wait for tokens (GPU time)"]
-        per["sampler launches"] = per.pop("sampler (incl. its wait)")
     per["rest of engine.step"] = wall / steps * 1e6 - sum(per.values())
-    return dict(step_us=wall / steps * 1e6, phases_us=per)
+    return dict(step_us=wall / steps * 1e6, phases_us=per, async_scheduling=engine.async_scheduling)
 
 
 def _graph_info(engine) -> str:
@@ -442,6 +440,12 @@ def ours_part(args, wl: Workload, out: Path) -> None:
 
     first, rest = wl.concurrency[0], wl.concurrency[1:]
     concurrency(first)
+    if engine.async_scheduling:          # the same level with synchronous scheduling, for the difference
+        engine.async_scheduling = False
+        r = run_requests(engine, [prompt(wl.prompt_len) for _ in range(first)], params, f"sync{first}")
+        log(dict(what="concurrency_sync", C=first, **r))
+        log(dict(what="host", **host_breakdown(engine, prompt(wl.prompt_len), 4 * wl.profile_steps)))
+        engine.async_scheduling = True
     prof = profile_decode(engine, prompt(wl.prompt_len), wl.profile_steps, device)
     log(dict(what="profile", **prof))
     log(dict(what="host", **host_breakdown(engine, prompt(wl.prompt_len), 4 * wl.profile_steps)))
@@ -638,9 +642,14 @@ def report(out: Path, name: str, wl: Workload) -> str:
             lines += ["", f"Without the profiler: the batch-1 forward's graph replayed back to back takes "
                       f"{prof['graph_replay_us']:.0f} us (kernels and the gaps between them, no host work, no "
                       "logits or sampling); the rest of the measured step is host time, the lm_head and the sampler."]
+    for r in get(ours, "concurrency_sync"):
+        lines += ["", f"Synchronous scheduling (async off), concurrency {r['C']}: decode {r['decode_tok_s']:.1f} tok/s "
+                  f"({r['decode_step_s'] * 1e3:.3f} ms/step), output {r['output_tok_s']:.1f} tok/s whole run."]
     for host in get(ours, "host"):
-        lines += ["", f"Where a batch-1 decode step's wall time goes, no profiler ({host['step_us']:.0f} us per step; "
-                  "the GPU work of the step is in the wait for tokens):", "", "| phase | us / step |", "|---|---|"]
+        mode = "async scheduling" if host.get("async_scheduling") else "synchronous scheduling"
+        lines += ["", f"Where a batch-1 decode step's wall time goes, {mode}, no profiler ({host['step_us']:.0f} us "
+                  "per step; the GPU work not covered by host work is in the wait for tokens):", "",
+                  "| phase | us / step |", "|---|---|"]
         lines += [f"| {k} | {v:.1f} |" for k, v in host["phases_us"].items()]
     return "\n".join(lines)
 

@@ -21,6 +21,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "token-id prompts unless the directory has a tokenizer.json)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly (no CUDA graphs for decode steps, no compiled CPU decode step)")
+    p.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
+                   help="launch each step before reading the previous step's tokens, so host work overlaps the "
+                        "GPU (default: on for CUDA devices, off on CPU)")
     p.add_argument("--compile", default=None, choices=("auto", "on", "off"),
                    help="compiled CPU decode step: auto = compile in the background, eager until ready; on = compile "
                         "first; off = never (default: $DELTASERVE_COMPILE, else auto for serve and off for "
@@ -66,7 +69,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
               load_format=args.load_format, enforce_eager=args.enforce_eager,
-              compile=args.compile or settings().compile or "off")
+              compile=args.compile or settings().compile or "off", async_scheduling=args.async_scheduling)
     for out in llm.generate(prompts, params, use_tqdm=False):
         for c in out.outputs:
             if args.json:

@@ -49,6 +49,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None          # fix the KV pool size (tests, tuning) instead of deriving it
     seed: int | None = 0                      # seed of the shared generator (requests without their own seed)
     enforce_reference_ops: bool = False       # torch references everywhere, even where Triton is available
+    async_scheduling: bool | None = None      # schedule + launch step N+1 before reading step N; None: on CUDA
 
     def __post_init__(self) -> None:
         def fail(field: str, why: str):
@@ -67,6 +68,8 @@ class EngineConfig:
             fail("gpu_memory_utilization", "must be in (0, 1]")
         if self.cpu_cache_bytes is not None and (not isinstance(self.cpu_cache_bytes, int) or self.cpu_cache_bytes < 1):
             fail("cpu_cache_bytes", "must be a positive integer")
+        if self.async_scheduling not in (None, True, False):
+            fail("async_scheduling", "must be True, False or None (auto: on for CUDA devices)")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             fail("num_kv_blocks", "must be an integer >= 1")
 

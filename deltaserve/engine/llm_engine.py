@@ -4,6 +4,14 @@ Requests are validated where they are added (the caller's thread) and queued; `s
 adds and aborts, asks the scheduler what to run, runs it, appends the sampled tokens, applies the stop
 rules, frees whatever finished in the same step, and returns a RequestOutput for every request that
 moved. `add_request` and `abort_request` may be called from other threads while `step()` runs.
+
+Async scheduling (on by default on CUDA): `step()` schedules and launches step N+1 first and then reads
+and processes step N's tokens, so the host's bookkeeping (stop rules, outputs, scheduling, packing, launch)
+overlaps the GPU's forward instead of leaving it idle between steps. Step N+1 feeds the tokens of step N
+from the device; a sequence that step N finished (EOS, stop string, abort) runs one extra position whose
+token is dropped, and its slot and blocks are freed as usual (the GPU runs steps in order, so a later
+owner never sees those writes). Outputs are the same as synchronous scheduling for greedy and seeded
+sampling; rows with penalties (which read the token values) make the engine read step N first.
 """
 
 from __future__ import annotations
@@ -68,6 +76,10 @@ class LLMEngine:
         self.max_model_len = plan.max_model_len
         self.max_num_seqs = plan.max_num_seqs
         self.scheduler = Scheduler(SchedulerConfig(plan.max_num_seqs, config.token_budget), cache)
+        device = getattr(runner, "device", None)
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else device is not None and torch.device(device).type == "cuda")
+        self._inflight = None                            # the launched step whose tokens are not read yet
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | frozenset(
             [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else [])
         self._requests: dict[str, Request] = {}          # live (added and not yet reported finished)
@@ -93,7 +105,8 @@ class LLMEngine:
                   gpu_memory_utilization: float = 0.9, cpu_cache_bytes: int | None = None,
                   num_gpu_blocks: int | None = None, seed: int | None = 0,
                   enforce_reference_ops: bool = False, load_format: str = "auto",
-                  enforce_eager: bool = False, compile: str | None = None) -> "LLMEngine":
+                  enforce_eager: bool = False, compile: str | None = None,
+                  async_scheduling: bool | None = None) -> "LLMEngine":
         """Load a checkpoint directory (default: the embedded model), size the cache from the memory budget
         (GPU: measured; CPU: cpu_cache_bytes) and build the runner. num_gpu_blocks fixes the number of KV
         blocks on any device (tests, tuning); max_num_seqs / max_model_len may come out lower (logged).
@@ -103,7 +116,9 @@ class LLMEngine:
         every decode-path op is a Triton kernel; runner/cuda_graphs.py) and no compiled CPU decode step.
         compile: the compiled CPU decode step (runner/cpu_compile.py): "auto" compiles in the background and
         decodes eagerly until it is ready, "on" compiles before returning, "off" never; None reads
-        DELTASERVE_COMPILE (default "auto"). Ignored off CPU."""
+        DELTASERVE_COMPILE (default "auto"). Ignored off CPU.
+        async_scheduling: launch each step before reading the previous one's tokens; None: on for CUDA
+        devices (on CPU the forward runs in the launching thread, so there is nothing to overlap)."""
         from ..runner.cpu_compile import CompiledDecode, resolve_compile_mode
         from ..runner.cuda_graphs import plan_decode_graphs
         from ..runner.memory import profile_gpu_cache_budget
@@ -112,7 +127,8 @@ class LLMEngine:
         config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                               gpu_memory_utilization=gpu_memory_utilization, cpu_cache_bytes=cpu_cache_bytes,
-                              num_kv_blocks=num_gpu_blocks, seed=seed, enforce_reference_ops=enforce_reference_ops)
+                              num_kv_blocks=num_gpu_blocks, seed=seed, enforce_reference_ops=enforce_reference_ops,
+                              async_scheduling=async_scheduling)
         check_load_format(load_format)
         if isinstance(model, dict):
             if load_format != "dummy":
@@ -273,7 +289,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         with self._lock:
             pending = bool(self._pending_adds or self._pending_aborts or self._outbox)
-        return pending or self.scheduler.has_unfinished()
+        return pending or self._inflight is not None or self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
         with self._step_lock:
@@ -281,29 +297,51 @@ class LLMEngine:
             outputs, self._outbox = self._outbox, []
             sched = self.scheduler.schedule()
             if sched.is_empty and not sched.freed_seq_ids:
-                if self.scheduler.waiting and not self.scheduler.running:
+                if self._inflight is not None:              # nothing new to run: read the step in flight
+                    outputs.extend(self._collect_inflight())
+                elif self.scheduler.waiting and not self.scheduler.running:
                     raise RuntimeError("scheduler admitted nothing with an idle batch (a request cannot fit)")
                 return outputs
+            if self._inflight is not None and not self.runner.can_launch_ahead(sched):
+                outputs.extend(self._collect_inflight())
             now = time.monotonic()
             for new in sched.new_seqs:
                 self._seqs[new.seq_id].request.metrics.setdefault("first_scheduled_time", now)
-            result = self.runner.execute(sched)
+            handle = self.runner.launch(sched)
             self.scheduler.update(sched)
+            for seq_id in handle.seq_ids:
+                self._seqs[seq_id].num_pending += 1
             self._steps_total += 1
             self._batched_tokens_total += sched.num_tokens
-            outputs.extend(self._process(result))
+            previous, self._inflight = self._inflight, handle
+            if previous is not None:
+                outputs.extend(self._process(self.runner.collect(previous)))
+            if not self.async_scheduling:
+                outputs.extend(self._collect_inflight())
             return outputs
+
+    def _collect_inflight(self) -> list[RequestOutput]:
+        handle, self._inflight = self._inflight, None
+        return self._process(self.runner.collect(handle))
 
     def _process(self, result) -> list[RequestOutput]:
         now = time.monotonic()
         moved: dict[str, Request] = {}
         for seq_id, lps in result.prompt_logprobs.items():
-            req = self._seqs[seq_id].request
-            req.prompt_logprobs.extend(self._with_text(lp) for lp in lps)
+            seq = self._seqs.get(seq_id)
+            if seq is not None and seq.status is SeqStatus.RUNNING:  # preempted since: recomputed on readmission
+                seq.request.prompt_logprobs.extend(self._with_text(lp) for lp in lps)
         finished: list[Sequence] = []
+        appended = 0
         for seq_id, token, lp in zip(result.seq_ids, result.token_ids, result.logprobs):
-            seq = self._seqs[seq_id]
+            seq = self._seqs.get(seq_id)
+            if seq is None:                  # its request finished or was aborted while this token was in flight
+                continue
+            seq.num_pending -= 1
+            if seq.status is SeqStatus.FINISHED:
+                continue
             req = seq.request
+            appended += 1
             if seq.append_token(token, self._with_text(lp)):
                 finished.append(seq)
             if "first_token_time" not in req.metrics:
@@ -311,7 +349,7 @@ class LLMEngine:
                 self._prompt_tokens_total += len(req.prompt_token_ids)
             req.metrics["last_token_time"] = now
             moved[req.request_id] = req
-        self._generation_tokens_total += len(result.token_ids)
+        self._generation_tokens_total += appended
         self.scheduler.finish_many(finished)
         outputs = []
         for req in moved.values():

@@ -13,8 +13,14 @@ Every step has a token budget (max_num_batched_tokens) and a cap on running sequ
    free state slot and room in the pool for their first chunk. Admission stops at the first one that
    does not fit (no overtaking), so a long prompt is not starved by short ones.
 
-The scheduler deals in sequence ids and token counts; it reads `seq_id`, `num_tokens`, `num_computed`
+The scheduler deals in sequence ids and token counts; it reads `seq_id`, the token counts, `num_computed`
 and `status` of its sequences and asks the cache manager for blocks and slots.
+
+With async scheduling (llm_engine.py) a step is scheduled while the previous one still runs: a token being
+sampled counts as known (`num_pending`), so a decoding sequence is fed its next position before the host
+has read the token (the runner takes it from the device). A sequence whose last allowed token is in
+flight is skipped; one that turns out to have stopped (EOS, stop string) runs one wasted position, which
+is discarded.
 """
 
 from __future__ import annotations
@@ -100,7 +106,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            if seq.num_pending and seq.generation_done:       # its last token is still in flight
+                i += 1
+                continue
+            n = min(seq.num_scheduled_tokens - seq.num_computed, budget)
             new_blocks = self.cache.grow(seq.seq_id, seq.num_computed + n)
             while new_blocks is None:                       # pool short: preempt the newest
                 victim = self.running.pop()
@@ -119,6 +128,8 @@ class Scheduler:
         new_seqs = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
+            if seq.num_pending:                  # preempted with a token in flight: admit once it is read
+                break
             n = min(seq.num_tokens, budget)
             held = self.cache.admit(seq.seq_id, n)
             if held is None:

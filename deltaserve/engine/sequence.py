@@ -59,6 +59,9 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed = 0                                # tokens whose KV / state is in the cache
+        # tokens being sampled by a launched step whose result has not been read yet (0 or 1; async
+        # scheduling schedules the next step before the current one's tokens reach the host)
+        self.num_pending = 0
         self.max_num_tokens = self.num_prompt_tokens + max_new_tokens
         self.max_new_tokens = max_new_tokens
         self.status = SeqStatus.WAITING
@@ -73,7 +76,18 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens known on the host (prompt + generated)."""
         return len(self.token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens the scheduler can feed: the known ones plus the one still being sampled."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def generation_done(self) -> bool:
+        """Every token it may generate has been sampled (some perhaps not read yet): nothing more to run."""
+        return len(self.output_token_ids) + self.num_pending >= self.max_new_tokens
 
     @property
     def seed(self) -> int | None:

@@ -4,7 +4,9 @@ A decode-only step (every chunk is one token of a running sequence) of N <= the 
 runs as the graph of the smallest bucket B >= N, captured once at load after the cache is allocated (the
 graphs bake in the cache's addresses). The graph reads static device buffers sized for the largest
 bucket; a step writes its packed host values into pinned staging buffers, copies them into the static
-buffers, replays, and reads rows :N of the static output. Rows N..B-1 are padding that no op lets touch
+buffers, replays, and reads rows :N of the static output. An input id of -1 marks a row whose token is
+still being sampled by the previous step (async scheduling): the graph reads it from the runner's
+last-token-per-slot buffer. Rows N..B-1 are padding that no op lets touch
 shared state: state slot -1 (the GDN ops skip it), KV slot -1 (store_kv skips it), context length 0 (no
 keys to attend to), cu_seqlens one token per row; their hidden states are dropped by the caller.
 
@@ -114,8 +116,10 @@ class DecodeGraphs:
     """The static buffers, the pinned staging they are filled from, and one graph per bucket."""
 
     def __init__(self, model: torch.nn.Module, cache: CacheBuffers, sizes: list[int], *, max_blocks_per_seq: int,
-                 device: torch.device):
+                 device: torch.device, last_tokens: torch.Tensor | None = None):
         self.model, self.cache, self.device = model, cache, torch.device(device)
+        # per state slot, the token last sampled for it: a row whose input id is -1 reads it (inside the graph)
+        self.last_tokens = last_tokens
         self.sizes = sorted(sizes)
         B, W = self.sizes[-1], max_blocks_per_seq
         self.max_blocks_per_seq = W
@@ -147,8 +151,11 @@ class DecodeGraphs:
         return self.sizes[-1]
 
     def _batch(self, b: int) -> ForwardBatch:
+        ids = self._tok[0, :b]
+        if self.last_tokens is not None:          # captured: resolves rows still being sampled on the host
+            ids = torch.where(ids < 0, self.last_tokens[self._seq[1, :b]], ids)
         return ForwardBatch(
-            input_ids=self._tok[0, :b], positions=self._tok[1, :b], slot_mapping=self._tok[2, :b],
+            input_ids=ids, positions=self._tok[1, :b], slot_mapping=self._tok[2, :b],
             cu_seqlens=self._cu[: b + 1], seq_lens=self._seq[0, :b], state_slots=self._seq[1, :b],
             has_initial_state=self._has_init[:b], block_tables=self._tables[:b], num_prefills=0, num_prefill_tokens=0)
 
@@ -165,8 +172,7 @@ class DecodeGraphs:
         self._pad_all()
         if self.device.type != "cuda":
             for b in self.sizes:
-                batch = self._batch(b)
-                forward = lambda batch=batch: self.model(batch, self.cache)  # noqa: E731
+                forward = lambda b=b: self.model(self._batch(b), self.cache)  # noqa: E731
                 out = forward()
                 self._graphs[b] = (_EagerGraph(forward, out), out)
             return
@@ -176,14 +182,13 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         for b in reversed(self.sizes):
-            batch = self._batch(b)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):            # compiles this shape's kernels outside the capture
-                self.model(batch, self.cache)
+                self.model(self._batch(b), self.cache)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self.model(batch, self.cache)
+                out = self.model(self._batch(b), self.cache)
             self._graphs[b] = (graph, out)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start

@@ -9,6 +9,14 @@ host sync after it is reading the sampled tokens (and logprobs).
 On CUDA with Triton ops, decode-only steps of up to the largest captured bucket replay a CUDA graph
 (runner/cuda_graphs.py, captured by `capture_decode_graphs` once the cache exists); prefill and mixed
 steps, and larger decode batches, run eagerly.
+
+A step is `launch` (pack, queue the forward, the logits and the sampler; returns a StepHandle at once on
+CUDA) then `collect` (wait for the tokens, append them, build the logprob entries); `execute` does both.
+Between the two the engine may schedule and launch the next step (async scheduling): the sampled tokens
+are also scattered on the device into `last_tokens[state slot]`, and a decode row whose input token has
+not reached the host yet (`num_pending`) takes it from there, so the next forward needs no host round
+trip. Penalties read the token values on the host, so a row that has them cannot run ahead
+(`can_launch_ahead`).
 """
 
 from __future__ import annotations
@@ -21,9 +29,8 @@ import torch
 from ..batch import CacheBuffers, ForwardBatch
 from ..engine.interfaces import NewSequence, RunnerOutput, ScheduledChunk, SchedulerOutput
 from ..models.qwen3_next import HybridForCausalLM
-from ..outputs import PositionLogprobs
 from .cuda_graphs import DecodeGraphs, capture_sizes
-from .sampler import Sampler, SamplingRow, log_softmax, to_device, top_logprobs
+from .sampler import PendingLogprobs, PendingSample, Sampler, SamplingRow, log_softmax, to_device, top_logprobs
 
 
 @dataclasses.dataclass
@@ -36,6 +43,25 @@ class _SeqState:
     @property
     def token_ids(self) -> list[int]:
         return self.sampling.token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens plus the one being sampled by a launched step."""
+        return len(self.sampling.token_ids) + self.sampling.num_pending
+
+
+@dataclasses.dataclass
+class StepHandle:
+    """A launched step whose results have not been read: `ModelRunner.collect` turns it into a RunnerOutput."""
+
+    samples: list[tuple[int, _SeqState]] = dataclasses.field(default_factory=list)   # (seq id, state), packed order
+    sample: PendingSample | None = None
+    prompt_parts: list[tuple[int, PendingLogprobs]] = dataclasses.field(default_factory=list)
+
+    @property
+    def seq_ids(self) -> list[int]:
+        """The sequences that sample a token in this step."""
+        return [seq_id for seq_id, _ in self.samples]
 
 
 @dataclasses.dataclass
@@ -66,6 +92,9 @@ class ModelRunner:
         # Block table row of each state slot (a sequence keeps its slot for life), kept on the host and
         # updated as blocks are added; a step gathers the rows of its sequences.
         self._block_table = np.zeros((cache.num_slots, -(-max_model_len // self.block_size)), dtype=np.int32)
+        # The last token sampled for each state slot, on the device: the input of a decode row whose token
+        # has not reached the host yet (async scheduling).
+        self.last_tokens = torch.zeros(cache.num_slots, dtype=torch.long, device=self.device)
         self.graphs: DecodeGraphs | None = None
         # Runs decode-only batches in place of self.model when set (the compiled CPU step, cpu_compile.py);
         # called like the model: (batch, cache) -> hidden, and .compute_logits(hidden).
@@ -78,7 +107,7 @@ class ModelRunner:
         if not sizes:
             return
         self.graphs = DecodeGraphs(self.model, self.cache, sizes, max_blocks_per_seq=self._block_table.shape[1],
-                                   device=self.device)
+                                   device=self.device, last_tokens=self.last_tokens)
         self.graphs.capture()
 
     @property
@@ -116,13 +145,14 @@ class ModelRunner:
         return chunk.num_new == 1 and chunk.num_computed > 0
 
     def _pack_decodes(self, chunks: list[ScheduledChunk]) -> tuple[list[int], ...]:
-        """Host values of one-token chunks: input ids, positions, KV slots, context lengths, state slots."""
+        """Host values of one-token chunks: input ids (-1: still being sampled, read from last_tokens on the
+        device), positions, KV slots, context lengths, state slots."""
         bs = self.block_size
         ids, pos, slot_map, seq_lens, slots = [], [], [], [], []
         for c in chunks:
             st = self._seqs[c.seq_id]
             p = c.num_computed
-            ids.append(st.token_ids[p])
+            ids.append(st.token_ids[p] if p < len(st.token_ids) else -1)
             pos.append(p)
             slot_map.append(st.block_ids[p // bs] * bs + p % bs)
             seq_lens.append(p + 1)
@@ -147,16 +177,22 @@ class ModelRunner:
         slot_map: list[int] = []
         cu = [0]
         seq_lens, slots, has_init = [], [], []
+        pending: list[int] = []                      # token rows whose input is still being sampled
+        pending_slots: list[int] = []                # ... and the state slot whose last token it is
         max_blocks = 0
         for c in chunks:
             st = self._seqs[c.seq_id]
             start, end = c.num_computed, c.num_computed + c.num_new
             blocks = st.block_ids
+            if end > len(st.token_ids):              # only ever the last position of a decode row
+                pending.append(len(ids) + c.num_new - 1)
+                pending_slots.append(st.state_slot)
             if c.num_new == 1:
-                ids.append(st.token_ids[start])
+                ids.append(st.token_ids[start] if start < len(st.token_ids) else 0)
                 pos.append(start)
                 slot_map.append(blocks[start // bs] * bs + start % bs)
             else:
+                assert end <= len(st.token_ids), "a multi-token chunk never ends in a pending token"
                 ids.extend(st.token_ids[start:end])
                 pos.extend(range(start, end))
                 p = start
@@ -173,12 +209,17 @@ class ModelRunner:
             max_blocks = max(max_blocks, -(-end // bs))
         num_prefills = sum(not self.is_decode(c) for c in chunks)
         # Two host tensors (int64 per token, int32 per sequence) and one copy each to the device.
-        T, N = len(ids), len(chunks)
-        per_token = to_device(torch.tensor(ids + pos + slot_map, dtype=torch.long), self.device)
+        T, N, P = len(ids), len(chunks), len(pending)
+        per_token = to_device(torch.tensor(ids + pos + slot_map + pending + pending_slots, dtype=torch.long),
+                              self.device)
         per_seq = to_device(torch.tensor(cu + seq_lens + slots + has_init, dtype=torch.int32), self.device)
         tables = to_device(torch.from_numpy(self._block_table[slots, :max_blocks]), self.device)
+        input_ids = per_token[:T]
+        if P:
+            rows, from_slots = per_token[3 * T : 3 * T + P], per_token[3 * T + P :]
+            input_ids = input_ids.index_copy(0, rows, self.last_tokens.index_select(0, from_slots))
         return ForwardBatch(
-            input_ids=per_token[:T], positions=per_token[T : 2 * T], slot_mapping=per_token[2 * T :],
+            input_ids=input_ids, positions=per_token[T : 2 * T], slot_mapping=per_token[2 * T : 3 * T],
             cu_seqlens=per_seq[: N + 1], seq_lens=per_seq[N + 1 : 2 * N + 1],
             state_slots=per_seq[2 * N + 1 : 3 * N + 1], has_initial_state=per_seq[3 * N + 1 :].bool(),
             block_tables=tables,
@@ -186,11 +227,25 @@ class ModelRunner:
         )
 
     # ---- one step -----------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one step and wait for its results."""
+        return self.collect(self.launch(out))
+
+    def can_launch_ahead(self, out: SchedulerOutput) -> bool:
+        """Whether `out` may be launched before the tokens of the step in flight are read: not when one of
+        its sampling rows needs the token values themselves (penalties) and one of them is still pending."""
+        for chunk in out.chunks:
+            st = self._seqs.get(chunk.seq_id)
+            if st is not None and st.sampling.num_pending and st.sampling.needs_history():
+                return False
+        return True
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> StepHandle:
+        """Queue the step's forward, logits and sampling; on CUDA nothing waits for the GPU."""
         self._apply_changes(out)
         if not out.chunks:
-            return RunnerOutput([], [], [])
+            return StepHandle()
         chunks = sorted(out.chunks, key=self.is_decode)     # stable: prefills first, then decodes
         plan = self._logit_rows(chunks)
         model = self.model
@@ -200,22 +255,38 @@ class ModelRunner:
             if self.compiled_decode is not None and self.is_decode(chunks[0]):  # prefills sort first
                 model = self.compiled_decode
             hidden = model(self.build_batch(chunks), self.cache)
+        handle = StepHandle(plan.samples)
         if not plan.rows:                                    # only mid-prompt chunks: nothing to read out
-            return RunnerOutput([], [], [])
+            return handle
         # rows are increasing and distinct, so as many rows as tokens means every row (decode-only batches)
         picked = hidden if len(plan.rows) == hidden.shape[0] else hidden[self._index(plan.rows)]
         logits = model.compute_logits(picked).float()
-
-        result = RunnerOutput([seq_id for seq_id, _ in plan.samples], [], [])
         if plan.samples:
             states = [st for _, st in plan.samples]
-            sampled = self.sampler(logits[self._index(plan.sample_rows)] if len(plan.sample_rows) < len(plan.rows)
-                                   else logits, [st.sampling for st in states])
-            result.token_ids, result.logprobs = sampled.token_ids, sampled.logprobs
-            for st, tok in zip(states, sampled.token_ids):
-                st.token_ids.append(tok)
+            assert not any(st.sampling.num_pending and st.sampling.needs_history() for st in states), \
+                "penalties need the pending token: collect the step in flight first (can_launch_ahead)"
+            rows = [st.sampling for st in states]
+            handle.sample = self.sampler.launch(
+                logits[self._index(plan.sample_rows)] if len(plan.sample_rows) < len(plan.rows) else logits, rows)
+            slots = self._index([st.state_slot for st in states])
+            self.last_tokens.index_copy_(0, slots, handle.sample.tokens)
+            for row in rows:
+                row.num_pending += 1
         for seq_id, st, first, count, start in plan.prompt_parts:
-            result.prompt_logprobs[seq_id] = self._prompt_logprobs(logits[first : first + count], st, start)
+            handle.prompt_parts.append((seq_id, self._prompt_logprobs(logits[first : first + count], st, start)))
+        return handle
+
+    def collect(self, handle: StepHandle) -> RunnerOutput:
+        """Wait for a launched step's tokens (the host sync), append them and return the step's output."""
+        result = RunnerOutput(handle.seq_ids, [], [])
+        if handle.sample is not None:
+            sampled = handle.sample.get()
+            result.token_ids, result.logprobs = sampled.token_ids, sampled.logprobs
+            for (_, st), tok in zip(handle.samples, sampled.token_ids):
+                st.sampling.num_pending -= 1
+                st.token_ids.append(tok)
+        for seq_id, pending in handle.prompt_parts:
+            result.prompt_logprobs[seq_id] = pending.get()
         return result
 
     def _index(self, rows: list[int]) -> torch.Tensor:
@@ -235,7 +306,7 @@ class ModelRunner:
                 if count > 0:
                     plan.prompt_parts.append((c.seq_id, st, len(plan.rows), count, c.num_computed))
                     plan.rows.extend(range(offset, offset + count))
-            if end == len(st.token_ids):
+            if end == st.num_tokens:
                 plan.sample_rows.append(len(plan.rows))
                 plan.samples.append((c.seq_id, st))
                 plan.rows.append(offset + c.num_new - 1)
@@ -243,7 +314,7 @@ class ModelRunner:
         return plan
 
     @staticmethod
-    def _prompt_logprobs(logits: torch.Tensor, st: _SeqState, start: int) -> list[PositionLogprobs]:
+    def _prompt_logprobs(logits: torch.Tensor, st: _SeqState, start: int) -> PendingLogprobs:
         """Logprobs of prompt tokens start + 1, start + 2, ... each given everything before it."""
         targets = st.token_ids[start + 1 : start + 1 + logits.shape[0]]
         lp = log_softmax(logits)

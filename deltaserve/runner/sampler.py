@@ -35,10 +35,17 @@ class SamplingRow:
     token_ids: list[int]             # prompt + generated so far (penalties read these)
     num_prompt_tokens: int
     stop_token_ids: frozenset[int] = frozenset()  # EOS + stop_token_ids, suppressed until min_tokens
+    num_pending: int = 0             # sampled by a launched step, not yet appended to token_ids
 
     @property
     def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Tokens sampled so far, the ones still in flight included (the index of the next draw)."""
+        return len(self.token_ids) + self.num_pending - self.num_prompt_tokens
+
+    def needs_history(self) -> bool:
+        """Whether sampling reads the generated token values (penalties), not just how many there are."""
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
     def adjusts_logits(self) -> bool:
         p = self.params
@@ -50,6 +57,61 @@ class SamplingRow:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[PositionLogprobs | None]
+
+
+class HostCopy:
+    """Device tensors on their way to the host: the copies are queued on the stream behind the work that
+    makes them, and `get()` waits for them (the step's one host sync) and returns Python lists."""
+
+    def __init__(self, *tensors: torch.Tensor):
+        if tensors and tensors[0].device.type == "cuda":
+            self._host = [t.to("cpu", non_blocking=True) for t in tensors]     # into pinned memory
+            self._done: torch.cuda.Event | None = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host, self._done = list(tensors), None
+
+    def get(self) -> list[list]:
+        if self._done is not None:
+            self._done.synchronize()
+        return [h.tolist() for h in self._host]
+
+
+@dataclasses.dataclass
+class PendingLogprobs:
+    """Logprob entries whose tensors are still on their way to the host."""
+
+    token_ids: list[int] | None      # the chosen tokens when known on the host (prompt tokens); None: copy[0]
+    ns: list[int]
+    copy: HostCopy
+
+    def get(self) -> list[PositionLogprobs]:
+        host = self.copy.get()
+        if self.token_ids is None:
+            return _logprob_entries(host[0], self.ns, host[1:])
+        return _logprob_entries(self.token_ids, self.ns, host)
+
+
+@dataclasses.dataclass
+class PendingSample:
+    """The sampler's result before it is read: the tokens on the device (the next step may feed them
+    without a host round trip) and their copy to the host."""
+
+    tokens: torch.Tensor             # [N] int64 on the device
+    num_rows: int
+    copy: HostCopy                   # tokens, then the logprob tensors of lp_rows
+    lp_rows: list[int]
+    lp_ns: list[int]
+
+    def get(self) -> SamplerOutput:
+        host = self.copy.get()
+        token_ids = host[0]
+        logprobs: list[PositionLogprobs | None] = [None] * self.num_rows
+        if self.lp_rows:
+            chosen = [token_ids[i] for i in self.lp_rows]
+            for i, entry in zip(self.lp_rows, _logprob_entries(chosen, self.lp_ns, host[1:])):
+                logprobs[i] = entry
+        return SamplerOutput(token_ids, logprobs)
 
 
 _BLOCK = 128
@@ -97,14 +159,8 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def to_host(*tensors: torch.Tensor) -> list[list]:
-    """Device tensors as Python lists, with one wait for all of them (the step's one host sync)."""
-    if not tensors or tensors[0].device.type != "cuda":
-        return [t.tolist() for t in tensors]
-    host = [t.to("cpu", non_blocking=True) for t in tensors]     # into pinned memory
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    return [h.tolist() for h in host]
+    """Device tensors as Python lists, with one wait for all of them."""
+    return HostCopy(*tensors).get()
 
 
 def _logprob_tensors(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> list[torch.Tensor]:
@@ -129,11 +185,12 @@ def _logprob_entries(token_ids: list[int], ns: list[int], host: list[list]) -> l
     return out
 
 
-def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], ns: list[int]) -> list[PositionLogprobs]:
-    """For rows of logprobs [R, V]: the chosen token's logprob and rank plus the top-n alternatives."""
+def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], ns: list[int]) -> PendingLogprobs:
+    """For rows of logprobs [R, V]: the chosen token's logprob and rank plus the top-n alternatives
+    (`.get()` waits for them)."""
     targets = to_device(torch.tensor(token_ids, dtype=torch.long), logprobs.device)
     k = min(max(ns, default=0), logprobs.shape[1])
-    return _logprob_entries(token_ids, ns, to_host(*_logprob_tensors(logprobs, targets, k)))
+    return PendingLogprobs(token_ids, ns, HostCopy(*_logprob_tensors(logprobs, targets, k)))
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:
@@ -186,8 +243,12 @@ class Sampler:
         self._shared = random.Random(seed)     # uniforms of rows without their own seed
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits [N, V] (any float dtype) for N rows -> one token per row. Per-row options reach the device
-        as one pinned copy; the tokens (and logprobs) come back in one transfer, the only host sync."""
+        """logits [N, V] (any float dtype) for N rows -> one token per row (launch, then wait)."""
+        return self.launch(logits, rows).get()
+
+    def launch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
+        """Queue the sampling of one token per row. Per-row options reach the device as one pinned copy;
+        the tokens (and logprobs) go back in one transfer, read by `.get()` (the only host sync)."""
         logits = logits.float()
         dev = logits.device
         lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
@@ -204,15 +265,11 @@ class Sampler:
         else:
             tokens = self._sample(logits, rows, greedy)
         if not lp_rows:
-            return SamplerOutput(to_host(tokens)[0], [None] * len(rows))
+            return PendingSample(tokens, len(rows), HostCopy(tokens), [], [])
         ns = [rows[i].params.logprobs for i in lp_rows]
         k = min(max(ns), raw.shape[1])
-        host = to_host(tokens, *_logprob_tensors(raw, tokens if lp_index is None else tokens[lp_index], k))
-        token_ids = host[0]
-        logprobs: list[PositionLogprobs | None] = [None] * len(rows)
-        for i, entry in zip(lp_rows, _logprob_entries([token_ids[i] for i in lp_rows], ns, host[1:])):
-            logprobs[i] = entry
-        return SamplerOutput(token_ids, logprobs)
+        lp = _logprob_tensors(raw, tokens if lp_index is None else tokens[lp_index], k)
+        return PendingSample(tokens, len(rows), HostCopy(tokens, *lp), lp_rows, ns)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
         V = logits.shape[1]

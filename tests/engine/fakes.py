@@ -51,6 +51,20 @@ class FakeRunner:
         self.steps: list[SchedulerOutput] = []
         self.fail_on: set[int] = set()
 
+    # the async-scheduling interface: the fake "device" computes at launch, the host reads at collect
+    def launch(self, out: SchedulerOutput) -> "_Handle":
+        return _Handle(self.execute(out))
+
+    def collect(self, handle: "_Handle") -> RunnerOutput:
+        assert not handle.collected, "a step collected twice"
+        handle.collected = True
+        return handle.result
+
+    def can_launch_ahead(self, out: SchedulerOutput) -> bool:
+        return not self.needs_sync
+
+    needs_sync = False
+
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.steps.append(out)
         for sid in out.freed_seq_ids:
@@ -94,6 +108,16 @@ class FakeRunner:
 
     def _flat(self, s: _Seq, p: int) -> int:
         return s.blocks[p // self.block_size] * self.block_size + p % self.block_size
+
+
+@dataclasses.dataclass
+class _Handle:
+    result: RunnerOutput
+    collected: bool = False
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return self.result.seq_ids
 
 
 def reference_tokens(prompt: list[int], n: int, vocab: int = VOCAB) -> list[int]:

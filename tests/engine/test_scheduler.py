@@ -19,14 +19,14 @@ from .fakes import VOCAB, FakeRunner, reference_tokens, tiny_model_config
 
 
 def fake_engine(*, num_blocks=256, block_size=4, num_slots=8, max_num_seqs=8, budget=64, max_model_len=512,
-                eos=None) -> LLMEngine:
+                eos=None, async_scheduling=False) -> LLMEngine:
     plan = CachePlan(num_slots=num_slots, num_blocks=num_blocks, max_num_seqs=min(max_num_seqs, num_slots),
                      max_model_len=max_model_len, budget_bytes=0, used_bytes=0)
     return LLMEngine(model_config=tiny_model_config(eos_token_id=eos), tokenizer=None,
                      runner=FakeRunner(block_size), cache=HybridCacheManager(
                          num_blocks=num_blocks, block_size=block_size, num_slots=num_slots),
                      plan=plan, config=EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                                    block_size=block_size))
+                                                    block_size=block_size, async_scheduling=async_scheduling))
 
 
 def run_all(engine: LLMEngine, max_steps: int = 10_000) -> dict:
