@@ -225,7 +225,10 @@ def run_requests(engine, prompts: list[list[int]], params, tag: str) -> dict:
     C = len(prompts)
     decode = sorted(st["s"] for st in steps if st["tokens"] == C and st["gen"] == C)
     out_tokens = sum(st["gen"] for st in steps)
+    prefill = [st for st in steps if st["tokens"] > C]     # steps that carry prompt tokens
     return dict(total_s=total, first_token_s=first_token_at, steps=len(steps), output_tokens=out_tokens,
+                prefill_steps=len(prefill), prefill_s=sum(st["s"] for st in prefill),
+                prefill_tokens=sum(st["tokens"] for st in prefill),
                 output_tok_s=out_tokens / total, decode_steps=len(decode),
                 decode_step_s=decode[len(decode) // 2] if decode else None,
                 decode_tok_s=C / decode[len(decode) // 2] if decode else None)
@@ -323,6 +326,37 @@ def profile_decode(engine, prompt: list[int], steps: int, device) -> dict:
                 gpu_busy_us=busy / n, gpu_idle_in_span_us=(span_total - busy) / n,
                 host_outside_span_us=(wall - span_total) / n, on_gpu=on_gpu, graph_replay_us=replay_us,
                 top_kernels_us={k: v / n for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]})
+
+
+def profile_prefill(engine, prompts: list[list[int]], device) -> dict:
+    """One prefill-only step of these prompts (max_tokens 1, synchronous) under torch.profiler: wall time and
+    kernel time per family, to compare one long prompt with many short ones of the same total."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from deltaserve.sampling_params import SamplingParams
+
+    was, engine.async_scheduling = engine.async_scheduling, False
+    for i, p in enumerate(prompts):
+        engine.add_request(f"pp{len(p)}-{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=1, ignore_eos=True),
+                           stream=False)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        engine.step()
+    wall = time.perf_counter() - t0
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.async_scheduling = was
+    if device.type == "cuda":
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    else:
+        kernels = [e for e in prof.events() if e.name.startswith("aten::") and not e.cpu_children]
+    fams: dict[str, float] = {}
+    for k in kernels:
+        fams[family(k.name)] = fams.get(family(k.name), 0.0) + (k.time_range.end - k.time_range.start)
+    return dict(prompts=len(prompts), tokens=sum(map(len, prompts)), wall_ms_profiled=wall * 1e3,
+                kernels=len(kernels), family_ms={f: v / 1e3 for f, v in sorted(fams.items(), key=lambda kv: -kv[1])})
 
 
 def host_breakdown(engine, prompt: list[int], steps: int) -> dict:
@@ -446,9 +480,15 @@ def ours_part(args, wl: Workload, out: Path) -> None:
         log(dict(what="concurrency_sync", C=first, **r))
         log(dict(what="host", **host_breakdown(engine, prompt(wl.prompt_len), 4 * wl.profile_steps)))
         engine.async_scheduling = True
+    was, engine.async_scheduling = engine.async_scheduling, False   # kernel attribution needs ordered steps
     prof = profile_decode(engine, prompt(wl.prompt_len), wl.profile_steps, device)
+    engine.async_scheduling = was
     log(dict(what="profile", **prof))
     log(dict(what="host", **host_breakdown(engine, prompt(wl.prompt_len), 4 * wl.profile_steps)))
+    # one budget-sized prefill step: one long prompt against budget / prompt_len prompts of the workload's length
+    long = min(wl.max_num_batched_tokens, max(wl.ttft_lens))
+    for prompts in ([prompt(long)], [prompt(wl.prompt_len) for _ in range(max(long // wl.prompt_len, 1))]):
+        log(dict(what="prefill_profile", **profile_prefill(engine, prompts, device)))
     for n in wl.ttft_lens:
         r = run_requests(engine, [prompt(n)], SamplingParams(max_tokens=1, ignore_eos=True), f"ttft{n}")
         log(dict(what="ttft", prompt_len=n, s=r["first_token_s"], steps=r["steps"]))
@@ -622,12 +662,16 @@ def report(out: Path, name: str, wl: Workload) -> str:
         row(f"time to first token, {r['prompt_len']} tokens (s)", r["s"], pt.get(r["prompt_len"]), None,
             fmt="{:.3f}", higher=False)
     lines += ["", "| concurrency | distinct experts / MoE layer (actual; uniform) | bytes / step (GB) | limit step "
-              "ms | ours step ms | decode steps |", "|---|---|---|---|---|---|"]
+              "ms | ours step ms | decode steps | prompt-carrying steps: count, s, tokens/s |",
+              "|---|---|---|---|---|---|---|"]
     for C, r in sorted(conc.items()):
         act = r["distinct_experts_actual"]
+        pre = (f"{r['prefill_steps']}, {r['prefill_s']:.2f}, {r['prefill_tokens'] / r['prefill_s']:.0f}"
+               if r.get("prefill_steps") else "-")
         lines.append(f"| {C} | {act if act is None else f'{act:.1f}'}; {r['distinct_experts_uniform']:.1f} | "
                      f"{r['limit']['bytes'] / 1e9:.3f} | {r['limit']['step_s'] * 1e3:.3f} | "
-                     f"{r['decode_step_s'] * 1e3 if r['decode_step_s'] else float('nan'):.3f} | {r['decode_steps']} |")
+                     f"{r['decode_step_s'] * 1e3 if r['decode_step_s'] else float('nan'):.3f} | {r['decode_steps']} "
+                     f"| {pre} |")
     for prof in get(ours, "profile"):
         unit = "kernel" if prof["on_gpu"] else "CPU leaf op"
         lines += ["", f"Profile of a batch-1 decode step ({prof['steps']} steps under torch.profiler, "
@@ -642,6 +686,10 @@ def report(out: Path, name: str, wl: Workload) -> str:
             lines += ["", f"Without the profiler: the batch-1 forward's graph replayed back to back takes "
                       f"{prof['graph_replay_us']:.0f} us (kernels and the gaps between them, no host work, no "
                       "logits or sampling); the rest of the measured step is host time, the lm_head and the sampler."]
+    for r in get(ours, "prefill_profile"):
+        fam = ", ".join(f"{k} {v:.1f}" for k, v in r["family_ms"].items())
+        lines += ["", f"One prefill step of {r['prompts']} prompt(s), {r['tokens']} tokens, under the profiler: "
+                  f"{r['wall_ms_profiled']:.1f} ms wall, {r['kernels']} kernels; kernel ms by family: {fam}."]
     for r in get(ours, "concurrency_sync"):
         lines += ["", f"Synchronous scheduling (async off), concurrency {r['C']}: decode {r['decode_tok_s']:.1f} tok/s "
                   f"({r['decode_step_s'] * 1e3:.3f} ms/step), output {r['output_tok_s']:.1f} tok/s whole run."]
