@@ -162,32 +162,50 @@ def model_bytes(net, cfg) -> dict:
 
 
 class RoutingRecorder:
-    """Forward pre-hooks on the MoE blocks recording the top-k experts the router picks for each token
-    (eager forwards only: a captured graph bypasses hooks, and then nothing is recorded)."""
+    """Records the top-k experts the router picks for each token of the MoE blocks (eager forwards only: a
+    captured graph bypasses Python, and then nothing is recorded). Wraps the block's `forward_projected`
+    (the router logits arrive computed, with the pre-norm folded into the router GEMV) or, for a block
+    without it, a forward pre-hook that computes the router logits itself."""
 
     def __init__(self, net, max_tokens: int):
         from deltaserve.layers.moe import SparseMoeBlock
 
         self.ids: dict[str, list] = {}
         self.max_tokens = max_tokens
-        self.handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in net.named_modules()
-                        if isinstance(m, SparseMoeBlock) and not name.startswith("mtp.")]
+        self._undo = []
+        for name, m in net.named_modules():
+            if not isinstance(m, SparseMoeBlock) or name.startswith("mtp."):
+                continue
+            if hasattr(m, "forward_projected"):
+                m.forward_projected = self._wrap(name, m, m.forward_projected)
+                self._undo.append(lambda m=m: vars(m).pop("forward_projected", None))
+            else:
+                self._undo.append(m.register_forward_pre_hook(self._hook(name)).remove)
+
+    def _record(self, name: str, module, logits) -> None:
+        have = sum(t.shape[0] for t in self.ids.get(name, []))
+        if have >= self.max_tokens or logits.shape[0] < 2:
+            return
+        experts = logits[:, : module.num_experts].float()      # a folded shared gate is the router's last row
+        self.ids.setdefault(name, []).append(experts.topk(module.top_k, dim=-1).indices.cpu())
+
+    def _wrap(self, name, module, forward_projected):
+        def wrapped(x, router_logits, *a, **kw):
+            self._record(name, module, router_logits)
+            return forward_projected(x, router_logits, *a, **kw)
+        return wrapped
 
     def _hook(self, name):
         import torch
 
         def hook(module, inputs):
-            x = inputs[0]
-            have = sum(t.shape[0] for t in self.ids.get(name, []))
-            if have >= self.max_tokens or x.shape[0] < 2:
-                return
-            logits = torch.nn.functional.linear(x, module.gate.weight).float()
-            self.ids.setdefault(name, []).append(logits.topk(module.top_k, dim=-1).indices.cpu())
+            self._record(name, module, torch.nn.functional.linear(inputs[0], module.gate.weight))
         return hook
 
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
+        for undo in self._undo:
+            undo()
+        self._undo = []
 
     def num_tokens(self) -> int:
         return max((sum(t.shape[0] for t in chunks) for chunks in self.ids.values()), default=0)
