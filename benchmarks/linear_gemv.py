@@ -11,6 +11,11 @@ on the same inputs.
          shared slot, H 2048, I 512), T = 1 and 8: whole-op time (graph) and each kernel's duration
          (torch.profiler over graph replays); bytes = distinct experts touched x 6.29 MB (w13: 2/3, w2: 1/3).
 
+  prenorm the pre-norm input projections of a decoder layer (--prenorm): RMSNorm(x + residual) then the
+         projection as two launches (the norm kernel, then `linear`) against rms_norm_linear (the norm in
+         the GEMV's prologue), at the 35B-A3B shapes that take a pre-norm (GDN in_proj, attention qkv, MoE
+         router), M = 1 and 8; also the GEMV alone (the floor) and the per-step total (30 + 10 + 40 layers).
+
 Every time is the median over replays of a CUDA graph of `calls` invocations, each on its own copy of the
 weights (so weights come from HBM, not L2), divided by `calls`; the per-call time includes the launch gap
 between consecutive kernels of a graph. Before each replay the L2 is flushed (Timer): by default by
@@ -21,6 +26,7 @@ Every timed configuration's output is checked against cuBLAS (rel. error printed
 compiles every kernel variant in parallel worker processes (shared Triton cache) and runs the GPU tests.
 
 Run (GPU):  PYTHONPATH=. python benchmarks/linear_gemv.py --out DIR [--sweep] [--gpu-tests] [--workers 12]
+            PYTHONPATH=. python benchmarks/linear_gemv.py --out DIR --prenorm [--gpu-tests] [--workers 12]
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import triton
 
 from gpu_common import RunLog, ceilings, device_env, graph_of  # noqa: I001  (benchmarks/ is on sys.path when run)
 from deltaserve.ops.linear import triton as lin
+from deltaserve.ops.norm import triton as norm_t
 from deltaserve.ops.moe import triton as moe_t
 from deltaserve.ops.moe import triton_routing as moe_route
 
@@ -57,6 +64,9 @@ FMA_CFGS = [C(4, 1024, 4, 3), C(2, 2048, 4, 1), C(1, 4096, 4, 1), C(8, 512, 4, 3
 DOT_CFGS = [C(64, 128, 4, 4, True), C(32, 256, 4, 4, True), C(64, 256, 4, 3, True), C(128, 128, 8, 3, True),
             C(16, 512, 4, 3, True), C(32, 128, 2, 6, True)]
 SMALL_N = 5120          # shapes with N up to this also try split K
+PRENORM_SHAPES = [  # (name, K, N, layers per step of the 35B-A3B): the projections a pre-norm feeds
+    ("35B gdn in_proj", 2048, 12352, 30), ("35B attn qkv", 2048, 9216, 10), ("35B router+gate", 2048, 257, 40)]
+PRENORM_MS = [1, 8]
 E, TOP_K, H, INTER = 256, 8, 2048, 512
 G = moe_t.GemvMoeConfig
 MOE_CFGS = [  # (n1, k1, n2, k2, warps1, warps2, stages[, all_experts, pdl]): w13 and w2 tiles
@@ -217,6 +227,43 @@ def moe_reference(x, w13, w2, weights, ids):
 
 # ---- warm-up ------------------------------------------------------------------------------------
 
+def prenorm_inputs(M, K, calls, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    xs = [(torch.randn(M, K, device=DEV, generator=g) * 2).to(BF) for _ in range(calls)]
+    rs = [(torch.randn(M, K, device=DEV, generator=g) * 2).to(BF) for _ in range(calls)]
+    nw = (torch.randn(K, device=DEV, generator=g) * 0.2).to(BF)
+    return xs, rs, nw
+
+
+def prenorm_fns(xs, rs, nw, ws):
+    """impl -> fn(i): the pre-norm projection on inputs/weights copy i, as two launches or fused; the
+    GEMV and the norm alone."""
+    eps = 1e-6
+
+    def separate(i):
+        h, s = norm_t.rms_norm(xs[i], nw, eps, residual=rs[i])
+        return lin.linear(h, ws[i]), h, s
+
+    M, K = xs[0].shape
+    cfg = lin.default_linear_config(M, ws[0].shape[0], K)
+    prologue = cfg and replace(cfg, norm_stats="prologue")
+    return {"separate": separate,
+            "fused": lambda i: lin.rms_norm_linear(xs[i], rs[i], nw, eps, ws[i]),
+            "fused prologue": lambda i: lin.rms_norm_linear(xs[i], rs[i], nw, eps, ws[i], config=prologue),
+            "gemv alone": lambda i: lin.linear(xs[i], ws[i]),
+            "norm alone": lambda i: norm_t.rms_norm(xs[i], nw, eps, residual=rs[i])}
+
+
+def prenorm_worker(index: int, count: int) -> None:
+    jobs = [(K, N, M) for _, K, N, _ in PRENORM_SHAPES for M in PRENORM_MS]
+    for n, (K, N, M) in enumerate(jobs):
+        if n % count == index:
+            xs, rs, nw = prenorm_inputs(M, K, 1)
+            for fn in prenorm_fns(xs, rs, nw, dense_weights(K, N, 1)).values():
+                fn(0)
+    torch.cuda.synchronize()
+
+
 def worker(index: int, count: int, sweep: bool, m1_extra: bool) -> None:
     jobs = [j for n, j in enumerate(dense_jobs(sweep, m1_extra)) if n % count == index]
     weights = {}
@@ -240,17 +287,22 @@ def worker(index: int, count: int, sweep: bool, m1_extra: bool) -> None:
     torch.cuda.synchronize()
 
 
-def warm_up(args, log) -> None:
+def warm_up(args, log) -> subprocess.Popen | None:
+    """Compile in parallel workers and run the GPU tests; with --prenorm the tests run on while the
+    benchmark times (returned, for the caller to wait on), else they are waited for here."""
     t0 = time.time()
     base = [sys.executable, os.path.abspath(__file__), "--worker-of", str(args.workers)]
-    flags = (["--sweep"] if args.sweep else []) + (["--sweep-m1"] if args.sweep_m1 else [])
+    flags = (["--sweep"] if args.sweep else []) + (["--sweep-m1"] if args.sweep_m1 else []) + \
+        (["--prenorm"] if args.prenorm else [])
     procs = [subprocess.Popen(base + ["--worker", str(i)] + flags) for i in range(args.workers)]
     if args.gpu_tests:
+        files = ["tests/ops/test_rms_norm_linear.py"] if args.prenorm else \
+            ["tests/ops/test_linear_triton.py", "tests/ops/test_moe_triton.py"]
         with open(os.path.join(args.out, "gpu_tests.log"), "w") as f:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                 "tests/ops/test_linear_triton.py", "tests/ops/test_moe_triton.py"] + shlex.split(args.test_args),
-                stdout=f, stderr=subprocess.STDOUT))
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *files]
+                + shlex.split(args.test_args), stdout=f, stderr=subprocess.STDOUT))
+    tests = procs.pop() if args.gpu_tests and args.prenorm else None
     for n, p in enumerate(procs):
         limit = args.warmup_s + (40.0 if n == args.workers else 0.0)     # the GPU tests get 40 s more
         try:
@@ -259,6 +311,7 @@ def warm_up(args, log) -> None:
             p.kill()
             log(f"warm-up process {p.pid} killed after {args.warmup_s:.0f} s")
     log(f"warm-up (parallel compile, GPU tests) {time.time() - t0:.0f} s")
+    return tests
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -355,6 +408,44 @@ def run_moe(args, ceil, log, timer) -> list:
     return rows
 
 
+def run_prenorm(ceil, log, timer) -> list:
+    """Per shape and M: each impl's time per call (graphs of `calls` calls on distinct weight copies, L2
+    flushed per replay), the fused op's error against the two-launch path, and the per-step totals."""
+    rows = []
+    for name, K, N, layers in PRENORM_SHAPES:
+        wbytes = N * K * 2
+        calls = copies_for(wbytes)
+        ws = dense_weights(K, N, calls)
+        for M in PRENORM_MS:
+            xs, rs, nw = prenorm_inputs(M, K, calls, seed=M)
+            fns = prenorm_fns(xs, rs, nw, ws)
+            (y_s, h_s, s_s), (y_f, h_f, s_f) = fns["separate"](0), fns["fused"](0)
+            row = dict(shape=name, K=K, N=N, M=M, layers=layers, err_y=rel_err(y_f, y_s), err_normed=rel_err(h_f, h_s),
+                       sum_equal=bool(torch.equal(s_f, s_s)), cfg=str(lin.default_linear_config(M, N, K)))
+            for impl, fn in fns.items():
+                row[f"{impl} us"] = timer.graph_time(fn, calls) * 1e6
+            row["saved us"] = row["separate us"] - row["fused us"]
+            row["fused frac copy"] = (wbytes + 2 * M * (3 * K + N)) / (row["fused us"] * 1e-6) / 1e12 / ceil["copy_TBps"]
+            rows.append(row)
+            log(json.dumps(row))
+        ws = None
+        torch.cuda.empty_cache()
+    lines = ["| shape (K->N) | M | norm + GEMV us | fused us | fused, prologue stats us | saved us | GEMV alone us | "
+             "norm alone us | fused frac copy | err y / normed vs two launches |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} ({r['K']}->{r['N']}) | {r['M']} | {r['separate us']:.2f} | {r['fused us']:.2f} | "
+                     f"{r['fused prologue us']:.2f} | "
+                     f"{r['saved us']:.2f} | {r['gemv alone us']:.2f} | {r['norm alone us']:.2f} | "
+                     f"{r['fused frac copy']:.0%} | {r['err_y']:.1e} / {r['err_normed']:.1e} |")
+    for M in PRENORM_MS:
+        rs_ = [r for r in rows if r["M"] == M]
+        sep, fus, pro = (sum(r["layers"] * r[f"{impl} us"] for r in rs_) for impl in ("separate", "fused", "fused prologue"))
+        lines.append(f"per 35B step, M={M}: 80 pre-norm projections {sep:.0f} us as two launches, {fus:.0f} us fused "
+                     f"({sep - fus:.0f} us saved; {pro:.0f} us with prologue statistics)")
+    log("\n".join(lines))
+    return rows
+
+
 def summary(dense, moe, ceil) -> str:
     lines = [f"copy {ceil['copy_TBps']:.2f} TB/s", "",
              ("| shape (K->N) | M | cuBLAS us | ours us (default) | TB/s | frac copy | cuBLAS/ours | best sweep | "
@@ -398,22 +489,37 @@ def main() -> int:
     ap.add_argument("--flush", choices=("read", "write"), default="read", help="how the L2 is flushed (Timer)")
     ap.add_argument("--both-flush", action="store_true", help="also time cuBLAS and our default with the other")
     ap.add_argument("--test-args", default="", help="extra pytest arguments for --gpu-tests (e.g. -k ...)")
+    ap.add_argument("--prenorm", action="store_true", help="only the pre-norm projections: fused vs two launches")
     ap.add_argument("--worker", default=None)
     ap.add_argument("--worker-of", type=int, default=1)
     args = ap.parse_args()
     if args.worker is not None:
-        worker(int(args.worker), args.worker_of, args.sweep, args.sweep_m1)
+        if args.prenorm:
+            prenorm_worker(int(args.worker), args.worker_of)
+        else:
+            worker(int(args.worker), args.worker_of, args.sweep, args.sweep_m1)
         return 0
     t_start = time.time()
     log = RunLog(args.out, "linear_gemv.log")
     env = device_env()
     log(json.dumps(env))
-    if args.workers > 0:
-        warm_up(args, log)
+    tests = warm_up(args, log) if args.workers > 0 else None
     ceil = ceilings(matmul=False)
     log(json.dumps(ceil))
     timer = Timer(args.flush)
     log(f"L2 flush before each replay: {args.flush}")
+    if args.prenorm:
+        rows = run_prenorm(ceil, log, timer)
+        with open(os.path.join(args.out, "linear_prenorm.json"), "w") as f:
+            json.dump(dict(env=env, ceilings=ceil, prenorm=rows), f, indent=1)
+        if tests is not None:
+            try:
+                log(f"GPU tests exit code {tests.wait(timeout=max(1.0, args.budget_s - (time.time() - t_start)))}")
+            except subprocess.TimeoutExpired:
+                tests.kill()
+                log("GPU tests killed at the budget")
+        log(f"total {time.time() - t_start:.0f} s")
+        return 0
     moe = [] if args.no_moe else run_moe(args, ceil, log, timer)
     dense = run_dense(args, ceil, log, t_start, timer)
     with open(os.path.join(args.out, "linear_gemv.json"), "w") as f:

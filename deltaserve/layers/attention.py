@@ -36,11 +36,21 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps, kernels, dtype=dtype, device=device)
         self.scale = self.head_dim ** -0.5
 
+    @property
+    def input_proj(self) -> Linear:
+        """The projection of the layer's input (a pre-norm folds its norm into it: RMSNorm.project)."""
+        return self.qkv_proj
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x [T, H] -> [T, H]; cos_sin: the step's RoPE tables [T, rotary_dim] (RotaryEmbedding.cos_sin)."""
-        T = x.shape[0]
-        q, gate, k, v = self.qkv_proj(x).split([self.o_size, self.o_size, self.kv_size, self.kv_size], dim=-1)
+        return self.forward_projected(self.qkv_proj(x), batch, kv_cache, cos_sin)
+
+    def forward_projected(self, projected: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
+                          cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """forward from qkv_proj(x) [T, q_size + 2 kv_size], computed by the caller."""
+        T = projected.shape[0]
+        q, gate, k, v = projected.split([self.o_size, self.o_size, self.kv_size, self.kv_size], dim=-1)
         # q/k norms, RoPE and the KV store in one op (the norms here are zero-centred, as the prologue's are)
         q = self.kernels.attention_prologue(
             q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim),

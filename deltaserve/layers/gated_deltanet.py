@@ -44,11 +44,21 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_dim, h, kernels, dtype=dtype, device=device)
         self.scale = self.dk ** -0.5
 
+    @property
+    def input_proj(self) -> Linear:
+        """The projection of the layer's input (a pre-norm folds its norm into it: RMSNorm.project)."""
+        return self.in_proj
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, ssm_state: torch.Tensor,
                 conv_state: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]; ssm_state [S, HV, K, V] and conv_state [S, W-1, D] are this layer's pools."""
-        T = x.shape[0]
-        mixed, z, b, a = self.in_proj(x).split(self.split_sizes, dim=-1)
+        return self.forward_projected(self.in_proj(x), batch, ssm_state, conv_state)
+
+    def forward_projected(self, projected: torch.Tensor, batch: ForwardBatch, ssm_state: torch.Tensor,
+                          conv_state: torch.Tensor) -> torch.Tensor:
+        """forward from in_proj(x) [T, in_proj.out_features], computed by the caller."""
+        T = projected.shape[0]
+        mixed, z, b, a = projected.split(self.split_sizes, dim=-1)
         z = z.view(T, self.nv, self.dv)
         P, n_pre = batch.num_prefill_tokens, batch.num_prefills
         k = self.kernels

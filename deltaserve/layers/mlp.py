@@ -20,8 +20,17 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, kernels, dtype=dtype, device=device)
         self.down_proj = Linear(intermediate_size, hidden_size, kernels, dtype=dtype, device=device)
 
+    @property
+    def input_proj(self) -> Linear:
+        """The projection of the block's input (a pre-norm folds its norm into it: RMSNorm.project)."""
+        return self.gate_up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.forward_projected(x, self.gate_up_proj(x))
+
+    def forward_projected(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        """forward from gate_up_proj(x), computed by the caller (x itself is not needed again)."""
+        return self.down_proj(self.kernels.silu_and_mul(gate_up))
 
     def checkpoint_weights(self) -> WeightMap:
         i = self.intermediate_size

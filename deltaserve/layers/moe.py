@@ -46,9 +46,19 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = Linear(h, 1, kernels, dtype=dtype, device=device) \
             if self.shared_expert is not None else None
 
+    @property
+    def input_proj(self) -> Linear:
+        """The projection of the block's input, the router (a pre-norm folds its norm into it:
+        RMSNorm.project)."""
+        return self.gate
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_projected(x, self.gate(x))
+
+    def forward_projected(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """forward from x and gate(x), computed by the caller."""
         # routing and the shared slices' sigmoid weights in one op: router GEMV, route, w13, w2+combine
-        weights, ids = self.kernels.topk_softmax(self.gate(x), self.top_k, self.renormalize,
+        weights, ids = self.kernels.topk_softmax(router_logits, self.top_k, self.renormalize,
                                                  shared_slices=self.shared_slices)
         out = self.kernels.fused_moe(x, self.w13, self.w2, weights, ids)
         if self.shared_expert is not None:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..ops import Kernels
+from .linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -18,3 +19,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalise x; with `residual`, normalise x + residual and also return that sum."""
         return self.kernels.rms_norm(x, self.weight, self.eps, zero_centered=self.zero_centered, residual=residual)
+
+    def project(self, x: torch.Tensor, residual: torch.Tensor | None, proj: Linear
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(proj(normed), normed, x + residual) with normed = self(x + residual): the input projection of a
+        pre-norm sublayer in one op (kernels.rms_norm_linear; on the GEMV path the norm is the projection's
+        prologue, no launch of its own). Without `residual` the sum is x."""
+        return self.kernels.rms_norm_linear(x, residual, self.weight, self.eps, proj.weight,
+                                            zero_centered=self.zero_centered)

@@ -1,6 +1,7 @@
 """The hybrid GDN decoder shared by Qwen3-Next, Qwen3.5 dense and Qwen3.5-MoE (model_spec.md §0, §10).
 
     h = x + Mixer(RMSNorm(x));  y = h + FFN(RMSNorm(h))
+(each RMSNorm computed together with its sublayer's input projection: RMSNorm.project)
 Mixer: Gated DeltaNet ("linear_attention") or gated full attention; FFN: sparse MoE or dense SwiGLU,
 both per ModelConfig. The families differ only in weight names and layouts, handled here and in
 the layers' `checkpoint_weights`.
@@ -46,17 +47,18 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, state: tuple,
                 cos_sin: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (FFN output, residual stream before it); the next layer's norm adds them."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        """Returns (FFN output, residual stream before it); the next layer's norm adds them.
+
+        Each norm runs with its sublayer's input projection as one op (RMSNorm.project): on the decode
+        path the projection's GEMV normalises x + residual in its prologue, so no norm is launched."""
         if self.layer_type == FULL_ATTENTION:
-            h = self.self_attn(h, batch, state[0], cos_sin)
+            projected, _, residual = self.input_layernorm.project(x, residual, self.self_attn.input_proj)
+            h = self.self_attn.forward_projected(projected, batch, state[0], cos_sin)
         else:
-            h = self.linear_attn(h, batch, state[0], state[1])
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+            projected, _, residual = self.input_layernorm.project(x, residual, self.linear_attn.input_proj)
+            h = self.linear_attn.forward_projected(projected, batch, state[0], state[1])
+        projected, h, residual = self.post_attention_layernorm.project(h, residual, self.mlp.input_proj)
+        return self.mlp.forward_projected(h, projected), residual
 
     def checkpoint_weights(self, fused_experts: bool) -> WeightMap:
         mixer = ("self_attn", self.self_attn) if self.layer_type == FULL_ATTENTION else ("linear_attn", self.linear_attn)

@@ -51,6 +51,7 @@ class Kernels:
     silu_and_mul: Callable           # SwiGLU middle: [.., 2I] (gate | up) -> silu(gate) * up
     sigmoid_mul: Callable            # x * sigmoid(gate): the attention output gate
     linear: Callable                 # y = x W^T: every projection and the logits
+    rms_norm_linear: Callable        # (normed @ W^T, normed, x + residual): a pre-norm sublayer's input projection
 
 
 REFERENCE_OPS: dict[str, Callable] = {
@@ -73,6 +74,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "silu_and_mul": activation_ref.silu_and_mul,
     "sigmoid_mul": activation_ref.sigmoid_mul,
     "linear": linear_ref.linear,
+    "rms_norm_linear": linear_ref.rms_norm_linear,
 }
 
 

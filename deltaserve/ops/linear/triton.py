@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..norm import triton as norm_triton
 from ..triton_common import ACTIVATION_DTYPES, check, check_same_device
 
 GEMV_MAX_M = 32          # rows of x up to which our kernels can run (M > 16 only for N <= SMALL_N)
@@ -42,7 +43,8 @@ NUM_SMS = 132            # H200; only sizes the split-K rule
 @dataclasses.dataclass(frozen=True)
 class LinearConfig:
     """Launch parameters of one small-M product: `dot` picks the tensor-core kernel, `block_n` weight rows
-    and `block_k` reduction columns per step, `split_k` programs per row block (1: no split)."""
+    and `block_k` reduction columns per step, `split_k` programs per row block (1: no split); for
+    rms_norm_linear, where the row statistics of the norm are computed (`norm_stats`, see the kernels)."""
 
     block_n: int = 8
     block_k: int = 512
@@ -50,6 +52,7 @@ class LinearConfig:
     stages: int = 3
     dot: bool = False
     split_k: int = 1
+    norm_stats: str = "loop"   # rms_norm_linear without split K: "loop" (NORM = 2 of the kernels) or "prologue"
 
 
 def default_linear_config(M: int, N: int, K: int) -> LinearConfig | None:
@@ -88,64 +91,187 @@ def default_linear_config(M: int, N: int, K: int) -> LinearConfig | None:
 
 
 @triton.jit
-def _gemv_fma_kernel(x, w, y, M, N, K, k_per_split, s_xm, s_wn, s_ym, s_ys,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """y[s, m, n] = sum over this program's K range of x[m, k] w[n, k] (fp32); s = program_id(1)."""
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    row_ok = rows < N
-    k_lo = tl.program_id(1) * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    kk = tl.arange(0, BK)
-    wp = w + rows[:, None].to(tl.int64) * s_wn + kk[None, :]
-    ms = tl.arange(0, BM)
-    m_ok = ms < M
-    xp = x + ms[:, None].to(tl.int64) * s_xm + kk[None, :]
-    if BM == 1:
-        acc = tl.zeros([BN, BK], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BK):
-            k_ok = kk + k0 < k_hi
-            wt = tl.load(wp + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            xv = tl.load(x + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
-            acc += wt * xv[None, :]
-        out = tl.sum(acc, 1)[None, :]
-    else:
-        out = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BK):
-            k_ok = kk + k0 < k_hi
-            wt = tl.load(wp + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            xt = tl.load(xp + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            out += tl.sum(xt[:, None, :] * wt[None, :, :], 2)
-    yp = y + tl.program_id(1).to(tl.int64) * s_ys + ms[:, None].to(tl.int64) * s_ym + rows[None, :]
-    tl.store(yp, out.to(y.dtype.element_ty), mask=m_ok[:, None] & row_ok[None, :])
+def _residual_sum(x, r, x_off, r_off, mask, HAS_RES: tl.constexpr):
+    """x (+ r, the sum rounded to x's dtype as the reference's `x + residual` is) at the given offsets."""
+    v = tl.load(x + x_off, mask=mask, other=0.0)
+    if HAS_RES:
+        v = (v.to(tl.float32) + tl.load(r + r_off, mask=mask, other=0.0).to(tl.float32)).to(x.dtype.element_ty)
+    return v
 
 
 @triton.jit
-def _gemv_dot_kernel(x, w, y, M, N, K, k_per_split, s_xm, s_wn, s_ym, s_ys,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
-    """As _gemv_fma_kernel, as acc[BN, BM] += W tile [BN, BK] @ x^T tile [BK, BM] on tensor cores."""
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+def _norm_weight(nw, k_idx, k_ok, ZC: tl.constexpr):
+    """The norm's multiplier w' (1 + w zero-centred, else w) at k_idx, fp32."""
+    w = tl.load(nw + k_idx, mask=k_ok, other=0.0).to(tl.float32)
+    if ZC:
+        w = w + 1.0
+    return w
+
+
+@triton.jit
+def _prenorm_rstd(x, r, M, K, s_xm, s_rm, eps, BM: tl.constexpr, PK: tl.constexpr, HAS_RES: tl.constexpr):
+    """rsqrt(mean((x + r)^2) + eps) of rows 0..BM-1 [BM] (fp32), over the whole row."""
+    ms = tl.arange(0, BM)
+    m_ok = ms < M
+    kk = tl.arange(0, PK)
+    ss = tl.zeros([BM], dtype=tl.float32)
+    for k0 in range(0, K, PK):
+        ks = k0 + kk
+        ok = m_ok[:, None] & (ks < K)[None, :]
+        v = _residual_sum(x, r, ms[:, None].to(tl.int64) * s_xm + ks[None, :],
+                          ms[:, None].to(tl.int64) * s_rm + ks[None, :], ok, HAS_RES).to(tl.float32)
+        ss += tl.sum(v * v, 1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def _prenorm_store(x, r, nw, h, s, rstd, M, K, s_xm, s_rm, BM: tl.constexpr, PK: tl.constexpr,
+                   HAS_RES: tl.constexpr, ZC: tl.constexpr):
+    """Write the normed rows h = (x + r) * rstd * w' (rounded once, as the reference's) and the sum s
+    (both [M, K] contiguous): the other readers of the normed input, and the next residual."""
+    ms = tl.arange(0, BM)
+    m_ok = ms < M
+    kk = tl.arange(0, PK)
+    for k0 in range(0, K, PK):
+        ks = k0 + kk
+        ok = m_ok[:, None] & (ks < K)[None, :]
+        v = _residual_sum(x, r, ms[:, None].to(tl.int64) * s_xm + ks[None, :],
+                          ms[:, None].to(tl.int64) * s_rm + ks[None, :], ok, HAS_RES)
+        if HAS_RES:
+            tl.store(s + ms[:, None].to(tl.int64) * K + ks[None, :], v, mask=ok)
+        hv = v.to(tl.float32) * rstd[:, None] * _norm_weight(nw, ks, ks < K, ZC)[None, :]
+        tl.store(h + ms[:, None].to(tl.int64) * K + ks[None, :], hv.to(v.dtype), mask=ok)
+
+
+@triton.jit(do_not_specialize=["M", "s_ys"])
+def _gemv_fma_kernel(x, w, y, M, N, K, k_per_split, s_xm, s_wn, s_ym, s_ys,
+                     r, nw, h, s, s_rm, eps,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     NORM: tl.constexpr, HAS_RES: tl.constexpr, ZC: tl.constexpr, PK: tl.constexpr):
+    """y[s, m, n] = sum over this program's K range of x[m, k] w[n, k] (fp32); s = program_id(1).
+
+    NORM (rms_norm_linear): x is RMSNorm(x + r) with weight nw; program (0, 0) also writes the normed rows
+    and the sum to h and s. NORM = 1: every program first computes the rows' rstd (a prologue over the
+    whole row) and multiplies the normed rows, rounded to x's dtype, as the two-launch path does.
+    NORM = 2 (one program per row block: no split K): the sum of squares is accumulated in the main loop
+    with the product of the unnormalised (x + r) w', and the output is scaled by rstd at the end (no
+    prologue before the weight stream; the normed operand is not rounded)."""
+    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BN + tl.arange(0, BN)
     row_ok = rows < N
-    k_lo = tl.program_id(1) * k_per_split
+    k_lo = pid_s * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    kk = tl.arange(0, BK)
+    wp = w + rows[:, None].to(tl.int64) * s_wn + kk[None, :]
+    ms = tl.arange(0, BM)
+    m_ok = ms < M
+    x_off = ms[:, None].to(tl.int64) * s_xm + kk[None, :]
+    r_off = ms[:, None].to(tl.int64) * s_rm + kk[None, :]
+    if NORM == 1:
+        rstd = _prenorm_rstd(x, r, M, K, s_xm, s_rm, eps, BM, PK, HAS_RES)
+    if BM == 1:
+        acc = tl.zeros([BN, BK], dtype=tl.float32)
+        ss = tl.zeros([BK], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BK):
+            k_ok = kk + k0 < k_hi
+            wt = tl.load(wp + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            if NORM == 0:
+                xv = tl.load(x + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
+            else:
+                xv = _residual_sum(x, r, k0 + kk, k0 + kk, k_ok, HAS_RES)
+                if NORM == 1:
+                    xv = (xv.to(tl.float32) * tl.sum(rstd, 0) * _norm_weight(nw, k0 + kk, k_ok, ZC)).to(xv.dtype)
+                    xv = xv.to(tl.float32)
+                else:
+                    xv = xv.to(tl.float32)
+                    ss += xv * xv
+                    xv = xv * _norm_weight(nw, k0 + kk, k_ok, ZC)
+            acc += wt * xv[None, :]
+        out = tl.sum(acc, 1)[None, :]
+        if NORM == 2:
+            rstd = tl.rsqrt(tl.sum(ss, 0)[None] / K + eps)
+    else:
+        out = tl.zeros([BM, BN], dtype=tl.float32)
+        ss = tl.zeros([BM], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BK):
+            k_ok = kk + k0 < k_hi
+            wt = tl.load(wp + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            x_ok = m_ok[:, None] & k_ok[None, :]
+            if NORM == 0:
+                xt = tl.load(x + x_off + k0, mask=x_ok, other=0.0).to(tl.float32)
+            else:
+                xt = _residual_sum(x, r, x_off + k0, r_off + k0, x_ok, HAS_RES)
+                wv = _norm_weight(nw, k0 + kk, k_ok, ZC)[None, :]
+                if NORM == 1:
+                    xt = (xt.to(tl.float32) * rstd[:, None] * wv).to(xt.dtype).to(tl.float32)
+                else:
+                    xt = xt.to(tl.float32)
+                    ss += tl.sum(xt * xt, 1)
+                    xt = xt * wv
+            out += tl.sum(xt[:, None, :] * wt[None, :, :], 2)
+        if NORM == 2:
+            rstd = tl.rsqrt(ss / K + eps)
+    if NORM == 2:
+        out = out * rstd[:, None]
+    if NORM != 0:
+        if pid_n + pid_s == 0:
+            _prenorm_store(x, r, nw, h, s, rstd, M, K, s_xm, s_rm, BM, PK, HAS_RES, ZC)
+    yp = y + pid_s.to(tl.int64) * s_ys + ms[:, None].to(tl.int64) * s_ym + rows[None, :]
+    tl.store(yp, out.to(y.dtype.element_ty), mask=m_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "s_ys"])
+def _gemv_dot_kernel(x, w, y, M, N, K, k_per_split, s_xm, s_wn, s_ym, s_ys,
+                     r, nw, h, s, s_rm, eps,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                     NORM: tl.constexpr, HAS_RES: tl.constexpr, ZC: tl.constexpr, PK: tl.constexpr):
+    """As _gemv_fma_kernel, as acc[BN, BM] += W tile [BN, BK] @ x^T tile [BK, BM] on tensor cores (with
+    NORM = 2 the dot's operand is (x + r) w' rounded to x's dtype, scaled by rstd after the loop)."""
+    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BN + tl.arange(0, BN)
+    row_ok = rows < N
+    k_lo = pid_s * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     kk = tl.arange(0, BK)
     ms = tl.arange(0, BM)
     m_ok = ms < M
     wp = w + rows[:, None].to(tl.int64) * s_wn + kk[None, :]
-    xp = x + ms[None, :].to(tl.int64) * s_xm + kk[:, None]
+    x_off = ms[None, :].to(tl.int64) * s_xm + kk[:, None]
+    r_off = ms[None, :].to(tl.int64) * s_rm + kk[:, None]
+    if NORM == 1:
+        rstd = _prenorm_rstd(x, r, M, K, s_xm, s_rm, eps, BM, PK, HAS_RES)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
+    ss = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         k_ok = kk + k0 < k_hi
         wt = tl.load(wp + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        xt = tl.load(xp + k0, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+        x_ok = k_ok[:, None] & m_ok[None, :]
+        if NORM == 0:
+            xt = tl.load(x + x_off + k0, mask=x_ok, other=0.0)
+        else:
+            xt = _residual_sum(x, r, x_off + k0, r_off + k0, x_ok, HAS_RES)
+            wv = _norm_weight(nw, k0 + kk, k_ok, ZC)[:, None]
+            if NORM == 1:
+                xt = (xt.to(tl.float32) * rstd[None, :] * wv).to(xt.dtype)
+            else:
+                xf = xt.to(tl.float32)
+                ss += tl.sum(xf * xf, 0)
+                xt = (xf * wv).to(xt.dtype)
         if IEEE:
             acc = tl.dot(wt, xt, acc, input_precision="ieee")
         else:
             acc = tl.dot(wt, xt, acc)
-    yp = y + tl.program_id(1).to(tl.int64) * s_ys + ms[None, :].to(tl.int64) * s_ym + rows[:, None]
+    if NORM == 2:
+        rstd = tl.rsqrt(ss / K + eps)
+        acc = acc * rstd[None, :]
+    if NORM != 0:
+        if pid_n + pid_s == 0:
+            _prenorm_store(x, r, nw, h, s, rstd, M, K, s_xm, s_rm, BM, PK, HAS_RES, ZC)
+    yp = y + pid_s.to(tl.int64) * s_ys + ms[None, :].to(tl.int64) * s_ym + rows[:, None]
     tl.store(yp, acc.to(y.dtype.element_ty), mask=row_ok[:, None] & m_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["MN", "s_ps"])
 def _split_sum_kernel(part, y, MN, s_ps, SPLIT: tl.constexpr, B: tl.constexpr):
     """y = sum over s of part[s] (fp32, s in order), rounded once."""
     i = tl.program_id(0) * B + tl.arange(0, B)
@@ -163,6 +289,7 @@ def _check_config(cfg: LinearConfig, M: int) -> None:
         check(v >= 1 and v & (v - 1) == 0, op, f"config {name}={v} must be a power of two")
     check(cfg.stages >= 1 and cfg.split_k >= 1, op,
           f"config stages={cfg.stages}, split_k={cfg.split_k} must be >= 1")
+    check(cfg.norm_stats in ("loop", "prologue"), op, f"config norm_stats={cfg.norm_stats!r}: 'loop' or 'prologue'")
     if cfg.dot:
         check(cfg.block_n >= 16 and cfg.block_k >= 16, op,
               f"config dot=True needs block_n, block_k >= 16, got {cfg.block_n}, {cfg.block_k}")
@@ -171,12 +298,9 @@ def _check_config(cfg: LinearConfig, M: int) -> None:
         check(M <= 16, op, f"config dot=False supports at most 16 rows of x, got {M}")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, *, config: LinearConfig | None = None) -> torch.Tensor:
-    """See reference.linear. Up to GEMV_MAX_M rows of x (or any M with an explicit `config`): our GEMV
-    kernels; otherwise F.linear, cuBLAS being the right choice for compute-bound products."""
-    op = "linear"
+def _check_operands(op: str, x: torch.Tensor, weight: torch.Tensor) -> None:
     check(weight.dim() == 2, op, f"weight must be [N, K], got {tuple(weight.shape)}")
-    N, K = weight.shape
+    K = weight.shape[1]
     check(x.dim() >= 1 and x.shape[-1] == K, op, f"x must be [..., {K}] for weight {tuple(weight.shape)}, "
           f"got {tuple(x.shape)}")
     check(x.dtype in ACTIVATION_DTYPES, op, f"unsupported dtype {x.dtype} (expected one of {ACTIVATION_DTYPES})")
@@ -185,7 +309,51 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, config: LinearConfig | None
           f"x must be contiguous in its last dim (strides {tuple(x.stride())})")
     check(weight.stride(-1) == 1 or K <= 1, op,
           f"weight must be contiguous in its last dim (strides {tuple(weight.stride())})")
+
+
+def _gemv(x2: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig, prenorm: tuple | None = None) -> torch.Tensor:
+    """y [M, N] = x2 [M, K] @ weight^T by our kernels with tiles `cfg` (M, N, K >= 1). prenorm =
+    (r2 or None, norm_weight, eps, zero_centered, h, s): x2 is first replaced by RMSNorm(x2 + r2) in
+    each program's prologue, and the normed rows and the sum are written to h and s ([M, K])."""
+    (M, K), N = x2.shape, weight.shape[0]
+    _check_config(cfg, M)
+    y = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
+    split = max(1, min(cfg.split_k, triton.cdiv(K, cfg.block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(K, split), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(K, k_per_split)        # no empty splits
+    out = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
+    s_ys = 0 if split == 1 else M * N
+    grid = (triton.cdiv(N, cfg.block_n), split)
+    bm = max(16, triton.next_power_of_2(M)) if cfg.dot else triton.next_power_of_2(M)
+    if prenorm is None:
+        norm_args, norm_kw = (x2, x2, y, y, 0, 0.0), dict(NORM=0, HAS_RES=False, ZC=False, PK=16)
+    else:
+        r2, nw, eps, zc, h, s = prenorm
+        norm_args = (x2 if r2 is None else r2, nw, h, s, 0 if r2 is None else r2.stride(0), float(eps))
+        # the row passes (statistics, stores) take ~2048 fp32 values per program at a time
+        pk = min(triton.next_power_of_2(K), max(16, 2048 // bm))
+        mode = 2 if split == 1 and cfg.norm_stats == "loop" else 1
+        norm_kw = dict(NORM=mode, HAS_RES=r2 is not None, ZC=bool(zc), PK=pk)
+    args = (x2, weight, out, M, N, K, k_per_split, x2.stride(0), weight.stride(0), N, s_ys, *norm_args)
+    if cfg.dot:
+        _gemv_dot_kernel[grid](*args, BM=bm, BN=cfg.block_n, BK=cfg.block_k, IEEE=x2.dtype == torch.float32,
+                               num_warps=cfg.warps, num_stages=cfg.stages, **norm_kw)
+    else:
+        _gemv_fma_kernel[grid](*args, BM=bm, BN=cfg.block_n, BK=cfg.block_k,
+                               num_warps=cfg.warps, num_stages=cfg.stages, **norm_kw)
+    if split > 1:
+        b = 1024
+        _split_sum_kernel[(triton.cdiv(M * N, b),)](out, y, M * N, M * N, SPLIT=split, B=b, num_warps=4)
+    return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, *, config: LinearConfig | None = None) -> torch.Tensor:
+    """See reference.linear. Up to GEMV_MAX_M rows of x (or any M with an explicit `config`): our GEMV
+    kernels; otherwise F.linear, cuBLAS being the right choice for compute-bound products."""
+    op = "linear"
+    _check_operands(op, x, weight)
     check_same_device(op, x, weight)
+    N, K = weight.shape
     lead = x.shape[:-1]
     M = lead.numel()
     x2 = x.reshape(M, K)                       # a view when the leading dims merge (rows may be strided)
@@ -193,27 +361,46 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, config: LinearConfig | None
     if cfg is None:
         return F.linear(x, weight)
     _check_config(cfg, M)
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
-        return y.reshape(*lead, N)
+        return torch.empty((*lead, N), dtype=x.dtype, device=x.device)
     if K == 0:
-        return y.zero_().reshape(*lead, N)
-    split = max(1, min(cfg.split_k, triton.cdiv(K, cfg.block_k)))
-    k_per_split = triton.cdiv(triton.cdiv(K, split), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(K, k_per_split)        # no empty splits
-    out = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-    s_ys = 0 if split == 1 else M * N
-    grid = (triton.cdiv(N, cfg.block_n), split)
-    if cfg.dot:
-        bm = max(16, triton.next_power_of_2(M))
-        _gemv_dot_kernel[grid](x2, weight, out, M, N, K, k_per_split, x2.stride(0), weight.stride(0), N, s_ys,
-                               BM=bm, BN=cfg.block_n, BK=cfg.block_k, IEEE=x.dtype == torch.float32,
-                               num_warps=cfg.warps, num_stages=cfg.stages)
-    else:
-        _gemv_fma_kernel[grid](x2, weight, out, M, N, K, k_per_split, x2.stride(0), weight.stride(0), N, s_ys,
-                               BM=triton.next_power_of_2(M), BN=cfg.block_n, BK=cfg.block_k,
-                               num_warps=cfg.warps, num_stages=cfg.stages)
-    if split > 1:
-        b = 1024
-        _split_sum_kernel[(triton.cdiv(M * N, b),)](out, y, M * N, M * N, SPLIT=split, B=b, num_warps=4)
-    return y.reshape(*lead, N)
+        return torch.zeros((*lead, N), dtype=x.dtype, device=x.device)
+    return _gemv(x2, weight, cfg).reshape(*lead, N)
+
+
+def rms_norm_linear(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    *, zero_centered: bool = True, config: LinearConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See reference.rms_norm_linear. On the GEMV path (default_linear_config gives tiles, or an explicit
+    `config`) one launch (two with split K): every program normalises x + residual in its prologue (the
+    row is re-read from L2 by each program; it is the K-wide input of one token), multiplies it by its
+    weight rows, and program 0 also writes the normed rows and the sum. Otherwise (larger M, cuBLAS) the
+    separate norm kernel, then F.linear: the norm launch is negligible next to a compute-bound GEMM."""
+    op = "rms_norm_linear"
+    _check_operands(op, x, weight)
+    N, K = weight.shape
+    check(K >= 1, op, "the normalised dim K must be >= 1")
+    check(norm_weight.shape == (K,), op, f"norm_weight must be [{K}], got {tuple(norm_weight.shape)}")
+    tensors = [x, weight, norm_weight]
+    if residual is not None:
+        check(residual.shape == x.shape and residual.dtype == x.dtype, op,
+              f"residual must match x: {tuple(residual.shape)} {residual.dtype} vs {tuple(x.shape)} {x.dtype}")
+        check(residual.stride(-1) == 1, op,
+              f"residual must be contiguous in its last dim (strides {tuple(residual.stride())})")
+        tensors.append(residual)
+    check_same_device(op, *tensors)
+    lead = x.shape[:-1]
+    M = lead.numel()
+    cfg = config if config is not None else default_linear_config(M, N, K)
+    if cfg is None or M == 0 or N == 0:
+        if residual is None:
+            h, s = norm_triton.rms_norm(x, norm_weight, eps, zero_centered=zero_centered), x
+        else:
+            h, s = norm_triton.rms_norm(x, norm_weight, eps, zero_centered=zero_centered, residual=residual)
+        return F.linear(h, weight), h, s
+    x2, r2 = x.reshape(M, K), None if residual is None else residual.reshape(M, K)
+    h = torch.empty((M, K), dtype=x.dtype, device=x.device)
+    s = None if residual is None else torch.empty((M, K), dtype=x.dtype, device=x.device)
+    y = _gemv(x2, weight, cfg, (r2, norm_weight, eps, zero_centered, h, h if s is None else s))
+    return y.reshape(*lead, N), h.view(*lead, K), x if s is None else s.view(*lead, K)
