@@ -1,17 +1,22 @@
-"""gdn_decode latency at small and large batch: our one-launch and two-launch paths vs flash-linear-attention's
-fused_recurrent_gated_delta_rule, in the same process on the same GPU.
+"""gdn_decode latency at small and large batch: our fused layer op (default path, its one-launch variants,
+the two-launch path) and our bare recurrence vs flash-linear-attention's fused_recurrent_gated_delta_rule,
+in the same process on the same GPU.
 
 Shapes per GDN layer (bf16 activations, fp32 state, dk = dv = 128, conv width 4):
   35B-A3B  16 key heads / 32 value heads   (Qwen3.5-35B-A3B; Qwen3-Next-80B has the same GDN dims)
-  27B      16 key heads / 48 value heads   (Qwen3.5-27B: value heads 3 per key head)
-B = 1, 2, 4, 8, 16, 64, 256 sequences, one token each.
+  27B      16 key heads / 48 value heads   (Qwen3.5-27B: value heads 3 per key head; --shapes 27B)
+B = 1, 16, 64, 256 sequences by default (--batches), one token each.
 
 Each time is `triton.testing.do_bench` (median, L2 flushed before each replay) around the replay of a CUDA
 graph holding `calls` invocations on disjoint state slots (so every call reads its state from HBM), divided
-by `calls`. Ours is the whole fused op (conv update, gates, q/k L2 norm, delta rule, gated RMSNorm); FLA is
-its recurrence alone (q/k/v, log-decay and beta given, states already gathered per sequence), as in
-benchmarks/gdn_kernels.py. State traffic = read + write of B fp32 states; "frac copy" = that / time / the
-device-to-device copy rate measured in the same run.
+by `calls`. The slot lists of the calls are slices of one index tensor (as the engine's one slot list,
+read by every layer, it stays in L2 after the first call). "ours" is the whole fused op (conv update,
+gates, q/k L2 norm, delta rule, gated RMSNorm); "ours rec" and FLA are the recurrence alone (q/k/v,
+log-decay and beta given; FLA's states already gathered per sequence, ours read from the pool by slot).
+State traffic = read + write of B fp32 states; "frac copy" = that / time / the device-to-device copy
+rate measured in the same run. With programmatic launch (PDL) a call may start once every program of
+the one before has exited (no kernel here triggers its dependents earlier), as in the engine, where the
+kernel before gdn_decode is the input projection.
 
 Run (GPU): PYTHONPATH=.:$FLA FLA_FLASH_QLA=0 python benchmarks/gdn_decode_latency.py --out DIR
   [--workers 8] [--wait-for FILE]   (compile every variant in parallel workers first; --wait-for: start
@@ -21,6 +26,7 @@ Run (GPU): PYTHONPATH=.:$FLA FLA_FLASH_QLA=0 python benchmarks/gdn_decode_latenc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -39,10 +45,23 @@ DK = DV = 128
 HK = 16
 W = 4
 SHAPES = {"35B-A3B": 32, "27B": 48}          # value heads
-BATCHES = [1, 2, 4, 8, 16, 64, 256]
-SWEEP = [(8, 1), (16, 1), (32, 1), (32, 2), (64, 4), (128, 4)]   # one-launch (bv, num_warps) candidates
-SWEEP_27B = [(16, 1), (32, 2)]
-SWEEP_B = [1, 2, 4, 8, 16, 64]
+BATCHES = [1, 16, 64, 256]
+ONE = tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True, pdl=True)
+# One-launch variants timed beside the default (name -> config); tests/ops/test_gdn_recurrent.py
+# REAL_ONE_LAUNCH checks each of them on the GPU.
+ONE_LAUNCH_VARIANTS = {
+    1: {"no pdl": dataclasses.replace(ONE, pdl=False),
+        "pdl, no prefetch": dataclasses.replace(ONE, prefetch=False),
+        "state after release": dataclasses.replace(ONE, state_after_release=True),
+        "bv8/w1": dataclasses.replace(ONE, bv=8),
+        "bv16/w2": dataclasses.replace(ONE, num_warps=2),
+        "bv32/w2": dataclasses.replace(ONE, bv=32, num_warps=2)},
+    16: {"no pdl": tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True),
+         "state after release": tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True, pdl=True,
+                                                   state_after_release=True),
+         "bv16/w1": ONE},
+    64: {"one launch bv32/w2": tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True, pdl=True)},
+}
 DEV = "cuda"
 
 
@@ -56,7 +75,7 @@ def fla_recurrent():
 class Case:
     shape: str
     B: int
-    impl: str                              # default | two-launch | one-launch bvX/wY | fla
+    impl: str                              # default | two-launch | ours rec | fla | a one-launch variant's name
     config: tr.RecurrentConfig | None = None
 
     @property
@@ -64,16 +83,16 @@ class Case:
         return SHAPES[self.shape]
 
 
-def cases() -> list[Case]:
+def cases(shapes: list[str], batches: list[int]) -> list[Case]:
     out = []
-    for shape in SHAPES:
-        for B in BATCHES:
-            out += [Case(shape, B, "default"), Case(shape, B, "fla"),
-                    Case(shape, B, "two-launch", tr.default_tokens_config(B * SHAPES[shape] * (DV // 32), DV))]
-            sweep = SWEEP if shape == "35B-A3B" else SWEEP_27B
-            if B in SWEEP_B:
-                out += [Case(shape, B, f"one-launch bv{bv}/w{w}", tr.RecurrentConfig(bv, w, one_launch=True))
-                        for bv, w in sweep]
+    for shape in shapes:
+        hv = SHAPES[shape]
+        for B in batches:
+            out += [Case(shape, B, "default"), Case(shape, B, "fla"), Case(shape, B, "ours rec")]
+            if tr.default_decode_config(B, HK, hv, DV).one_launch:
+                out.append(Case(shape, B, "two-launch", tr.default_tokens_config(B * hv * (DV // 32), DV)))
+            if shape == "35B-A3B":
+                out += [Case(shape, B, name, cfg) for name, cfg in ONE_LAUNCH_VARIANTS.get(B, {}).items()]
     return out
 
 
@@ -91,6 +110,7 @@ def inputs(hv: int, B: int, calls: int, seed: int = 1) -> dict:
     def rn(*shape, dtype=bf, scale=1.0):
         return torch.randn(*shape, device=DEV, dtype=dtype, generator=g) * scale
 
+    slots = torch.arange(S, dtype=torch.int32, device=DEV)
     return dict(
         mixed=rn(B, dc), z=rn(B, hv, DV), a=rn(B, hv), b=rn(B, hv),
         q=rn(B, HK, DK), k=rn(B, HK, DK), v=rn(B, hv, DV),
@@ -98,17 +118,20 @@ def inputs(hv: int, B: int, calls: int, seed: int = 1) -> dict:
         conv_w=rn(dc, W, scale=0.5), A_log=torch.linspace(-3.0, 1.0, hv, device=DEV),
         dt_bias=torch.zeros(hv, device=DEV), norm_w=torch.ones(DV, device=DEV, dtype=bf),
         pool=rn(S, hv, DK, DV, dtype=torch.float32, scale=0.1), conv_pool=rn(S, W - 1, dc),
-        idx=[torch.arange(i * B, (i + 1) * B, dtype=torch.int32, device=DEV) for i in range(calls)],
+        idx=[slots[i * B:(i + 1) * B] for i in range(calls)],
     )
 
 
 def make_call(case: Case, d: dict) -> Callable[[int], object]:
+    B = case.B
     if case.impl == "fla":
         rec = fla_recurrent()
-        B = case.B
         return lambda i: rec(q=d["q"][:, None], k=d["k"][:, None], v=d["v"][:, None], g=d["g"][:, None],
                              beta=d["beta"][:, None], scale=DK ** -0.5, initial_state=d["pool"][i * B:(i + 1) * B],
                              output_final_state=True, use_qk_l2norm_in_kernel=True)
+    if case.impl == "ours rec":
+        return lambda i: tr.fused_recurrent_gated_delta_rule(
+            d["q"], d["k"], d["v"], d["g"], d["beta"], scale=DK ** -0.5, ssm_state=d["pool"], state_indices=d["idx"][i])
     kw = dict(conv_weight=d["conv_w"], A_log=d["A_log"], dt_bias=d["dt_bias"], norm_weight=d["norm_w"], eps=1e-6,
               scale=DK ** -0.5, conv_state=d["conv_pool"], ssm_state=d["pool"])
     extra = {} if case.config is None else {"config": case.config}
@@ -117,21 +140,24 @@ def make_call(case: Case, d: dict) -> Callable[[int], object]:
 
 # ---- warm-up: compile every variant once, in parallel worker processes (shared Triton cache) -------
 
-def compile_case(case: Case) -> Case:
-    """A B = 1 case compiling the kernels `case` runs (they specialise on the launch config, not on B)."""
+def compile_key(case: Case) -> tuple:
+    """What decides the kernels `case` compiles: our fused op's specialise on the launch config, not on
+    B (so B = 1 compiles them); FLA's on whether B is 1; our recurrence's config is picked from B."""
     if case.impl == "fla":
-        return Case(case.shape, 1, "fla")
-    cfg = case.config or tr.default_decode_config(case.B, HK, case.hv, DV)
-    return Case(case.shape, 1, case.impl, cfg)
+        return (case.shape, "fla", min(case.B, 16), None)
+    if case.impl == "ours rec":  # its config changes between B = 1 and 16, not above
+        return (case.shape, "ours rec", min(case.B, 16), None)
+    pdl = case.impl == "default"
+    cfg = case.config or tr.default_decode_config(case.B, HK, case.hv, DV, pdl=pdl)
+    return (case.shape, "ours", 1, cfg)
 
 
-def worker(index: int, count: int) -> None:
-    mine = list(dict.fromkeys((c.shape, c.impl if c.impl == "fla" else "", c.config)
-                              for c in map(compile_case, cases())))
-    for shape, impl, cfg in mine[index::count]:
-        case = Case(shape, 1, impl or "ours", cfg)
+def worker(index: int, count: int, shapes: list[str], batches: list[int]) -> None:
+    mine = list(dict.fromkeys(map(compile_key, cases(shapes, batches))))
+    for shape, impl, B, cfg in mine[index::count]:
+        case = Case(shape, B, impl, cfg if impl == "ours" else None)
         try:
-            make_call(case, inputs(case.hv, 1, 1))(0)
+            make_call(case, inputs(case.hv, B, 1))(0)
             torch.cuda.synchronize()
         except Exception as exc:  # reported again by the timed phase
             print(f"[warm {index}] {case}: {type(exc).__name__}: {exc}", flush=True)
@@ -139,31 +165,41 @@ def worker(index: int, count: int) -> None:
 
 # ---- main -------------------------------------------------------------------------------------------
 
-def summary(rows: list[dict], copy: float) -> str:
+def describe(case: Case) -> str:
+    cfg = case.config or tr.default_decode_config(case.B, HK, case.hv, DV, pdl=tr.has_pdl(torch.device(DEV)))
+    path = "one launch" if cfg.one_launch else "two launches"
+    flags = [f for f, on in (("pdl", cfg.pdl), ("prefetch", cfg.pdl and cfg.prefetch),
+                             ("state after release", cfg.state_after_release)) if on]
+    return f"{path} bv{cfg.bv}/w{cfg.num_warps}" + (f" ({', '.join(flags)})" if flags else "")
+
+
+def summary(rows: list[dict], copy: float, shapes: list[str], batches: list[int]) -> str:
     by = {(r["shape"], r["B"], r["impl"]): r for r in rows}
+    nan = float("nan")
     lines = []
-    for shape, hv in SHAPES.items():
+    for shape in shapes:
+        hv = SHAPES[shape]
         lines += ["", f"{shape} (HK {HK}, HV {hv}, dk = dv = {DK}); copy {copy / 1e12:.2f} TB/s", "",
-                  "| B | default path | ours us/layer | TB/s (frac copy) | two-launch us | FLA recurrence us | "
-                  "FLA / ours | two-launch / ours |", "|---|---|---|---|---|---|---|---|"]
-        for B in BATCHES:
-            o, t, f = (by.get((shape, B, k)) for k in ("default", "two-launch", "fla"))
+                  "| B | default path | ours us/layer | TB/s (frac copy) | two-launch us | ours rec us | "
+                  "FLA rec us | FLA rec / ours | FLA rec / ours rec |", "|---|---|---|---|---|---|---|---|---|"]
+        for B in batches:
+            o, t, r, f = (by.get((shape, B, k)) for k in ("default", "two-launch", "ours rec", "fla"))
             if not o:
                 continue
-            cfg = tr.default_decode_config(B, HK, hv, DV)
-            path = "one launch" if cfg.one_launch else "two launches"
+            us = lambda x: x["us"] if x else nan
             lines.append(
-                f"| {B} | {path} bv{cfg.bv}/w{cfg.num_warps} | {o['us']:.2f} | {o['TBps']:.2f} ({o['frac_copy']:.0%}) | "
-                f"{t['us'] if t else float('nan'):.2f} | {f['us'] if f else float('nan'):.2f} | "
-                f"{f['us'] / o['us'] if f else float('nan'):.2f}x | {t['us'] / o['us'] if t else float('nan'):.2f}x |")
-        sweep = [k for k in dict.fromkeys(r["impl"] for r in rows if r["shape"] == shape)
-                 if k.startswith("one-launch")]
-        if sweep:
-            lines += ["", f"{shape} one-launch sweep, us/layer", "",
-                      "| B | " + " | ".join(sweep) + " |", "|---|" + "---|" * len(sweep)]
-            for B in SWEEP_B:
-                vals = [by.get((shape, B, k)) for k in sweep]
-                lines.append(f"| {B} | " + " | ".join(f"{v['us']:.2f}" if v else "-" for v in vals) + " |")
+                f"| {B} | {describe(Case(shape, B, 'default'))} | {o['us']:.2f} | {o['TBps']:.2f} "
+                f"({o['frac_copy']:.0%}) | {us(t):.2f} | {us(r):.2f} | {us(f):.2f} | {us(f) / o['us']:.2f}x | "
+                f"{us(f) / us(r):.2f}x |")
+        variants = [r for r in rows if r["shape"] == shape and r["impl"] not in ("default", "two-launch", "ours rec",
+                                                                                  "fla")]
+        if variants:
+            lines += ["", f"{shape} one-launch variants, us/layer", "", "| B | variant | config | us | vs default |",
+                      "|---|---|---|---|---|"]
+            for r in variants:
+                d = by.get((shape, r["B"], "default"))
+                lines.append(f"| {r['B']} | {r['impl']} | {r['config']} | {r['us']:.2f} | "
+                             f"{r['us'] / d['us'] if d else nan:.2f}x |")
     return "\n".join(lines)
 
 
@@ -173,11 +209,15 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--wait-for", default="", help="start the timed phase once this file exists (max 300 s)")
     ap.add_argument("--rep-ms", type=int, default=40)
+    ap.add_argument("--shapes", default="35B-A3B", help="comma-separated: 35B-A3B,27B")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--worker", type=int, default=None)
     args = ap.parse_args()
+    shapes = args.shapes.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
     if args.worker is not None:
-        worker(args.worker, args.workers)
+        worker(args.worker, args.workers, shapes, batches)
         return 0
     t0 = time.time()
     log = RunLog(args.out, "gdn_decode_latency.log")
@@ -185,7 +225,8 @@ def main() -> int:
     env.setdefault("fla", None)
     log(json.dumps(env))
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", str(i), "--workers",
-                               str(args.workers)]) for i in range(args.workers)]
+                               str(args.workers), "--shapes", args.shapes, "--batches", args.batches])
+             for i in range(args.workers)]
     if env["fla"]:
         fla_recurrent()  # its import takes seconds: overlap it with the compiles
     for p in procs:
@@ -196,8 +237,9 @@ def main() -> int:
         time.sleep(0.5)
     log(f"timed phase starts at {time.time() - t0:.0f} s")
     copy = ceilings(matmul=False, warmup=25)["copy_TBps"] * 1e12
+    log(f"copy {copy / 1e12:.3f} TB/s")
     rows = []
-    for case in cases():
+    for case in cases(shapes, batches):
         if case.impl == "fla" and not env["fla"]:
             continue
         calls = calls_for(case.B)
@@ -210,13 +252,14 @@ def main() -> int:
         del d
         state = 2 * case.B * case.hv * DK * DV * 4
         row = dict(shape=case.shape, B=case.B, impl=case.impl, us=sec * 1e6, TBps=state / sec / 1e12,
-                   frac_copy=state / sec / copy)
+                   frac_copy=state / sec / copy,
+                   config=describe(case) if case.impl not in ("fla", "ours rec") else "")
         rows.append(row)
         log(json.dumps(row))
     torch.cuda.empty_cache()
     with open(os.path.join(args.out, "gdn_decode_latency.json"), "w") as f:
         json.dump(dict(env=env, copy_TBps=copy / 1e12, results=rows), f, indent=1)
-    log(summary(rows, copy))
+    log(summary(rows, copy, shapes, batches))
     log(f"total {time.time() - t0:.0f} s")
     return 0
 

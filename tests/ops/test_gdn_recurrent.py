@@ -115,21 +115,22 @@ def test_decode_matches_token_recurrence(ratio, dtype, activation, device):
     assert torch.equal(s_tri[1], layer.ssm_state[1]), "untouched slot changed"
 
 
-ONE_LAUNCH_CASES = [  # (ratio, dv, bv, dtype, activation): the programs of a (sequence, key head) group
-    (2, 32, 16, torch.float32, "silu"),     # 2 V-slices x 2 heads: the last program normalises both rows
-    (3, 16, 16, torch.bfloat16, "silu"),    # whole rows (local norm), 3 heads share the q/k window
-    (1, 32, 16, torch.float32, "sigmoid"),  # one head, 2 slices
-    (1, 16, 16, torch.float32, "silu"),     # a group of one program: no counter at all
+ONE_LAUNCH_CASES = [  # (ratio, dv, bv, dtype, activation, late): the programs of a (sequence, key head) group
+    (2, 32, 16, torch.float32, "silu", False),     # 2 V-slices x 2 heads: the last program normalises both rows
+    (2, 32, 16, torch.bfloat16, "silu", True),     # the same, state stored after the arrival
+    (3, 16, 16, torch.bfloat16, "silu", False),    # whole rows (local norm), 3 heads share the q/k window
+    (1, 32, 16, torch.float32, "sigmoid", False),  # one head, 2 slices
+    (1, 16, 16, torch.float32, "silu", True),      # a group of one program: no counter at all
 ]
 
 
-@pytest.mark.parametrize("ratio,dv,bv,dtype,activation", ONE_LAUNCH_CASES)
-def test_one_launch_decode_matches_two_launches_and_reference(ratio, dv, bv, dtype, activation, device):
+@pytest.mark.parametrize("ratio,dv,bv,dtype,activation,late", ONE_LAUNCH_CASES)
+def test_one_launch_decode_matches_two_launches_and_reference(ratio, dv, bv, dtype, activation, late, device):
     """Two steps of the one-launch decode == the two-launch decode (same math, fp32 rounding) == the
     unfused reference; padded rows give zeros and touch nothing; the group counters end at zero."""
     layer = Layer(device, dtype, ratio=ratio, dv=dv, seed=30 + ratio + bv, activation=activation)
     idx = torch.tensor([6, -1, 0, 3, 5], dtype=torch.int32, device=device)
-    one = tr.RecurrentConfig(bv=bv, num_warps=1, one_launch=True)
+    one = tr.RecurrentConfig(bv=bv, num_warps=1, one_launch=True, state_after_release=late)
     two = tr.RecurrentConfig(bv=bv, num_warps=1)
     c_ref, s_ref = layer.pools()
     c_one, s_one = layer.pools()
@@ -164,6 +165,24 @@ def test_decode_path_rule():
             assert cfg == tr.default_decode_config(n, 16, hv, 128)
         assert not tr.default_decode_config(n_max + 1, 16, hv, 128).one_launch
         assert not tr.default_decode_config(512, 16, hv, 128).one_launch
+
+
+def test_decode_pdl_rule_and_checks(device):
+    """Programmatic launch only where the device has it (never on the CPU path), only for one launch."""
+    assert tr.default_decode_config(1, 16, 32, 128, pdl=True).pdl
+    assert not tr.default_decode_config(1, 16, 32, 128).pdl
+    assert not tr.default_decode_config(64, 16, 32, 128, pdl=True).pdl, "two launches never use PDL"
+    layer = Layer(device, torch.float32, seed=4)
+    mixed, z, a, b = layer.tokens(2)
+    idx = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    c, s = layer.pools()
+    with pytest.raises(ValueError, match="apply to the one-launch decode only"):
+        tr.gdn_decode(mixed, z, a, b, conv_state=c, ssm_state=s, state_indices=idx,
+                      config=tr.RecurrentConfig(bv=16, num_warps=1, pdl=True), **layer.kw())
+    if not tr.has_pdl(torch.device(device)):
+        with pytest.raises(ValueError, match="compute capability 9.0"):
+            tr.gdn_decode(mixed, z, a, b, conv_state=c, ssm_state=s, state_indices=idx,
+                          config=tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True, pdl=True), **layer.kw())
 
 
 def test_one_launch_config_rejected_for_verify(device):
@@ -288,7 +307,16 @@ def test_layer_ops_raise_on_bad_shapes(device):
 
 # ---- real shapes on the GPU (Qwen3.5-35B-A3B / Qwen3-Next: 16 key heads, 32 value heads; 27B: 48) ----------
 
-REAL_ONE_LAUNCH = [(8, 1), (16, 1), (32, 1), (32, 2), (64, 4), (128, 4)]  # (bv, num_warps): the benchmark's sweep
+# One-launch configurations the benchmark times (benchmarks/gdn_decode_latency.py ONE_LAUNCH_VARIANTS).
+REAL_ONE_LAUNCH = [
+    tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True),
+    tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True, pdl=True, prefetch=False),
+    tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True, pdl=True, state_after_release=True),
+    tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, pdl=True),
+    tr.RecurrentConfig(bv=16, num_warps=2, one_launch=True, pdl=True),
+    tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True),
+    tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True, pdl=True, state_after_release=True),
+]
 
 
 def _real_layer(hv: int, slots: int, seed: int):
@@ -309,11 +337,11 @@ def _real_layer(hv: int, slots: int, seed: int):
 @pytest.mark.gpu
 @pytest.mark.parametrize("hv", [32, 48])
 def test_one_launch_decode_real_shape(hv):
-    """Every one-launch configuration the benchmark times, and the default rule, at B = 1, 3, 16 (padded
-    row, slots out of order): == the reference over two steps, == the two-launch path up to fp32 rounding."""
-    configs = [tr.RecurrentConfig(bv=bv, num_warps=w, one_launch=True) for bv, w in REAL_ONE_LAUNCH]
-    if hv != 32:
-        configs = [configs[1], configs[3]]
+    """Every one-launch configuration the benchmark times, and the default rule (PDL on the H200), at
+    B = 1, 3, 16 (padded row, slots out of order): == the reference over two steps run back to back (the
+    second, launched programmatically, reads the state the first wrote), == the two-launch path up to
+    fp32 rounding."""
+    configs = REAL_ONE_LAUNCH if hv == 32 else [REAL_ONE_LAUNCH[0], REAL_ONE_LAUNCH[-1]]
     for B in (1, 3, 16):
         kw, (conv0, ssm0), tokens = _real_layer(hv, 2 * B + 1, seed=B)
         idx = torch.randperm(2 * B + 1, generator=gen(B))[:B].to("cuda", torch.int32)
@@ -338,6 +366,38 @@ def test_one_launch_decode_real_shape(hv):
             assert_close(out, two[0], 8e-3, f"B={B} {name} vs two launches")
             assert_close(ssm, two[2], 1e-5, f"B={B} {name} state vs two launches")
         assert not tr._group_counters(torch.device("cuda", torch.cuda.current_device()), B * 16).any()
+
+
+@pytest.mark.gpu
+def test_one_launch_decode_pdl_chain_in_graph():
+    """Four programmatically launched decodes back to back in one CUDA graph, each reading the state and
+    window the one before wrote (same slots), with other kernels writing their inputs in between or
+    not: == the reference step by step (nothing is read before griddepcontrol.wait)."""
+    B = 1
+    kw, (conv0, ssm0), tokens = _real_layer(32, 3, seed=11)
+    idx = torch.tensor([2], dtype=torch.int32, device="cuda")
+    steps = [tokens(B) for _ in range(4)]
+    cfg = tr.default_decode_config(B, 16, 32, 128, pdl=True)
+    assert cfg.pdl and cfg.one_launch
+    conv_r, ssm_r = conv0.clone(), ssm0.clone()
+    want = [ref.gdn_decode(*t, conv_state=conv_r, ssm_state=ssm_r, state_indices=idx, **kw) for t in steps]
+    conv_g, ssm_g = conv0.clone(), ssm0.clone()
+    inputs = [tuple(x.clone() for x in t) for t in steps]
+    tr.gdn_decode(*inputs[0], conv_state=conv_g.clone(), ssm_state=ssm_g.clone(), state_indices=idx, config=cfg,
+                  **kw)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = []
+        for i, t in enumerate(inputs):
+            if i % 2:  # a kernel writing this call's inputs right before it
+                t[0].copy_(steps[i][0])
+            outs.append(tr.gdn_decode(*t, conv_state=conv_g, ssm_state=ssm_g, state_indices=idx, config=cfg, **kw))
+    graph.replay()
+    torch.cuda.synchronize()
+    for i in range(4):
+        assert_close(outs[i], want[i], 2e-2, f"step {i}")
+    assert_close(ssm_g, ssm_r, 1e-4, "state")
+    assert torch.equal(conv_g, conv_r), "conv windows"
 
 
 @pytest.mark.gpu

@@ -14,7 +14,9 @@ The fused decode has two forms, picked on the host from the batch size (default_
   slices of a row. Each program counts itself in on a per-(sequence, key head) counter after its reads
   and writes; the last one to arrive shifts the q/k window and (with V split) normalises the rows, then
   resets the counter to zero. A program's own value channels of the window are read by it alone, so it
-  shifts them itself. With whole-row programs (BV = V) the norm needs no other program.
+  shifts them itself. With whole-row programs (BV = V) the norm needs no other program. On compute
+  capability 9.0+ it is launched as a programmatic dependent (PDL) of the kernel before it: it starts
+  while that one drains and waits for it before its first read.
 - large batches, two launches: (1) the same per-program math writing the un-normalised output; (2) the
   gated RMSNorm and the conv-window update (after every program of (1) has read the old window).
 Verify is three: a token-parallel pre-pass (conv + SiLU, q/k L2 norms, gates of every token, once per
@@ -30,6 +32,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from ..triton_common import (
     check, check_head_dim, check_index, check_last_contiguous, check_pool, check_same_device,
@@ -41,11 +44,19 @@ from .reference import VerifyStash, num_key_heads
 @dataclasses.dataclass(frozen=True)
 class RecurrentConfig:
     """Launch shape of the per-token kernels. bv: state columns per program; num_warps per program;
-    one_launch (gdn_decode only): the gated norm and the window update in the token kernel."""
+    one_launch (gdn_decode only): the gated norm and the window update in the token kernel.
+    One-launch only: pdl (compute capability 9.0+) launches it as a programmatic dependent of the
+    previous kernel (it starts while that one drains and waits for it with griddepcontrol.wait before
+    reading anything); prefetch (with pdl) asks L2 for the slot's state and window lines before that
+    wait; state_after_release stores the new state after the program's arrival on its group counter
+    instead of before (so the release's fence does not wait for the state stores)."""
 
     bv: int = 32
     num_warps: int = 4
     one_launch: bool = False
+    pdl: bool = False
+    prefetch: bool = True
+    state_after_release: bool = False
 
 
 def default_recurrent_config(num_programs_bv32: int, v: int) -> RecurrentConfig:
@@ -65,17 +76,23 @@ def default_tokens_config(num_programs_bv32: int, v: int) -> RecurrentConfig:
     return RecurrentConfig(bv=min(8, v), num_warps=1)
 
 
-def default_decode_config(n: int, hk: int, hv: int, v: int) -> RecurrentConfig:
-    """gdn_decode for n sequences (host-side rule from shapes only, so graph capture sees one path).
-    Measured on the H200 (benchmarks/gdn_decode_latency.py, docs/PERFORMANCE.md): one launch up to
-    ONE_LAUNCH_MAX_ROWS sequences (at 64 the paths tie, at 256 two launches win by 5 %); one-warp
-    16-column slices up to 256 (sequence, value head) rows while a key head has at most 16 programs
-    (counted in one by one on its counter: 24 were slower), two-warp 32-column slices otherwise."""
+def default_decode_config(n: int, hk: int, hv: int, v: int, pdl: bool = False) -> RecurrentConfig:
+    """gdn_decode for n sequences (host-side rule from shapes and the device's PDL support only, so
+    graph capture sees one path). Measured on the H200 (benchmarks/gdn_decode_latency.py,
+    docs/PERFORMANCE.md): one launch up to ONE_LAUNCH_MAX_ROWS sequences (at 64 the paths tie, at 256
+    two launches win by 5 %); one-warp 16-column slices up to 256 (sequence, value head) rows while a
+    key head has at most 16 programs (counted in one by one on its counter: 24 were slower), two-warp
+    32-column slices otherwise; programmatic launch with the state prefetch where the device has it."""
     if n <= ONE_LAUNCH_MAX_ROWS:
         narrow = n * hv <= 256 and (hv // hk) * (v // 16) <= 16
         bv, warps = (16, 1) if narrow else (32, 2)
-        return RecurrentConfig(bv=min(bv, v), num_warps=warps, one_launch=True)
+        return RecurrentConfig(bv=min(bv, v), num_warps=warps, one_launch=True, pdl=pdl)
     return default_tokens_config(n * hv * max(v // 32, 1), v)
+
+
+def has_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol): CUDA devices of compute capability 9.0 and newer."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 # gdn_decode batches up to this size take the one-launch path.
@@ -113,6 +130,32 @@ def _conv_token(x, s_x_t, win, D, conv_w, ch, t, bos, live, C: tl.constexpr, W: 
         wv = tl.load(win + (W - 1 + p - bos) * D + ch, mask=in_w, other=0.0).to(tl.float32)
         acc += (xv + wv) * tl.load(conv_w + ch * W + i).to(tl.float32)
     return silu(acc).to(x.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _conv_inputs(xrow, win, D, conv_w, ch, live, W: tl.constexpr):
+    """Loads of the one-token conv of channels ch ([C]): a tuple of W inputs (window rows oldest first,
+    then x_t; zeros where not live) and a tuple of the W taps. Split from the math (_conv_of) so that a
+    kernel can issue every load of a phase before it waits on one."""
+    cm = ch >= 0
+    inputs = ()
+    taps = ()
+    for i in tl.static_range(W):
+        if i < W - 1:
+            inputs = inputs + (tl.load(win + i * D + ch, mask=cm & live, other=0.0),)
+        else:
+            inputs = inputs + (tl.load(xrow + ch, mask=cm & live, other=0.0),)
+        taps = taps + (tl.load(conv_w + ch * W + i),)
+    return inputs, taps
+
+
+@triton.jit
+def _conv_of(inputs, taps, dtype: tl.constexpr, W: tl.constexpr):
+    """SiLU(conv) from _conv_inputs in _conv_token's order (bit-identical to it), rounded to dtype."""
+    acc = tl.zeros(inputs[0].shape, dtype=tl.float32)
+    for i in tl.static_range(W):
+        acc += inputs[i].to(tl.float32) * taps[i].to(tl.float32)
+    return silu(acc).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -294,71 +337,119 @@ def _tokens_kernel(x, s_x_t, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, conv_st
 
 
 @triton.jit
+def _prefetch_l2(ptrs, mask):
+    """Ask L2 for the lines under `ptrs` (where mask): no registers, no ordering, never a fault (the
+    addresses are in bounds). One request per line per warp instruction (the coalescer merges lanes)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }", "=r,l,r",
+        [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit(do_not_specialize=["SLOTS"])
 def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, norm_w,
-                         conv_state, ssm, idx, o_tmp, out, counters, scale, eps, HK, HV, D,
+                         conv_state, ssm, idx, o_tmp, out, counters, scale, eps, HK, HV, D, SLOTS,
                          R: tl.constexpr, RP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                         BV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, SIGMOID: tl.constexpr):
+                         BV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+                         SIGMOID: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                         STATE_AFTER_RELEASE: tl.constexpr):
     """Fused decode in one launch (small batches): _tokens_kernel's math, then the gated norm and the
-    window update, coordinated per (sequence, key head) by a counter (module docstring)."""
+    window update, coordinated per (sequence, key head) by a counter (module docstring).
+
+    At batch 1 the time is latency, so the chain of dependent memory round trips is kept short: the
+    slot index, then the state (issued first: a CTA barrier after its loads keeps the compiler from
+    sinking them behind conv math that waits on the window loads, as it did), then the window, inputs
+    and weights in one batch; the value-channel window rows this program writes back are loaded in that
+    batch too, not again after the math. With PDL the kernel starts while the previous one drains and
+    reads nothing before griddepcontrol.wait (the kernel before it may write the pools, the slot list,
+    the inputs); it may only ask L2 for the lines of the slot it finds before the wait (a hint: a stale
+    slot costs bandwidth, never a wrong value)."""
     j = tl.program_id(0)
     nh = tl.program_id(1)
     n = nh // HV
     hv = nh % HV
     hk = hv // R
-    slot = tl.load(idx + n).to(tl.int64)
-    live = slot >= 0
     ok = tl.arange(0, K)
     ov = j * BV + tl.arange(0, BV)
+    if PDL:
+        if PREFETCH:
+            guess = tl.load(idx + n, cache_modifier=".cg").to(tl.int64)  # L2 only: no stale L1 line later
+            gslot = tl.minimum(tl.maximum(guess, 0), SLOTS - 1)  # in bounds whatever the guess holds
+            pm = guess >= 0
+            for c in tl.static_range(0, BV, 8):  # one pointer per 32-byte sector of each row of the slice
+                _prefetch_l2(ssm + gslot * (HV * K * V) + hv * (K * V) + ok * V + j * BV + c, (ok >= 0) & pm)
+            gwin = conv_state + gslot * ((W - 1) * D)
+            for r in tl.static_range(W - 1):
+                _prefetch_l2(gwin + r * D + hk * K + ok, (ok >= 0) & pm)
+                _prefetch_l2(gwin + r * D + HK * K + hk * K + ok, (ok >= 0) & pm)
+                _prefetch_l2(gwin + r * D + 2 * HK * K + hv * V + ov, (ov >= 0) & pm)
+        gdc_wait()
+    slot = tl.load(idx + n, cache_modifier=".cg").to(tl.int64)
+    live = slot >= 0
+    sp = ssm + slot * (HV * K * V) + hv * (K * V) + ok[:, None] * V + ov[None, :]
+    smask = (ok[:, None] >= 0) & live
+    S = tl.load(sp, mask=smask, other=0.0, cache_modifier=".cg")
+    # The compiler may hoist math above a barrier but not loads: without this one it issued the state
+    # loads after conv math that waited on the window loads (one more memory round trip).
+    tl.debug_barrier()
     cq = hk * K + ok
     ck = HK * K + hk * K + ok
     cv = 2 * HK * K + hv * V + ov
     win = conv_state + slot * ((W - 1) * D)
-    sp = ssm + slot * (HV * K * V) + hv * (K * V) + ok[:, None] * V + ov[None, :]
-    smask = (ok[:, None] >= 0) & live
-    S = tl.load(sp, mask=smask, other=0.0)
     t = n.to(tl.int64)
     xrow = x + t * s_x_t
-    qh = _l2norm(_conv_token(x, s_x_t, win, D, conv_w, cq, t, n, live, K, W)) * scale
-    kh = _l2norm(_conv_token(x, s_x_t, win, D, conv_w, ck, t, n, live, K, W))
-    vv = _conv_token(x, s_x_t, win, D, conv_w, cv, t, n, live, BV, W)
-    gt = -tl.exp(tl.load(A_log + hv).to(tl.float32)) * softplus(
-        tl.load(a + t * s_a_t + hv).to(tl.float32) + tl.load(dt_bias + hv).to(tl.float32))
-    bt = sigmoid(tl.load(b + t * s_b_t + hv).to(tl.float32))
+    q_in, q_taps = _conv_inputs(xrow, win, D, conv_w, cq, live, W)
+    k_in, k_taps = _conv_inputs(xrow, win, D, conv_w, ck, live, W)
+    v_in, v_taps = _conv_inputs(xrow, win, D, conv_w, cv, live, W)
+    new_v = _shifted_window(win, D, cv, ov >= 0, xrow, live, W, WP)  # written back after the math
+    av = tl.load(a + t * s_a_t + hv).to(tl.float32)
+    bv = tl.load(b + t * s_b_t + hv).to(tl.float32)
+    A = tl.load(A_log + hv).to(tl.float32)
+    dtb = tl.load(dt_bias + hv).to(tl.float32)
+    of = tl.arange(0, V)
+    w = tl.load(norm_w + of).to(tl.float32)  # a weight: likely a DRAM miss, unlike z (just written)
+    # ---- phase 2: the math ----
+    qh = _l2norm(_conv_of(q_in, q_taps, x.dtype.element_ty, W)) * scale
+    kh = _l2norm(_conv_of(k_in, k_taps, x.dtype.element_ty, W))
+    vv = _conv_of(v_in, v_taps, x.dtype.element_ty, W)
+    gt = -tl.exp(A) * softplus(av + dtb)
+    bt = sigmoid(bv)
     S, o, _ = _delta_step(S, kh, qh, vv, gt, bt)
-    tl.store(sp, S, mask=smask)
+    group_of_one: tl.constexpr = R * (V // BV) == 1
+    if group_of_one or not STATE_AFTER_RELEASE:
+        tl.store(sp, S, mask=smask)
     o = tl.where(live, o, 0.0).to(out.dtype.element_ty)  # rounded to the activation dtype, as unfused
     if BV == V:  # whole rows: the norm is local (dead rows: zeros in, zeros out)
-        zt = tl.load(z + t * s_z_t + hv * s_z_h + ov).to(tl.float32)
-        w = tl.load(norm_w + ov).to(tl.float32)
+        zt = tl.load(z + t * s_z_t + hv * s_z_h + of).to(tl.float32)
         y = _gated_rms(o.to(tl.float32)[None, :], zt[None, :], w, eps, V, SIGMOID)
         tl.store(out + (t * HV + hv) * V + ov[None, :], y.to(out.dtype.element_ty))
     else:
         tl.store(o_tmp + (t * HV + hv) * V + ov, o)
         tl.store(out + (t * HV + hv) * V + ov, tl.zeros([BV], dtype=out.dtype.element_ty), mask=(ov >= 0) & (slot < 0))
     # the value channels of this slice are read by this program alone
-    _shift_window(win, D, cv, ov >= 0, xrow, live, W, WP)
+    _store_window(win, D, cv, ov >= 0, new_v, live, W, WP)
     i2 = tl.arange(0, 2 * K)
     cqk = tl.where(i2 < K, hk * K + i2, HK * K + hk * K + i2 - K)  # the key head's q and k channels
-    if R * (V // BV) == 1:  # the only program of its (sequence, key head)
+    if group_of_one:  # the only program of its (sequence, key head)
         _shift_window(win, D, cqk, i2 >= 0, xrow, live, W, WP)
     else:
         if live:
             tl.debug_barrier()  # every thread's o_tmp stores and window reads precede the release below
             cnt = counters + n * HK + hk
             arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if STATE_AFTER_RELEASE:  # the release then waits for the small stores only
+                tl.store(sp, S, mask=smask)
             if arrived == R * (V // BV) - 1:  # the last of the group: the q/k window is free, o_tmp complete
                 tl.store(cnt, 0)
-                new_qk = _shifted_window(win, D, cqk, i2 >= 0, xrow, live, W, WP)  # loads overlap the norm's
+                # all loads of this tail in flight together (L2 hits: o_tmp, z and x were just written)
+                new_qk = _shifted_window(win, D, cqk, i2 >= 0, xrow, live, W, WP)
                 if BV < V:
                     hr = tl.arange(0, RP)
                     heads = hk * R + hr
-                    of = tl.arange(0, V)
                     hm = (hr[:, None] < R) & (of[None, :] >= 0)
                     ot = tl.load(o_tmp + (t * HV + heads[:, None]) * V + of[None, :], mask=hm, other=0.0,
                                  cache_modifier=".cg").to(tl.float32)
                     zt = tl.load(z + t * s_z_t + heads[:, None] * s_z_h + of[None, :], mask=hm,
                                  other=0.0).to(tl.float32)
-                    w = tl.load(norm_w + of).to(tl.float32)
                     y = _gated_rms(ot, zt, w, eps, V, SIGMOID)
                     tl.store(out + (t * HV + heads[:, None]) * V + of[None, :], y.to(out.dtype.element_ty), mask=hm)
                 _store_window(win, D, cqk, i2 >= 0, new_qk, live, W, WP)
@@ -524,16 +615,22 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
         cfg = config or default_tokens_config(N * HV * max(V // 32, 1), V)
         check(not cfg.one_launch, op, "config one_launch applies to gdn_decode only")
     else:
-        cfg = config or default_decode_config(N, HK, HV, V)
+        cfg = config or default_decode_config(N, HK, HV, V, pdl=has_pdl(mixed_qkv.device))
     check(V % cfg.bv == 0, op, f"config bv={cfg.bv} must divide V={V}")
+    check(cfg.one_launch or not (cfg.pdl or cfg.state_after_release), op,
+          "config pdl / state_after_release apply to the one-launch decode only")
+    check(not cfg.pdl or has_pdl(mixed_qkv.device), op,
+          "config pdl needs a CUDA device of compute capability 9.0 or newer")
     o_tmp = torch.empty((T, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     if cfg.one_launch:
         _decode_fused_kernel[(V // cfg.bv, N * HV)](
             mixed_qkv, mixed_qkv.stride(0), z3, z3.stride(0), z3.stride(1), a, a.stride(0), b, b.stride(0),
             conv_weight, A_log, dt_bias, norm_weight, conv_state, ssm_state, state_indices, o_tmp, out,
-            _group_counters(mixed_qkv.device, N * HK), float(scale), float(eps), HK, HV, D, R=HV // HK,
-            RP=next_pow2(HV // HK), K=K, V=V, BV=cfg.bv, W=W, WP=next_pow2(W - 1), SIGMOID=sigmoid_gate,
-            num_warps=cfg.num_warps)
+            _group_counters(mixed_qkv.device, N * HK), float(scale), float(eps), HK, HV, D, ssm_state.shape[0],
+            R=HV // HK, RP=next_pow2(HV // HK), K=K, V=V, BV=cfg.bv, W=W, WP=next_pow2(W - 1),
+            SIGMOID=sigmoid_gate, PDL=cfg.pdl, PREFETCH=cfg.prefetch,
+            STATE_AFTER_RELEASE=cfg.state_after_release, num_warps=cfg.num_warps,
+            **({"launch_pdl": True} if cfg.pdl else {}))
         return out
     dummy = o_tmp  # pointer arguments that the decode variant never touches
     if verify:
