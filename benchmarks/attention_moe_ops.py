@@ -12,6 +12,13 @@ timings against peers run in the same process on the same GPU and inputs.
              TFLOP/s. At T <= 8 (the GEMV path) also the grouped-GEMM path forced, for comparison. Peers: torch._grouped_mm (CUTLASS grouped GEMM) with torch sort/gather/index_add around
              it, and the reference's per-expert torch loop (eager: it syncs, so no graph).
   ceilings   device-to-device copy bandwidth and bf16 matmul rate, measured in the same run.
+  moe decode (--moe-decode, alone): the batch-1..8 decode step's MoE block at the Qwen3.5-35B-A3B shape
+             as the layer runs it (257 stored experts: the shared expert folded in as expert 256; top-8 +
+             its slot; H 2048, I 512, bf16): routing + fused_moe, per call and per kernel, for T = 1, 2, 4, 8:
+             the default against the session-3 kernels (the session-3 routing kernel is kept here as
+             _route_s3_kernel) and variants, and the torch._grouped_mm pipeline as the peer. Each call in a
+             graph has its own weight copy and the L2 is flushed by a 256 MB read before each replay (as in
+             a decode step, every layer reads its own experts). Bytes = distinct experts x 6.29 MB.
 
 Every time is `triton.testing.do_bench` (median, L2 flushed before each replay) around the replay of a
 CUDA graph holding `calls` invocations on distinct inputs, divided by `calls` (the per-expert torch loop
@@ -19,6 +26,7 @@ is timed eagerly). A warm-up phase compiles every kernel variant in parallel wor
 Triton cache) and runs the GPU tests, so the timed phase only replays.
 
 Run (GPU):  PYTHONPATH=. python benchmarks/attention_moe_ops.py --out DIR [--sweep] [--workers 8]
+            PYTHONPATH=. python benchmarks/attention_moe_ops.py --out DIR --moe-decode [--gpu-tests]
 """
 
 from __future__ import annotations
@@ -36,8 +44,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
+from gpu_common import RunLog, ceilings, device_env, graph_of, graph_seconds  # noqa: I001  (benchmarks/ is on sys.path when run)
 
-from gpu_common import RunLog, ceilings, device_env, graph_seconds  # noqa: I001  (benchmarks/ is on sys.path when run)
 from deltaserve.ops.activation import reference as act_ref
 from deltaserve.ops.activation import triton as act_t
 from deltaserve.ops.attention import reference as attn_ref
@@ -390,14 +399,15 @@ def worker(index: int, count: int, sweep: bool, only: str = "") -> None:
 def warm_up(args, log) -> None:
     t0 = time.time()
     base = [sys.executable, os.path.abspath(__file__), "--worker-of", str(args.workers)]
-    procs = [subprocess.Popen(base + ["--worker", str(i), "--only", args.only] + (["--sweep"] if args.sweep else []))
-             for i in range(args.workers)]
+    flags = (["--sweep"] if args.sweep else []) + (["--moe-decode"] if args.moe_decode else [])
+    procs = [subprocess.Popen(base + ["--worker", str(i), "--only", args.only] + flags) for i in range(args.workers)]
     if args.gpu_tests:
+        # decode: the MoE op files whole (their CPU tests too, compiled), else the gpu-marked attention/MoE tests
+        tests = ["tests/ops/test_moe_triton.py", "tests/ops/test_moe_routing.py"] if args.moe_decode else \
+            ["-m", "gpu", "tests/ops/test_attention_triton.py", "tests/ops/test_moe_triton.py"]
         with open(os.path.join(args.out, "gpu_tests.log"), "w") as f:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                 "tests/ops/test_attention_triton.py", "tests/ops/test_moe_triton.py"],
-                stdout=f, stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+                                          stdout=f, stderr=subprocess.STDOUT))
     for p in procs:
         try:
             p.wait(timeout=max(1.0, args.warmup_s - (time.time() - t0)))
@@ -405,6 +415,239 @@ def warm_up(args, log) -> None:
             p.kill()
             log(f"warm-up process {p.pid} killed after {args.warmup_s:.0f} s")
     log(f"warm-up (parallel compile, GPU tests) {time.time() - t0:.0f} s")
+
+
+# ---- MoE decode: T = 1..8 as the layer runs it, per kernel ---------------------------------------
+
+DECODE_T = [1, 2, 4, 8]
+DECODE_CALLS = 4
+E_STORED, SLOTS = E + 1, TOP_K + 1          # the shared expert as expert 256, in every token's 9th slot
+EXPERT_BYTES = 3 * INTER * H * 2
+OP = moe_t.OnePassMoeConfig
+ONE_PASS_SWEEP = {  # label -> config (all with programmatic launch unless said)
+    "one-pass g16 k512 n512 w4 x3 nopdl": OP(16, 16, 512, 512, 4, 3, 3, 32, 2, pdl=False),
+    "one-pass g16 k256 n256 w4 x3": OP(16, 16, 256, 256, 4, 3, 3, 32, 2, pdl=True),
+    "one-pass g8 k512 n512 w4 x5": OP(8, 8, 512, 512, 4, 3, 5, 32, 2, pdl=True),
+    "one-pass g16 rows32 k256 n256 w4 x3": OP(32, 16, 256, 256, 4, 3, 3, 32, 2, pdl=True),
+    "one-pass g16 rows64 k128 n128 w8 x2": OP(64, 16, 128, 128, 8, 3, 2, 32, 2, pdl=True),
+    "one-pass default, combine 64 cols 4 warps": replace(moe_t.ONE_PASS_T1, combine_cols=64, combine_warps=4),
+}
+
+
+@triton.jit(do_not_specialize=["T"])
+def _route_s3_kernel(logits, weights, ids, T, E, s_l, K: tl.constexpr, M: tl.constexpr, KP: tl.constexpr,
+                     EP: tl.constexpr):
+    """The session-3 routing kernel at decode (one token per one-warp program): two reductions per choice
+    (the maximum, then the lowest index holding it), no programmatic launch."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, EP)
+    x = tl.load(logits + row * s_l + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
+    x = tl.exp(x - tl.max(x, 0))
+    avail = x / tl.sum(x, 0)
+    kcol = tl.arange(0, KP)
+    w_sel = tl.zeros([KP], dtype=tl.float32)
+    i_sel = tl.zeros([KP], dtype=tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(avail, 0)
+        idx = tl.min(tl.where(avail == best, cols, EP), 0)
+        w_sel = tl.where(kcol == j, best, w_sel)
+        i_sel = tl.where(kcol == j, idx, i_sel)
+        avail = tl.where(cols == idx, -1.0, avail)
+    w_sel = w_sel / tl.sum(tl.where(kcol < K, w_sel, 0.0), 0)
+    gate = tl.load(logits + row * s_l + E).to(tl.float32)
+    is_shared = (kcol >= K) & (kcol < K + M)
+    w_sel = tl.where(is_shared, 1.0 / (1.0 + tl.exp(-gate)), w_sel)
+    i_sel = tl.where(is_shared, E + kcol - K, i_sel)
+    m = kcol < K + M
+    tl.store(weights + row * (K + M) + kcol, w_sel, mask=m)
+    tl.store(ids + row * (K + M) + kcol, i_sel.to(ids.dtype.element_ty), mask=m)
+
+
+def route_s3(logits):
+    T = logits.shape[0]
+    weights = torch.empty((T, SLOTS), dtype=torch.float32, device=DEV)
+    ids = torch.empty((T, SLOTS), dtype=torch.int64, device=DEV)
+    _route_s3_kernel[(T,)](logits, weights, ids, T, E, logits.stride(0), K=TOP_K, M=1,
+                           KP=triton.next_power_of_2(SLOTS), EP=triton.next_power_of_2(E), num_warps=1)
+    return weights, ids
+
+
+@dataclass
+class DecodeInputs:
+    w13: list          # one weight copy per call
+    w2: list
+    x: list
+    logits: list       # [T, E + 1]: the routed experts' logits and the shared expert's gate
+    routed: list       # (weights, ids) of each call, from the reference routing
+    distinct: float    # mean distinct experts per call (the shared one included)
+
+
+def decode_inputs(T: int, calls: int, copies: int | None = None, seed: int = 0) -> DecodeInputs:
+    g = _gen(seed)
+    w13, w2 = [], []
+    for _ in range(copies or calls):
+        w13.append((torch.randn(E_STORED, 2 * INTER, H, device=DEV, generator=g) * H ** -0.5).to(BF))
+        w2.append((torch.randn(E_STORED, H, INTER, device=DEV, generator=g) * INTER ** -0.5).to(BF))
+    xs = [torch.randn(T, H, device=DEV, generator=g).to(BF) for _ in range(calls)]
+    logits = [torch.randn(T, E_STORED, device=DEV, generator=g).to(BF) for _ in range(calls)]
+    routed = [moe_ref.topk_softmax(lg, TOP_K, True, shared_slices=1) for lg in logits]
+    distinct = sum(int(torch.unique(ids).numel()) for _, ids in routed) / calls
+    return DecodeInputs(w13, w2, xs, logits, routed, distinct)
+
+
+def grouped_mm_decode(x, w13, w2, weights, ids):
+    """grouped_mm_moe over the 257 stored experts and the 9 slots."""
+    T = x.shape[0]
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(E_STORED, dtype=torch.int32, device=DEV).index_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = counts.cumsum(0, dtype=torch.int32)
+    tok = order // SLOTS
+    h = torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs)
+    h = F.silu(h[:, :INTER]) * h[:, INTER:]
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    out = torch.zeros(T, H, dtype=torch.float32, device=DEV)
+    out.index_add_(0, tok, y.float() * weights.flatten()[order, None])
+    return out.to(x.dtype)
+
+
+def session3_config(T: int):
+    return moe_t.GEMV_T1 if T == 1 else moe_t.GemvMoeConfig()
+
+
+def decode_impls(T: int, d: DecodeInputs) -> dict:
+    """label -> fn(i) for call i (its own weight copy); '+' = routing inside the timed call."""
+    def ours(cfg=None, route="new"):
+        def fn(i):
+            if route == "new":
+                w, ids = moe_route.topk_softmax(d.logits[i], TOP_K, True, shared_slices=1)
+            elif route == "s3":
+                w, ids = route_s3(d.logits[i])
+            else:
+                w, ids = d.routed[i]
+            return moe_t.fused_moe(d.x[i], d.w13[i], d.w2[i], w, ids, config=cfg)
+        return fn
+
+    s3 = session3_config(T)
+    impls = {
+        "session 3: route + fused_moe": ours(s3, "s3"),
+        "default: route + fused_moe": ours(None, "new"),
+        "session 3: fused_moe only": ours(s3, None),
+        "default: fused_moe only": ours(None, None),
+        "new route + session-3 fused_moe": ours(s3, "new"),
+        "new route + GEMV, w13 programmatic": ours(replace(s3, pdl_w13=True), "new"),
+        "route only, session 3": lambda i: route_s3(d.logits[i]),
+        "route only, default": lambda i: moe_route.topk_softmax(d.logits[i], TOP_K, True, shared_slices=1),
+        "peer: torch._grouped_mm pipeline (routing excluded)":
+            lambda i: grouped_mm_decode(d.x[i], d.w13[i], d.w2[i], *d.routed[i]),
+    }
+    if T > 1:
+        impls["new route + one-pass default tiles"] = ours(moe_t.ONE_PASS_T1, "new")
+    for label, cfg in ONE_PASS_SWEEP.items():
+        impls[f"new route + {label}"] = ours(cfg, "new")
+    return impls
+
+
+class FlushTimer:
+    """Graph replays with the L2 flushed by a 256 MB read before each one (clean lines, as in a decode
+    step after the previous layer's reads); median per call, and per-kernel durations from torch.profiler."""
+
+    def __init__(self):
+        self.buf = torch.zeros(64 << 20, dtype=torch.float32, device=DEV)
+
+    def flush(self):
+        torch.sum(self.buf)
+
+    def time(self, graph, calls: int, reps: int = 60) -> float:
+        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for a, b in evs:
+            self.flush()
+            a.record()
+            graph.replay()
+            b.record()
+        torch.cuda.synchronize()
+        ts = sorted(a.elapsed_time(b) for a, b in evs)
+        return ts[len(ts) // 2] * 1e-3 / calls
+
+    def kernels(self, graph, calls: int, reps: int = 10) -> dict:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                self.flush()
+                graph.replay()
+            torch.cuda.synchronize()
+        tot: dict = {}
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA and "reduce" not in e.name and "sum" not in e.name.lower():
+                name = e.name.split("(")[0][-40:]
+                tot[name] = tot.get(name, 0.0) + (e.time_range.end - e.time_range.start)
+        return {k: v / (reps * calls) for k, v in tot.items()}
+
+
+def decode_worker(index: int, count: int) -> None:
+    """Compile every decode variant (T = 1 and 2 cover every specialisation) on one weight copy."""
+    n = 0
+    for T in (1, 2):
+        impls = decode_impls(T, decode_inputs(T, 1))
+        for label, fn in impls.items():
+            n += 1
+            if n % count != index:
+                continue
+            try:
+                fn(0)
+                torch.cuda.synchronize()
+            except Exception as exc:  # reported again by the timed phase
+                print(f"[warm {index}] T={T} {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        del impls
+        torch.cuda.empty_cache()
+
+
+def run_moe_decode(args, log, ceil) -> list:
+    timer = FlushTimer()
+    rows = []
+    for T in DECODE_T:
+        d = decode_inputs(T, DECODE_CALLS)
+        want = moe_ref.fused_moe(d.x[0].float(), d.w13[0].float(), d.w2[0].float(), *d.routed[0])
+        moved = d.distinct * EXPERT_BYTES + 2 * T * H * 2
+        for label, fn in decode_impls(T, d).items():
+            if not selected(args.only, f"T={T} {label}"):
+                continue
+            try:
+                got = fn(0)
+                err = None if label.startswith("route only") else rel_err(got, want)
+                graph = graph_of(fn, DECODE_CALLS)
+                sec = timer.time(graph, DECODE_CALLS)
+                kern = timer.kernels(graph, DECODE_CALLS)
+                del graph
+            except Exception as exc:
+                log(f"FAILED T={T} {label}: {type(exc).__name__}: {str(exc)[:300]}")
+                log.file.write(traceback.format_exc())
+                continue
+            row = dict(T=T, impl=label, us=sec * 1e6, rel_err_fp32=err, kernels_us=kern,
+                       distinct_experts=d.distinct)
+            if not label.startswith("route only"):
+                row["TBps"] = moved / sec / 1e12
+                row["frac_copy"] = row["TBps"] / ceil["copy_TBps"]
+            rows.append(row)
+            log(json.dumps(row))
+        del d
+        torch.cuda.empty_cache()
+    return rows
+
+
+def decode_summary(rows, ceil) -> str:
+    lines = ["", f"MoE decode (copy {ceil['copy_TBps']:.2f} TB/s): us per call (graph, L2 read-flushed), "
+             "TB/s (frac copy), per-kernel us per call", "",
+             "| T | impl | us | TB/s (frac copy) | kernels (us) | rel err vs fp32 |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        tb = f"{r['TBps']:.2f} ({r['frac_copy']:.0%})" if "TBps" in r else "-"
+        ks = ", ".join(f"{k.lstrip('_')} {v:.1f}" for k, v in sorted(r["kernels_us"].items(), key=lambda kv: -kv[1]))
+        err = f"{r['rel_err_fp32']:.1e}" if r.get("rel_err_fp32") is not None else "-"
+        lines.append(f"| {r['T']} | {r['impl']} | {r['us']:.1f} | {tb} | {ks} | {err} |")
+    return "\n".join(lines)
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -418,11 +661,15 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip remaining cases after this wall time")
     ap.add_argument("--warmup-s", type=float, default=90.0, help="stop warm-up workers after this wall time")
     ap.add_argument("--only", default="", help="substring filter on 'group name impl' (comma: any of several)")
+    ap.add_argument("--moe-decode", action="store_true", help="only the MoE decode comparison (T = 1..8)")
     ap.add_argument("--worker", default=None)
     ap.add_argument("--worker-of", type=int, default=1)
     args = ap.parse_args()
     if args.worker is not None:
-        worker(int(args.worker), args.worker_of, args.sweep, args.only)
+        if args.moe_decode:
+            decode_worker(int(args.worker), args.worker_of)
+        else:
+            worker(int(args.worker), args.worker_of, args.sweep, args.only)
         return 0
 
     t_start = time.time()
@@ -433,6 +680,13 @@ def main() -> int:
         warm_up(args, log)
     ceil = ceilings()
     log(json.dumps(ceil))
+    if args.moe_decode:
+        rows = run_moe_decode(args, log, ceil)
+        with open(os.path.join(args.out, "moe_decode.json"), "w") as f:
+            json.dump(dict(env=env, ceilings=ceil, results=rows), f, indent=1)
+        log(decode_summary(rows, ceil))
+        log(f"total {time.time() - t_start:.0f} s")
+        return 0
 
     results = []
     for case in all_cases(args.sweep):

@@ -5,6 +5,8 @@ against the grouped path, tiles that do not divide the shapes, tokens sharing ex
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -276,7 +278,8 @@ def test_one_pass_bf16_shared_slot_equals_gemv_path(device):
 
 
 def test_one_pass_bad_configs(device):
-    x, w13, w2 = torch.zeros(1, 64, device=device), torch.zeros(4, 64, 64, device=device), torch.zeros(4, 64, 32, device=device)
+    x, w13 = torch.zeros(1, 64, device=device), torch.zeros(4, 64, 64, device=device)
+    w2 = torch.zeros(4, 64, 32, device=device)
     w, ids = torch.ones(1, 2, device=device), torch.zeros(1, 2, dtype=torch.int64, device=device)
     with pytest.raises(ValueError, match="rows=24 must be a power of two"):
         tri.fused_moe(x, w13, w2, w, ids, config=tri.OnePassMoeConfig(rows=24))
@@ -318,7 +321,7 @@ def test_one_pass_real_shape_gpu(T, device):
     assert_close(got, want, TOL[torch.bfloat16], f"one-pass T={T} vs fp32 reference")
     assert_close(got, tri.fused_moe(x, w13, w2, w, i, config=tri.MoeConfig()), TOL[torch.bfloat16], "vs grouped")
     for variant in (dict(pdl=False), dict(rows=32, warps=4, programs_per_sm=4, combine_cols=32, combine_warps=2)):
-        assert_close(run(x, logits, tri.dataclasses.replace(cfg, **variant)), got, TOL[torch.bfloat16], f"{variant}")
+        assert_close(run(x, logits, dataclasses.replace(cfg, **variant)), got, TOL[torch.bfloat16], f"{variant}")
     assert_close(run(x, logits, tri.GemvMoeConfig(pdl_w13=True)), got, TOL[torch.bfloat16], "gemv pdl_w13")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -227,13 +227,13 @@ class OnePassMoeConfig:
     columns of H per program. `pdl`: programmatic dependent launch of both kernels (compute capability
     >= 9.0)."""
 
-    rows: int = 64
+    rows: int = 16
     granule: int = 16
-    block_k: int = 128
-    block_n: int = 64
-    warps: int = 8
+    block_k: int = 512
+    block_n: int = 512
+    warps: int = 4
     stages: int = 3
-    programs_per_sm: int = 2
+    programs_per_sm: int = 3
     combine_cols: int = 32
     combine_warps: int = 2
     pdl: bool = False
@@ -464,15 +464,17 @@ def _one_pass_kernel(x, w13, w2, ids, part, H, I, NG, NPROG, s_x, s_we, s_wn, s_
         wu = wg + I * s_wn
         off = r[:, None] * s_wn + kk[None, :]
         xp = x + t * s_x
-        acc_g = tl.zeros([LP, BK], dtype=tl.float32)
-        acc_u = tl.zeros([LP, BK], dtype=tl.float32)
+        acc_g = tl.zeros([LP], dtype=tl.float32)
+        acc_u = tl.zeros([LP], dtype=tl.float32)
         for k0 in range(0, H, BK):
             k_ok = kk + k0 < H
             xv = tl.load(xp + (kk + k0), mask=k_ok, other=0.0).to(tl.float32)[None, :]
             m = r_ok[:, None] & k_ok[None, :]
-            acc_g += tl.load(wg + (off + k0), mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32) * xv
-            acc_u += tl.load(wu + (off + k0), mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32) * xv
-        h = silu(tl.sum(acc_g, 1)) * tl.sum(acc_u, 1)
+            gt = tl.load(wg + (off + k0), mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            ut = tl.load(wu + (off + k0), mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            acc_g += tl.sum(gt * xv, 1)
+            acc_u += tl.sum(ut * xv, 1)
+        h = silu(acc_g) * acc_u
         h = tl.where(r_ok, h.to(x.dtype.element_ty).to(tl.float32), 0.0)     # rounded as the reference's
         # the piece's w2 columns: its share of the expert's output, fp32
         wp = w2 + e * s_w2e
@@ -526,7 +528,10 @@ def _fused_moe_one_pass(x, w13, w2, topk_weights, topk_ids, cfg: OnePassMoeConfi
     A = T * top_k
     cpa = triton.cdiv(inter, cfg.granule)            # granules per assignment
     ng = A * cpa
-    nprog = min(ng, cfg.programs_per_sm * _num_sms(x.device))
+    # as many programs as stay resident, with equal granule counts: the fewest granules per program that
+    # fit the grid, then the fewest programs at that count (288 granules on 396 slots: 288 programs of 1)
+    per_prog = triton.cdiv(ng, cfg.programs_per_sm * _num_sms(x.device))
+    nprog = triton.cdiv(ng, per_prog)
     part = _partials(ng, H, x.device)
     pdl = {"launch_pdl": True} if cfg.pdl else {}
     _one_pass_kernel[(nprog,)](
