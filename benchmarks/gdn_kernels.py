@@ -144,25 +144,50 @@ class Case:
 def chunk_label(cfg) -> str:
     if cfg.solve == "tc":
         prep = f"tc w{cfg.warps_tc} wu {cfg.wu_prec}" + (f" r{cfg.maxnreg_tc}" if cfg.maxnreg_tc else "")
+        prep += (f" cols{cfg.wu_cols}" if cfg.wu_cols else "") + (f" diag {cfg.diag_prec}" if cfg.diag_prec != "ieee" else "")
     else:
         prep = (f"subst split w{cfg.warps_prep}+wu w{cfg.warps_wu}" if cfg.split_prep
                 else f"subst fused w{cfg.warps_prep}")
         prep += f" P{'@wu' if cfg.p_in_wu else '@solve'}"
-    return f"bv{cfg.bv}/w{cfg.warps_state}/s{cfg.state_stages()}/{cfg.prec}/prep {prep} merge {cfg.merge_prec}"
+    state = f"{'T ' if cfg.state_t else ''}bv{cfg.bv}/w{cfg.warps_state}/s{cfg.state_stages()}/{cfg.prec}"
+    return f"{state}/prep {prep} merge {cfg.merge_prec}"
 
 
-# Variants timed with --sweep prefill (each is also a configuration of tests/ops/test_gdn_chunk.py's GPU tests).
-PREFILL_SWEEP = [dict(solve="subst", merge_prec="tf32x3"), dict(wu_prec="tf32"), dict(maxnreg_tc=168), dict(bv=64),
-                 dict(prec="bf16"), dict(bv=64, prec="bf16")]
+# --sweep prefill: prep and state kernel variants, each timed alone (the op is the sum of its two launches;
+# session 3: 55.3 + 39.0 = 94.3 vs 93.9 ns/token timed whole). Each is a configuration of the GPU tests.
+PREP_SWEEP = [dict(maxnreg_tc=168), dict(wu_cols=64), dict(wu_cols=64, maxnreg_tc=168),
+              dict(wu_cols=64, maxnreg_tc=168, diag_prec="tf32")]
+STATE_SWEEP = [dict(bv=16, stages_state=1), dict(bv=32, stages_state=1), dict(bv=32, stages_state=3),
+               dict(bv=64, stages_state=2), dict(state_t=True, bv=32, stages_state=3),
+               dict(state_t=True, bv=32, stages_state=2), dict(state_t=True, bv=16, stages_state=2),
+               dict(state_t=True, bv=64, stages_state=2)]
+
+
+def sweep_changes(num_seqs: int) -> list[tuple[str, dict]]:
+    """(kernel, config change) pairs timed alone for a shape: the prep variants once (its time per token
+    does not depend on the batch layout), the state variants that fill the SMs at this layout."""
+    one = num_seqs * HV < 128
+    prep = [("prep", ch) for ch in PREP_SWEEP] if one else []
+    return prep + [("state", ch) for ch in STATE_SWEEP if not (one and ch["bv"] == 64)]
+
+
+def candidate_configs(num_seqs: int) -> list["tc.ChunkConfig"]:
+    """The configurations timed whole beside the default: W / U in 64-column slices under a 168-register
+    cap (3 prep programs per SM instead of 2), with an unpipelined state kernel small enough for 2 per SM,
+    or with the transposed state kernel."""
+    one = num_seqs * HV < 128
+    prep = dict(wu_cols=64, maxnreg_tc=168)
+    return [tc.ChunkConfig(bv=16 if one else 32, stages_state=1, **prep),
+            tc.ChunkConfig(state_t=True, bv=32 if one else 64, stages_state=3 if one else 2, **prep)]
 
 
 def prefill_cases(sweep: bool) -> list[Case]:
-    """Per shape: ours, FLA and our two prep / state parts first (every shape), then the variants (a run
-    cut short by its time budget loses variants, not the main table)."""
-    cases, later = [], []
-    changes = PREFILL_SWEEP if sweep else []
+    """Per shape: ours, FLA, our two launches alone and the candidate configs first, then the variants
+    (32 x 1024's last), so a run cut short by its time budget loses variants, not the main table."""
+    first, later, last, gates = [], [], [], []
     for name, lengths in PREFILL.items():
-        T = sum(lengths)
+        T, N = sum(lengths), len(lengths)
+        base = tc.default_chunk_config(N, HV, DV, torch.bfloat16)
 
         def ours(calls, lengths=lengths, cfg=None):
             d = prefill_inputs(lengths)
@@ -176,10 +201,8 @@ def prefill_cases(sweep: bool) -> list[Case]:
                 d["q"], d["k"], d["v"], d["a"], d["b"], A_log=d["A_log"], dt_bias=d["dt_bias"], scale=SCALE,
                 cu_seqlens=d["cu"], ssm_state=d["pool"], state_indices=d["idx"], has_initial_state=d["has_init"])
 
-        def parts(calls, lengths=lengths, which="prep"):
+        def parts(calls, lengths=lengths, which="prep", cfg=base):
             d = prefill_inputs(lengths)
-            N = len(lengths)
-            cfg = tc.default_chunk_config(N, HV, DV, torch.bfloat16)
             bufs = tc._launch_prep(d["q"], d["k"], d["v"], d["g"], d["beta"], False, None, None, SCALE, d["cu"], N,
                                    True, cfg)
             o = torch.empty_like(d["v"])
@@ -196,18 +219,23 @@ def prefill_cases(sweep: bool) -> list[Case]:
                                    scale=SCALE, initial_state=d["init"], output_final_state=True,
                                    use_qk_l2norm_in_kernel=True, cu_seqlens=d["cu64"])
 
-        cases.append(Case("prefill", name, "ours", 3, ours, tokens=T))
-        cases.append(Case("prefill", name, "fla", 3, fla_chunk, tokens=T))
-        cases.append(Case("prefill", name, "ours: prep kernel", 3, lambda c, f=parts: f(c, which="prep"), tokens=T))
-        cases.append(Case("prefill", name, "ours: state kernel", 3, lambda c, f=parts: f(c, which="state"), tokens=T))
-        base = tc.default_chunk_config(len(lengths), HV, DV, torch.bfloat16)
-        variants = {chunk_label(dataclasses.replace(base, **ch)): dataclasses.replace(base, **ch) for ch in changes}
-        variants.pop(chunk_label(base), None)
-        for label, cfg in variants.items():
-            later.append(Case("prefill", name, label, 3, lambda c, cfg=cfg, f=ours: f(c, cfg=cfg), tokens=T,
-                              sweep=True))
-        later.append(Case("prefill", name, "ours gdn_prefill (gates fused)", 3, ours_gates, tokens=T))
-    return cases + later
+        main = first
+        variants = last if name == "32x1024" else later
+        main.append(Case("prefill", name, "ours", 3, ours, tokens=T))
+        main.append(Case("prefill", name, "fla", 3, fla_chunk, tokens=T))
+        main.append(Case("prefill", name, "ours: prep kernel", 3, lambda c, f=parts: f(c, which="prep"), tokens=T))
+        main.append(Case("prefill", name, "ours: state kernel", 3, lambda c, f=parts: f(c, which="state"), tokens=T))
+        for cand in candidate_configs(N) if sweep else ():
+            main.append(Case("prefill", name, "ours candidate " + chunk_label(cand), 3,
+                             lambda c, cfg=cand, f=ours: f(c, cfg=cfg), tokens=T, sweep=True))
+        for which, ch in sweep_changes(N) if sweep else ():
+            cfg = dataclasses.replace(base, **ch)
+            if chunk_label(cfg) == chunk_label(base):
+                continue
+            variants.append(Case("prefill", name, f"{which} alone: " + chunk_label(cfg), 3,
+                                 lambda c, cfg=cfg, w=which, f=parts: f(c, which=w, cfg=cfg), tokens=T, sweep=True))
+        gates.append(Case("prefill", name, "ours gdn_prefill (gates fused)", 3, ours_gates, tokens=T))
+    return first + later + last + gates
 
 
 def _calls_for(B):

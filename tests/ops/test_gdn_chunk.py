@@ -164,6 +164,42 @@ def test_chunk_prep_layouts_agree(change, device):
     assert_close(p_var, p_base, 2e-5, "state pool")
 
 
+@pytest.mark.parametrize("change", [dict(wu_cols=16), dict(wu_cols=32, diag_prec="tf32")])
+def test_tc_prep_column_slices_and_diag_precision(change, device):
+    """W and U formed in column slices (K / V rows reloaded per slice), and the tf32 diagonal-block
+    doubling, == the reference (K = 32, V = 64: two and four slices)."""
+    d = _batch([65, 1, 70], 2, torch.bfloat16, device, seed=13, dk=32, dv=64)
+    p_ref, p_tri = d["pool"].clone(), d["pool"].clone()
+    o_ref = _run(ref.chunk_gated_delta_rule, d, p_ref)
+    o_tri = _run(tc.chunk_gated_delta_rule, d, p_tri, config=tc.ChunkConfig(**change))
+    assert_close(o_tri, o_ref, TOL[torch.bfloat16], "output")
+    assert_close(p_tri, p_ref, TOL[torch.bfloat16], "state pool")
+
+
+def test_tc_prep_rejects_bad_slices_and_diag_precision(device):
+    d = _batch([10], 1, torch.bfloat16, device, seed=1)
+    with pytest.raises(ValueError, match="wu_cols=24"):
+        _run(tc.chunk_gated_delta_rule, d, d["pool"], config=tc.ChunkConfig(wu_cols=24))
+    with pytest.raises(ValueError, match="diag_prec='bf16'"):
+        _run(tc.chunk_gated_delta_rule, d, d["pool"], config=tc.ChunkConfig(diag_prec="bf16"))
+
+
+@pytest.mark.parametrize("prec,dtype", [("bf16x2", torch.bfloat16), ("bf16", torch.bfloat16), ("ieee", torch.float32)])
+def test_transposed_state_kernel_matches_reference(prec, dtype, device):
+    """The transposed state kernel (S^T carried, register A operands) == the reference, with a padded
+    row, slots out of order, half without initial state, lengths around the chunk size."""
+    d = _batch([65, 1, 130, 64], 2, dtype, device, seed=14, dk=32, dv=64)
+    p_ref, p_tri = d["pool"].clone(), d["pool"].clone()
+    o_ref = _run(ref.chunk_gated_delta_rule, d, p_ref)
+    o_tri = _run(tc.chunk_gated_delta_rule, d, p_tri, config=tc.ChunkConfig(state_t=True, bv=32, prec=prec))
+    assert_close(o_tri, o_ref, TOL[dtype], "output")
+    assert_close(p_tri, p_ref, TOL[dtype], "state pool")
+    assert (o_tri[66:196] == 0).all(), "padded sequence must produce zeros"
+    untouched = torch.ones(p_ref.shape[0], dtype=torch.bool)
+    untouched[d["idx"][d["idx"] >= 0].long().cpu()] = False
+    assert torch.equal(p_tri[untouched.to(device)], d["pool"][untouched.to(device)]), "only live slots may change"
+
+
 def test_state_stages_fit_the_operand_dtype():
     """3 pipeline stages only with bf16 operand tiles of <= 32 columns: fp32 W / P tiles or 64-column
     slices at 3 stages overflow shared memory."""
@@ -231,6 +267,20 @@ GPU_CONFIGS = {
     "bv64-bf16": tc.ChunkConfig(bv=64, prec="bf16"),
     "bf16": tc.ChunkConfig(prec="bf16"),
     "subst-session2": tc.ChunkConfig(solve="subst", merge_prec="tf32x3"),
+    "tc-cols64": tc.ChunkConfig(wu_cols=64),
+    "tc-cols64-r168": tc.ChunkConfig(wu_cols=64, maxnreg_tc=168),
+    "tc-cols64-r168-diag-tf32": tc.ChunkConfig(wu_cols=64, maxnreg_tc=168, diag_prec="tf32"),
+    "bv16-s1": tc.ChunkConfig(bv=16, stages_state=1),
+    "bv32-s1": tc.ChunkConfig(bv=32, stages_state=1),
+    "cand-bv16": tc.ChunkConfig(wu_cols=64, maxnreg_tc=168, bv=16, stages_state=1),
+    "cand-bv32": tc.ChunkConfig(wu_cols=64, maxnreg_tc=168, bv=32, stages_state=1),
+    "cand-bv16-diag-tf32": tc.ChunkConfig(wu_cols=64, maxnreg_tc=168, diag_prec="tf32", bv=16, stages_state=1),
+    "t-bv32": tc.ChunkConfig(state_t=True, bv=32, stages_state=3),
+    "t-bv32-s2": tc.ChunkConfig(state_t=True, bv=32, stages_state=2),
+    "t-bv16-s2": tc.ChunkConfig(state_t=True, bv=16, stages_state=2),
+    "t-bv64": tc.ChunkConfig(state_t=True, bv=64, stages_state=2),
+    "cand-t-bv32": tc.ChunkConfig(wu_cols=64, maxnreg_tc=168, state_t=True, bv=32, stages_state=3),
+    "cand-t-bv64": tc.ChunkConfig(wu_cols=64, maxnreg_tc=168, state_t=True, bv=64, stages_state=2),
 }
 
 
@@ -241,7 +291,8 @@ def test_tc_prep_buffers_match_torch_gpu():
 
     lengths = [1, 63, 64, 65, 300]
     q, k, v, g, beta = _inputs(lengths, HK, HV, seed=12)
-    for name in ("default", "tc-merge-tf32x3", "tc-w8", "tc-wu-tf32", "tc-r168"):
+    for name in ("default", "tc-merge-tf32x3", "tc-w8", "tc-wu-tf32", "tc-r168", "tc-cols64", "tc-cols64-r168",
+                 "tc-cols64-r168-diag-tf32"):
         cfg = GPU_CONFIGS[name] or tc.default_chunk_config(len(lengths), HV, D, torch.bfloat16)
         bufs = tc._launch_prep(q, k, v, g, beta, False, None, None, D ** -0.5, cu_seqlens(lengths, "cuda"),
                                len(lengths), True, cfg)
@@ -282,7 +333,8 @@ def test_chunk_configs_real_shape_gpu(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("names", [",".join(GPU_CONFIGS), "default,tc-wu-tf32"])
+@pytest.mark.parametrize("names", [",".join(GPU_CONFIGS), "default,tc-wu-tf32",
+                                   "default,cand-bv16,cand-bv16-diag-tf32,cand-t-bv32"])
 def test_chunk_configs_8k_not_less_accurate_than_fla_gpu(names):
     """One 8192-token sequence with slow decay against the fp32 token-by-token recurrence: each
     configuration's output and final-state errors must not exceed FLA's on the same inputs."""

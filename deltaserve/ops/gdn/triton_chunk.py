@@ -11,7 +11,7 @@ in two launches (FLA: five + fills):
    series, so nothing grows and cancels): levels 1-8 on the four 16 x 16 diagonal blocks as one batched
    exact-fp32 problem, the 32- and 64-wide joins as tensor-core products (tf32, ChunkConfig.merge_prec).
    W and U take T as two bf16 limbs (~16 mantissa bits) against the exact bf16 rows of K and V
-   (wu_prec "bf16x2"; FLA rounds T, W and U to bf16). The L2 norms are never materialised on q and k:
+   (wu_prec "bf16x2"; FLA rounds T, W and U to bf16), optionally in column slices (wu_cols). The L2 norms are never materialised on q and k:
    the raw rows are exact dot operands and the norms scale the products.
    ChunkConfig.solve = "subst" keeps the earlier prep: a solve kernel (16 x 16 diagonal blocks by
    forward substitution, merges by tensor-core products) storing T, then `_chunk_wu_kernel` (split_prep)
@@ -56,6 +56,7 @@ CHUNK = 64
 PRECISIONS = ("bf16x2", "bf16", "tf32", "ieee")
 MERGE_PRECISIONS = ("tf32x3", "tf32", "ieee")
 SOLVES = ("tc", "subst")
+DIAG_PRECISIONS = ("ieee", "tf32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +73,11 @@ class ChunkConfig:
     ("tf32x3" ~ fp32, or "tf32" as FLA). The 16 x 16 diagonal blocks are always exact fp32 (forward
     substitution, or the batched doubling products in fp32 FMA). wu_prec (tc, bf16 activations): W and U
     as "bf16x2" (T in two bf16 limbs against the exact bf16 K / V rows) or "tf32" (one tf32 rounding of
-    both); maxnreg_tc: register cap of the tc kernel (0: the compiler's choice).
+    both); maxnreg_tc: register cap of the tc kernel (0: the compiler's choice); wu_cols: columns per
+    W / U product of the tc kernel (0: all of K / V in one product; 64 halves its accumulators and shared
+    memory, so a register cap of 168 spills less); diag_prec: precision of the batched 16 x 16
+    diagonal-block doubling of the inverse ("ieee" exact fp32 FMA, or "tf32" tensor cores, as the joins);
+    state_t: the transposed state kernel (`_chunk_state_t_kernel`: S^T and V_new^T as register A operands).
     """
 
     bv: int = 32
@@ -88,6 +93,9 @@ class ChunkConfig:
     warps_tc: int = 4
     wu_prec: str = "bf16x2"
     maxnreg_tc: int = 0
+    wu_cols: int = 0
+    diag_prec: str = "ieee"
+    state_t: bool = False
 
     def state_stages(self) -> int:
         """Pipeline depth of the state kernel; 0 means 3 with bf16 operand tiles and slices of <= 32
@@ -500,7 +508,7 @@ def _chunk_prep_tc_kernel(
     coff, cu, N, Wb, Ub, Pb, Gb, rq_b, rk_b, scale, HK, HV,
     R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
     L2NORM: tl.constexpr, GATES: tl.constexpr, QK_PREC: tl.constexpr, DIAG_PREC: tl.constexpr,
-    MERGE_PREC: tl.constexpr, WU_PREC: tl.constexpr,
+    MERGE_PREC: tl.constexpr, WU_PREC: tl.constexpr, WU_COLS_K: tl.constexpr, WU_COLS_V: tl.constexpr,
 ):
     """The whole prep in one program per (chunk, value head), on whole-chunk tiles: norms, gates, G,
     P, A, the tensor-core UT inverse T (never stored), W = (T diag(beta e^G rk)) K, U = (T diag(beta)) V.
@@ -530,12 +538,22 @@ def _chunk_prep_tc_kernel(
     KK = _gram(kraw, kraw, QK_PREC)
     A = tl.where(rows[:, None] > rows[None, :], KK * ((bt * rk)[:, None] * rk[None, :]) * E, 0.0)
     T = _ut_inverse(A, BT, DIAG_PREC, MERGE_PREC)
-    ok = tl.arange(0, K)
-    W = _dot_raw(T * (bt * tl.exp(G) * rk)[None, :], kraw, WU_PREC)
-    tl.store(Wb + (tok[:, None] * HV + hv) * K + ok[None, :], W.to(Wb.dtype.element_ty), mask=m[:, None])
-    U = _dot_raw(T * bt[None, :], _load_rows(v, tok, m, s_v_t, hv * s_v_h, V), WU_PREC)
-    ov = tl.arange(0, V)
-    tl.store(Ub + (tok[:, None] * HV + hv) * V + ov[None, :], U, mask=m[:, None])
+    # W and U in column slices of WU_COLS (K and V rows reloaded per slice, cache hits): smaller accumulators
+    # and shared-memory operands, and no whole K tile live across the inverse
+    Tw = T * (bt * tl.exp(G) * rk)[None, :]
+    for h in tl.static_range(K // WU_COLS_K):
+        oc = h * WU_COLS_K + tl.arange(0, WU_COLS_K)
+        if WU_COLS_K == K:
+            kc = kraw
+        else:
+            kc = tl.load(k + tok[:, None] * s_k_t + hk * s_k_h + oc[None, :], mask=m[:, None], other=0.0)
+        W = _dot_raw(Tw, kc, WU_PREC)
+        tl.store(Wb + (tok[:, None] * HV + hv) * K + oc[None, :], W.to(Wb.dtype.element_ty), mask=m[:, None])
+    Tu = T * bt[None, :]
+    for h in tl.static_range(V // WU_COLS_V):
+        oc = h * WU_COLS_V + tl.arange(0, WU_COLS_V)
+        vc = tl.load(v + tok[:, None] * s_v_t + hv * s_v_h + oc[None, :], mask=m[:, None], other=0.0)
+        tl.store(Ub + (tok[:, None] * HV + hv) * V + oc[None, :], _dot_raw(Tu, vc, WU_PREC), mask=m[:, None])
 
 
 @triton.jit
@@ -585,6 +603,73 @@ def _chunk_state_kernel(
     tl.store(sp, S, mask=(ok[:, None] >= 0) & live & (L > 0))
 
 
+@triton.jit
+def _mma(a, b, PREC: tl.constexpr):
+    """a @ b with fp32 accumulation; a is fp32 (S^T or V_new^T, in registers), b a loaded W, Q, P or K
+    tile (already in its operand dtype). "bf16x2": a as two bf16 limbs against the bf16 b."""
+    if PREC == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif PREC == "bf16x2":
+        hi = a.to(tl.bfloat16)
+        lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
+        b16 = b.to(tl.bfloat16)
+        return tl.dot(lo, b16, tl.dot(hi, b16))
+    else:
+        return tl.dot(a, b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def _chunk_state_t_kernel(
+    q, k, s_q_t, s_q_h, s_k_t, s_k_h, o,
+    Wb, Ub, Pb, Gb, rq_b, rk_b, ssm, cu, idx, has_init, HK, HV,
+    R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    PREC: tl.constexpr, STAGES: tl.constexpr,
+):
+    """`_chunk_state_kernel` transposed: the program carries S^T [BV, K], so everything that depends on
+    the state (S^T and V_new^T, and their bf16 limbs) is the A operand of its product and stays in
+    registers (one product's accumulator feeds the next without a shared-memory round trip), while the
+    B operands are the loaded W, Q, P and K tiles (transposed views, no extra loads):
+      V_new^T = U^T - S^T W^T;   O^T = (S^T Q^T) diag(e^G rq) + V_new^T P^T;
+      S^T <- e^{G_last} S^T + (V_new^T diag(e^{G_last - G} rk)) K."""
+    OUT_PREC: tl.constexpr = "bf16" if PREC == "bf16x2" else PREC
+    j = tl.program_id(0)
+    nh = tl.program_id(1)
+    n = nh // HV
+    hv = nh % HV
+    hk = hv // R
+    bos = tl.load(cu + n).to(tl.int32)
+    L = tl.load(cu + n + 1).to(tl.int32) - bos
+    slot = tl.load(idx + n).to(tl.int64)
+    live = slot >= 0
+    init = tl.load(has_init + n) != 0
+    ok = tl.arange(0, K)
+    ov = j * BV + tl.arange(0, BV)
+    rows = tl.arange(0, BT)
+    sp = ssm + slot * (HV * K * V) + hv * (K * V) + ok[None, :] * V + ov[:, None]       # S^T: [BV, K]
+    X = tl.load(sp, mask=(ov[:, None] >= 0) & live & init, other=0.0)
+    for c in tl.range(0, tl.cdiv(L, BT), num_stages=STAGES):
+        left = L - c * BT
+        rm = rows < left
+        tok = (bos + c * BT + rows).to(tl.int64)
+        w = tl.load(Wb + (tok[:, None] * HV + hv) * K + ok[None, :], mask=rm[:, None], other=0.0)
+        kk = tl.load(k + tok[:, None] * s_k_t + hk * s_k_h + ok[None, :], mask=rm[:, None], other=0.0)
+        qq = tl.load(q + tok[:, None] * s_q_t + hk * s_q_h + ok[None, :], mask=rm[:, None], other=0.0)
+        pm = tl.load(Pb + (tok[:, None] * HV + hv) * BT + rows[None, :], mask=rm[:, None], other=0.0)
+        uT = tl.load(Ub + (tok[None, :] * HV + hv) * V + ov[:, None], mask=rm[None, :], other=0.0)
+        G = tl.load(Gb + tok * HV + hv, mask=rm, other=0.0)
+        rk = tl.load(rk_b + tok * HK + hk, mask=rm, other=0.0)
+        rq = tl.load(rq_b + tok * HK + hk, mask=rm, other=0.0)
+        g_last = tl.load(Gb + (bos + c * BT + tl.minimum(left, BT) - 1).to(tl.int64) * HV + hv)
+        VnT = uT - _mma(X, tl.trans(w), PREC)
+        # the output products leave the recurrence: one bf16 limb is enough for a bf16 output
+        OT = _mma(X, tl.trans(qq), OUT_PREC) * (rq * tl.exp(G))[None, :] + _mma(VnT, tl.trans(pm), OUT_PREC)
+        tl.store(o + tok[None, :] * (HV * V) + hv * V + ov[:, None],
+                 tl.where(live, OT, 0.0).to(o.dtype.element_ty), mask=rm[None, :])
+        d = tl.where(rm, tl.exp(g_last - G) * rk, 0.0)
+        X = X * tl.exp(g_last) + _mma(VnT * d[None, :], kk, PREC)
+    tl.store(sp, X, mask=(ov[:, None] >= 0) & live & (L > 0))
+
+
 def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, cu_seqlens, ssm_state,
                    state_indices, has_initial_state, use_qk_l2norm_in_kernel, config, op):
     check(q.dim() == 3 and k.shape == q.shape and v.dim() == 3 and v.shape[0] == q.shape[0], op,
@@ -616,6 +701,9 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
           f"config merge_prec={cfg.merge_prec!r} is not one of {MERGE_PRECISIONS}")
     check(cfg.solve in SOLVES, op, f"config solve={cfg.solve!r} is not one of {SOLVES}")
     check(cfg.wu_prec in ("bf16x2", "tf32"), op, f"config wu_prec={cfg.wu_prec!r} is not one of ('bf16x2', 'tf32')")
+    check(cfg.diag_prec in DIAG_PRECISIONS, op, f"config diag_prec={cfg.diag_prec!r} is not one of {DIAG_PRECISIONS}")
+    check(cfg.wu_cols == 0 or (cfg.wu_cols >= 16 and K % cfg.wu_cols == 0 and V % cfg.wu_cols == 0), op,
+          f"config wu_cols={cfg.wu_cols} must be 0 or a divisor >= 16 of K={K} and V={V}")
     o = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)
     if T == 0 or N == 0:
         return o
@@ -655,8 +743,9 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
             dt_bias if gates_in_kernel else dummy, coff, cu_seqlens, N,
             bufs["Wb"], bufs["Ub"], bufs["Pb"], bufs["Gb"], bufs["rq"], bufs["rk"], float(scale), HK, HV,
             R=HV // HK, K=K, V=V, BT=CHUNK, BLOCK_N=block_n, L2NORM=bool(l2norm), GATES=bool(gates_in_kernel),
-            QK_PREC=qk_prec, DIAG_PREC="ieee", MERGE_PREC=merge_prec,
-            WU_PREC=cfg.wu_prec if q.dtype == torch.bfloat16 else wu_prec, num_warps=cfg.warps_tc,
+            QK_PREC=qk_prec, DIAG_PREC="ieee" if exact else cfg.diag_prec, MERGE_PREC=merge_prec,
+            WU_PREC=cfg.wu_prec if q.dtype == torch.bfloat16 else wu_prec,
+            WU_COLS_K=cfg.wu_cols or K, WU_COLS_V=cfg.wu_cols or V, num_warps=cfg.warps_tc,
             **({"maxnreg": cfg.maxnreg_tc} if cfg.maxnreg_tc else {}))
         return bufs
     if cfg.split_prep:
@@ -687,7 +776,8 @@ def _launch_state(q, k, v, o, bufs, cu_seqlens, ssm_state, state_indices, has_in
     HV, V = v.shape[1:]
     N = state_indices.shape[0]
     has_init = has_initial_state if has_initial_state.dtype != torch.bool else has_initial_state.view(torch.uint8)
-    _chunk_state_kernel[(V // cfg.bv, N * HV)](
+    kernel = _chunk_state_t_kernel if cfg.state_t else _chunk_state_kernel
+    kernel[(V // cfg.bv, N * HV)](
         q, k, q.stride(0), q.stride(1), k.stride(0), k.stride(1), o,
         bufs["Wb"], bufs["Ub"], bufs["Pb"], bufs["Gb"], bufs["rq"], bufs["rk"], ssm_state, cu_seqlens,
         state_indices, has_init, HK, HV,
