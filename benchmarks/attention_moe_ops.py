@@ -402,12 +402,16 @@ def warm_up(args, log) -> None:
     flags = (["--sweep"] if args.sweep else []) + (["--moe-decode"] if args.moe_decode else [])
     procs = [subprocess.Popen(base + ["--worker", str(i), "--only", args.only] + flags) for i in range(args.workers)]
     if args.gpu_tests:
-        # decode: the MoE op files whole (their CPU tests too, compiled), else the gpu-marked attention/MoE tests
-        tests = ["tests/ops/test_moe_triton.py", "tests/ops/test_moe_routing.py"] if args.moe_decode else \
-            ["-m", "gpu", "tests/ops/test_attention_triton.py", "tests/ops/test_moe_triton.py"]
-        with open(os.path.join(args.out, "gpu_tests.log"), "w") as f:
-            procs.append(subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
-                                          stdout=f, stderr=subprocess.STDOUT))
+        # decode: the MoE op files whole (their CPU tests too, compiled; two processes), else the gpu-marked
+        # attention / MoE tests
+        moe_files = ["tests/ops/test_moe_triton.py", "tests/ops/test_moe_routing.py"]
+        runs = {"gpu_tests.log": ["-m", "gpu", *moe_files], "cuda_tests.log": ["-m", "not gpu", *moe_files]} \
+            if args.moe_decode else {"gpu_tests.log": ["-m", "gpu", "tests/ops/test_attention_triton.py",
+                                                       "tests/ops/test_moe_triton.py"]}
+        for name, tests in runs.items():
+            with open(os.path.join(args.out, name), "w") as f:
+                procs.append(subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                               "--durations=5", *tests], stdout=f, stderr=subprocess.STDOUT))
     for p in procs:
         try:
             p.wait(timeout=max(1.0, args.warmup_s - (time.time() - t0)))
@@ -605,36 +609,44 @@ def decode_worker(index: int, count: int) -> None:
         torch.cuda.empty_cache()
 
 
-def run_moe_decode(args, log, ceil) -> list:
+def run_moe_decode(args, log, ceil, t_start: float) -> list:
+    """The main rows of every T first (with per-kernel durations), then the one-pass sweep rows (graph time
+    only), so a run cut short by --budget-s keeps the comparisons."""
     timer = FlushTimer()
-    rows = []
+    sweep_labels = {f"new route + {k}" for k in ONE_PASS_SWEEP}
+    inputs, wants, rows = {}, {}, []
     for T in DECODE_T:
-        d = decode_inputs(T, DECODE_CALLS)
-        want = moe_ref.fused_moe(d.x[0].float(), d.w13[0].float(), d.w2[0].float(), *d.routed[0])
-        moved = d.distinct * EXPERT_BYTES + 2 * T * H * 2
-        for label, fn in decode_impls(T, d).items():
-            if not selected(args.only, f"T={T} {label}"):
-                continue
-            try:
-                got = fn(0)
-                err = None if label.startswith("route only") else rel_err(got, want)
-                graph = graph_of(fn, DECODE_CALLS)
-                sec = timer.time(graph, DECODE_CALLS)
-                kern = timer.kernels(graph, DECODE_CALLS)
-                del graph
-            except Exception as exc:
-                log(f"FAILED T={T} {label}: {type(exc).__name__}: {str(exc)[:300]}")
-                log.file.write(traceback.format_exc())
-                continue
-            row = dict(T=T, impl=label, us=sec * 1e6, rel_err_fp32=err, kernels_us=kern,
-                       distinct_experts=d.distinct)
-            if not label.startswith("route only"):
-                row["TBps"] = moved / sec / 1e12
-                row["frac_copy"] = row["TBps"] / ceil["copy_TBps"]
-            rows.append(row)
-            log(json.dumps(row))
-        del d
+        d = inputs[T] = decode_inputs(T, DECODE_CALLS)
+        wants[T] = moe_ref.fused_moe(d.x[0].float(), d.w13[0].float(), d.w2[0].float(), *d.routed[0])
         torch.cuda.empty_cache()
+    for sweep in (False, True):
+        for T in DECODE_T:
+            d = inputs[T]
+            moved = d.distinct * EXPERT_BYTES + 2 * T * H * 2
+            for label, fn in decode_impls(T, d).items():
+                if (label in sweep_labels) != sweep or not selected(args.only, f"T={T} {label}"):
+                    continue
+                if time.time() - t_start > args.budget_s:
+                    log(f"SKIPPED (budget): T={T} {label}")
+                    continue
+                try:
+                    got = fn(0)
+                    err = None if label.startswith("route only") else rel_err(got, wants[T])
+                    graph = graph_of(fn, DECODE_CALLS)
+                    sec = timer.time(graph, DECODE_CALLS)
+                    kern = timer.kernels(graph, DECODE_CALLS) if not sweep else {}
+                    del graph
+                except Exception as exc:
+                    log(f"FAILED T={T} {label}: {type(exc).__name__}: {str(exc)[:300]}")
+                    log.file.write(traceback.format_exc())
+                    continue
+                row = dict(T=T, impl=label, us=sec * 1e6, rel_err_fp32=err, kernels_us=kern,
+                           distinct_experts=d.distinct, sweep=sweep)
+                if not label.startswith("route only"):
+                    row["TBps"] = moved / sec / 1e12
+                    row["frac_copy"] = row["TBps"] / ceil["copy_TBps"]
+                rows.append(row)
+                log(json.dumps(row))
     return rows
 
 
@@ -681,7 +693,7 @@ def main() -> int:
     ceil = ceilings()
     log(json.dumps(ceil))
     if args.moe_decode:
-        rows = run_moe_decode(args, log, ceil)
+        rows = run_moe_decode(args, log, ceil, t_start)
         with open(os.path.join(args.out, "moe_decode.json"), "w") as f:
             json.dump(dict(env=env, ceilings=ceil, results=rows), f, indent=1)
         log(decode_summary(rows, ceil))
