@@ -175,7 +175,8 @@ def main() -> int:
 
     failed = [r["label"] for r in results if not r["ok"]]
     spilling = [f"{r['label']} ({r['spills']})" for r in results if r["ok"] and r["spills"]]
-    print(f"\n{len(results)} kernels compiled; failed: {failed or 'none'}; spilling (spill stores): {spilling or 'none'}")
+    print(f"\n{len(results)} kernels compiled; failed: {failed or 'none'}; "
+          f"spilling (spill stores): {spilling or 'none'}")
     return 1 if failed else 0
 
 

@@ -144,7 +144,8 @@ class Case:
 def chunk_label(cfg) -> str:
     if cfg.solve == "tc":
         prep = f"tc w{cfg.warps_tc} wu {cfg.wu_prec}" + (f" r{cfg.maxnreg_tc}" if cfg.maxnreg_tc else "")
-        prep += (f" cols{cfg.wu_cols}" if cfg.wu_cols else "") + (f" diag {cfg.diag_prec}" if cfg.diag_prec != "ieee" else "")
+        prep += f" cols{cfg.wu_cols}" if cfg.wu_cols else ""
+        prep += f" diag {cfg.diag_prec}" if cfg.diag_prec != "ieee" else ""
     else:
         prep = (f"subst split w{cfg.warps_prep}+wu w{cfg.warps_wu}" if cfg.split_prep
                 else f"subst fused w{cfg.warps_prep}")

@@ -11,7 +11,8 @@ in two launches (FLA: five + fills):
    series, so nothing grows and cancels): levels 1-8 on the four 16 x 16 diagonal blocks as one batched
    exact-fp32 problem, the 32- and 64-wide joins as tensor-core products (tf32, ChunkConfig.merge_prec).
    W and U take T as two bf16 limbs (~16 mantissa bits) against the exact bf16 rows of K and V
-   (wu_prec "bf16x2"; FLA rounds T, W and U to bf16), optionally in column slices (wu_cols). The L2 norms are never materialised on q and k:
+   (wu_prec "bf16x2"; FLA rounds T, W and U to bf16), optionally in column slices (wu_cols). The L2
+   norms are never materialised on q and k:
    the raw rows are exact dot operands and the norms scale the products.
    ChunkConfig.solve = "subst" keeps the earlier prep: a solve kernel (16 x 16 diagonal blocks by
    forward substitution, merges by tensor-core products) storing T, then `_chunk_wu_kernel` (split_prep)
@@ -20,7 +21,8 @@ in two launches (FLA: five + fills):
    in order with the fp32 state slice S in registers. Two dependent products per chunk:
      V_new = U - W S;   S <- exp(G_last) S + K^T (exp(G_last - G) * rk * V_new)
    and, off that chain, O = exp(G) * rq * scale * (Q S) + P V_new. The initial state is read from the
-   pool slot (or zero) and the final state written back in place.
+   pool slot (or zero) and the final state written back in place. ChunkConfig.state_t runs the same
+   recurrence on S^T (`_chunk_state_t_kernel`): the state-dependent operands become register A operands.
 
 Operand precision of kernel 2 (ChunkConfig.prec), always with fp32 accumulation and an fp32 state:
 "bf16x2" (default for bf16 activations) splits the fp32 operands of the state chain (S in W S, V_new in
