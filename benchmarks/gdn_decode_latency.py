@@ -56,11 +56,10 @@ ONE_LAUNCH_VARIANTS = {
         "bv8/w1": dataclasses.replace(ONE, bv=8),
         "bv16/w2": dataclasses.replace(ONE, num_warps=2),
         "bv32/w2": dataclasses.replace(ONE, bv=32, num_warps=2)},
-    16: {"no pdl": tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True),
-         "state after release": tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True, pdl=True,
-                                                   state_after_release=True),
-         "bv16/w1": ONE},
-    64: {"one launch bv32/w2": tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True, pdl=True)},
+    16: {"pdl": tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True, pdl=True),
+         "pdl, no prefetch": tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True, pdl=True, prefetch=False),
+         "state after release": tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True, state_after_release=True)},
+    64: {"one launch bv32/w2": tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True)},
 }
 DEV = "cuda"
 

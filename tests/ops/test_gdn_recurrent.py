@@ -171,6 +171,7 @@ def test_decode_pdl_rule_and_checks(device):
     """Programmatic launch only where the device has it (never on the CPU path), only for one launch."""
     assert tr.default_decode_config(1, 16, 32, 128, pdl=True).pdl
     assert not tr.default_decode_config(1, 16, 32, 128).pdl
+    assert not tr.default_decode_config(16, 16, 32, 128, pdl=True).pdl, "only the smallest batches"
     assert not tr.default_decode_config(64, 16, 32, 128, pdl=True).pdl, "two launches never use PDL"
     layer = Layer(device, torch.float32, seed=4)
     mixed, z, a, b = layer.tokens(2)

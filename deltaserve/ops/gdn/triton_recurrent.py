@@ -79,14 +79,16 @@ def default_tokens_config(num_programs_bv32: int, v: int) -> RecurrentConfig:
 def default_decode_config(n: int, hk: int, hv: int, v: int, pdl: bool = False) -> RecurrentConfig:
     """gdn_decode for n sequences (host-side rule from shapes and the device's PDL support only, so
     graph capture sees one path). Measured on the H200 (benchmarks/gdn_decode_latency.py,
-    docs/PERFORMANCE.md): one launch up to ONE_LAUNCH_MAX_ROWS sequences (at 64 the paths tie, at 256
-    two launches win by 5 %); one-warp 16-column slices up to 256 (sequence, value head) rows while a
-    key head has at most 16 programs (counted in one by one on its counter: 24 were slower), two-warp
-    32-column slices otherwise; programmatic launch with the state prefetch where the device has it."""
+    docs/PERFORMANCE.md): one launch up to ONE_LAUNCH_MAX_ROWS sequences (at 64 two launches win:
+    85 vs 99 us); one-warp 16-column slices up to 256 (sequence, value head) rows while a key head has
+    at most 16 programs (counted in one by one on its counter: 24 were slower), two-warp 32-column
+    slices otherwise. Programmatic launch with the L2 prefetch (where `pdl`: the device has it) up to
+    PDL_MAX_ROWS rows: at B = 1 5.67 us against 6.15 without, at B = 16 30.7 against 26.6 (the
+    prefetch doubles the L2 requests of a kernel that is by then bandwidth-bound)."""
     if n <= ONE_LAUNCH_MAX_ROWS:
         narrow = n * hv <= 256 and (hv // hk) * (v // 16) <= 16
         bv, warps = (16, 1) if narrow else (32, 2)
-        return RecurrentConfig(bv=min(bv, v), num_warps=warps, one_launch=True, pdl=pdl)
+        return RecurrentConfig(bv=min(bv, v), num_warps=warps, one_launch=True, pdl=pdl and n * hv <= PDL_MAX_ROWS)
     return default_tokens_config(n * hv * max(v // 32, 1), v)
 
 
@@ -97,6 +99,9 @@ def has_pdl(device: torch.device) -> bool:
 
 # gdn_decode batches up to this size take the one-launch path.
 ONE_LAUNCH_MAX_ROWS = 16
+# ... and up to this many (sequence, value head) rows it is launched programmatically (measured at 32
+# rows, B = 1, and 512, B = 16; nothing in between).
+PDL_MAX_ROWS = 64
 
 
 # ---- shared device pieces -----------------------------------------------------------------------
