@@ -93,10 +93,10 @@ def test_gemv_odd_tiles_shared_experts_and_shared_expert_slot(device):
 
 
 def test_default_gemv_configs():
-    """T = 1 gets the one-pass path where the device has programmatic launch (GEMV_T1_NO_PDL elsewhere),
-    T = 2..8 the shared GEMV tiles, and the choice is valid for fused_moe's checks."""
+    """T = 1 gets its own tiles (programmatic launch only where the device has it), T = 2..8 the shared
+    GEMV tiles, and the choice is valid for fused_moe's checks."""
     E, top_k, H, inter = 257, 9, 2048, 512
-    assert tri.default_moe_config(1, top_k, E, H, inter, pdl=True) == tri.ONE_PASS_T1
+    assert tri.default_moe_config(1, top_k, E, H, inter, pdl=True) == tri.GEMV_T1
     assert tri.default_moe_config(1, top_k, E, H, inter) == tri.GEMV_T1_NO_PDL
     assert not tri.GEMV_T1_NO_PDL.pdl and tri.GEMV_T1.all_experts
     for T in (2, 8):

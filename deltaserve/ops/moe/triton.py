@@ -248,13 +248,13 @@ MoeConfigs = MoeConfig | GemvMoeConfig | OnePassMoeConfig
 
 
 def default_moe_config(T: int, top_k: int, E: int, H: int, inter: int, *, pdl: bool = False) -> MoeConfigs:
-    """Small batches (up to GEMV_MAX_ASSIGNMENTS assignments): at T = 1 the one-pass path where `pdl` says
-    the device has programmatic dependent launch (ONE_PASS_T1), else GEMV_T1_NO_PDL; T >= 2 the GEMV
-    tiles. Larger batches: grouped-GEMM tiles by the mean rows per expert; the small and large grouped
+    """Small batches (up to GEMV_MAX_ASSIGNMENTS assignments): GEMV tiles (T = 1: GEMV_T1 where `pdl` says
+    the device has programmatic dependent launch, else GEMV_T1_NO_PDL). The one-pass path is not a
+    default: it was slower on an H200 (docs/PERFORMANCE.md). Larger batches: grouped-GEMM tiles by the mean rows per expert; the small and large grouped
     choices were measured on an H200 at the Qwen3.5-35B-A3B shape (benchmarks/attention_moe_ops.py
     --sweep), the middle one was not."""
     if T == 1 and top_k <= GEMV_MAX_ASSIGNMENTS:
-        return ONE_PASS_T1 if pdl else GEMV_T1_NO_PDL
+        return GEMV_T1 if pdl else GEMV_T1_NO_PDL
     if T * top_k <= GEMV_MAX_ASSIGNMENTS:
         return GemvMoeConfig()
     rows_per_expert = T * top_k / E
