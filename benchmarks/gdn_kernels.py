@@ -158,8 +158,7 @@ def chunk_label(cfg) -> str:
 # session 3: 55.3 + 39.0 = 94.3 vs 93.9 ns/token timed whole). Each is a configuration of the GPU tests.
 PREP_SWEEP = [dict(maxnreg_tc=168), dict(wu_cols=64), dict(wu_cols=64, maxnreg_tc=168),
               dict(wu_cols=64, maxnreg_tc=168, diag_prec="tf32")]
-STATE_SWEEP = [dict(bv=16, stages_state=1), dict(bv=32, stages_state=1), dict(bv=32, stages_state=3),
-               dict(bv=64, stages_state=2), dict(state_t=True, bv=32, stages_state=3),
+STATE_SWEEP = [dict(bv=32, stages_state=3), dict(bv=64, stages_state=2), dict(state_t=True, bv=32, stages_state=3),
                dict(state_t=True, bv=32, stages_state=2), dict(state_t=True, bv=16, stages_state=2),
                dict(state_t=True, bv=64, stages_state=2)]
 
@@ -173,13 +172,11 @@ def sweep_changes(num_seqs: int) -> list[tuple[str, dict]]:
 
 
 def candidate_configs(num_seqs: int) -> list["tc.ChunkConfig"]:
-    """The configurations timed whole beside the default: W / U in 64-column slices under a 168-register
-    cap (3 prep programs per SM instead of 2), with an unpipelined state kernel small enough for 2 per SM,
-    or with the transposed state kernel."""
+    """The configuration timed whole beside the default: W / U in 64-column slices under a 168-register
+    cap (3 prep programs per SM instead of 2) and the transposed state kernel."""
     one = num_seqs * HV < 128
-    prep = dict(wu_cols=64, maxnreg_tc=168)
-    return [tc.ChunkConfig(bv=16 if one else 32, stages_state=1, **prep),
-            tc.ChunkConfig(state_t=True, bv=32 if one else 64, stages_state=3 if one else 2, **prep)]
+    return [tc.ChunkConfig(wu_cols=64, maxnreg_tc=168, state_t=True, bv=32 if one else 64,
+                           stages_state=3 if one else 2)]
 
 
 def prefill_cases(sweep: bool) -> list[Case]:
@@ -344,14 +341,17 @@ def verify_cases(sweep: bool = False) -> list[Case]:
     return cases
 
 
-def all_cases(sweep: str, only: str = "") -> list[Case]:
+def all_cases(sweep: str, only: str = "", skip: str = "") -> list[Case]:
     """Every case, or those whose "group impl" contains one of the comma-separated `only` words; config
     variants for the comma-separated groups in `sweep`. Verify before decode: a run cut short by its
-    time budget loses the decode rows, which earlier runs already have."""
+    time budget loses the decode rows, which earlier runs already have. `skip`: comma-separated words whose
+    cases are left out."""
     groups = sweep.split(",")
     cases = prefill_cases("prefill" in groups) + verify_cases("verify" in groups) + decode_cases("decode" in groups)
     words = [w for w in only.split(",") if w]
-    return [c for c in cases if not words or any(w in f"{c.group} {c.name} {c.impl}" for w in words)]
+    drop = [w for w in skip.split(",") if w]
+    return [c for c in cases if (not words or any(w in f"{c.group} {c.name} {c.impl}" for w in words))
+            and not any(w in f"{c.group} {c.name} {c.impl}" for w in drop)]
 
 
 # ---- timing -------------------------------------------------------------------------------------
@@ -363,9 +363,9 @@ def graph_time(fn: Callable, calls: int) -> float:
 
 # ---- warm-up workers ----------------------------------------------------------------------------
 
-def worker(index: int, count: int, sweep: str, with_fla: bool, only: str = "") -> None:
+def worker(index: int, count: int, sweep: str, with_fla: bool, only: str = "", skip: str = "") -> None:
     """Compile the kernels of every count-th case (or let FLA autotune) by calling each once."""
-    cases = all_cases(sweep, only)
+    cases = all_cases(sweep, only, skip)
     for j, case in enumerate(cases):
         is_fla = case.impl.startswith("fla")
         if is_fla != with_fla or (not with_fla and j % count != index):
@@ -383,7 +383,7 @@ def warm_up(args, log) -> None:
     t0 = time.time()
     procs = []
     base = [sys.executable, os.path.abspath(__file__), "--worker-of", str(args.workers)]
-    sweep = ["--sweep", args.sweep, "--only", args.only]
+    sweep = ["--sweep", args.sweep, "--only", args.only, "--skip", args.skip]
     for i in range(args.workers):
         procs.append(subprocess.Popen(base + ["--worker", str(i)] + sweep))
     if not args.no_fla:
@@ -418,7 +418,7 @@ def warm_up(args, log) -> None:
 def timed_child(args, ceil) -> int:
     """Time cases from --first on, appending one JSON line per case; exit 3 at the first failure (a CUDA
     fault poisons the context), after writing the failed index to the progress file."""
-    cases = all_cases(args.sweep, args.only)
+    cases = all_cases(args.sweep, args.only, args.skip)
     with_fla = not args.no_fla
     for j in range(args.first, len(cases)):
         case = cases[j]
@@ -458,13 +458,13 @@ def timed_phase(args, env, ceil, t_start, log) -> list[dict]:
     results_path = os.path.join(args.out, "gdn_bench.jsonl")
     progress = os.path.join(tempfile.gettempdir(), f"gdn_bench_progress_{os.getpid()}.txt")
     open(results_path, "w").close()
-    n_cases = len(all_cases(args.sweep, args.only))
+    n_cases = len(all_cases(args.sweep, args.only, args.skip))
     first = 0
     deadline = t_start + args.budget_s
     while first < n_cases:
         cmd = [sys.executable, os.path.abspath(__file__), "--timed-child", "--first", str(first), "--results",
                results_path, "--progress", progress, "--deadline", str(deadline), "--ceil", json.dumps(ceil)]
-        cmd += ["--sweep", args.sweep, "--only", args.only]
+        cmd += ["--sweep", args.sweep, "--only", args.only, "--skip", args.skip]
         cmd += ["--no-fla"] if (args.no_fla or env["fla"] is None) else []
         with open(progress, "w") as f:
             f.write(str(first))
@@ -506,6 +506,7 @@ def main() -> int:
                     help="comma-separated test files for --gpu-tests (one process per test)")
     ap.add_argument("--budget-s", type=float, default=400.0, help="skip remaining cases after this wall time")
     ap.add_argument("--only", default="", help="comma-separated words; keep cases whose 'group name impl' has one")
+    ap.add_argument("--skip", default="", help="comma-separated words; drop cases whose 'group name impl' has one")
     ap.add_argument("--worker", default=None)
     ap.add_argument("--worker-of", type=int, default=1)
     ap.add_argument("--timed-child", action="store_true")
@@ -519,9 +520,9 @@ def main() -> int:
         return timed_child(args, json.loads(args.ceil))
     if args.worker is not None:
         if args.worker == "fla":
-            worker(0, 1, args.sweep, with_fla=True, only=args.only)
+            worker(0, 1, args.sweep, with_fla=True, only=args.only, skip=args.skip)
         else:
-            worker(int(args.worker), args.worker_of, args.sweep, with_fla=False, only=args.only)
+            worker(int(args.worker), args.worker_of, args.sweep, with_fla=False, only=args.only, skip=args.skip)
         return 0
 
     t_start = time.time()

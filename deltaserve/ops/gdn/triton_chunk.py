@@ -102,7 +102,8 @@ class ChunkConfig:
     def state_stages(self) -> int:
         """Pipeline depth of the state kernel; 0 means 3 with bf16 operand tiles and slices of <= 32
         columns, else 2 (3 stages of fp32 W / P tiles, or of 64-column slices, exceed the H200's 227 KiB of
-        shared memory)."""
+        shared memory). One stage (no pipelining) is refused for the untransposed kernel: on the H200 it
+        computed wrong values (32 columns) or faulted (16 columns), session-4 run 1."""
         return self.stages_state or (3 if self.prec.startswith("bf16") and self.bv <= 32 else 2)
 
 
@@ -703,6 +704,9 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
           f"config merge_prec={cfg.merge_prec!r} is not one of {MERGE_PRECISIONS}")
     check(cfg.solve in SOLVES, op, f"config solve={cfg.solve!r} is not one of {SOLVES}")
     check(cfg.wu_prec in ("bf16x2", "tf32"), op, f"config wu_prec={cfg.wu_prec!r} is not one of ('bf16x2', 'tf32')")
+    check(cfg.state_t or cfg.state_stages() >= 2, op,
+          f"config stages_state={cfg.stages_state}: the untransposed state kernel needs >= 2 stages "
+          "(one stage computed wrong values on the H200); use state_t=True for one stage")
     check(cfg.diag_prec in DIAG_PRECISIONS, op, f"config diag_prec={cfg.diag_prec!r} is not one of {DIAG_PRECISIONS}")
     check(cfg.wu_cols == 0 or (cfg.wu_cols >= 16 and K % cfg.wu_cols == 0 and V % cfg.wu_cols == 0), op,
           f"config wu_cols={cfg.wu_cols} must be 0 or a divisor >= 16 of K={K} and V={V}")
