@@ -14,9 +14,9 @@ The fused decode has two forms, picked on the host from the batch size (default_
   slices of a row. Each program counts itself in on a per-(sequence, key head) counter after its reads
   and writes; the last one to arrive shifts the q/k window and (with V split) normalises the rows, then
   resets the counter to zero. A program's own value channels of the window are read by it alone, so it
-  shifts them itself. With whole-row programs (BV = V) the norm needs no other program. On compute
-  capability 9.0+ it is launched as a programmatic dependent (PDL) of the kernel before it: it starts
-  while that one drains and waits for it before its first read.
+  shifts them itself. With whole-row programs (BV = V) the norm needs no other program. For the
+  smallest batches on compute capability 9.0+ it is launched as a programmatic dependent (PDL) of the
+  kernel before it: it starts while that one drains and waits for it before its first read.
 - large batches, two launches: (1) the same per-program math writing the un-normalised output; (2) the
   gated RMSNorm and the conv-window update (after every program of (1) has read the old window).
 Verify is three: a token-parallel pre-pass (conv + SiLU, q/k L2 norms, gates of every token, once per
