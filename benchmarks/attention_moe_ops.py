@@ -399,7 +399,8 @@ def worker(index: int, count: int, sweep: bool, only: str = "") -> None:
 def warm_up(args, log) -> None:
     t0 = time.time()
     base = [sys.executable, os.path.abspath(__file__), "--worker-of", str(args.workers)]
-    flags = (["--sweep"] if args.sweep else []) + (["--moe-decode"] if args.moe_decode else [])
+    flags = (["--sweep"] if args.sweep else []) + (["--moe-decode", "--decode-t", args.decode_t]
+                                                   if args.moe_decode else [])
     procs = [subprocess.Popen(base + ["--worker", str(i), "--only", args.only] + flags) for i in range(args.workers)]
     if args.gpu_tests:
         # decode: the MoE op files whole (their CPU tests too, compiled; two processes), else the gpu-marked
@@ -411,7 +412,8 @@ def warm_up(args, log) -> None:
         for name, tests in runs.items():
             with open(os.path.join(args.out, name), "w") as f:
                 procs.append(subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                               "--durations=5", *tests], stdout=f, stderr=subprocess.STDOUT))
+                                               "--durations=5", *(["-k", args.test_k] if args.test_k else []),
+                                               *tests], stdout=f, stderr=subprocess.STDOUT))
     for p in procs:
         try:
             p.wait(timeout=max(1.0, args.warmup_s - (time.time() - t0)))
@@ -429,12 +431,10 @@ E_STORED, SLOTS = E + 1, TOP_K + 1          # the shared expert as expert 256, i
 EXPERT_BYTES = 3 * INTER * H * 2
 OP = moe_t.OnePassMoeConfig
 ONE_PASS_SWEEP = {  # label -> config (all with programmatic launch unless said)
-    "one-pass g16 k512 n512 w4 x3 nopdl": OP(16, 16, 512, 512, 4, 3, 3, 32, 2, pdl=False),
-    "one-pass g16 k256 n256 w4 x3": OP(16, 16, 256, 256, 4, 3, 3, 32, 2, pdl=True),
-    "one-pass g8 k512 n512 w4 x5": OP(8, 8, 512, 512, 4, 3, 5, 32, 2, pdl=True),
-    "one-pass g16 rows32 k256 n256 w4 x3": OP(32, 16, 256, 256, 4, 3, 3, 32, 2, pdl=True),
-    "one-pass g16 rows64 k128 n128 w8 x2": OP(64, 16, 128, 128, 8, 3, 2, 32, 2, pdl=True),
+    "one-pass default, no pdl": replace(moe_t.ONE_PASS_T1, pdl=False),
+    "one-pass default, combine 16 cols 1 warp": replace(moe_t.ONE_PASS_T1, combine_cols=16, combine_warps=1),
     "one-pass default, combine 64 cols 4 warps": replace(moe_t.ONE_PASS_T1, combine_cols=64, combine_warps=4),
+    "one-pass g16 k128 n256 w4 x4": OP(16, 16, 128, 256, 4, 3, 4, 32, 2, pdl=True),
 }
 
 
@@ -594,7 +594,7 @@ class FlushTimer:
 def decode_worker(index: int, count: int) -> None:
     """Compile every decode variant (T = 1 and 2 cover every specialisation) on one weight copy."""
     n = 0
-    for T in (1, 2):
+    for T in sorted({min(T, 2) for T in DECODE_T}):
         impls = decode_impls(T, decode_inputs(T, 1))
         for label, fn in impls.items():
             n += 1
@@ -674,9 +674,12 @@ def main() -> int:
     ap.add_argument("--warmup-s", type=float, default=90.0, help="stop warm-up workers after this wall time")
     ap.add_argument("--only", default="", help="substring filter on 'group name impl' (comma: any of several)")
     ap.add_argument("--moe-decode", action="store_true", help="only the MoE decode comparison (T = 1..8)")
+    ap.add_argument("--decode-t", default="1,2,4,8", help="--moe-decode: the token counts")
+    ap.add_argument("--test-k", default="", help="--gpu-tests: a pytest -k expression")
     ap.add_argument("--worker", default=None)
     ap.add_argument("--worker-of", type=int, default=1)
     args = ap.parse_args()
+    DECODE_T[:] = [int(t) for t in args.decode_t.split(",")]
     if args.worker is not None:
         if args.moe_decode:
             decode_worker(int(args.worker), args.worker_of)
