@@ -546,8 +546,7 @@ def decode_impls(T: int, d: DecodeInputs) -> dict:
         "peer: torch._grouped_mm pipeline (routing excluded)":
             lambda i: grouped_mm_decode(d.x[i], d.w13[i], d.w2[i], *d.routed[i]),
     }
-    if T > 1:
-        impls["new route + one-pass default tiles"] = ours(moe_t.ONE_PASS_T1, "new")
+    impls["new route + one-pass default tiles"] = ours(moe_t.ONE_PASS_T1, "new")
     for label, cfg in ONE_PASS_SWEEP.items():
         impls[f"new route + {label}"] = ours(cfg, "new")
     return impls

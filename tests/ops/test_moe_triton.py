@@ -297,8 +297,8 @@ def test_one_pass_bad_configs(device):
 def test_one_pass_real_shape_gpu(T, device):
     """The 35B-A3B decode shape (256 experts + the shared one as expert 256, top-8 + its slot, H 2048,
     I 512, bf16): the one-pass path (programmatic launches after the routing kernel, as in the layer)
-    against the fp32 reference and the grouped path, and a CUDA-graph replay of route + fused_moe on new
-    inputs equal to an eager call on them."""
+    against the fp32 reference and the grouped path, the GEMV path with w13 launched programmatically
+    against it, and CUDA-graph replays of route + fused_moe (both) on new inputs equal to eager calls."""
     E, top_k, H, inter = 256, 8, 2048, 512
     g = gen(90 + T)
     w13, w2 = _experts(E + 1, H, inter, g=g, dtype=torch.bfloat16, device=device)
@@ -322,12 +322,16 @@ def test_one_pass_real_shape_gpu(T, device):
     assert_close(got, tri.fused_moe(x, w13, w2, w, i, config=tri.MoeConfig()), TOL[torch.bfloat16], "vs grouped")
     for variant in (dict(pdl=False), dict(rows=32, warps=4, programs_per_sm=4, combine_cols=32, combine_warps=2)):
         assert_close(run(x, logits, dataclasses.replace(cfg, **variant)), got, TOL[torch.bfloat16], f"{variant}")
-    assert_close(run(x, logits, tri.GemvMoeConfig(pdl_w13=True)), got, TOL[torch.bfloat16], "gemv pdl_w13")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run(x, logits)
+    gemv = dataclasses.replace(tri.GEMV_T1 if T == 1 else tri.GemvMoeConfig(), pdl_w13=True)
+    assert_close(run(x, logits, gemv), got, TOL[torch.bfloat16], "gemv pdl_w13")
+    graphs, outs = [], []
+    for config in (cfg, gemv):
+        graphs.append(torch.cuda.CUDAGraph())
+        with torch.cuda.graph(graphs[-1]):
+            outs.append(run(x, logits, config))
     x2, logits2 = inputs(2)
     x.copy_(x2), logits.copy_(logits2)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, run(x2, logits2)), "graph replay differs from eager"
+    for config, graph, out in zip((cfg, gemv), graphs, outs):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, run(x2, logits2, config)), f"graph replay differs from eager ({config})"

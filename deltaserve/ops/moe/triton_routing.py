@@ -7,9 +7,11 @@ order as it does, and among equal maxima the lowest index wins (torch.topk's ord
 for exact ties the reference's order is not defined either). One reduction per choice instead of two (the
 maximum, then the lowest index holding it). No host sync, CUDA-graph capturable.
 
-On Hopper (compute capability >= 9.0) the kernel is launched programmatically: it waits for the router
-GEMV before its first load, and lets the next kernel (fused_moe's first, launched programmatically too)
-start at once, so that kernel's launch and set-up overlap the routing.
+On Hopper (compute capability >= 9.0) the kernel lets the next kernel start at once (griddepcontrol
+.launch_dependents): fused_moe's first kernel, where it is launched programmatically, then has its launch
+and set-up done while the routing runs, and waits for the routing's output itself. The routing kernel is
+launched the ordinary way: launched programmatically after a kernel that does not release it early (the
+router GEMV) it measured ~1 us slower per call on an H200.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from ..triton_common import ACTIVATION_DTYPES, check, check_last_contiguous
 
@@ -29,7 +31,6 @@ SMALL_BATCH = 64     # up to this many tokens: one token per program
 def _route_kernel(logits, weights, ids, T, E, s_l, K: tl.constexpr, M: tl.constexpr, KP: tl.constexpr,
                   EP: tl.constexpr, BT: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
     if PDL:
-        gdc_wait()                   # the logits come from the kernel before us
         gdc_launch_dependents()      # the next kernel may start; it waits for our output itself
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.arange(0, EP)
@@ -92,6 +93,5 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
     pdl = router_logits.is_cuda and torch.cuda.get_device_capability(router_logits.device)[0] >= 9
     _route_kernel[(triton.cdiv(T, bt),)](
         router_logits, weights, ids, T, E, router_logits.stride(0), K=top_k, M=shared_slices,
-        KP=triton.next_power_of_2(width), EP=ep, BT=bt, RENORM=bool(renormalize), PDL=pdl, num_warps=warps,
-        **({"launch_pdl": True} if pdl else {}))
+        KP=triton.next_power_of_2(width), EP=ep, BT=bt, RENORM=bool(renormalize), PDL=pdl, num_warps=warps)
     return weights, ids
