@@ -20,10 +20,15 @@ class RMSNorm(nn.Module):
         """Normalise x; with `residual`, normalise x + residual and also return that sum."""
         return self.kernels.rms_norm(x, self.weight, self.eps, zero_centered=self.zero_centered, residual=residual)
 
-    def project(self, x: torch.Tensor, residual: torch.Tensor | None, proj: Linear
+    def project(self, x: torch.Tensor, residual: torch.Tensor | None, proj: nn.Module
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(proj(normed), normed, x + residual) with normed = self(x + residual): the input projection of a
-        pre-norm sublayer in one op (kernels.rms_norm_linear; on the GEMV path the norm is the projection's
-        prologue, no launch of its own). Without `residual` the sum is x."""
-        return self.kernels.rms_norm_linear(x, residual, self.weight, self.eps, proj.weight,
-                                            zero_centered=self.zero_centered)
+        pre-norm sublayer. A dense `Linear` runs it as one op (kernels.rms_norm_linear: at one token the
+        norm is folded into the GEMV, no launch of its own); a projection module of another kind (another
+        weight storage, such as the CPU decode twin's bf16 reads) gets the norm, then its own forward.
+        Without `residual` the sum is x."""
+        if type(proj) is Linear:
+            return self.kernels.rms_norm_linear(x, residual, self.weight, self.eps, proj.weight,
+                                                zero_centered=self.zero_centered)
+        normed, total = (self(x), x) if residual is None else self(x, residual)
+        return proj(normed), normed, total

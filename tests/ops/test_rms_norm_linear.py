@@ -1,7 +1,8 @@
-"""The pre-norm projection (RMSNorm(x + residual) folded into the GEMV's prologue) against its reference
-(rms_norm, then linear): both GEMV kernels with and without split K, with and without a residual, plain
-and zero-centred norm weights, fp32 and bf16, leading dims; the separate-norm path above the crossover;
-bad inputs; real shapes and CUDA-graph replay on the GPU."""
+"""The pre-norm projection (RMSNorm(x + residual) folded into the GEMV kernels) against its reference
+(rms_norm, then linear): both GEMV kernels, with and without a residual, plain and zero-centred norm
+weights, fp32 and bf16, strided rows and leading dims; the two-launch path where the default does not
+fold (M > 1) and above the crossover; bad inputs; the model with the fused op against the unfused; real
+shapes and CUDA-graph replay on the GPU."""
 
 from __future__ import annotations
 
@@ -18,17 +19,13 @@ from deltaserve.ops.norm import triton as norm_tri
 
 from .helpers import assert_close, gen, randn
 
-# y: as the GEMV tests (fp32: summation order; bf16: one rounding of the output, plus the normed input's
-# rounding, which may differ in a rare last bit where the mean square's summation order does).
+# y: as the GEMV tests (fp32: summation order; bf16: one rounding of the output; the folded norm's operand
+# is not rounded to bf16 as the two-launch path's is, a difference within that rounding).
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 C = tri.LinearConfig
-# without split K the statistics are accumulated in the main loop (norm_stats="loop") or computed in a
-# prologue; split launches always use the prologue
-CONFIGS = {"fma": C(block_n=4, block_k=32, warps=2), "fma-prologue": C(block_n=4, block_k=32, norm_stats="prologue"),
-           "fma-split": C(block_n=8, block_k=16, warps=2, split_k=4),
-           "dot": C(block_n=16, block_k=32, warps=4, stages=2, dot=True),
-           "dot-prologue": C(block_n=16, block_k=32, warps=4, stages=2, dot=True, norm_stats="prologue"),
-           "dot-split": C(block_n=16, block_k=16, warps=4, stages=2, dot=True, split_k=3), "default": None}
+# several K steps per program (K = 93): the norm's statistics gathered over the whole main loop
+CONFIGS = {"fma": C(block_n=4, block_k=32, warps=2), "fma-wide": C(block_n=2, block_k=128, warps=4, stages=1),
+           "dot": C(block_n=16, block_k=32, warps=4, stages=2, dot=True), "default": None}
 
 
 def _inputs(M, N, K, dtype, device, seed, residual=True):
@@ -74,7 +71,7 @@ def test_leading_dims_and_strided_rows(device):
     wide = randn(3, K + 24, g=g, device=device)
     x = wide[:, 8:8 + K]
     r, nw, w = randn(3, K, g=g, device=device), randn(K, g=g, device=device), randn(N, K, g=g, device=device)
-    for cfg in (CONFIGS["fma"], CONFIGS["dot"], CONFIGS["dot-prologue"]):
+    for cfg in (CONFIGS["fma"], CONFIGS["dot"]):
         y, h, s = tri.rms_norm_linear(x, r, nw, 1e-6, w, config=cfg)
         y_ref, h_ref, s_ref = ref.rms_norm_linear(x, r, nw, 1e-6, w)
         assert torch.equal(s, s_ref)
@@ -86,16 +83,24 @@ def test_leading_dims_and_strided_rows(device):
     assert_close(y, ref.rms_norm_linear(x3, r3, nw, 1e-6, w)[0], TOL[torch.float32], "leading dims")
 
 
-def test_above_the_crossover_is_the_separate_norm_and_cublas(device):
-    """Where `linear` uses F.linear, the op is the Triton norm kernel then F.linear: bit-identical."""
-    M, N, K = 17, tri.SMALL_N + 3, 24
+@pytest.mark.parametrize("M, N", [(3, 45), (17, tri.SMALL_N + 3)])
+def test_two_launches_where_the_default_does_not_fold(M, N, device):
+    """M > 1 (our GEMV tiles) and above the crossover (F.linear): the norm kernel, then `linear`, exactly."""
+    K = 24
     x, r, nw, w = _inputs(M, N, K, torch.float32, device, seed=4)
-    assert tri.default_linear_config(M, N, K) is None
+    assert tri.default_prenorm_config(M, N, K) is None
     y, h, s = tri.rms_norm_linear(x, r, nw, 1e-6, w)
     h_want, s_want = norm_tri.rms_norm(x, nw, 1e-6, residual=r)
-    assert torch.equal(h, h_want) and torch.equal(s, s_want) and torch.equal(y, F.linear(h_want, w))
+    assert torch.equal(h, h_want) and torch.equal(s, s_want) and torch.equal(y, tri.linear(h_want, w))
     y, h, s = tri.rms_norm_linear(x, None, nw, 1e-6, w)
     assert s is x and torch.equal(h, norm_tri.rms_norm(x, nw, 1e-6))
+
+
+def test_default_folds_at_one_row_only():
+    for K, N in ((2048, 12352), (2048, 9216), (2048, 257), (5120, 16480), (4096, 2048)):
+        assert tri.default_prenorm_config(1, N, K) == tri.default_linear_config(1, N, K) is not None
+        assert tri.default_linear_config(1, N, K).split_k == 1
+        assert all(tri.default_prenorm_config(M, N, K) is None for M in range(2, tri.GEMV_MAX_M + 2))
 
 
 def test_empty_rows(device):
@@ -109,6 +114,7 @@ def test_empty_rows(device):
     (lambda a: {**a, "residual": a["residual"][:, :-1]}, "residual must match x"),
     (lambda a: {**a, "residual": a["residual"].double()}, "residual must match x"),
     (lambda a: {**a, "weight": a["weight"][:, :-1]}, r"x must be \[\.\.\., 7\]"),
+    (lambda a: {**a, "config": C(block_n=4, block_k=4, split_k=2)}, "split_k=2: the folded norm needs"),
 ])
 def test_bad_inputs_raise(change, match, device):
     x, r, nw, w = _inputs(2, 4, 8, torch.float32, device, seed=2)
@@ -145,9 +151,10 @@ def test_real_shapes_equal_the_unfused_kernels_gpu(K, N, device):
         x, r = (torch.randn(2, M, K, device=device, generator=g) * 4).to(torch.bfloat16).unbind(0)
         y_u, h_u, s_u = _unfused(x, r, nw, w)
         cfg = tri.default_linear_config(M, N, K)
-        for stats in ("loop", "prologue") if cfg is not None else ("-",):
-            y, h, s = tri.rms_norm_linear(x, r, nw, 1e-6, w, config=cfg and dataclasses.replace(cfg, norm_stats=stats))
-            what = f"K={K} N={N} M={M} {stats}"
+        folded = cfg and dataclasses.replace(cfg, split_k=1)
+        for tiles in (None, folded) if cfg is not None else (None,):
+            y, h, s = tri.rms_norm_linear(x, r, nw, 1e-6, w, config=tiles)
+            what = f"K={K} N={N} M={M} {tiles}"
             assert torch.equal(s, s_u), what
             assert_close(h, h_u, 8e-3, f"{what} normed")
             assert_close(y, y_u, 1e-2, f"{what} vs unfused")
@@ -197,11 +204,12 @@ def _batch(seqs, device):
         block_tables=t(tables, torch.int32), num_prefills=n_pre, num_prefill_tokens=cu[n_pre])
 
 
-@pytest.mark.parametrize("family, norm_stats", [("qwen3_5_moe", "loop"), ("qwen3_5", "prologue")])
-def test_model_with_the_fused_op_equals_the_unfused(tiny_model, family, norm_stats, device):
-    """A tiny MoE / dense model whose pre-norm projections run the Triton op (GEMV prologue: CUDA-core and
-    tensor-core kernels at these token counts) against the same model with the reference (norm, then
-    projection): a prefill of two prompts, then decode steps of both sequences."""
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_5"])
+def test_model_with_the_fused_op_equals_the_unfused(tiny_model, family, device):
+    """A tiny MoE / dense model whose pre-norm projections run the Triton op against the same model with
+    the reference (norm, then projection): a prefill of two prompts, then decode steps of both sequences
+    and of one. On the CPU (interpreter) the norm is folded in at every token count (CUDA-core kernel up
+    to 4 rows, else tensor-core, wide tiles); on the GPU the op chooses (folded at one row)."""
     from deltaserve.batch import CacheBuffers
     from deltaserve.models.loader import load_model
     from deltaserve.ops import select_kernels
@@ -211,7 +219,7 @@ def test_model_with_the_fused_op_equals_the_unfused(tiny_model, family, norm_sta
     ref_k = select_kernels(device, force_reference=True)
 
     def fused(x, *args, **kw):   # wide tiles: few programs for the interpreter (the default tiles are tested above)
-        cfg = C(block_n=128, block_k=64, dot=x.shape[0] > 4, norm_stats=norm_stats) if device.type == "cpu" else None
+        cfg = C(block_n=128, block_k=64, dot=x.shape[0] > 4) if device.type == "cpu" else None
         return tri.rms_norm_linear(x, *args, config=cfg, **kw)
 
     fused_k = dataclasses.replace(ref_k, rms_norm_linear=fused, backend={**ref_k.backend, "rms_norm_linear": "triton"})
@@ -221,7 +229,61 @@ def test_model_with_the_fused_op_equals_the_unfused(tiny_model, family, norm_sta
         cache = CacheBuffers.allocate(model.config, num_slots=2, num_blocks=8, block_size=16, device=device,
                                       dtype=torch.float32)
         a, b = random_ids(5, seed=1), random_ids(3, seed=2)
-        steps = [[(a, 0, 0), (b, 0, 1)]] + [[([a[i]], 5 + i, 0), ([b[i]], 3 + i, 1)] for i in range(2)]
+        steps = [[(a, 0, 0), (b, 0, 1)]] + [[([a[i]], 5 + i, 0), ([b[i]], 3 + i, 1)] for i in range(2)] + \
+            [[([a[2]], 7, 0)]]
         with torch.inference_mode():
             out.append(torch.cat([model.compute_logits(model(_batch(s, device), cache)) for s in steps]))
     assert_close(out[1], out[0], 1e-5, f"{family}: fused vs unfused logits")
+
+
+def test_project_composes_for_other_projection_modules():
+    """RMSNorm.project: a dense Linear runs the op; another projection module (the CPU decode twin's bf16
+    reads, a quantized layer) gets the norm, then its own forward."""
+    from torch import nn
+
+    from deltaserve.layers.linear import Linear
+    from deltaserve.layers.norm import RMSNorm
+    from deltaserve.ops import select_kernels
+
+    k = select_kernels("cpu")
+    norm = RMSNorm(8, 1e-6, k, dtype=torch.float32, device="cpu")
+    proj = Linear(8, 5, k, dtype=torch.float32, device="cpu")
+    g = gen(6)
+    norm.weight.data.copy_(randn(8, g=g))
+    proj.weight.data.copy_(randn(5, 8, g=g))
+    x, r = randn(3, 8, g=g), randn(3, 8, g=g)
+
+    class Doubled(nn.Module):   # not a Linear: its own forward must run
+        def forward(self, h):
+            return 2 * proj(h)
+
+    y, h, s = norm.project(x, r, proj)
+    y2, h2, s2 = norm.project(x, r, Doubled())
+    assert torch.equal(h, h2) and torch.equal(s, s2) and torch.equal(y2, 2 * y)
+    y3, h3, s3 = norm.project(x, None, Doubled())
+    assert s3 is x and torch.equal(h3, norm(x)) and torch.equal(y3, 2 * proj(norm(x)))
+
+
+def test_cpu_decode_twin_still_reads_through_its_projection_modules(tiny_model):
+    """The compiled CPU decode step's twin swaps every Linear for its own module (bf16 reads of exact
+    weights): the pre-normed projections must still go through those modules (every one is called)."""
+    from deltaserve.batch import CacheBuffers
+    from deltaserve.models.loader import load_model
+    from deltaserve.ops import select_kernels
+    from deltaserve.runner import cpu_compile
+    from tests.conftest import TinySpec
+
+    path = tiny_model(TinySpec(family="qwen3_next", ratio=2, seed=43))
+    model = load_model(path, device="cpu", dtype=torch.float32, kernels=select_kernels("cpu"), show_progress=False)
+    twin = cpu_compile.decode_twin(model)
+    swapped = [m for m in twin.layers.modules() if isinstance(m, cpu_compile.DecodeLinear)]
+    assert swapped
+    called = set()
+    hooks = [m.register_forward_hook(lambda mod, args, out: called.add(id(mod))) for m in swapped]
+    cache = CacheBuffers.allocate(model.config, num_slots=1, num_blocks=4, block_size=16, device="cpu",
+                                  dtype=torch.float32)
+    with torch.inference_mode():
+        twin(_batch([([3], 1, 0)], "cpu"), cache)
+    for h in hooks:
+        h.remove()
+    assert called == {id(m) for m in swapped}

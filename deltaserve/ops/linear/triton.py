@@ -21,6 +21,11 @@ Above 16 rows (32 for N <= SMALL_N) `linear` calls F.linear: the product turns c
 cuBLAS, whose tensor-core GEMMs tie or beat ours there, is the right kernel. The tile rule
 (`default_linear_config`) comes from benchmarks/linear_gemv.py on an H200 (docs/PERFORMANCE.md,
 "Dense GEMV").
+
+`rms_norm_linear` is a pre-norm sublayer's input projection, RMSNorm(x + residual) W^T, with the
+residual add and the norm folded into the same kernels (their NORM variant) where that measured faster
+than a norm launch before the GEMV: at M = 1 (`default_prenorm_config`), i.e. every decoder layer of a
+batch-1 decode step launches no norm.
 """
 
 from __future__ import annotations
@@ -43,8 +48,7 @@ NUM_SMS = 132            # H200; only sizes the split-K rule
 @dataclasses.dataclass(frozen=True)
 class LinearConfig:
     """Launch parameters of one small-M product: `dot` picks the tensor-core kernel, `block_n` weight rows
-    and `block_k` reduction columns per step, `split_k` programs per row block (1: no split); for
-    rms_norm_linear, where the row statistics of the norm are computed (`norm_stats`, see the kernels)."""
+    and `block_k` reduction columns per step, `split_k` programs per row block (1: no split)."""
 
     block_n: int = 8
     block_k: int = 512
@@ -52,7 +56,6 @@ class LinearConfig:
     stages: int = 3
     dot: bool = False
     split_k: int = 1
-    norm_stats: str = "loop"   # rms_norm_linear without split K: "loop" (NORM = 2 of the kernels) or "prologue"
 
 
 def default_linear_config(M: int, N: int, K: int) -> LinearConfig | None:
@@ -109,22 +112,6 @@ def _norm_weight(nw, k_idx, k_ok, ZC: tl.constexpr):
 
 
 @triton.jit
-def _prenorm_rstd(x, r, M, K, s_xm, s_rm, eps, BM: tl.constexpr, PK: tl.constexpr, HAS_RES: tl.constexpr):
-    """rsqrt(mean((x + r)^2) + eps) of rows 0..BM-1 [BM] (fp32), over the whole row."""
-    ms = tl.arange(0, BM)
-    m_ok = ms < M
-    kk = tl.arange(0, PK)
-    ss = tl.zeros([BM], dtype=tl.float32)
-    for k0 in range(0, K, PK):
-        ks = k0 + kk
-        ok = m_ok[:, None] & (ks < K)[None, :]
-        v = _residual_sum(x, r, ms[:, None].to(tl.int64) * s_xm + ks[None, :],
-                          ms[:, None].to(tl.int64) * s_rm + ks[None, :], ok, HAS_RES).to(tl.float32)
-        ss += tl.sum(v * v, 1)
-    return tl.rsqrt(ss / K + eps)
-
-
-@triton.jit
 def _prenorm_store(x, r, nw, h, s, rstd, M, K, s_xm, s_rm, BM: tl.constexpr, PK: tl.constexpr,
                    HAS_RES: tl.constexpr, ZC: tl.constexpr):
     """Write the normed rows h = (x + r) * rstd * w' (rounded once, as the reference's) and the sum s
@@ -150,12 +137,12 @@ def _gemv_fma_kernel(x, w, y, M, N, K, k_per_split, s_xm, s_wn, s_ym, s_ys,
                      NORM: tl.constexpr, HAS_RES: tl.constexpr, ZC: tl.constexpr, PK: tl.constexpr):
     """y[s, m, n] = sum over this program's K range of x[m, k] w[n, k] (fp32); s = program_id(1).
 
-    NORM (rms_norm_linear): x is RMSNorm(x + r) with weight nw; program (0, 0) also writes the normed rows
-    and the sum to h and s. NORM = 1: every program first computes the rows' rstd (a prologue over the
-    whole row) and multiplies the normed rows, rounded to x's dtype, as the two-launch path does.
-    NORM = 2 (one program per row block: no split K): the sum of squares is accumulated in the main loop
-    with the product of the unnormalised (x + r) w', and the output is scaled by rstd at the end (no
-    prologue before the weight stream; the normed operand is not rounded)."""
+    NORM (rms_norm_linear; no split K): x is RMSNorm(x + r) with weight nw. The main loop multiplies the
+    unnormalised (x + r) w' and accumulates the rows' sum of squares alongside, and the output is scaled
+    by rstd at the end: nothing stands between a program's start and its weight stream (a prologue
+    computing rstd first measured 0.6-2 us slower per call on an H200). The normed operand is thus not
+    rounded to x's dtype as the two-launch path's is (a difference within one rounding of y). Program 0
+    then writes the normed rows and the sum to h and s."""
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
     row_ok = rows < N
@@ -167,28 +154,21 @@ def _gemv_fma_kernel(x, w, y, M, N, K, k_per_split, s_xm, s_wn, s_ym, s_ys,
     m_ok = ms < M
     x_off = ms[:, None].to(tl.int64) * s_xm + kk[None, :]
     r_off = ms[:, None].to(tl.int64) * s_rm + kk[None, :]
-    if NORM == 1:
-        rstd = _prenorm_rstd(x, r, M, K, s_xm, s_rm, eps, BM, PK, HAS_RES)
     if BM == 1:
         acc = tl.zeros([BN, BK], dtype=tl.float32)
         ss = tl.zeros([BK], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BK):
             k_ok = kk + k0 < k_hi
             wt = tl.load(wp + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            if NORM == 0:
-                xv = tl.load(x + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
+            if NORM:
+                xv = _residual_sum(x, r, k0 + kk, k0 + kk, k_ok, HAS_RES).to(tl.float32)
+                ss += xv * xv
+                xv = xv * _norm_weight(nw, k0 + kk, k_ok, ZC)
             else:
-                xv = _residual_sum(x, r, k0 + kk, k0 + kk, k_ok, HAS_RES)
-                if NORM == 1:
-                    xv = (xv.to(tl.float32) * tl.sum(rstd, 0) * _norm_weight(nw, k0 + kk, k_ok, ZC)).to(xv.dtype)
-                    xv = xv.to(tl.float32)
-                else:
-                    xv = xv.to(tl.float32)
-                    ss += xv * xv
-                    xv = xv * _norm_weight(nw, k0 + kk, k_ok, ZC)
+                xv = tl.load(x + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
             acc += wt * xv[None, :]
         out = tl.sum(acc, 1)[None, :]
-        if NORM == 2:
+        if NORM:
             rstd = tl.rsqrt(tl.sum(ss, 0)[None] / K + eps)
     else:
         out = tl.zeros([BM, BN], dtype=tl.float32)
@@ -197,23 +177,17 @@ def _gemv_fma_kernel(x, w, y, M, N, K, k_per_split, s_xm, s_wn, s_ym, s_ys,
             k_ok = kk + k0 < k_hi
             wt = tl.load(wp + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             x_ok = m_ok[:, None] & k_ok[None, :]
-            if NORM == 0:
-                xt = tl.load(x + x_off + k0, mask=x_ok, other=0.0).to(tl.float32)
+            if NORM:
+                xt = _residual_sum(x, r, x_off + k0, r_off + k0, x_ok, HAS_RES).to(tl.float32)
+                ss += tl.sum(xt * xt, 1)
+                xt = xt * _norm_weight(nw, k0 + kk, k_ok, ZC)[None, :]
             else:
-                xt = _residual_sum(x, r, x_off + k0, r_off + k0, x_ok, HAS_RES)
-                wv = _norm_weight(nw, k0 + kk, k_ok, ZC)[None, :]
-                if NORM == 1:
-                    xt = (xt.to(tl.float32) * rstd[:, None] * wv).to(xt.dtype).to(tl.float32)
-                else:
-                    xt = xt.to(tl.float32)
-                    ss += tl.sum(xt * xt, 1)
-                    xt = xt * wv
+                xt = tl.load(x + x_off + k0, mask=x_ok, other=0.0).to(tl.float32)
             out += tl.sum(xt[:, None, :] * wt[None, :, :], 2)
-        if NORM == 2:
+        if NORM:
             rstd = tl.rsqrt(ss / K + eps)
-    if NORM == 2:
+    if NORM:
         out = out * rstd[:, None]
-    if NORM != 0:
         if pid_n + pid_s == 0:
             _prenorm_store(x, r, nw, h, s, rstd, M, K, s_xm, s_rm, BM, PK, HAS_RES, ZC)
     yp = y + pid_s.to(tl.int64) * s_ys + ms[:, None].to(tl.int64) * s_ym + rows[None, :]
@@ -226,7 +200,9 @@ def _gemv_dot_kernel(x, w, y, M, N, K, k_per_split, s_xm, s_wn, s_ym, s_ys,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
                      NORM: tl.constexpr, HAS_RES: tl.constexpr, ZC: tl.constexpr, PK: tl.constexpr):
     """As _gemv_fma_kernel, as acc[BN, BM] += W tile [BN, BK] @ x^T tile [BK, BM] on tensor cores (with
-    NORM = 2 the dot's operand is (x + r) w' rounded to x's dtype, scaled by rstd after the loop)."""
+    NORM the dot's operand is (x + r) w' rounded to x's dtype). NORM here measured ~2x slower than the
+    two launches at M = 8 (the x tile, computed in registers, is not pipelined with the weight stream):
+    only an explicit config selects it."""
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
     row_ok = rows < N
@@ -238,33 +214,26 @@ def _gemv_dot_kernel(x, w, y, M, N, K, k_per_split, s_xm, s_wn, s_ym, s_ys,
     wp = w + rows[:, None].to(tl.int64) * s_wn + kk[None, :]
     x_off = ms[None, :].to(tl.int64) * s_xm + kk[:, None]
     r_off = ms[None, :].to(tl.int64) * s_rm + kk[:, None]
-    if NORM == 1:
-        rstd = _prenorm_rstd(x, r, M, K, s_xm, s_rm, eps, BM, PK, HAS_RES)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     ss = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         k_ok = kk + k0 < k_hi
         wt = tl.load(wp + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         x_ok = k_ok[:, None] & m_ok[None, :]
-        if NORM == 0:
-            xt = tl.load(x + x_off + k0, mask=x_ok, other=0.0)
-        else:
+        if NORM:
             xt = _residual_sum(x, r, x_off + k0, r_off + k0, x_ok, HAS_RES)
-            wv = _norm_weight(nw, k0 + kk, k_ok, ZC)[:, None]
-            if NORM == 1:
-                xt = (xt.to(tl.float32) * rstd[None, :] * wv).to(xt.dtype)
-            else:
-                xf = xt.to(tl.float32)
-                ss += tl.sum(xf * xf, 0)
-                xt = (xf * wv).to(xt.dtype)
+            xf = xt.to(tl.float32)
+            ss += tl.sum(xf * xf, 0)
+            xt = (xf * _norm_weight(nw, k0 + kk, k_ok, ZC)[:, None]).to(xt.dtype)
+        else:
+            xt = tl.load(x + x_off + k0, mask=x_ok, other=0.0)
         if IEEE:
             acc = tl.dot(wt, xt, acc, input_precision="ieee")
         else:
             acc = tl.dot(wt, xt, acc)
-    if NORM == 2:
+    if NORM:
         rstd = tl.rsqrt(ss / K + eps)
         acc = acc * rstd[None, :]
-    if NORM != 0:
         if pid_n + pid_s == 0:
             _prenorm_store(x, r, nw, h, s, rstd, M, K, s_xm, s_rm, BM, PK, HAS_RES, ZC)
     yp = y + pid_s.to(tl.int64) * s_ys + ms[None, :].to(tl.int64) * s_ym + rows[:, None]
@@ -289,7 +258,6 @@ def _check_config(cfg: LinearConfig, M: int) -> None:
         check(v >= 1 and v & (v - 1) == 0, op, f"config {name}={v} must be a power of two")
     check(cfg.stages >= 1 and cfg.split_k >= 1, op,
           f"config stages={cfg.stages}, split_k={cfg.split_k} must be >= 1")
-    check(cfg.norm_stats in ("loop", "prologue"), op, f"config norm_stats={cfg.norm_stats!r}: 'loop' or 'prologue'")
     if cfg.dot:
         check(cfg.block_n >= 16 and cfg.block_k >= 16, op,
               f"config dot=True needs block_n, block_k >= 16, got {cfg.block_n}, {cfg.block_k}")
@@ -313,8 +281,8 @@ def _check_operands(op: str, x: torch.Tensor, weight: torch.Tensor) -> None:
 
 def _gemv(x2: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig, prenorm: tuple | None = None) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ weight^T by our kernels with tiles `cfg` (M, N, K >= 1). prenorm =
-    (r2 or None, norm_weight, eps, zero_centered, h, s): x2 is first replaced by RMSNorm(x2 + r2) in
-    each program's prologue, and the normed rows and the sum are written to h and s ([M, K])."""
+    (r2 or None, norm_weight, eps, zero_centered, h, s): the product is of RMSNorm(x2 + r2) (the kernels'
+    NORM), and the normed rows and the sum are written to h and s ([M, K])."""
     (M, K), N = x2.shape, weight.shape[0]
     _check_config(cfg, M)
     y = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
@@ -326,14 +294,15 @@ def _gemv(x2: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig, prenorm: tu
     grid = (triton.cdiv(N, cfg.block_n), split)
     bm = max(16, triton.next_power_of_2(M)) if cfg.dot else triton.next_power_of_2(M)
     if prenorm is None:
-        norm_args, norm_kw = (x2, x2, y, y, 0, 0.0), dict(NORM=0, HAS_RES=False, ZC=False, PK=16)
+        norm_args, norm_kw = (x2, x2, y, y, 0, 0.0), dict(NORM=False, HAS_RES=False, ZC=False, PK=16)
     else:
+        check(split == 1, "rms_norm_linear", f"config split_k={cfg.split_k}: the folded norm needs one program "
+              "per row block over the whole of K")
         r2, nw, eps, zc, h, s = prenorm
         norm_args = (x2 if r2 is None else r2, nw, h, s, 0 if r2 is None else r2.stride(0), float(eps))
-        # the row passes (statistics, stores) take ~2048 fp32 values per program at a time
+        # program 0's store pass over the rows takes ~2048 values at a time
         pk = min(triton.next_power_of_2(K), max(16, 2048 // bm))
-        mode = 2 if split == 1 and cfg.norm_stats == "loop" else 1
-        norm_kw = dict(NORM=mode, HAS_RES=r2 is not None, ZC=bool(zc), PK=pk)
+        norm_kw = dict(NORM=True, HAS_RES=r2 is not None, ZC=bool(zc), PK=pk)
     args = (x2, weight, out, M, N, K, k_per_split, x2.stride(0), weight.stride(0), N, s_ys, *norm_args)
     if cfg.dot:
         _gemv_dot_kernel[grid](*args, BM=bm, BN=cfg.block_n, BK=cfg.block_k, IEEE=x2.dtype == torch.float32,
@@ -368,15 +337,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, config: LinearConfig | None
     return _gemv(x2, weight, cfg).reshape(*lead, N)
 
 
+def default_prenorm_config(M: int, N: int, K: int) -> LinearConfig | None:
+    """Tiles for rms_norm_linear with the norm folded into the GEMV, or None where the norm stays a launch
+    of its own before `linear`. Folded only at M = 1 (the CUDA-core kernel, one program per row block):
+    there it measured 1.4-1.7 us faster per call than the two launches on an H200 at the 35B-A3B shapes.
+    The tensor-core kernel with the norm folded (M >= 2 at large N, and split K) measured ~2x slower
+    than the two launches at M = 8 (docs/PERFORMANCE.md, "Dense GEMV"); M = 2..4 (the CUDA-core kernel at
+    small N) is not measured yet."""
+    return default_linear_config(M, N, K) if M == 1 else None
+
+
 def rms_norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
     *, zero_centered: bool = True, config: LinearConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See reference.rms_norm_linear. On the GEMV path (default_linear_config gives tiles, or an explicit
-    `config`) one launch (two with split K): every program normalises x + residual in its prologue (the
-    row is re-read from L2 by each program; it is the K-wide input of one token), multiplies it by its
-    weight rows, and program 0 also writes the normed rows and the sum. Otherwise (larger M, cuBLAS) the
-    separate norm kernel, then F.linear: the norm launch is negligible next to a compute-bound GEMM."""
+    """See reference.rms_norm_linear. With tiles (default_prenorm_config, or an explicit `config` without
+    split K): one launch, whose programs multiply their weight rows by x + residual and its norm's
+    statistics gathered in the same loop (the row is the K-wide input of a few tokens, re-read from L2
+    by each program); program 0 also writes the normed rows and the sum. Otherwise the norm kernel, then
+    `linear` (our GEMV tiles or cuBLAS), as two launches."""
     op = "rms_norm_linear"
     _check_operands(op, x, weight)
     N, K = weight.shape
@@ -392,13 +371,13 @@ def rms_norm_linear(
     check_same_device(op, *tensors)
     lead = x.shape[:-1]
     M = lead.numel()
-    cfg = config if config is not None else default_linear_config(M, N, K)
+    cfg = config if config is not None else default_prenorm_config(M, N, K)
     if cfg is None or M == 0 or N == 0:
         if residual is None:
             h, s = norm_triton.rms_norm(x, norm_weight, eps, zero_centered=zero_centered), x
         else:
             h, s = norm_triton.rms_norm(x, norm_weight, eps, zero_centered=zero_centered, residual=residual)
-        return F.linear(h, weight), h, s
+        return linear(h, weight), h, s
     x2, r2 = x.reshape(M, K), None if residual is None else residual.reshape(M, K)
     h = torch.empty((M, K), dtype=x.dtype, device=x.device)
     s = None if residual is None else torch.empty((M, K), dtype=x.dtype, device=x.device)
