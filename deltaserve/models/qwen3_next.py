@@ -49,8 +49,8 @@ class DecoderLayer(nn.Module):
                 cos_sin: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (FFN output, residual stream before it); the next layer's norm adds them.
 
-        Each norm runs with its sublayer's input projection as one op (RMSNorm.project): on the decode
-        path the projection's GEMV normalises x + residual in its prologue, so no norm is launched."""
+        Each norm runs with its sublayer's input projection as one op (RMSNorm.project): at one token the
+        projection's GEMV adds the residual and normalises in its own loop, so no norm is launched."""
         if self.layer_type == FULL_ATTENTION:
             projected, _, residual = self.input_layernorm.project(x, residual, self.self_attn.input_proj)
             h = self.self_attn.forward_projected(projected, batch, state[0], cos_sin)
