@@ -517,7 +517,8 @@ def grouped_mm_decode(x, w13, w2, weights, ids):
 
 
 def session3_config(T: int):
-    return moe_t.GEMV_T1 if T == 1 else moe_t.GemvMoeConfig()
+    """The session-3 default: w13 launched the ordinary way."""
+    return replace(moe_t.GEMV_T1, pdl_w13=False) if T == 1 else moe_t.GemvMoeConfig()
 
 
 def decode_impls(T: int, d: DecodeInputs) -> dict:

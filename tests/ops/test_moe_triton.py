@@ -98,9 +98,10 @@ def test_default_gemv_configs():
     E, top_k, H, inter = 257, 9, 2048, 512
     assert tri.default_moe_config(1, top_k, E, H, inter, pdl=True) == tri.GEMV_T1
     assert tri.default_moe_config(1, top_k, E, H, inter) == tri.GEMV_T1_NO_PDL
-    assert not tri.GEMV_T1_NO_PDL.pdl and tri.GEMV_T1.all_experts
+    assert not tri.GEMV_T1_NO_PDL.pdl and not tri.GEMV_T1_NO_PDL.pdl_w13 and tri.GEMV_T1.all_experts
     for T in (2, 8):
-        assert tri.default_moe_config(T, top_k, E, H, inter, pdl=True) == tri.GemvMoeConfig()
+        assert tri.default_moe_config(T, top_k, E, H, inter, pdl=True) == tri.GemvMoeConfig(pdl_w13=True)
+        assert tri.default_moe_config(T, top_k, E, H, inter) == tri.GemvMoeConfig()
     assert isinstance(tri.default_moe_config(11, top_k, E, H, inter, pdl=True), tri.MoeConfig)
 
 

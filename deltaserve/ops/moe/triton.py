@@ -206,16 +206,18 @@ class GemvMoeConfig:
     all_experts: bool = False
     pdl: bool = False
     # pdl_w13: the w13 kernel is launched programmatically as well (the routing kernel lets it start; it
-    # waits before its first load, so only its launch and set-up overlap the routing kernel)
+    # waits before its first load, so only its launch and set-up overlap the routing kernel). Needs
+    # compute capability 9.0; after a kernel that does not release it early it gains nothing.
     pdl_w13: bool = False
 
 
 # T = 1 (H200 sweep at the 35B-A3B shape, top-8 + the shared slot: 23.2 us against 27.1 for the T = 8 tiles):
 # w2 one weight row per program with every expert's row gathered at once, launched programmatically
-# (needs compute capability 9.0; GEMV_T1_NO_PDL elsewhere: 26.0 us).
+# (needs compute capability 9.0; GEMV_T1_NO_PDL elsewhere: 26.0 us); w13 launched programmatically after
+# the routing kernel (session 4: ~1 us per call less than without, see docs/PERFORMANCE.md).
 GEMV_T1 = GemvMoeConfig(block_n1=8, block_k1=1024, block_n2=1, block_k2=512, warps1=4, warps2=4, stages=3,
-                        all_experts=True, pdl=True)
-GEMV_T1_NO_PDL = dataclasses.replace(GEMV_T1, block_n1=4, pdl=False)
+                        all_experts=True, pdl=True, pdl_w13=True)
+GEMV_T1_NO_PDL = dataclasses.replace(GEMV_T1, block_n1=4, pdl=False, pdl_w13=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,14 +251,15 @@ MoeConfigs = MoeConfig | GemvMoeConfig | OnePassMoeConfig
 
 def default_moe_config(T: int, top_k: int, E: int, H: int, inter: int, *, pdl: bool = False) -> MoeConfigs:
     """Small batches (up to GEMV_MAX_ASSIGNMENTS assignments): GEMV tiles (T = 1: GEMV_T1 where `pdl` says
-    the device has programmatic dependent launch, else GEMV_T1_NO_PDL). The one-pass path is not a
-    default: it was slower on an H200 (docs/PERFORMANCE.md). Larger batches: grouped-GEMM tiles by the mean rows per expert; the small and large grouped
+    the device has programmatic dependent launch, else GEMV_T1_NO_PDL; T >= 2: the w13 kernel launched
+    programmatically where it can be). The one-pass path is not a default: it was slower on an H200
+    (docs/PERFORMANCE.md). Larger batches: grouped-GEMM tiles by the mean rows per expert; the small and large grouped
     choices were measured on an H200 at the Qwen3.5-35B-A3B shape (benchmarks/attention_moe_ops.py
     --sweep), the middle one was not."""
     if T == 1 and top_k <= GEMV_MAX_ASSIGNMENTS:
         return GEMV_T1 if pdl else GEMV_T1_NO_PDL
     if T * top_k <= GEMV_MAX_ASSIGNMENTS:
-        return GemvMoeConfig()
+        return GemvMoeConfig(pdl_w13=pdl)
     rows_per_expert = T * top_k / E
     if rows_per_expert <= 16:      # decode: weight-bandwidth bound, small row blocks
         return MoeConfig(block_m=16, block_n1=32, block_k1=256, block_n2=64, block_k2=256, warps1=4, warps2=4,

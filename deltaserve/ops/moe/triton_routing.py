@@ -1,17 +1,17 @@
 """Triton MoE routing (same signature as reference.topk_softmax): softmax over the expert logits, top-k,
 optional renormalisation, and the shared expert's slices appended with their sigmoid gate, in one launch.
 
-One program takes BT tokens with all their logits in registers; the k choices are k max-reductions of
-one int64 key per expert, (probability bits << 32) | (EP - 1 - index): a probability is >= 0, so its bits
-order as it does, and among equal maxima the lowest index wins (torch.topk's order for distinct values;
-for exact ties the reference's order is not defined either). One reduction per choice instead of two (the
-maximum, then the lowest index holding it). No host sync, CUDA-graph capturable.
+One program takes BT tokens with all their logits in registers; the k choices are k max-reductions, each
+taking the lowest index among equal maxima (torch.topk's order for distinct values; for exact ties the
+reference's order is not defined either). (One reduction per choice over int64 keys, probability bits
+and index packed, measured slower on an H200: 3.1 against 2.9 us per call at T = 1.) No host sync,
+CUDA-graph capturable.
 
 On Hopper (compute capability >= 9.0) the kernel lets the next kernel start at once (griddepcontrol
 .launch_dependents): fused_moe's first kernel, where it is launched programmatically, then has its launch
 and set-up done while the routing runs, and waits for the routing's output itself. The routing kernel is
 launched the ordinary way: launched programmatically after a kernel that does not release it early (the
-router GEMV) it measured ~1 us slower per call on an H200.
+router GEMV) the MoE block measured ~0.5 us slower per call on an H200.
 """
 
 from __future__ import annotations
@@ -43,15 +43,13 @@ def _route_kernel(logits, weights, ids, T, E, s_l, K: tl.constexpr, M: tl.conste
     kcol = tl.arange(0, KP)
     w_sel = tl.zeros([BT, KP], dtype=tl.float32)
     i_sel = tl.zeros([BT, KP], dtype=tl.int32)
-    bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
-    avail = (bits << 32) | (EP - 1 - cols)[None, :].to(tl.int64)
+    avail = probs
     for j in tl.static_range(K):
         best = tl.max(avail, 1)
-        idx = (EP - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
-        p_best = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        w_sel = tl.where(kcol[None, :] == j, p_best[:, None], w_sel)
+        idx = tl.min(tl.where(avail == best[:, None], cols[None, :], EP), 1)
+        w_sel = tl.where(kcol[None, :] == j, best[:, None], w_sel)
         i_sel = tl.where(kcol[None, :] == j, idx[:, None], i_sel)
-        avail = tl.where(cols[None, :] == idx[:, None], -1, avail)     # taken (every key is >= 0)
+        avail = tl.where(cols[None, :] == idx[:, None], -1.0, avail)   # taken (probabilities are >= 0)
     if RENORM:
         w_sel = w_sel / tl.sum(tl.where(kcol[None, :] < K, w_sel, 0.0), 1)[:, None]
     if M > 0:
