@@ -24,18 +24,21 @@ and no alignment: the weights are the whole cost there, and the grouped path's f
 
 1. w13 GEMV: one program per (assignment, slice of I) reads its expert's gate and up rows once and writes
    SiLU(gate) * up, rounded once -> [A, I]. Programs of one slice are launched next to each other, so
-   assignments that share an expert (T > 1) find its rows in L2 rather than DRAM.
+   assignments that share an expert (T > 1) find its rows in L2 rather than DRAM. On Hopper it is
+   launched programmatically: the routing kernel lets it start at once, and it waits for the routing's
+   output before its first load.
 2. w2 GEMV + combine: one program per (token, slice of H) runs the token's top_k experts in order, each
    expert output rounded to the activation dtype (as in the grouped path), weighted and summed in fp32,
    rounded once -> [T, H].
 
-One-pass path (OnePassMoeConfig, the T = 1 default on Hopper): w2 split along I, so that no program waits
-for another's intermediate and the ~57 MB of a decode step's experts stream as one read, not two
+One-pass path (OnePassMoeConfig; selectable, not a default: on an H200 its main kernel read the ~57 MB of
+a decode step's experts at 2.7 TB/s, slower than the GEMV path, see docs/PERFORMANCE.md): w2 split along
+I, so that no program waits for another's intermediate and the experts stream as one read, not two
 (each with its ramp-up and drain, the second waiting for the first to finish).
 
 1. Main kernel: the A x I intermediate rows (assignment-major) are cut into granules of G rows and the
    granules into NPROG equal contiguous ranges, one per program (a few per SM, all resident: no tail
-   wave). A program walks its range in pieces of at most LP rows (a piece starts at its range's start,
+   wave; they must not run in lockstep, hence the prefetch in the kernel). A program walks its range in pieces of at most LP rows (a piece starts at its range's start,
    at an assignment's start or on the LP grid of its assignment): gate and up rows of the piece (over H)
    -> h = SiLU(gate) * up rounded to the activation dtype, then the piece's w2 columns times h -> an
    fp32 partial expert output [H], stored at row (assignment, first granule of the piece).
@@ -241,8 +244,7 @@ class OnePassMoeConfig:
     pdl: bool = False
 
 
-# T = 1 on Hopper: the one-pass path, launched programmatically (chosen before any GPU run; see
-# docs/PERFORMANCE.md for what was measured).
+# The one-pass tiles timed last (H200 session 4, run 2: main kernel 20.7 us at T = 1; not a default).
 ONE_PASS_T1 = OnePassMoeConfig(pdl=True)
 
 
