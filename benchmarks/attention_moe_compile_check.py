@@ -1,5 +1,7 @@
 """Compile the paged-attention and MoE Triton kernels for sm_90 (H100/H200) on a machine without a GPU and
 print registers, spills and shared memory per kernel and launch config (reuses gdn_compile_check's helper).
+The one-pass MoE kernels are compiled with the launch-time alignment of the real shapes, and each
+configuration's programs per SM are checked against its registers (its grid must be resident at once).
 
     PYTHONPATH=. python benchmarks/attention_moe_compile_check.py
     PYTHONPATH=. python benchmarks/attention_moe_compile_check.py --fp32-attention   # the fp32 default tiles only
@@ -23,7 +25,6 @@ from triton.compiler import ASTSource
 from deltaserve.ops.attention import triton as attn_t
 from deltaserve.ops.moe import triton as moe_t
 from deltaserve.ops.moe import triton_routing as moe_route
-
 
 SM90_SMEM_BYTES = 232448      # the most shared memory one block may use on sm_90
 

@@ -27,6 +27,7 @@ Triton cache) and runs the GPU tests, so the timed phase only replays.
 
 Run (GPU):  PYTHONPATH=. python benchmarks/attention_moe_ops.py --out DIR [--sweep] [--workers 8]
             PYTHONPATH=. python benchmarks/attention_moe_ops.py --out DIR --moe-decode [--gpu-tests]
+                [--decode-t 1,2,4,8] [--test-k EXPR]   (session 4: ~95 s of device time for T = 1..8)
 """
 
 from __future__ import annotations

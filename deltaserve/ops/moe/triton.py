@@ -38,8 +38,9 @@ I, so that no program waits for another's intermediate and the experts stream as
 
 1. Main kernel: the A x I intermediate rows (assignment-major) are cut into granules of G rows and the
    granules into NPROG equal contiguous ranges, one per program (a few per SM, all resident: no tail
-   wave; they must not run in lockstep, hence the prefetch in the kernel). A program walks its range in pieces of at most LP rows (a piece starts at its range's start,
-   at an assignment's start or on the LP grid of its assignment): gate and up rows of the piece (over H)
+   wave; they must not run in lockstep, hence the prefetch in the kernel). A program walks its range in
+   pieces of at most LP rows (a piece starts at its range's start, at an assignment's start or on the LP
+   grid of its assignment): gate and up rows of the piece (over H)
    -> h = SiLU(gate) * up rounded to the activation dtype, then the piece's w2 columns times h -> an
    fp32 partial expert output [H], stored at row (assignment, first granule of the piece).
 2. Combine kernel (launched programmatically on Hopper, so it is resident before the main kernel ends):
