@@ -20,6 +20,14 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def pdl_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` may be launched as programmatic dependents (PDL, griddepcontrol):
+    CUDA devices of compute capability 9.0 and newer. A PDL-launched kernel may start while the kernel
+    before it drains, so it must run griddepcontrol.wait (gdc_wait) before touching anything an earlier
+    kernel writes or reads; what it loads before the wait must be constant (weights)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 

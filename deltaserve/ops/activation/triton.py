@@ -7,8 +7,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
-from ..triton_common import ACTIVATION_DTYPES, check, check_last_contiguous, check_same_device, sigmoid, silu
+from ..triton_common import (ACTIVATION_DTYPES, check, check_last_contiguous, check_same_device, pdl_launch, sigmoid,
+                             silu)
 
 BLOCK = 1024
 
@@ -38,7 +40,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _sigmoid_mul_kernel(x, g, y, N, s_x, s_g, BLOCK: tl.constexpr):
+def _sigmoid_mul_kernel(x, g, y, N, s_x, s_g, BLOCK: tl.constexpr, TRIGGER: tl.constexpr = False):
+    if TRIGGER:                      # the output projection may become resident; it waits for us itself
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < N
@@ -60,5 +64,5 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     rows = x2.shape[0]
     if rows and n:
         _sigmoid_mul_kernel[(rows, triton.cdiv(n, BLOCK))](x2, g2, y, n, x2.stride(0), g2.stride(0), BLOCK=BLOCK,
-                                                          num_warps=4)
+                                                          TRIGGER=pdl_launch(x.device), num_warps=4)
     return y

@@ -32,7 +32,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..triton_common import (
     check, check_head_dim, check_index, check_last_contiguous, check_pool, check_same_device,
@@ -356,7 +356,7 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                          R: tl.constexpr, RP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
                          SIGMOID: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                         STATE_AFTER_RELEASE: tl.constexpr):
+                         STATE_AFTER_RELEASE: tl.constexpr, TRIGGER: tl.constexpr = False):
     """Fused decode in one launch (small batches): _tokens_kernel's math, then the gated norm and the
     window update, coordinated per (sequence, key head) by a counter (module docstring).
 
@@ -388,6 +388,8 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                 _prefetch_l2(gwin + r * D + HK * K + hk * K + ok, (ok >= 0) & pm)
                 _prefetch_l2(gwin + r * D + 2 * HK * K + hv * V + ov, (ov >= 0) & pm)
         gdc_wait()
+    if TRIGGER:
+        gdc_launch_dependents()      # the output projection may become resident; it waits for us itself
     slot = tl.load(idx + n, cache_modifier=".cg").to(tl.int64)
     live = slot >= 0
     sp = ssm + slot * (HV * K * V) + hv * (K * V) + ok[:, None] * V + ov[None, :]
@@ -634,7 +636,7 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
             _group_counters(mixed_qkv.device, N * HK), float(scale), float(eps), HK, HV, D, ssm_state.shape[0],
             R=HV // HK, RP=next_pow2(HV // HK), K=K, V=V, BV=cfg.bv, W=W, WP=next_pow2(W - 1),
             SIGMOID=sigmoid_gate, PDL=cfg.pdl, PREFETCH=cfg.prefetch,
-            STATE_AFTER_RELEASE=cfg.state_after_release, num_warps=cfg.num_warps,
+            STATE_AFTER_RELEASE=cfg.state_after_release, TRIGGER=has_pdl(mixed_qkv.device), num_warps=cfg.num_warps,
             **({"launch_pdl": True} if cfg.pdl else {}))
         return out
     dummy = o_tmp  # pointer arguments that the decode variant never touches

@@ -379,9 +379,13 @@ def _gemv_w13_kernel(x, w13, ids, inter, H, I, s_x, s_we, s_wn,
 
 @triton.jit
 def _gemv_w2_combine_kernel(inter, w2, ids, weights, out, H, I, s_we, s_wn, s_w, s_o,
-                            TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_STEP: tl.constexpr):
+                            TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_STEP: tl.constexpr,
+                            TRIGGER: tl.constexpr = False):
     """ONE_STEP (BK >= I): no loop over I, so the unrolled experts are straight-line code and their
-    weight loads can all be in flight at once instead of one DRAM round trip per expert."""
+    weight loads can all be in flight at once instead of one DRAM round trip per expert. TRIGGER: let the
+    next kernel launch at once (Hopper; it waits for our output itself)."""
+    if TRIGGER:
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BN + tl.arange(0, BN)
     row_ok = rows < H
@@ -424,6 +428,7 @@ def _gemv_w2_all_kernel(inter, w2, ids, weights, out, H, I, s_we, s_wn, s_w, s_o
     w_first = tl.load(wp, mask=m_w & (kk < I)[None, None, :], other=0.0)
     if PDL:
         gdc_wait()                   # inter is written by the w13 kernel
+        gdc_launch_dependents()      # the next layer's projection may become resident; it waits for us
     h = tl.load(hp, mask=j_ok[:, None] & (kk < I)[None, :], other=0.0).to(tl.float32)
     acc = tl.sum(w_first.to(tl.float32) * h[:, None, :], 2)
     for k0 in range(BK, I, BK):
@@ -580,7 +585,7 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, cfg: GemvMoeConfig) -> t
     _gemv_w2_combine_kernel[(T, triton.cdiv(H, cfg.block_n2))](
         h, w2, topk_ids, topk_weights, out, H, inter, w2.stride(0), w2.stride(1), topk_weights.stride(0),
         out.stride(0), TOP_K=top_k, BN=cfg.block_n2, BK=cfg.block_k2, ONE_STEP=cfg.block_k2 >= inter,
-        num_warps=cfg.warps2, num_stages=cfg.stages)
+        TRIGGER=x.is_cuda and _has_pdl(x.device), num_warps=cfg.warps2, num_stages=cfg.stages)
     return out
 
 
