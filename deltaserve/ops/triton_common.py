@@ -77,6 +77,15 @@ def softplus(x):
 
 
 @triton.jit
+def prefetch_l2(ptrs, mask):
+    """Ask L2 for the lines under `ptrs` (where mask): no registers, no ordering, never a fault (the
+    addresses must be in bounds). One request per line per warp instruction (the coalescer merges lanes)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }", "=r,l,r",
+        [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
 

@@ -36,7 +36,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..triton_common import (
     check, check_head_dim, check_index, check_last_contiguous, check_pool, check_same_device,
-    next_pow2, sigmoid, silu, softplus,
+    next_pow2, prefetch_l2, sigmoid, silu, softplus,
 )
 from .reference import VerifyStash, num_key_heads
 
@@ -341,15 +341,6 @@ def _tokens_kernel(x, s_x_t, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, conv_st
     tl.store(sp, S, mask=smask)
 
 
-@triton.jit
-def _prefetch_l2(ptrs, mask):
-    """Ask L2 for the lines under `ptrs` (where mask): no registers, no ordering, never a fault (the
-    addresses are in bounds). One request per line per warp instruction (the coalescer merges lanes)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }", "=r,l,r",
-        [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit(do_not_specialize=["SLOTS"])
 def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, norm_w,
                          conv_state, ssm, idx, o_tmp, out, counters, scale, eps, HK, HV, D, SLOTS,
@@ -381,12 +372,12 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
             gslot = tl.minimum(tl.maximum(guess, 0), SLOTS - 1)  # in bounds whatever the guess holds
             pm = guess >= 0
             for c in tl.static_range(0, BV, 8):  # one pointer per 32-byte sector of each row of the slice
-                _prefetch_l2(ssm + gslot * (HV * K * V) + hv * (K * V) + ok * V + j * BV + c, (ok >= 0) & pm)
+                prefetch_l2(ssm + gslot * (HV * K * V) + hv * (K * V) + ok * V + j * BV + c, (ok >= 0) & pm)
             gwin = conv_state + gslot * ((W - 1) * D)
             for r in tl.static_range(W - 1):
-                _prefetch_l2(gwin + r * D + hk * K + ok, (ok >= 0) & pm)
-                _prefetch_l2(gwin + r * D + HK * K + hk * K + ok, (ok >= 0) & pm)
-                _prefetch_l2(gwin + r * D + 2 * HK * K + hv * V + ov, (ov >= 0) & pm)
+                prefetch_l2(gwin + r * D + hk * K + ok, (ok >= 0) & pm)
+                prefetch_l2(gwin + r * D + HK * K + hk * K + ok, (ok >= 0) & pm)
+                prefetch_l2(gwin + r * D + 2 * HK * K + hv * V + ov, (ov >= 0) & pm)
         gdc_wait()
     if TRIGGER:
         gdc_launch_dependents()      # the output projection may become resident; it waits for us itself

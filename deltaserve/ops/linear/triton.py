@@ -17,10 +17,11 @@ launch parameter fixed by the shapes (no autotuning at call time, no host sync: 
 Shapes whose N gives too few programs to fill the GPU split K over SPLIT programs: each writes an fp32
 partial [SPLIT, M, N] and a second launch sums the partials in a fixed order (deterministic: no atomics).
 
-On Hopper the GEMV launches are programmatic dependents (PDL): a program waits (griddepcontrol.wait)
-before its first load, then lets the next kernel launch (griddepcontrol.launch_dependents), so in a
-decode step's chain of small kernels each one is resident and waiting when its predecessor finishes
-instead of being launched then (measured ~1 us per launch for the MoE GEMV).
+On Hopper the GEMV launches are programmatic dependents (PDL): a program asks L2 for the first columns
+of its weight rows (constant: safe to read early), waits (griddepcontrol.wait) before its first real
+load, then lets the next kernel launch (griddepcontrol.launch_dependents), so in a decode step's chain
+of small kernels each one is resident, its first weights on their way, when its predecessor finishes
+(a launch after the predecessor costs ~1 us, measured for the MoE GEMV).
 
 Above 16 rows (32 for N <= SMALL_N) `linear` calls F.linear: the product turns compute-bound, and
 cuBLAS, whose tensor-core GEMMs tie or beat ours there, is the right kernel. The tile rule
@@ -44,7 +45,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..norm import triton as norm_triton
-from ..triton_common import ACTIVATION_DTYPES, check, check_same_device, pdl_launch
+from ..triton_common import ACTIVATION_DTYPES, check, check_same_device, pdl_launch, prefetch_l2
 
 GEMV_MAX_M = 32          # rows of x up to which our kernels can run (M > 16 only for N <= SMALL_N)
 SMALL_N = 4096           # N up to which M = 17..32 still beats cuBLAS (its small-N tiles leave SMs idle)
@@ -63,6 +64,7 @@ class LinearConfig:
     dot: bool = False
     split_k: int = 1
     pdl: bool = True            # programmatic dependent launch where the device has it (Hopper+)
+    prefetch: int = 512         # with pdl: weight columns per row asked of L2 before the wait (0: none)
 
 
 def default_linear_config(M: int, N: int, K: int) -> LinearConfig | None:
@@ -137,12 +139,23 @@ def _prenorm_store(x, r, nw, h, s, rstd, M, K, s_xm, s_rm, BM: tl.constexpr, PK:
         tl.store(h + ms[:, None].to(tl.int64) * K + ks[None, :], hv.to(v.dtype), mask=ok)
 
 
+@triton.jit
+def _prefetch_weights(w, rows, row_ok, k_lo, k_hi, s_wn, BN: tl.constexpr, PF: tl.constexpr):
+    """Ask L2 for the first PF columns of this program's weight rows (one request per 128-byte line):
+    issued before griddepcontrol.wait, so they arrive while the kernel before us drains. Weights are
+    constant, the one thing a programmatic dependent may read before its wait."""
+    if PF > 0:
+        cols = k_lo + tl.arange(0, PF // 64) * 64
+        ptrs = w + rows[:, None].to(tl.int64) * s_wn + cols[None, :]
+        prefetch_l2(ptrs, row_ok[:, None] & (cols < k_hi)[None, :])
+
+
 @triton.jit(do_not_specialize=["M", "s_ys"])
 def _gemv_fma_kernel(x, w, y, M, N, K, k_per_split, s_xm, s_wn, s_ym, s_ys,
                      r, nw, h, s, s_rm, eps,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      NORM: tl.constexpr, HAS_RES: tl.constexpr, ZC: tl.constexpr, PK: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False, PF: tl.constexpr = 0):
     """y[s, m, n] = sum over this program's K range of x[m, k] w[n, k] (fp32); s = program_id(1).
 
     NORM (rms_norm_linear; no split K): x is RMSNorm(x + r) with weight nw. The main loop multiplies the
@@ -151,14 +164,15 @@ def _gemv_fma_kernel(x, w, y, M, N, K, k_per_split, s_xm, s_wn, s_ym, s_ys,
     computing rstd first measured 0.6-2 us slower per call on an H200). The normed operand is thus not
     rounded to x's dtype as the two-launch path's is (a difference within one rounding of y). Program 0
     then writes the normed rows and the sum to h and s."""
-    if PDL:
-        gdc_wait()                   # x, r and the outputs' memory belong to the kernels before us
-        gdc_launch_dependents()      # the next kernel may become resident; it waits for us itself
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
     row_ok = rows < N
     k_lo = pid_s * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    if PDL:
+        _prefetch_weights(w, rows, row_ok, k_lo, k_hi, s_wn, BN, PF)
+        gdc_wait()                   # x, r and the outputs' memory belong to the kernels before us
+        gdc_launch_dependents()      # the next kernel may become resident; it waits for us itself
     kk = tl.arange(0, BK)
     wp = w + rows[:, None].to(tl.int64) * s_wn + kk[None, :]
     ms = tl.arange(0, BM)
@@ -210,19 +224,20 @@ def _gemv_dot_kernel(x, w, y, M, N, K, k_per_split, s_xm, s_wn, s_ym, s_ys,
                      r, nw, h, s, s_rm, eps,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
                      NORM: tl.constexpr, HAS_RES: tl.constexpr, ZC: tl.constexpr, PK: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False, PF: tl.constexpr = 0):
     """As _gemv_fma_kernel, as acc[BN, BM] += W tile [BN, BK] @ x^T tile [BK, BM] on tensor cores (with
     NORM the dot's operand is (x + r) w' rounded to x's dtype). NORM here measured ~2x slower than the
     two launches at M = 8 (the x tile, computed in registers, is not pipelined with the weight stream):
     only an explicit config selects it."""
-    if PDL:
-        gdc_wait()                   # x, r and the outputs' memory belong to the kernels before us
-        gdc_launch_dependents()      # the next kernel may become resident; it waits for us itself
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
     row_ok = rows < N
     k_lo = pid_s * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    if PDL:
+        _prefetch_weights(w, rows, row_ok, k_lo, k_hi, s_wn, BN, PF)
+        gdc_wait()                   # x, r and the outputs' memory belong to the kernels before us
+        gdc_launch_dependents()      # the next kernel may become resident; it waits for us itself
     kk = tl.arange(0, BK)
     ms = tl.arange(0, BM)
     m_ok = ms < M
@@ -322,7 +337,8 @@ def _gemv(x2: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig, prenorm: tu
         pk = min(triton.next_power_of_2(K), max(16, 2048 // bm))
         norm_kw = dict(NORM=True, HAS_RES=r2 is not None, ZC=bool(zc), PK=pk)
     args = (x2, weight, out, M, N, K, k_per_split, x2.stride(0), weight.stride(0), N, s_ys, *norm_args)
-    pdl = dict(PDL=True, launch_pdl=True) if cfg.pdl and pdl_launch(x2.device) else {}
+    pf = 0 if cfg.prefetch <= 0 else max(64, triton.next_power_of_2(min(cfg.prefetch, k_per_split)))
+    pdl = dict(PDL=True, PF=pf, launch_pdl=True) if cfg.pdl and pdl_launch(x2.device) else {}
     if cfg.dot:
         _gemv_dot_kernel[grid](*args, BM=bm, BN=cfg.block_n, BK=cfg.block_k, IEEE=x2.dtype == torch.float32,
                                num_warps=cfg.warps, num_stages=cfg.stages, **norm_kw, **pdl)
@@ -331,7 +347,8 @@ def _gemv(x2: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig, prenorm: tu
                                num_warps=cfg.warps, num_stages=cfg.stages, **norm_kw, **pdl)
     if split > 1:
         b = 1024
-        _split_sum_kernel[(triton.cdiv(M * N, b),)](out, y, M * N, M * N, SPLIT=split, B=b, num_warps=4, **pdl)
+        _split_sum_kernel[(triton.cdiv(M * N, b),)](out, y, M * N, M * N, SPLIT=split, B=b, num_warps=4,
+                                                    **({k: v for k, v in pdl.items() if k != "PF"}))
     return y
 
 
