@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..triton_common import (ACTIVATION_DTYPES, check, check_last_contiguous, check_same_device, pdl_launch, sigmoid,
                              silu)
@@ -40,8 +40,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _sigmoid_mul_kernel(x, g, y, N, s_x, s_g, BLOCK: tl.constexpr, TRIGGER: tl.constexpr = False):
-    if TRIGGER:                      # the output projection may become resident; it waits for us itself
+def _sigmoid_mul_kernel(x, g, y, N, s_x, s_g, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:                          # a programmatic dependent: wait for the attention, release o_proj
+        gdc_wait()
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -62,7 +63,8 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     check_same_device(op, x, gate)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = x2.shape[0]
+    pdl = dict(PDL=True, launch_pdl=True) if pdl_launch(x.device) else {}
     if rows and n:
         _sigmoid_mul_kernel[(rows, triton.cdiv(n, BLOCK))](x2, g2, y, n, x2.stride(0), g2.stride(0), BLOCK=BLOCK,
-                                                          TRIGGER=pdl_launch(x.device), num_warps=4)
+                                                          num_warps=4, **pdl)
     return y

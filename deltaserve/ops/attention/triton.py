@@ -22,6 +22,10 @@ context) and 1-token decodes, plus an optional split-K reduction:
 
 Numerics differ from the reference (which rounds scores and probabilities to the activation dtype) only
 by that rounding: fp32 inputs agree to ~1e-6.
+
+On Hopper the prologue, attention and merge kernels are programmatic dependent launches (PDL): each
+becomes resident while the kernel before it drains, waits for it (griddepcontrol.wait) before any load,
+and releases the next one at once.
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..triton_common import ACTIVATION_DTYPES, check, check_head_dim, check_last_contiguous, check_same_device
+from ..triton_common import (ACTIVATION_DTYPES, check, check_head_dim, check_last_contiguous, check_same_device,
+                             pdl_launch)
 
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp2(NEG_BIG - NEG_BIG) = 1, no NaN
@@ -92,9 +98,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 @triton.jit
 def _attn_prologue_kernel(q, k, v, q_w, k_w, cos, sin, q_out, cache, slots, eps,
                      s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_cos, s_sin, s_c_kv,
-                     NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, RD: tl.constexpr):
+                     NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, RD: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """One (token, head) per program: heads 0..NH-1 are query heads (written to q_out), NH.. key heads
     (written with their value head to the token's cache slot; padding rows, slot < 0, store nothing)."""
+    if PDL:                          # launched as a programmatic dependent: wait, then release the next
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     dims = tl.arange(0, D)
@@ -168,7 +178,7 @@ def attention_prologue(
     _attn_prologue_kernel[(T, nh + nkv)](
         q, k, v, q_norm_weight, k_norm_weight, cos, sin, q_out, kv_cache, slot_mapping, float(eps),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
-        kv_cache.stride(0), NH=nh, NKV=nkv, D=d, RD=rd, num_warps=2 if d <= 256 else 4)
+        kv_cache.stride(0), NH=nh, NKV=nkv, D=d, RD=rd, num_warps=2 if d <= 256 else 4, **_pdl(q.device))
     return q_out
 
 
@@ -185,6 +195,12 @@ class AttentionConfig:
     min_split: int = 256
     num_warps: int = 4
     num_stages: int = 2
+
+
+def _pdl(device: torch.device) -> dict:
+    """Launch arguments of a programmatic dependent launch where the device has it (Hopper): the kernel
+    becomes resident while its predecessor drains and waits for it (griddepcontrol.wait) before any load."""
+    return dict(PDL=True, launch_pdl=True) if pdl_launch(device) else {}
 
 
 def _device_sms(device: torch.device) -> int:
@@ -285,7 +301,10 @@ def _attention_kernel(q, cache, cu, seq_lens, tables, out, part_ml, part_acc, qk
                       s_q_t, s_q_h, s_bt_n, s_c_kv, BS,
                       NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                      MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                      MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     BQ: tl.constexpr = BLOCK_M // G
     p = tl.num_programs(0) - 1 - tl.program_id(0)   # last tiles (longest causal range) start first
     kvh = tl.program_id(1)
@@ -357,11 +376,14 @@ def _attention_kernel(q, cache, cu, seq_lens, tables, out, part_ml, part_acc, qk
 
 @triton.jit
 def _merge_splits_kernel(part_ml, part_acc, out, NH: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
-                         BD: tl.constexpr, D: tl.constexpr):
+                         BD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False):
     """out[t, h, dims] = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp2(m_s - max_s m_s), for one token,
     one head and BD dims per program, every segment loaded at once (a loop over segments would be a
     chain of dependent loads: ~20 us at 64 segments). Segments with l == 0 (no visible keys) carry no
     weight and are not read."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     row = t * NH + tl.program_id(1)
     s = tl.arange(0, SP)
@@ -430,10 +452,10 @@ def paged_attention(
         q.stride(0), q.stride(1), block_tables.stride(0), kv_cache.stride(0), bs,
         NH=nh, NKV=nkv, D=d, G=g, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLITS=splits,
         MIN_SPLIT=cfg.min_split, IEEE=q.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl(q.device))
     if splits > 1:
         sp = triton.next_power_of_2(splits)
         bd = min(d, max(16, 4096 // sp))
         _merge_splits_kernel[(T, nh, d // bd)](part_ml, part_acc, out, NH=nh, SPLITS=splits, SP=sp, BD=bd, D=d,
-                                               num_warps=4)
+                                               num_warps=4, **_pdl(q.device))
     return out
