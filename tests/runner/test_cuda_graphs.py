@@ -250,8 +250,8 @@ def test_sampler_reads_the_device_once(monkeypatch):
     from deltaserve.runner import sampler as sampler_mod
     from deltaserve.runner.sampler import Sampler, SamplingRow
 
-    reads = _SyncsAllowed(sampler_mod.to_host)
-    monkeypatch.setattr(sampler_mod, "to_host", reads)
+    reads = _SyncsAllowed(sampler_mod.HostCopy.get)
+    monkeypatch.setattr(sampler_mod.HostCopy, "get", lambda self: reads(self))
     logits = torch.randn(6, 1000, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 3
     rows = [SamplingRow(SamplingParams(**kw), seed, [1, 2, 3, 5, 5], 3, frozenset({7}))
             for seed, kw in [(None, dict(temperature=0)), (3, dict(temperature=0.8, top_k=20, logprobs=2)),
@@ -270,7 +270,8 @@ def test_sampler_reads_the_device_once(monkeypatch):
 
 @gpu_test
 def test_a_decode_step_syncs_only_to_read_its_tokens(tiny_model, monkeypatch):
-    """An engine step of decodes (graph replay, sampling with logprobs) makes one synchronizing call."""
+    """An engine step of decodes (graph replay, sampling with logprobs) makes one synchronizing call: reading
+    the tokens (of the step before, with async scheduling)."""
     from deltaserve.runner import sampler as sampler_mod
 
     llm = LLM(tiny_model(TinySpec(family="qwen3_5_moe", ratio=2, seed=41)), device="cuda", max_num_seqs=8,
@@ -285,8 +286,8 @@ def test_a_decode_step_syncs_only_to_read_its_tokens(tiny_model, monkeypatch):
     graphs = engine.runner.graphs
     graphs._copied = type("Ev", (), {"record": graphs._copied.record,
                                      "synchronize": _SyncsAllowed(graphs._copied.synchronize)})()
-    reads = _SyncsAllowed(sampler_mod.to_host)
-    monkeypatch.setattr(sampler_mod, "to_host", reads)
+    reads = _SyncsAllowed(sampler_mod.HostCopy.get)
+    monkeypatch.setattr(sampler_mod.HostCopy, "get", lambda self: reads(self))
     replays = graphs.num_replays
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
