@@ -222,6 +222,41 @@ class RoutingRecorder:
         return sum(counts) / len(counts) if counts else None
 
 
+class CompileRecorder:
+    """Triton kernel variants built while it is installed (jit_cache_hook marks the start of a build,
+    jit_post_compile_hook its end): a variant built in the middle of a measured run is a stall of that
+    step (seconds for a fresh compile, ~ms from Triton's on-disk cache). `take()` returns and clears the
+    builds since the last call: kernel name, seconds, and the specialization (signature + attributes)."""
+
+    def __init__(self):
+        import triton
+
+        self.knobs = triton.knobs.runtime
+        self.events: list[dict] = []
+        self._start: dict = {}
+        self._saved = (self.knobs.jit_cache_hook, self.knobs.jit_post_compile_hook)
+        self.knobs.jit_cache_hook = self._before
+        self.knobs.jit_post_compile_hook = self._after
+
+    def _before(self, *, key, fn, **_):
+        self._start[(fn.name, str(key))] = time.perf_counter()
+        return False                                     # go on building
+
+    def _after(self, *, key, fn, repr, **_):
+        t0 = self._start.pop((fn.name, str(key)), None)
+        self.events.append(dict(kernel=fn.name, s=None if t0 is None else time.perf_counter() - t0,
+                                variant=repr[:400]))
+
+    def take(self) -> dict:
+        events, self.events = self.events, []
+        return dict(compiles=len(events), compile_s=sum(e["s"] or 0.0 for e in events),
+                    compiled=[f"{e['kernel']} {e['s'] or 0:.2f}s" for e in events][:40],
+                    variants=[e["variant"] for e in events][:12])
+
+    def remove(self) -> None:
+        self.knobs.jit_cache_hook, self.knobs.jit_post_compile_hook = self._saved
+
+
 def run_requests(engine, prompts: list[list[int]], params, tag: str) -> dict:
     """Submit all prompts at once, step until done; per-step wall time and token counts."""
     for i, p in enumerate(prompts):
@@ -461,6 +496,7 @@ def ours_part(args, wl: Workload, out: Path) -> None:
              cuda_graphs=_graph_info(engine)))
     rng = random.Random(0)
     vocab = cfg.vocab_size
+    compiles = CompileRecorder()            # Triton builds during each measured run (stalls of its steps)
 
     def prompt(n):
         return [rng.randrange(vocab) for _ in range(n)]
@@ -483,7 +519,9 @@ def ours_part(args, wl: Workload, out: Path) -> None:
         # with a warm on-disk cache); the measured run is the steady state
         run_requests(engine, [prompt(wl.prompt_len) for _ in range(C)], SamplingParams(max_tokens=3, ignore_eos=True),
                      f"w{C}")
+        compiles.take()
         r = run_requests(engine, [prompt(wl.prompt_len) for _ in range(C)], params, f"c{C}")
+        r.update(compiles.take())
         actual = rec.distinct(C)
         uniform = uniform_distinct(info["experts"], info["top_k"], C) if info["experts"] else 0.0
         lim = step_limit(info, C, ctx, actual if actual is not None else uniform, copy_bps)
@@ -512,6 +550,7 @@ def ours_part(args, wl: Workload, out: Path) -> None:
         log(dict(what="ttft", prompt_len=n, s=r["first_token_s"], steps=r["steps"]))
     for C in rest:
         concurrency(C)
+    compiles.remove()
 
 
 # ---- peer: transformers + flash-linear-attention ----------------------------------------------------
@@ -686,6 +725,8 @@ def report(out: Path, name: str, wl: Workload) -> str:
         act = r["distinct_experts_actual"]
         pre = (f"{r['prefill_steps']}, {r['prefill_s']:.2f}, {r['prefill_tokens'] / r['prefill_s']:.0f}"
                if r.get("prefill_steps") else "-")
+        if r.get("compiles"):
+            pre += f"; {r['compiles']} Triton builds in the run ({r['compile_s']:.1f} s)"
         lines.append(f"| {C} | {act if act is None else f'{act:.1f}'}; {r['distinct_experts_uniform']:.1f} | "
                      f"{r['limit']['bytes'] / 1e9:.3f} | {r['limit']['step_s'] * 1e3:.3f} | "
                      f"{r['decode_step_s'] * 1e3 if r['decode_step_s'] else float('nan'):.3f} | {r['decode_steps']} "

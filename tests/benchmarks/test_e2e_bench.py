@@ -80,3 +80,22 @@ def test_fp32_attention_default_tiles_fit_sm90_shared_memory():
     run = subprocess.run([sys.executable, str(bench / "attention_moe_compile_check.py"), "--fp32-attention"],
                          cwd=bench, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def test_compile_recorder_reports_builds_and_restores_the_hooks(e2e):
+    import types
+
+    import triton
+
+    knobs = triton.knobs.runtime
+    before = (knobs.jit_cache_hook, knobs.jit_post_compile_hook)
+    rec = e2e.CompileRecorder()
+    fn = types.SimpleNamespace(name="_gemv_fma_kernel")
+    extra = dict(compile={}, is_manual_warmup=False, already_compiled=False)
+    assert knobs.jit_cache_hook(key=("k",), repr="r", fn=fn, **extra) is False     # the build goes on
+    knobs.jit_post_compile_hook(key=("k",), repr="_gemv_fma_kernel[num_warps=4](x: *bf16)", fn=fn, **extra)
+    got = rec.take()
+    assert got["compiles"] == 1 and got["compile_s"] >= 0 and got["compiled"][0].startswith("_gemv_fma_kernel")
+    assert rec.take()["compiles"] == 0
+    rec.remove()
+    assert (knobs.jit_cache_hook, knobs.jit_post_compile_hook) == before
