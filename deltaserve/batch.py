@@ -38,6 +38,16 @@ class ForwardBatch:
     block_tables: torch.Tensor
     num_prefills: int
     num_prefill_tokens: int
+    # The decodes' state slots (state_slots[num_prefills:]) as a tensor of their own, 16-byte aligned (the
+    # runner packs one): Triton builds a kernel variant per pointer alignment, so a slice whose start moves
+    # with num_prefills would trigger builds in the middle of serving. None: the slice is used.
+    decode_state_slots: torch.Tensor | None = None
+
+    def decode_slots(self) -> torch.Tensor:
+        """State slots of the decode sequences."""
+        if self.decode_state_slots is not None:
+            return self.decode_state_slots
+        return self.state_slots[self.num_prefills :]
 
     @property
     def num_tokens(self) -> int:
@@ -58,7 +68,7 @@ class ForwardBatch:
             self, input_ids=self.input_ids[:t], positions=self.positions[:t],
             cu_seqlens=self.cu_seqlens[: n + 1], seq_lens=self.seq_lens[:n], state_slots=self.state_slots[:n],
             has_initial_state=self.has_initial_state[:n], slot_mapping=self.slot_mapping[:t],
-            block_tables=self.block_tables[:n], num_prefills=n, num_prefill_tokens=t,
+            block_tables=self.block_tables[:n], num_prefills=n, num_prefill_tokens=t, decode_state_slots=None,
         )
 
 

@@ -80,7 +80,7 @@ class GatedDeltaNet(nn.Module):
             outs.append(k.gdn_decode(
                 mixed[P:], z[P:], a[P:], b[P:], conv_weight=self.conv_weight, A_log=self.A_log,
                 dt_bias=self.dt_bias, norm_weight=self.norm_weight, eps=self.eps, scale=self.scale,
-                conv_state=conv_state, ssm_state=ssm_state, state_indices=batch.state_slots[n_pre:],
+                conv_state=conv_state, ssm_state=ssm_state, state_indices=batch.decode_slots(),
                 norm_activation=self.norm_activation))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.out_proj(o.reshape(T, self.value_dim))

@@ -82,6 +82,20 @@ def allocate_cache(model: HybridForCausalLM, *, num_slots: int, num_blocks: int,
     return CacheBuffers(*(make(t.shape, dtype=t.dtype, device=device) for t in (layout.ssm, layout.conv, layout.kv)))
 
 
+def _aligned_sections(parts: list[list[int]], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, list]:
+    """The lists packed into one host tensor, each starting on a 16-byte boundary, copied to the device
+    at once; returns the device tensor and a view of each list's section."""
+    per = 16 // torch.empty((), dtype=dtype).element_size()
+    flat: list[int] = []
+    bounds = []
+    for part in parts:
+        flat.extend([0] * (-len(flat) % per))
+        bounds.append((len(flat), len(flat) + len(part)))
+        flat.extend(part)
+    dev = to_device(torch.tensor(flat, dtype=dtype), device)
+    return dev, [dev[a:b] for a, b in bounds]
+
+
 class ModelRunner:
     def __init__(self, model: HybridForCausalLM, cache: CacheBuffers, *, device: torch.device | str,
                  max_model_len: int, seed: int | None = 0):
@@ -208,22 +222,19 @@ class ModelRunner:
             has_init.append(start > 0)
             max_blocks = max(max_blocks, -(-end // bs))
         num_prefills = sum(not self.is_decode(c) for c in chunks)
-        # Two host tensors (int64 per token, int32 per sequence) and one copy each to the device.
-        T, N, P = len(ids), len(chunks), len(pending)
-        per_token = to_device(torch.tensor(ids + pos + slot_map + pending + pending_slots, dtype=torch.long),
-                              self.device)
-        per_seq = to_device(torch.tensor(cu + seq_lens + slots + has_init, dtype=torch.int32), self.device)
+        # Two host tensors (int64 per token, int32 per sequence) and one copy each to the device; every
+        # section starts 16-byte aligned (Triton builds a kernel variant per pointer alignment).
+        per_token, tok = _aligned_sections([ids, pos, slot_map, pending, pending_slots], torch.long, self.device)
+        per_seq, seq = _aligned_sections([cu, seq_lens, slots, has_init, slots[num_prefills:]], torch.int32,
+                                         self.device)
         tables = to_device(torch.from_numpy(self._block_table[slots, :max_blocks]), self.device)
-        input_ids = per_token[:T]
-        if P:
-            rows, from_slots = per_token[3 * T : 3 * T + P], per_token[3 * T + P :]
-            input_ids = input_ids.index_copy(0, rows, self.last_tokens.index_select(0, from_slots))
+        input_ids = tok[0]
+        if pending:
+            input_ids = input_ids.index_copy(0, tok[3], self.last_tokens.index_select(0, tok[4]))
         return ForwardBatch(
-            input_ids=input_ids, positions=per_token[T : 2 * T], slot_mapping=per_token[2 * T : 3 * T],
-            cu_seqlens=per_seq[: N + 1], seq_lens=per_seq[N + 1 : 2 * N + 1],
-            state_slots=per_seq[2 * N + 1 : 3 * N + 1], has_initial_state=per_seq[3 * N + 1 :].bool(),
-            block_tables=tables,
-            num_prefills=num_prefills, num_prefill_tokens=cu[num_prefills],
+            input_ids=input_ids, positions=tok[1], slot_mapping=tok[2], cu_seqlens=seq[0], seq_lens=seq[1],
+            state_slots=seq[2], has_initial_state=seq[3].bool(), block_tables=tables,
+            num_prefills=num_prefills, num_prefill_tokens=cu[num_prefills], decode_state_slots=seq[4],
         )
 
     # ---- one step -----------------------------------------------------------------------------

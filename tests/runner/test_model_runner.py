@@ -150,3 +150,22 @@ def test_gpu_cache_budget_is_positive_and_below_free_memory(tiny_model):
                                       max_num_seqs=8, block_size=16, utilization=0.5)
     free, total = torch.cuda.mem_get_info(dev)
     assert 0 < budget <= total * 0.5
+
+
+def test_packed_sections_start_16_byte_aligned(model):
+    """Every per-token and per-sequence tensor of an eager batch, and the decodes' own state-slot tensor,
+    start on a 16-byte boundary whatever the counts (Triton builds a kernel variant per pointer alignment,
+    so unaligned sections that move from step to step would trigger builds mid-serving)."""
+    runner = make_runner(model, num_slots=4)
+    prompts = [random_ids(n, seed=n) for n in (3, 5, 6)]
+    runner.execute(SchedulerOutput([new(i, p, i, [4 * i, 4 * i + 1]) for i, p in enumerate(prompts[:2])],
+                                   [ScheduledChunk(0, 0, 3, []), ScheduledChunk(1, 0, 5, [])], []))
+    runner._add(new(2, prompts[2], 3, [9, 10]))
+    chunks = [ScheduledChunk(2, 0, 5, []), ScheduledChunk(0, 3, 1, []), ScheduledChunk(1, 5, 1, [])]
+    batch = runner.build_batch(chunks)       # 1 prefill of 5 tokens + 2 decodes: odd counts everywhere
+    assert batch.num_prefills == 1 and batch.num_tokens == 7
+    for name in ("input_ids", "positions", "slot_mapping", "cu_seqlens", "seq_lens", "state_slots",
+                 "has_initial_state", "decode_state_slots"):
+        assert getattr(batch, name).data_ptr() % 16 == 0, name
+    assert batch.decode_slots().tolist() == batch.state_slots[1:].tolist() == [0, 1]
+    assert batch.positions.tolist() == [0, 1, 2, 3, 4, 3, 5] and batch.cu_seqlens.tolist() == [0, 5, 6, 7]
