@@ -2,8 +2,9 @@
 synchronous scheduling (greedy and seeded sampling), sequences that stopped run at most one wasted position,
 length-limited ones none, and rows with penalties make the engine read the step in flight first.
 
-First against the fake runner (real cache semantics, tokens computed at launch like a device would), then
-end to end with a real tiny model on CPU, eager and through the static-buffer graph path.
+First against the fake runner (real cache semantics, tokens computed at launch like a device would; the
+random workload with aborts and preemption runs in both modes in test_scheduler.py), then end to end with a
+real tiny model on CPU, eager and through the static-buffer graph path.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from deltaserve.llm import LLM
 from deltaserve.sampling_params import SamplingParams
 
 from ..conftest import TinySpec, random_ids
-from .fakes import VOCAB, next_token, reference_tokens
+from .fakes import next_token, reference_tokens
 from .test_scheduler import fake_engine, greedy, random_prompts, run_all, assert_all_free
 
 
@@ -108,32 +109,6 @@ def test_rows_that_need_the_tokens_read_the_step_in_flight_first():
     finals = run_all(engine)
     assert len(launched) == len(collected) > 1
     assert finals["a"].outputs[0].token_ids == reference_tokens([1, 2, 3], 6)
-
-
-def test_random_workload_with_aborts_async():
-    rng = random.Random(7)
-    engine = fake_engine(num_blocks=30, block_size=4, budget=12, num_slots=6, max_num_seqs=6, async_scheduling=True)
-    expected, live = {}, []
-    for step in range(300):
-        if rng.random() < 0.3:
-            rid = f"r{step}"
-            p = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
-            m = rng.randint(1, 20)
-            engine.add_request(rid, p, greedy(m))
-            expected[rid] = reference_tokens(p, m)
-            live.append(rid)
-        if live and rng.random() < 0.05:
-            rid = live.pop(rng.randrange(len(live)))
-            engine.abort_request(rid)
-            expected.pop(rid)
-        for out in engine.step():
-            if out.finished and out.request_id in expected:
-                assert out.outputs[0].token_ids == expected.pop(out.request_id)
-                live.remove(out.request_id)
-        engine.cache.check_integrity()
-    run_all(engine)
-    assert engine.get_stats().num_preempted_total > 0
-    assert_all_free(engine)
 
 
 # ---- a real model on CPU ------------------------------------------------------------------------------

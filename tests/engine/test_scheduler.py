@@ -297,9 +297,11 @@ def test_add_request_from_another_thread_while_stepping():
     assert_all_free(engine)
 
 
-def test_random_workload_with_aborts_keeps_the_cache_consistent():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_random_workload_with_aborts_keeps_the_cache_consistent(async_scheduling):
     rng = random.Random(11)
-    engine = fake_engine(num_blocks=30, block_size=4, budget=12, num_slots=6, max_num_seqs=6)
+    engine = fake_engine(num_blocks=30, block_size=4, budget=12, num_slots=6, max_num_seqs=6,
+                         async_scheduling=async_scheduling)
     expected, live = {}, []
     for step in range(400):
         if rng.random() < 0.3:
