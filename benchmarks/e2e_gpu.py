@@ -288,14 +288,16 @@ def run_requests(engine, prompts: list[list[int]], params, tag: str) -> dict:
 
 
 KERNEL_FAMILIES = [   # first match wins: our MoE GEMV kernels contain "gemv", the GDN gated norm "norm"
-    ("MoE (routing + experts)", r"moe|topk_softmax|_route_kernel|gemv_w13|gemv_w2|_w13_kernel|_w2_kernel|_combine_kernel"),
+    ("MoE (routing + experts)",
+     r"moe|topk_softmax|_route_kernel|gemv_w13|gemv_w2|_w13_kernel|_w2_kernel|_combine_kernel"),
     ("GDN (conv, gates, delta rule, gated norm)",
      r"gdn|recurrent|delta|conv1d|_conv_|chunk|gating|l2norm|recompute_w_u|_tokens_kernel|_finish_kernel|_decode_fused|"
      r"_verify|_commit|rms_norm_gated"),
     ("attention (paged, store_kv, rope)", r"attention|attn|paged|store_kv|merge_splits|flash|rotary|rope"),
     ("norms (RMSNorm + residual)", r"rms|norm"),
     ("activations (silu*mul, sigmoid*mul)", r"silu|sigmoid|act_and_mul"),
-    ("linears (GEMV / GEMM)", r"gemm|gemv|split_sum|cutlass|nvjet|sm90|sm80|xmma|splitk|cublas|kernel2|matmul|linear|addmm|::mm"),
+    ("linears (GEMV / GEMM)",
+     r"gemm|gemv|split_sum|cutlass|nvjet|sm90|sm80|xmma|splitk|cublas|kernel2|matmul|linear|addmm|::mm"),
     ("sampler / logits", r"softmax|argmax|sampl|cumsum|sort|topk|multinomial|log_softmax"),
 ]
 
@@ -507,7 +509,8 @@ def ours_part(args, wl: Workload, out: Path) -> None:
     warm = run_requests(engine, [prompt(min(wl.ttft_lens))], SamplingParams(max_tokens=2, ignore_eos=True), "warm")
     rec.remove()
     log(dict(what="warmup", recorded_tokens=rec.num_tokens(), **warm))
-    warm = run_requests(engine, [prompt(wl.prompt_len) for _ in range(2)], SamplingParams(max_tokens=4, ignore_eos=True),
+    warm = run_requests(engine, [prompt(wl.prompt_len) for _ in range(2)],
+                        SamplingParams(max_tokens=4, ignore_eos=True),
                         "warm2")
     log(dict(what="warmup2", **warm))
     params = SamplingParams(max_tokens=wl.new_tokens, ignore_eos=True)
@@ -681,11 +684,13 @@ def report(out: Path, name: str, wl: Workload) -> str:
     bps = copy[0]["bytes_per_s"]
     b = build[0]["bytes"]
     lines += [f"device {build[0]['gpu']}, torch {build[0]['torch']}; copy bandwidth {bps / 1e12:.2f} TB/s "
-              f"(read + write); model {b['total'] / 1e9:.1f} GB {build[0].get('dtype', '')} (main model), dense {b['dense'] / 1e9:.2f} GB "
+              f"(read + write); model {b['total'] / 1e9:.1f} GB {build[0].get('dtype', '')} (main model), "
+              f"dense {b['dense'] / 1e9:.2f} GB "
               f"per step, {b['moe_layers']} MoE layers x {b['expert'] / 1e6:.1f} MB per routed expert; "
               f"GDN state r+w {b['state_rw'] / 1e6:.1f} MB/seq, KV {b['kv_per_token'] / 1e3:.1f} kB/token; "
               f"build {build[0]['s']:.1f} s", "",
-              f"ours: dummy weights, {build[0].get('dtype')} on {build[0]['gpu']}, CUDA graphs: {build[0].get('cuda_graphs')}; chunked prefill "
+              f"ours: dummy weights, {build[0].get('dtype')} on {build[0]['gpu']}, "
+              f"CUDA graphs: {build[0].get('cuda_graphs')}; chunked prefill "
               f"budget {build[0].get('max_num_batched_tokens')} tokens per step; cache plan {build[0].get('plan')}", ""]
     conc = {r["C"]: r for r in get(ours, "concurrency")}
     pdec = {r["B"]: r for r in get(peer, "peer_decode")}
@@ -740,7 +745,8 @@ def report(out: Path, name: str, wl: Workload) -> str:
             lines.append(f"| {fam} | {us:.1f} |")
         lines += [f"| GPU idle between the step's first and last {unit} (launch gaps) | "
                   f"{prof['gpu_idle_in_span_us']:.1f} |",
-                  f"| host time outside that span (batch packing, sampling sync) | {prof['host_outside_span_us']:.1f} |"]
+                  "| host time outside that span (batch packing, sampling sync) | "
+                  f"{prof['host_outside_span_us']:.1f} |"]
         if prof.get("graph_replay_us"):
             lines += ["", f"Without the profiler: the batch-1 forward's graph replayed back to back takes "
                       f"{prof['graph_replay_us']:.0f} us (kernels and the gaps between them, no host work, no "
@@ -764,13 +770,15 @@ def report(out: Path, name: str, wl: Workload) -> str:
 def run_part(part: str, args, out: Path, timeout: float) -> int:
     cmd = [sys.executable, os.path.abspath(__file__), "--part", part, "--out", args.out]
     cmd += ["--quick"] if args.quick else ["--model", args.model] + (["--smoke"] if args.smoke else [])
-    for flag, value in (("--concurrency", args.concurrency), ("--ttft", args.ttft), ("--peer-batches", args.peer_batches)):
+    for flag, value in (("--concurrency", args.concurrency), ("--ttft", args.ttft),
+                        ("--peer-batches", args.peer_batches)):
         if value:
             cmd += [flag, value]
     with open(out / f"{part}.log", "a") as f:
         try:
             return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
-                                  env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+                                  env={**os.environ,
+                                       "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
                                   ).returncode
         except subprocess.TimeoutExpired:
             f.write(f"\n{part}: killed after {timeout:.0f} s\n")
@@ -785,7 +793,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny shape on CPU (a smoke test of this script)")
     ap.add_argument("--smoke", action="store_true", help="real shape, short workload (finds problems fast)")
     ap.add_argument("--no-peer", action="store_true")
-    ap.add_argument("--no-ours", action="store_true", help="run only the peer (keeps an earlier ours.jsonl for the report)")
+    ap.add_argument("--no-ours", action="store_true",
+                    help="run only the peer (keeps an earlier ours.jsonl for the report)")
     ap.add_argument("--concurrency", default=None, help="comma list overriding the workload's (e.g. 1,8,64)")
     ap.add_argument("--ttft", default=None, help="comma list of TTFT prompt lengths overriding the workload's")
     ap.add_argument("--peer-batches", default=None, help="comma list overriding the peer's batch sizes")
@@ -795,7 +804,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     wl = QUICK if args.quick else SMOKE if args.smoke else Workload()
     ints = lambda v: tuple(int(x) for x in v.split(","))  # noqa: E731
-    for field, value in (("concurrency", args.concurrency), ("ttft_lens", args.ttft), ("peer_batches", args.peer_batches)):
+    for field, value in (("concurrency", args.concurrency), ("ttft_lens", args.ttft),
+                         ("peer_batches", args.peer_batches)):
         if value:
             wl = dataclasses.replace(wl, **{field: ints(value)})
     name = "quick (tiny qwen3_5_moe, CPU)" if args.quick else Path(args.model).name

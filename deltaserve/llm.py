@@ -21,7 +21,8 @@ PromptType = Union[str, list[int], dict[str, Any]]
 
 
 class LLM:
-    def __init__(self, model: str | Path | dict[str, Any] | None = None, *, device: str = "auto", dtype: str | torch.dtype = "auto",
+    def __init__(self, model: str | Path | dict[str, Any] | None = None, *, device: str = "auto",
+                 dtype: str | torch.dtype = "auto",
                  seed: int | None = 0, max_model_len: int | None = None, max_num_seqs: int = 64,
                  block_size: int = 16, enforce_reference_ops: bool = False, max_num_batched_tokens: int | None = None,
                  gpu_memory_utilization: float = 0.9, cpu_cache_bytes: int | None = None,
