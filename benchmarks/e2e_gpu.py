@@ -533,6 +533,15 @@ def ours_part(args, wl: Workload, out: Path) -> None:
 
     first, rest = wl.concurrency[0], wl.concurrency[1:]
     concurrency(first)
+    if device.type == "cuda":            # the same level with the Triton temperature sampler (opt-in op)
+        from deltaserve.ops.sampling import triton as sampling_triton
+
+        default_draw = engine.runner.sampler.temperature_sample
+        engine.runner.sampler.temperature_sample = sampling_triton.temperature_sample
+        run_requests(engine, [prompt(wl.prompt_len) for _ in range(first)], SamplingParams(max_tokens=3), "wfs")
+        r = run_requests(engine, [prompt(wl.prompt_len) for _ in range(first)], params, f"fs{first}")
+        log(dict(what="concurrency_fused_sampler", C=first, **r))
+        engine.runner.sampler.temperature_sample = default_draw
     if engine.async_scheduling:          # the same level with synchronous scheduling, for the difference
         engine.async_scheduling = False
         r = run_requests(engine, [prompt(wl.prompt_len) for _ in range(first)], params, f"sync{first}")
@@ -755,6 +764,9 @@ def report(out: Path, name: str, wl: Workload) -> str:
         fam = ", ".join(f"{k} {v:.1f}" for k, v in r["family_ms"].items())
         lines += ["", f"One prefill step of {r['prompts']} prompt(s), {r['tokens']} tokens, under the profiler: "
                   f"{r['wall_ms_profiled']:.1f} ms wall, {r['kernels']} kernels; kernel ms by family: {fam}."]
+    for r in get(ours, "concurrency_fused_sampler"):
+        lines += ["", f"Triton temperature sampler (DELTASERVE_FUSED_SAMPLER=1), concurrency {r['C']}: decode "
+                  f"{r['decode_tok_s']:.1f} tok/s ({r['decode_step_s'] * 1e3:.3f} ms/step)."]
     for r in get(ours, "concurrency_sync"):
         lines += ["", f"Synchronous scheduling (async off), concurrency {r['C']}: decode {r['decode_tok_s']:.1f} tok/s "
                   f"({r['decode_step_s'] * 1e3:.3f} ms/step), output {r['output_tok_s']:.1f} tok/s whole run."]

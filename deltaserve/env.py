@@ -15,6 +15,7 @@ class Settings:
     force_reference_ops: bool     # DELTASERVE_REFERENCE_OPS=1: torch references everywhere, even on CUDA
     log_level: str                # DELTASERVE_LOG_LEVEL (default INFO)
     compile: str | None           # DELTASERVE_COMPILE=auto|on|off (None: unset, each command's own default)
+    fused_sampler: bool           # DELTASERVE_FUSED_SAMPLER=1: Triton temperature sampling on CUDA (not yet measured)
 
 
 def settings() -> Settings:
@@ -22,4 +23,5 @@ def settings() -> Settings:
         force_reference_ops=_flag("DELTASERVE_REFERENCE_OPS"),
         log_level=os.environ.get("DELTASERVE_LOG_LEVEL", "INFO").upper(),
         compile=os.environ.get("DELTASERVE_COMPILE", "").strip().lower() or None,
+        fused_sampler=_flag("DELTASERVE_FUSED_SAMPLER"),
     )

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..batch import CacheBuffers, ForwardBatch
+from ..env import settings
 from ..engine.interfaces import NewSequence, RunnerOutput, ScheduledChunk, SchedulerOutput
 from ..models.qwen3_next import HybridForCausalLM
 from .cuda_graphs import DecodeGraphs, capture_sizes
@@ -82,6 +83,17 @@ def allocate_cache(model: HybridForCausalLM, *, num_slots: int, num_blocks: int,
     return CacheBuffers(*(make(t.shape, dtype=t.dtype, device=device) for t in (layout.ssm, layout.conv, layout.kv)))
 
 
+def _temperature_sample_op(device: torch.device):
+    """The sampler's draw for plain temperature batches: the Triton op (two launches instead of ~25) on
+    CUDA when DELTASERVE_FUSED_SAMPLER=1, otherwise the torch reference. Opt-in until it is measured and
+    checked on a GPU (it is checked against the reference under Triton's interpreter)."""
+    if device.type == "cuda" and settings().fused_sampler:
+        from ..ops.sampling import triton as sampling_triton
+
+        return sampling_triton.temperature_sample
+    return None
+
+
 def _aligned_sections(parts: list[list[int]], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, list]:
     """The lists packed into one host tensor, each starting on a 16-byte boundary, copied to the device
     at once; returns the device tensor and a view of each list's section."""
@@ -101,7 +113,7 @@ class ModelRunner:
                  max_model_len: int, seed: int | None = 0):
         self.model, self.cache, self.device = model, cache, torch.device(device)
         self.block_size = cache.block_size
-        self.sampler = Sampler(self.device, seed)
+        self.sampler = Sampler(self.device, seed, temperature_sample=_temperature_sample_op(self.device))
         self._seqs: dict[int, _SeqState] = {}
         # Block table row of each state slot (a sequence keeps its slot for life), kept on the host and
         # updated as blocks are added; a step gathers the rows of its sequences.

@@ -5,7 +5,9 @@ Order of operations (vLLM's): returned logprobs come from the raw model distribu
 tokens, then greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample.
 
 Sampling inverts the CDF with one uniform number per row, in two levels (which block of 128 tokens, then
-which token in it) with the cumulative sums in float64, so a 150k vocabulary loses no precision. A row
+which token in it) with the cumulative sums in float64, so a 150k vocabulary loses no precision
+(ops/sampling). A batch without top-k / top-p / min-p rows draws through the `temperature_sample` op it
+is given (default: the torch reference; ops/sampling/triton.py does it in two launches). A row
 with a seed takes its uniform from a hash of (seed, index of the token being sampled), so its tokens do
 not depend on what else is in the batch, on chunking, or on preemption and recomputation; rows without a
 seed draw from the sampler's own seeded stream. No device random generator is involved: nothing per row
@@ -18,10 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
+from ..ops.sampling import reference as sampling_ref
+from ..ops.sampling.reference import inverse_cdf
 from ..outputs import Logprob, PositionLogprobs
 from ..sampling_params import SamplingParams
 
@@ -114,9 +118,6 @@ class PendingSample:
         return SamplerOutput(token_ids, logprobs)
 
 
-_BLOCK = 128
-
-
 def seeded_uniform(seed: int, index: int) -> float:
     """A uniform number in [0, 1) for token `index` of a sequence seeded with `seed` (splitmix64 mixing;
     the top 53 bits, so it is exact in float64 and never 1.0)."""
@@ -124,23 +125,6 @@ def seeded_uniform(seed: int, index: int) -> float:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return ((x ^ (x >> 31)) >> 11) * (1.0 / (1 << 53))
-
-
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """probs [N, V] (unnormalised, >= 0, some mass in every row), u [N] float64 in [0, 1) -> token [N]: the
-    first token whose cumulative mass exceeds u x total. Never picks a zero-probability token."""
-    N, V = probs.shape
-    pad = (-V) % _BLOCK
-    blocks = (F.pad(probs, (0, pad)) if pad else probs).view(N, -1, _BLOCK)
-    mass = blocks.sum(-1).double()            # [N, C]; a 128-term fp32 sum is exact to ~1e-7 of the block
-    cdf = mass.cumsum(-1)
-    x = (u * cdf[:, -1])[:, None]
-    b = torch.searchsorted(cdf, x, right=True).clamp_max_(cdf.shape[1] - 1)     # [N, 1] block holding x
-    before = torch.where(b > 0, cdf.gather(1, (b - 1).clamp_min(0)), 0.0)
-    frac = ((x - before) / mass.gather(1, b)).clamp(0.0, 1.0 - 2.0 ** -52)
-    inner = blocks.gather(1, b[:, :, None].expand(N, 1, _BLOCK))[:, 0].double().cumsum(-1)   # [N, BLOCK]
-    j = torch.searchsorted(inner, frac * inner[:, -1:], right=True).clamp_max_(_BLOCK - 1)
-    return (b * _BLOCK + j)[:, 0]
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -238,9 +222,11 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], which: list[
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int | None):
+    def __init__(self, device: torch.device, seed: int | None, temperature_sample: Callable | None = None):
         self.device = torch.device(device)
         self._shared = random.Random(seed)     # uniforms of rows without their own seed
+        # draws of batches without top-k / top-p / min-p: (logits, temperature [N] fp32, u [N] fp64) -> tokens
+        self.temperature_sample = temperature_sample or sampling_ref.temperature_sample
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits [N, V] (any float dtype) for N rows -> one token per row (launch, then wait)."""
@@ -282,6 +268,9 @@ class Sampler:
         # every per-row option in one host tensor, one copy: temperature, top_k, top_p, min_p, uniform, greedy
         opts = to_device(torch.tensor([[1.0 if g else p.temperature for g, p in zip(greedy, params)], top_k, top_p,
                                        min_p, u, greedy], dtype=torch.float64), logits.device)
+        if min(top_k) >= V and min(top_p) >= 1.0 and max(min_p) <= 0.0:
+            sampled = self.temperature_sample(logits, opts[0].float(), opts[4])
+            return torch.where(opts[5].bool(), logits.argmax(dim=-1), sampled) if any(greedy) else sampled
         x = logits / opts[0].float()[:, None]
         if min(top_k) < V:
             kmax = max(k for k in top_k if k < V)
