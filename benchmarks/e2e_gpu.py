@@ -538,7 +538,8 @@ def ours_part(args, wl: Workload, out: Path) -> None:
 
         default_draw = engine.runner.sampler.temperature_sample
         engine.runner.sampler.temperature_sample = sampling_triton.temperature_sample
-        run_requests(engine, [prompt(wl.prompt_len) for _ in range(first)], SamplingParams(max_tokens=3), "wfs")
+        run_requests(engine, [prompt(wl.prompt_len) for _ in range(first)],
+                     SamplingParams(max_tokens=3, ignore_eos=True), "wfs")
         r = run_requests(engine, [prompt(wl.prompt_len) for _ in range(first)], params, f"fs{first}")
         log(dict(what="concurrency_fused_sampler", C=first, **r))
         engine.runner.sampler.temperature_sample = default_draw
