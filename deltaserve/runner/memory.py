@@ -76,6 +76,6 @@ def profile_gpu_cache_budget(model: HybridForCausalLM, *, device: torch.device, 
                 not_torch / MiB, graphs / MiB, budget / MiB)
     if budget <= 0:
         raise ValueError(f"no GPU memory left for the cache: {total / MiB:.0f} MiB x {utilization} is less than the "
-                         f"{(peak + not_torch + graphs) / MiB:.0f} MiB the model needs (raise gpu_memory_utilization, lower "
-                         "max_num_batched_tokens, or free the GPU)")
+                         f"{(peak + not_torch + graphs) / MiB:.0f} MiB the model needs (raise gpu_memory_utilization, "
+                         "lower max_num_batched_tokens, or free the GPU)")
     return budget
