@@ -242,10 +242,22 @@ class CompileRecorder:
         self._start[(fn.name, str(key))] = time.perf_counter()
         return False                                     # go on building
 
-    def _after(self, *, key, fn, repr, **_):
+    def _after(self, *, key, fn, **_):
         t0 = self._start.pop((fn.name, str(key)), None)
         self.events.append(dict(kernel=fn.name, s=None if t0 is None else time.perf_counter() - t0,
-                                variant=repr[:400]))
+                                variant=self.describe(key, fn)))
+
+    @staticmethod
+    def describe(key, fn) -> str:
+        """`name=type/spec` per argument from the cache key ((per-argument (type, specialization)), options):
+        the specialization ('D': divisible by 16, '1': equal to 1) is what makes a new variant. (The hook's own
+        `repr` zips the arguments with the options string in Triton 3.6, so it names only the first.)"""
+        try:
+            args = ", ".join(f"{n}={t}/{sp}" if sp else f"{n}={t}"
+                             for n, (t, sp) in zip(fn.arg_names, key[0]))
+        except (TypeError, ValueError, AttributeError):
+            args = str(key)
+        return f"{fn.name}({args})"[:1200]
 
     def take(self) -> dict:
         events, self.events = self.events, []
@@ -383,25 +395,45 @@ def profile_decode(engine, prompt: list[int], steps: int, device) -> dict:
                 top_kernels_us={k: v / n for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]})
 
 
-def profile_prefill(engine, prompts: list[list[int]], device) -> dict:
-    """One prefill-only step of these prompts (max_tokens 1, synchronous) under torch.profiler: wall time and
-    kernel time per family, to compare one long prompt with many short ones of the same total."""
+def profile_prefill(engine, prompts: list[list[int]], device, decoding: list[list[int]] = ()) -> dict:
+    """One step that carries these prompts (max_tokens 1, synchronous) under torch.profiler: wall time and
+    kernel time per family, to compare one long prompt with many short ones of the same total, and, with
+    `decoding`, a step of the same prompts admitted beside that many running decodes (a mixed step, as at
+    high concurrency). The same step runs twice first without the profiler: the first builds whatever kernel
+    variants it needs (reported), the second is the step's wall time."""
+    import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from deltaserve.sampling_params import SamplingParams
 
     was, engine.async_scheduling = engine.async_scheduling, False
-    for i, p in enumerate(prompts):
-        engine.add_request(f"pp{len(p)}-{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=1, ignore_eos=True),
-                           stream=False)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    t0 = time.perf_counter()
-    with profile(activities=acts) as prof:
-        engine.step()
-    wall = time.perf_counter() - t0
-    while engine.has_unfinished_requests():
-        engine.step()
+    walls, prof = [], None
+    for round_ in range(3):
+        for i, p in enumerate(decoding):
+            engine.add_request(f"pm{round_}-{i}", {"prompt_token_ids": p},
+                               SamplingParams(max_tokens=1 << 20, ignore_eos=True), stream=False)
+        sched = engine.scheduler
+        while sched.waiting or any(q.num_computed < q.num_prompt_tokens for q in sched.running):
+            engine.step()                               # until every decode is past its prompt
+        for i, p in enumerate(prompts):
+            engine.add_request(f"pp{round_}-{len(p)}-{i}", {"prompt_token_ids": p},
+                               SamplingParams(max_tokens=1, ignore_eos=True), stream=False)
+        if round_ < 2:
+            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+            engine.step()
+            sync()
+            walls.append(time.perf_counter() - t0)
+        else:
+            with profile(activities=acts) as prof:
+                engine.step()
+        for i in range(len(decoding)):
+            engine.abort_request(f"pm{round_}-{i}")
+        while engine.has_unfinished_requests():
+            engine.step()
     engine.async_scheduling = was
     if device.type == "cuda":
         kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
@@ -410,8 +442,10 @@ def profile_prefill(engine, prompts: list[list[int]], device) -> dict:
     fams: dict[str, float] = {}
     for k in kernels:
         fams[family(k.name)] = fams.get(family(k.name), 0.0) + (k.time_range.end - k.time_range.start)
-    return dict(prompts=len(prompts), tokens=sum(map(len, prompts)), wall_ms_profiled=wall * 1e3,
-                kernels=len(kernels), family_ms={f: v / 1e3 for f, v in sorted(fams.items(), key=lambda kv: -kv[1])})
+    return dict(prompts=len(prompts), tokens=sum(map(len, prompts)), decoding=len(decoding),
+                wall_ms_first=walls[0] * 1e3, wall_ms=walls[1] * 1e3, kernels=len(kernels),
+                kernel_ms=sum(fams.values()) / 1e3,
+                family_ms={f: v / 1e3 for f, v in sorted(fams.items(), key=lambda kv: -kv[1])})
 
 
 def host_breakdown(engine, prompt: list[int], steps: int) -> dict:
@@ -533,15 +567,18 @@ def ours_part(args, wl: Workload, out: Path) -> None:
 
     first, rest = wl.concurrency[0], wl.concurrency[1:]
     concurrency(first)
-    if device.type == "cuda":            # the same level with the Triton temperature sampler (opt-in op)
+    if device.type == "cuda":            # the same level with the other temperature sampler, for the difference
+        from deltaserve.ops.sampling import reference as sampling_ref
         from deltaserve.ops.sampling import triton as sampling_triton
 
         default_draw = engine.runner.sampler.temperature_sample
-        engine.runner.sampler.temperature_sample = sampling_triton.temperature_sample
+        other = (sampling_ref.temperature_sample if default_draw is sampling_triton.temperature_sample
+                 else sampling_triton.temperature_sample)
+        engine.runner.sampler.temperature_sample = other
         run_requests(engine, [prompt(wl.prompt_len) for _ in range(first)],
                      SamplingParams(max_tokens=3, ignore_eos=True), "wfs")
         r = run_requests(engine, [prompt(wl.prompt_len) for _ in range(first)], params, f"fs{first}")
-        log(dict(what="concurrency_fused_sampler", C=first, **r))
+        log(dict(what="concurrency_other_sampler", C=first, sampler=other.__module__, **r))
         engine.runner.sampler.temperature_sample = default_draw
     if engine.async_scheduling:          # the same level with synchronous scheduling, for the difference
         engine.async_scheduling = False
@@ -556,8 +593,13 @@ def ours_part(args, wl: Workload, out: Path) -> None:
     log(dict(what="host", **host_breakdown(engine, prompt(wl.prompt_len), 4 * wl.profile_steps)))
     # one budget-sized prefill step: one long prompt against budget / prompt_len prompts of the workload's length
     long = min(wl.max_num_batched_tokens, max(wl.ttft_lens))
-    for prompts in ([prompt(long)], [prompt(wl.prompt_len) for _ in range(max(long // wl.prompt_len, 1))]):
+    many = [prompt(wl.prompt_len) for _ in range(max(long // wl.prompt_len, 1))]
+    for prompts in ([prompt(long)], many):
         log(dict(what="prefill_profile", **profile_prefill(engine, prompts, device)))
+    # the same prompts beside running decodes: the steps that admit new requests at concurrency 64
+    n_dec = max(1, min(max(wl.concurrency), 64) - len(many))
+    log(dict(what="prefill_profile", **profile_prefill(engine, many, device,
+                                                           decoding=[prompt(wl.prompt_len) for _ in range(n_dec)])))
     for n in wl.ttft_lens:
         r = run_requests(engine, [prompt(n)], SamplingParams(max_tokens=1, ignore_eos=True), f"ttft{n}")
         log(dict(what="ttft", prompt_len=n, s=r["first_token_s"], steps=r["steps"]))
@@ -763,10 +805,12 @@ def report(out: Path, name: str, wl: Workload) -> str:
                       "logits or sampling); the rest of the measured step is host time, the lm_head and the sampler."]
     for r in get(ours, "prefill_profile"):
         fam = ", ".join(f"{k} {v:.1f}" for k, v in r["family_ms"].items())
-        lines += ["", f"One prefill step of {r['prompts']} prompt(s), {r['tokens']} tokens, under the profiler: "
-                  f"{r['wall_ms_profiled']:.1f} ms wall, {r['kernels']} kernels; kernel ms by family: {fam}."]
-    for r in get(ours, "concurrency_fused_sampler"):
-        lines += ["", f"Triton temperature sampler (DELTASERVE_FUSED_SAMPLER=1), concurrency {r['C']}: decode "
+        beside = f" beside {r['decoding']} running decodes" if r.get("decoding") else ""
+        lines += ["", f"One step of {r['prompts']} prompt(s), {r['tokens']} tokens{beside}: {r['wall_ms']:.1f} ms wall "
+                  f"(first time {r['wall_ms_first']:.1f}); under the profiler {r['kernels']} kernels, "
+                  f"{r['kernel_ms']:.1f} ms of kernel time; by family: {fam}."]
+    for r in get(ours, "concurrency_other_sampler"):
+        lines += ["", f"The other temperature sampler ({r['sampler']}), concurrency {r['C']}: decode "
                   f"{r['decode_tok_s']:.1f} tok/s ({r['decode_step_s'] * 1e3:.3f} ms/step)."]
     for r in get(ours, "concurrency_sync"):
         lines += ["", f"Synchronous scheduling (async off), concurrency {r['C']}: decode {r['decode_tok_s']:.1f} tok/s "

@@ -40,6 +40,9 @@ def test_quick_run_reports_every_row(e2e, tmp_path):
     assert {r["prompt_len"] for r in rows if r["what"] == "ttft"} == set(e2e.QUICK.ttft_lens)
     prof = next(r for r in rows if r["what"] == "profile")
     assert prof["steps"] == e2e.QUICK.profile_steps and prof["family_us"]
+    prefill = [r for r in rows if r["what"] == "prefill_profile"]
+    assert [r["decoding"] > 0 for r in prefill] == [False, False, True], "one long, many short, many beside decodes"
+    assert all(r["wall_ms"] > 0 and r["kernels"] > 0 for r in prefill)
     peer = [json.loads(line) for line in (out / "peer.jsonl").read_text().splitlines()]
     assert {r["B"] for r in peer if r["what"] == "peer_decode"} == set(e2e.QUICK.peer_batches)
     text = e2e.report(out, "quick", e2e.QUICK)
@@ -90,12 +93,14 @@ def test_compile_recorder_reports_builds_and_restores_the_hooks(e2e):
     knobs = triton.knobs.runtime
     before = (knobs.jit_cache_hook, knobs.jit_post_compile_hook)
     rec = e2e.CompileRecorder()
-    fn = types.SimpleNamespace(name="_gemv_fma_kernel")
+    fn = types.SimpleNamespace(name="_gemv_fma_kernel", arg_names=["x", "M", "BN"])
+    key = ((("*bf16", "D"), ("i32", "1"), ("constexpr", 16)), "options")      # Triton 3.6's cache key
     extra = dict(compile={}, is_manual_warmup=False, already_compiled=False)
-    assert knobs.jit_cache_hook(key=("k",), repr="r", fn=fn, **extra) is False     # the build goes on
-    knobs.jit_post_compile_hook(key=("k",), repr="_gemv_fma_kernel[num_warps=4](x: *bf16)", fn=fn, **extra)
+    assert knobs.jit_cache_hook(key=key, repr="r", fn=fn, **extra) is False     # the build goes on
+    knobs.jit_post_compile_hook(key=key, repr="_gemv_fma_kernel[num_warps=4](x: ()", fn=fn, **extra)
     got = rec.take()
     assert got["compiles"] == 1 and got["compile_s"] >= 0 and got["compiled"][0].startswith("_gemv_fma_kernel")
+    assert got["variants"] == ["_gemv_fma_kernel(x=*bf16/D, M=i32/1, BN=constexpr/16)"]
     assert rec.take()["compiles"] == 0
     rec.remove()
     assert (knobs.jit_cache_hook, knobs.jit_post_compile_hook) == before
