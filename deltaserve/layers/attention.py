@@ -14,7 +14,7 @@ from torch import nn
 from ..batch import ForwardBatch
 from ..config import ModelConfig
 from ..ops import Kernels
-from .linear import Linear
+from .linear import Linear, gated_projection
 from .norm import RMSNorm
 from .weights import Target, WeightMap, rows, whole
 
@@ -58,7 +58,7 @@ class GatedAttention(nn.Module):
             *cos_sin, kv_cache, batch.slot_mapping)
         o = self.kernels.paged_attention(q, kv_cache, cu_seqlens=batch.cu_seqlens,
                                          seq_lens=batch.seq_lens, block_tables=batch.block_tables, scale=self.scale)
-        return self.o_proj(self.kernels.sigmoid_mul(o.view(T, self.o_size), gate))
+        return gated_projection(self.o_proj, self.kernels, o.view(T, self.o_size), gate, activation="sigmoid")
 
     def checkpoint_weights(self) -> WeightMap:
         return {

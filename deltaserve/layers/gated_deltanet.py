@@ -16,7 +16,7 @@ from torch import nn
 from ..batch import ForwardBatch
 from ..config import ModelConfig
 from ..ops import Kernels
-from .linear import Linear
+from .linear import Linear, folds_gate, gated_projection
 from .weights import Target, WeightMap, rows, whole
 
 
@@ -58,10 +58,19 @@ class GatedDeltaNet(nn.Module):
                           conv_state: torch.Tensor) -> torch.Tensor:
         """forward from in_proj(x) [T, in_proj.out_features], computed by the caller."""
         T = projected.shape[0]
-        mixed, z, b, a = projected.split(self.split_sizes, dim=-1)
-        z = z.view(T, self.nv, self.dv)
+        mixed, z2, b, a = projected.split(self.split_sizes, dim=-1)
+        z = z2.view(T, self.nv, self.dv)
         P, n_pre = batch.num_prefill_tokens, batch.num_prefills
         k = self.kernels
+        if P == 0 and folds_gate(self.out_proj, T):
+            # one decode token: the gated norm goes into out_proj's GEMV, gdn_decode returns o before it
+            o = k.gdn_decode(
+                mixed, z, a, b, conv_weight=self.conv_weight, A_log=self.A_log, dt_bias=self.dt_bias,
+                norm_weight=self.norm_weight, eps=self.eps, scale=self.scale, conv_state=conv_state,
+                ssm_state=ssm_state, state_indices=batch.decode_slots(), norm_activation=self.norm_activation,
+                gated_norm=False)
+            return gated_projection(self.out_proj, k, o.view(T, self.value_dim), z2, norm_weight=self.norm_weight,
+                                    eps=self.eps, activation=self.norm_activation)
         outs = []
         if n_pre:
             conv = k.causal_conv1d_fn(

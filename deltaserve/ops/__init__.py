@@ -52,6 +52,7 @@ class Kernels:
     sigmoid_mul: Callable            # x * sigmoid(gate): the attention output gate
     linear: Callable                 # y = x W^T: every projection and the logits
     rms_norm_linear: Callable        # (normed @ W^T, normed, x + residual): a pre-norm sublayer's input projection
+    gated_linear: Callable           # (gate [after a per-head norm] * x) @ W^T: a gated sublayer's output projection
 
 
 REFERENCE_OPS: dict[str, Callable] = {
@@ -75,6 +76,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "sigmoid_mul": activation_ref.sigmoid_mul,
     "linear": linear_ref.linear,
     "rms_norm_linear": linear_ref.rms_norm_linear,
+    "gated_linear": linear_ref.gated_linear,
 }
 
 

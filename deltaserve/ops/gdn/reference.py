@@ -245,15 +245,18 @@ def gdn_decode(
     mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
     conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
     eps: float, scale: float, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-    state_indices: torch.Tensor, norm_activation: str = "silu",
+    state_indices: torch.Tensor, norm_activation: str = "silu", gated_norm: bool = True,
 ) -> torch.Tensor:
     """One decode token for each of N sequences, the whole recurrent part of the layer: conv update +
     SiLU, split, gates, q/k L2 norm, delta rule on the slot state, gated RMSNorm. Returns [N, HV, V] in
     mixed_qkv's dtype; updates conv_state and ssm_state in place. Rows with slot -1 are skipped (zero
     output, no state touched). Equal to the layer's unfused decode path op by op (o is rounded to the
-    activation dtype before the norm, as there)."""
+    activation dtype before the norm, as there). gated_norm=False returns that o before the gated
+    RMSNorm (the layer then folds the norm into its output projection: linear.gated_linear); z and
+    norm_weight are then not used."""
     kw = {"conv_weight": conv_weight, "A_log": A_log, "dt_bias": dt_bias, "norm_weight": norm_weight, "eps": eps,
-          "scale": scale, "conv_state": conv_state, "ssm_state": ssm_state, "norm_activation": norm_activation}
+          "scale": scale, "conv_state": conv_state, "ssm_state": ssm_state, "norm_activation": norm_activation,
+          "gated_norm": gated_norm}
     if min(state_indices.tolist(), default=0) < 0:  # padded rows: compute the live ones, zeros elsewhere
         N, (HV, _, V) = mixed_qkv.shape[0], ssm_state.shape[1:]
         out = torch.zeros((N, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
@@ -269,7 +272,7 @@ def gdn_decode_unpadded(
     mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
     conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
     eps: float, scale: float, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-    state_indices: torch.Tensor, norm_activation: str = "silu",
+    state_indices: torch.Tensor, norm_activation: str = "silu", gated_norm: bool = True,
 ) -> torch.Tensor:
     """gdn_decode for a batch without padded rows (every slot >= 0): no host read, so it can be traced
     into a compiled graph."""
@@ -284,6 +287,8 @@ def gdn_decode_unpadded(
     o = fused_recurrent_gated_delta_rule_unpadded(
         qk[:, :HK], qk[:, HK:], v, g, beta, scale=scale, ssm_state=ssm_state, state_indices=state_indices,
         use_qk_l2norm_in_kernel=False).to(mixed_qkv.dtype)
+    if not gated_norm:
+        return o
     return _norm.rms_norm_gated(o, z.reshape(N, HV, V), norm_weight, eps, activation=norm_activation)
 
 

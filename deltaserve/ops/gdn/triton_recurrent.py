@@ -190,6 +190,16 @@ def _shift_window(win, D, ch, cm, xrow, live, W: tl.constexpr, WP: tl.constexpr)
 
 
 @triton.jit
+def _store_qk_window(win, D, cq, ck, q_in, k_in, live, W: tl.constexpr):
+    """Window rows of the q and k channels cq, ck <- [rows 1.., x_t], from the _conv_inputs tuples that
+    hold them (the old rows and x_t): stores only. Other programs must be done reading the old rows."""
+    tl.debug_barrier()
+    for r in tl.static_range(W - 1):
+        tl.store(win + r * D + cq, q_in[r + 1].to(win.dtype.element_ty), mask=(cq >= 0) & live)
+        tl.store(win + r * D + ck, k_in[r + 1].to(win.dtype.element_ty), mask=(ck >= 0) & live)
+
+
+@triton.jit
 def _gated_rms(ot, zt, w, eps, V: tl.constexpr, SIGMOID: tl.constexpr):
     """Gated RMSNorm of fp32 rows ot [H, V] with gate inputs zt [H, V] and weight w [V] (fp32)."""
     y = ot * tl.rsqrt(tl.sum(ot * ot, axis=1) / V + eps)[:, None] * w[None, :]
@@ -347,9 +357,14 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                          R: tl.constexpr, RP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
                          SIGMOID: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                         STATE_AFTER_RELEASE: tl.constexpr, TRIGGER: tl.constexpr = False):
+                         STATE_AFTER_RELEASE: tl.constexpr, TRIGGER: tl.constexpr = False,
+                         NORM: tl.constexpr = True):
     """Fused decode in one launch (small batches): _tokens_kernel's math, then the gated norm and the
     window update, coordinated per (sequence, key head) by a counter (module docstring).
+
+    Without NORM (gated_norm=False: the output projection applies the norm) each program stores its
+    slice of the un-normalised o itself, and the group's last program only writes the q/k window rows,
+    from the conv inputs it holds in registers (no reload, no o_tmp).
 
     At batch 1 the time is latency, so the chain of dependent memory round trips is kept short: the
     slot index, then the state (issued first: a CTA barrier after its loads keeps the compiler from
@@ -404,7 +419,8 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
     A = tl.load(A_log + hv).to(tl.float32)
     dtb = tl.load(dt_bias + hv).to(tl.float32)
     of = tl.arange(0, V)
-    w = tl.load(norm_w + of).to(tl.float32)  # a weight: likely a DRAM miss, unlike z (just written)
+    if NORM:
+        w = tl.load(norm_w + of).to(tl.float32)  # a weight: likely a DRAM miss, unlike z (just written)
     # ---- phase 2: the math ----
     qh = _l2norm(_conv_of(q_in, q_taps, x.dtype.element_ty, W)) * scale
     kh = _l2norm(_conv_of(k_in, k_taps, x.dtype.element_ty, W))
@@ -416,7 +432,9 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
     if group_of_one or not STATE_AFTER_RELEASE:
         tl.store(sp, S, mask=smask)
     o = tl.where(live, o, 0.0).to(out.dtype.element_ty)  # rounded to the activation dtype, as unfused
-    if BV == V:  # whole rows: the norm is local (dead rows: zeros in, zeros out)
+    if not NORM:
+        tl.store(out + (t * HV + hv) * V + ov, o)
+    elif BV == V:  # whole rows: the norm is local (dead rows: zeros in, zeros out)
         zt = tl.load(z + t * s_z_t + hv * s_z_h + of).to(tl.float32)
         y = _gated_rms(o.to(tl.float32)[None, :], zt[None, :], w, eps, V, SIGMOID)
         tl.store(out + (t * HV + hv) * V + ov[None, :], y.to(out.dtype.element_ty))
@@ -428,7 +446,10 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
     i2 = tl.arange(0, 2 * K)
     cqk = tl.where(i2 < K, hk * K + i2, HK * K + hk * K + i2 - K)  # the key head's q and k channels
     if group_of_one:  # the only program of its (sequence, key head)
-        _shift_window(win, D, cqk, i2 >= 0, xrow, live, W, WP)
+        if NORM:
+            _shift_window(win, D, cqk, i2 >= 0, xrow, live, W, WP)
+        else:
+            _store_qk_window(win, D, cq, ck, q_in, k_in, live, W)
     else:
         if live:
             tl.debug_barrier()  # every thread's o_tmp stores and window reads precede the release below
@@ -438,19 +459,23 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                 tl.store(sp, S, mask=smask)
             if arrived == R * (V // BV) - 1:  # the last of the group: the q/k window is free, o_tmp complete
                 tl.store(cnt, 0)
-                # all loads of this tail in flight together (L2 hits: o_tmp, z and x were just written)
-                new_qk = _shifted_window(win, D, cqk, i2 >= 0, xrow, live, W, WP)
-                if BV < V:
-                    hr = tl.arange(0, RP)
-                    heads = hk * R + hr
-                    hm = (hr[:, None] < R) & (of[None, :] >= 0)
-                    ot = tl.load(o_tmp + (t * HV + heads[:, None]) * V + of[None, :], mask=hm, other=0.0,
-                                 cache_modifier=".cg").to(tl.float32)
-                    zt = tl.load(z + t * s_z_t + heads[:, None] * s_z_h + of[None, :], mask=hm,
-                                 other=0.0).to(tl.float32)
-                    y = _gated_rms(ot, zt, w, eps, V, SIGMOID)
-                    tl.store(out + (t * HV + heads[:, None]) * V + of[None, :], y.to(out.dtype.element_ty), mask=hm)
-                _store_window(win, D, cqk, i2 >= 0, new_qk, live, W, WP)
+                if not NORM:
+                    _store_qk_window(win, D, cq, ck, q_in, k_in, live, W)
+                else:
+                    # all loads of this tail in flight together (L2 hits: o_tmp, z and x were just written)
+                    new_qk = _shifted_window(win, D, cqk, i2 >= 0, xrow, live, W, WP)
+                    if BV < V:
+                        hr = tl.arange(0, RP)
+                        heads = hk * R + hr
+                        hm = (hr[:, None] < R) & (of[None, :] >= 0)
+                        ot = tl.load(o_tmp + (t * HV + heads[:, None]) * V + of[None, :], mask=hm, other=0.0,
+                                     cache_modifier=".cg").to(tl.float32)
+                        zt = tl.load(z + t * s_z_t + heads[:, None] * s_z_h + of[None, :], mask=hm,
+                                     other=0.0).to(tl.float32)
+                        y = _gated_rms(ot, zt, w, eps, V, SIGMOID)
+                        tl.store(out + (t * HV + heads[:, None]) * V + of[None, :], y.to(out.dtype.element_ty),
+                                 mask=hm)
+                    _store_window(win, D, cqk, i2 >= 0, new_qk, live, W, WP)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -596,7 +621,7 @@ def _norm_activation(op: str, name: str) -> bool:
 
 
 def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, eps, scale, conv_state,
-                  ssm_state, state_indices, cu_seqlens, stash, norm_activation, config, op):
+                  ssm_state, state_indices, cu_seqlens, stash, norm_activation, config, op, gated_norm=True):
     T, D, HK, HV, K, V, W, z3 = _check_layer_inputs(
         op, mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, ssm_state)
     sigmoid_gate = _norm_activation(op, norm_activation)
@@ -619,7 +644,8 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
           "config pdl / state_after_release apply to the one-launch decode only")
     check(not cfg.pdl or has_pdl(mixed_qkv.device), op,
           "config pdl needs a CUDA device of compute capability 9.0 or newer")
-    o_tmp = torch.empty((T, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+    # without the gated norm the one-launch kernel writes o straight to `out`, the two launches' o_tmp is it
+    o_tmp = out if not gated_norm else torch.empty((T, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     if cfg.one_launch:
         _decode_fused_kernel[(V // cfg.bv, N * HV)](
             mixed_qkv, mixed_qkv.stride(0), z3, z3.stride(0), z3.stride(1), a, a.stride(0), b, b.stride(0),
@@ -627,8 +653,8 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
             _group_counters(mixed_qkv.device, N * HK), float(scale), float(eps), HK, HV, D, ssm_state.shape[0],
             R=HV // HK, RP=next_pow2(HV // HK), K=K, V=V, BV=cfg.bv, W=W, WP=next_pow2(W - 1),
             SIGMOID=sigmoid_gate, PDL=cfg.pdl, PREFETCH=cfg.prefetch,
-            STATE_AFTER_RELEASE=cfg.state_after_release, TRIGGER=has_pdl(mixed_qkv.device), num_warps=cfg.num_warps,
-            **({"launch_pdl": True} if cfg.pdl else {}))
+            STATE_AFTER_RELEASE=cfg.state_after_release, TRIGGER=has_pdl(mixed_qkv.device), NORM=gated_norm,
+            num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}))
         return out
     dummy = o_tmp  # pointer arguments that the decode variant never touches
     if verify:
@@ -650,22 +676,26 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
             BV=cfg.bv, W=W, num_warps=cfg.num_warps)
     HB = max(1, min(next_pow2(HV), 4096 // V))
     BD = 1024
-    norm_blocks = triton.cdiv(HV, HB)
+    norm_blocks = triton.cdiv(HV, HB) if gated_norm else 0  # without the norm: the window update only
     _finish_kernel[(T, norm_blocks + triton.cdiv(D, BD))](
         o_tmp, z3, z3.stride(0), z3.stride(1), norm_weight, out, mixed_qkv, mixed_qkv.stride(0), conv_state,
         state_indices, stash.x if verify else dummy, float(eps), HV, D, norm_blocks, V=V, HB=HB, BD=BD, W=W,
         WP=next_pow2(W - 1), VERIFY=verify, SIGMOID=sigmoid_gate, num_warps=4)
-    return out
+    return out  # (o_tmp itself without the gated norm)
 
 
 def gdn_decode(
     mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
     conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
     eps: float, scale: float, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-    state_indices: torch.Tensor, norm_activation: str = "silu", config: RecurrentConfig | None = None,
+    state_indices: torch.Tensor, norm_activation: str = "silu", gated_norm: bool = True,
+    config: RecurrentConfig | None = None,
 ) -> torch.Tensor:
+    """See reference.gdn_decode. With gated_norm=False the one-launch kernel's programs store their own
+    slices of o and the group counter only orders the q/k window update (no o_tmp, no norm tail)."""
     return _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, eps, scale, conv_state,
-                         ssm_state, state_indices, None, None, norm_activation, config, "gdn_decode")
+                         ssm_state, state_indices, None, None, norm_activation, config, "gdn_decode",
+                         gated_norm=bool(gated_norm))
 
 
 def gdn_verify(

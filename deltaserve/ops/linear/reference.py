@@ -1,12 +1,17 @@
-"""Dense projection y = x W^T (no bias) and the pre-norm projection (RMSNorm folded in front of it): the
-references, and the ops every Linear layer, the pre-norm sublayers and the logits call."""
+"""Dense projection y = x W^T (no bias), the pre-norm projection (RMSNorm folded in front of it) and the
+gated output projection (a gate, optionally after a per-head RMSNorm, in front of it): the references,
+and the ops every Linear layer, the pre-norm sublayers, the sublayers' output projections and the logits
+call."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..norm.reference import rms_norm
+from ..activation.reference import sigmoid_mul
+from ..norm.reference import rms_norm, rms_norm_gated
+
+GATE_ACTIVATIONS = ("silu", "swish", "sigmoid")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -26,3 +31,30 @@ def rms_norm_linear(
     else:
         normed, total = rms_norm(x, norm_weight, eps, zero_centered=zero_centered, residual=residual)
     return linear(normed, weight), normed, total
+
+
+def gated_linear(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6, activation: str = "sigmoid",
+) -> torch.Tensor:
+    """A gated sublayer's output projection, linear(h, weight) with h [..., K] from x and gate (same shape):
+    - norm_weight None: h = x * act(gate) (the attention output gate: sigmoid_mul);
+    - norm_weight [D]: h = rms_norm_gated over heads of D (K = heads * D), the GDN output norm
+      (x * rsqrt(mean(x^2) + eps) * norm_weight * act(gate) per head).
+    act is silu ("swish") or sigmoid; h is rounded to x's dtype before the product, as the two ops are."""
+    if activation not in GATE_ACTIVATIONS:
+        raise ValueError(f"gated_linear: unsupported gate activation {activation!r} (expected one of "
+                         f"{GATE_ACTIVATIONS})")
+    if gate.shape != x.shape:
+        raise ValueError(f"gated_linear: x {tuple(x.shape)} and gate {tuple(gate.shape)} must have one shape")
+    if norm_weight is None:
+        h = sigmoid_mul(x, gate) if activation == "sigmoid" else x * F.silu(gate)
+    else:
+        D, K = norm_weight.numel(), x.shape[-1]
+        if norm_weight.dim() != 1 or D == 0 or K % D:
+            raise ValueError(f"gated_linear: norm_weight must be [D] with D dividing K = {K}, got "
+                             f"{tuple(norm_weight.shape)}")
+        lead = x.shape[:-1]
+        h = rms_norm_gated(x.reshape(*lead, K // D, D), gate.reshape(*lead, K // D, D), norm_weight, eps,
+                           activation=activation).reshape(*lead, K)
+    return linear(h, weight)

@@ -32,6 +32,13 @@ cuBLAS, whose tensor-core GEMMs tie or beat ours there, is the right kernel. The
 residual add and the norm folded into the same kernels (their NORM variant) where that measured faster
 than a norm launch before the GEMV: at M = 1 (`default_prenorm_config`), i.e. every decoder layer of a
 batch-1 decode step launches no norm.
+
+`gated_linear` is a gated sublayer's output projection: the attention output gate x * sigmoid(gate), or
+the GDN output norm (per-head RMSNorm times silu / sigmoid of the gate), then the projection. At M = 1
+(`default_gated_config`) it is one launch (`_gemv_gated_kernel`): each program steps over K in whole
+heads, normalises and gates the x chunk in registers (x and the gate re-read from L2 by every program),
+rounds it to x's dtype as the two ops do, and multiplies its weight rows by it; elsewhere the gate op
+(norm) kernel, then `linear`.
 """
 
 from __future__ import annotations
@@ -44,8 +51,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..activation import triton as activation_triton
 from ..norm import triton as norm_triton
-from ..triton_common import ACTIVATION_DTYPES, check, check_same_device, pdl_launch, prefetch_l2
+from ..triton_common import ACTIVATION_DTYPES, check, check_same_device, pdl_launch, prefetch_l2, sigmoid, silu
+from .reference import GATE_ACTIVATIONS
 
 GEMV_MAX_M = 32          # rows of x up to which our kernels can run (M > 16 only for N <= SMALL_N)
 SMALL_N = 4096           # N up to which M = 17..32 still beats cuBLAS (its small-N tiles leave SMs idle)
@@ -419,3 +428,103 @@ def rms_norm_linear(
     s = None if residual is None else torch.empty((M, K), dtype=x.dtype, device=x.device)
     y = _gemv(x2, weight, cfg, (r2, norm_weight, eps, zero_centered, h, h if s is None else s))
     return y.reshape(*lead, N), h.view(*lead, K), x if s is None else s.view(*lead, K)
+
+
+# ---- the gated output projection ------------------------------------------------------------------
+
+@triton.jit
+def _gemv_gated_kernel(x, g, nw, w, y, N, K, s_wn, eps,
+                       BN: tl.constexpr, HB: tl.constexpr, HD: tl.constexpr, NORM: tl.constexpr,
+                       SIGMOID: tl.constexpr, PDL: tl.constexpr = False, PF: tl.constexpr = 0):
+    """y[n] = sum_k h[k] w[n, k] for one row of x (fp32 accumulation), h = act(g) * x, with NORM each head
+    of HD values of x first scaled by its rsqrt(mean square + eps) and by nw; h rounded to x's dtype.
+    A program owns BN weight rows and steps over K by HB whole heads ([BN, HB, HD] tiles), so the norm's
+    statistics of a head are in the step that uses them."""
+    pid = tl.program_id(0)
+    rows = pid * BN + tl.arange(0, BN)
+    row_ok = rows < N
+    d = tl.arange(0, HD)
+    if NORM:
+        wn = tl.load(nw + d).to(tl.float32)  # a weight: may be read before the wait
+    if PDL:
+        _prefetch_weights(w, rows, row_ok, 0, K, s_wn, BN, PF)
+        gdc_wait()                   # x and the gate belong to the kernels before us
+        gdc_launch_dependents()
+    kk = tl.arange(0, HB)[:, None] * HD + d[None, :]                      # [HB, HD]
+    wp = w + rows[:, None, None].to(tl.int64) * s_wn + kk[None, :, :]
+    acc = tl.zeros([BN, HB, HD], dtype=tl.float32)
+    for k0 in range(0, K, HB * HD):
+        k_ok = kk + k0 < K
+        wt = tl.load(wp + k0, mask=row_ok[:, None, None] & k_ok[None, :, :], other=0.0).to(tl.float32)
+        xv = tl.load(x + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
+        gv = tl.load(g + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
+        if NORM:
+            xv = xv * tl.rsqrt(tl.sum(xv * xv, 1) / HD + eps)[:, None] * wn[None, :]
+        if SIGMOID:
+            xv = xv * sigmoid(gv)
+        else:
+            xv = xv * silu(gv)
+        xv = xv.to(x.dtype.element_ty).to(tl.float32)   # the two-launch path's operand, rounded once
+        acc += wt * xv[None, :, :]
+    out = tl.sum(tl.sum(acc, 2), 1)
+    tl.store(y + rows, out.to(y.dtype.element_ty), mask=row_ok)
+
+
+def default_gated_config(M: int, N: int, K: int) -> LinearConfig | None:
+    """Tiles for gated_linear with the gate (and norm) folded into the GEMV, or None where the gate op
+    runs as a launch of its own before `linear`. Folded at M = 1 only, with the plain GEMV's M = 1 tiles
+    (block_k raised to whole heads where a head is longer), as the pre-norm fold (default_prenorm_config)."""
+    return default_linear_config(M, N, K) if M == 1 else None
+
+
+def gated_linear(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6, activation: str = "sigmoid", config: LinearConfig | None = None,
+) -> torch.Tensor:
+    """See reference.gated_linear. With tiles (default_gated_config: one row of x; or an explicit `config`
+    with one row and no split K): one launch of _gemv_gated_kernel. Otherwise the gate op (sigmoid_mul,
+    rms_norm_gated; x * silu(gate) in torch) and then `linear`, as two launches."""
+    op = "gated_linear"
+    _check_operands(op, x, weight)
+    check(activation in GATE_ACTIVATIONS, op, f"unsupported gate activation {activation!r} (expected one of "
+          f"{GATE_ACTIVATIONS})")
+    check(gate.shape == x.shape and gate.dtype == x.dtype, op,
+          f"gate must match x: {tuple(gate.shape)} {gate.dtype} vs {tuple(x.shape)} {x.dtype}")
+    check(gate.stride(-1) == 1 or gate.shape[-1] <= 1, op,
+          f"gate must be contiguous in its last dim (strides {tuple(gate.stride())})")
+    N, K = weight.shape
+    tensors = [x, gate, weight]
+    if norm_weight is not None:
+        D = norm_weight.numel()
+        check(norm_weight.dim() == 1 and D >= 1 and K % D == 0, op,
+              f"norm_weight must be [D] with D dividing K = {K}, got {tuple(norm_weight.shape)}")
+        tensors.append(norm_weight)
+    check_same_device(op, *tensors)
+    lead = x.shape[:-1]
+    M = lead.numel()
+    cfg = config if config is not None else default_gated_config(M, N, K)
+    if cfg is None or M == 0 or N == 0 or K == 0:
+        if norm_weight is None:
+            h = activation_triton.sigmoid_mul(x, gate) if activation == "sigmoid" else x * F.silu(gate)
+        else:
+            hd = (*lead, K // D, D)
+            h = norm_triton.rms_norm_gated(x.reshape(hd), gate.reshape(hd), norm_weight, eps,
+                                           activation=activation).reshape(*lead, K)
+        return linear(h, weight)
+    _check_config(cfg, M)
+    check(M == 1 and not cfg.dot and cfg.split_k == 1, op,
+          f"the folded gate takes one row of x on the CUDA-core kernel without split K, got {M} rows, {cfg}")
+    if norm_weight is not None:
+        check(D & (D - 1) == 0, op, f"the folded norm needs a power-of-two head size, got {D}")
+        hd = D
+    else:
+        hd = min(cfg.block_k, 128)           # no heads: any split of the step into rows of the tile
+    block_k = max(cfg.block_k, hd)           # whole heads per step
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    pf = 0 if cfg.prefetch <= 0 else max(64, triton.next_power_of_2(min(cfg.prefetch, K)))
+    pdl = dict(PDL=True, PF=pf, launch_pdl=True) if cfg.pdl and pdl_launch(x.device) else {}
+    _gemv_gated_kernel[(triton.cdiv(N, cfg.block_n),)](
+        x.reshape(M, K), gate.reshape(M, K), x if norm_weight is None else norm_weight, weight, y, N, K,
+        weight.stride(0), float(eps), BN=cfg.block_n, HB=block_k // hd, HD=hd, NORM=norm_weight is not None,
+        SIGMOID=activation == "sigmoid", num_warps=cfg.warps, num_stages=cfg.stages, **pdl)
+    return y.reshape(*lead, N)
