@@ -82,6 +82,54 @@ def one_pass_kernels() -> list[dict]:
     return out
 
 
+def gemv_kernels() -> list[dict]:
+    """The decode GEMV kernels (w13, w2) of the defaults and of every session-5 variant the decode benchmark
+    times, at the 35B-A3B shape (9 slots, H 2048, I 512, bf16), with their programs per SM."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from attention_moe_ops import gemv_variants, session4_config
+
+    bf, f32, i64 = "*bf16", "*fp32", "*i64"
+    out, seen = [], set()
+    for T in (1, 2):
+        cfgs = {"session-4 default": session4_config(T), "default": moe_t.default_moe_config(T, 9, 257, 2048, 512,
+                                                                                              pdl=True),
+                **gemv_variants(T)}
+        for label, c in cfgs.items():
+            pf_w2 = triton.next_power_of_2(2048 // triton.cdiv(512, c.block_n1)) if c.prefetch_w2 else 0
+            k13 = (c.block_n1, c.block_k1, c.warps1, c.row_acc, c.prefetch_self, pf_w2, c.prefetch_tail, c.evict_first,
+                   c.pdl, c.pdl_w13)
+            if k13 not in seen:
+                seen.add(k13)
+                out.append(compile_aligned(
+                    f"gemv_w13 T={T} {label}", moe_t._gemv_w13_kernel, dict(x=bf, w13=bf, ids=i64, inter=bf, w2=bf),
+                    dict(TOP_K=9, BN=c.block_n1, BK=c.block_k1, PDL=c.pdl, WAIT=c.pdl_w13, ROW_ACC=c.row_acc,
+                         PF_SELF=c.prefetch_self, PF_W2=pf_w2, PF_TAIL=c.prefetch_tail,
+                         EVICT="evict_first" if c.evict_first else "", LINE=64, LH=32, LI=8),
+                    c.warps1, c.stages, aligned=("H", "I", "s_x", "s_we", "s_wn", "s_w2e", "s_w2n")))
+            k2 = (c.all_experts, c.packed_w2, c.block_n2, c.block_k2, c.warps2, c.pdl)
+            if k2 in seen:
+                continue
+            seen.add(k2)
+            types = dict(inter=bf, w2=bf, ids=i64, weights=f32, out=bf)
+            if c.packed_w2:
+                out.append(compile_aligned(
+                    f"gemv_w2_packed T={T} {label}", moe_t._gemv_w2_packed_kernel, types,
+                    dict(TOP_K=9, BN=c.block_n2, R=triton.next_power_of_2(9 * c.block_n2),
+                         BNP=triton.next_power_of_2(c.block_n2), BK=c.block_k2, PDL=c.pdl), c.warps2, c.stages,
+                    aligned=("H", "I", "s_we", "s_wn", "s_w", "s_o")))
+            elif c.all_experts:
+                out.append(compile_aligned(
+                    f"gemv_w2_all T={T} {label}", moe_t._gemv_w2_all_kernel, types,
+                    dict(TOP_K=9, KP=16, BN=c.block_n2, BK=c.block_k2, PDL=c.pdl), c.warps2, c.stages,
+                    aligned=("H", "I", "s_we", "s_wn", "s_w", "s_o")))
+            else:
+                out.append(compile_aligned(
+                    f"gemv_w2_combine T={T} {label}", moe_t._gemv_w2_combine_kernel, types,
+                    dict(TOP_K=9, BN=c.block_n2, BK=c.block_k2, ONE_STEP=c.block_k2 >= 512, TRIGGER=True), c.warps2,
+                    c.stages, aligned=("H", "I", "s_we", "s_wn", "s_w", "s_o")))
+    return out
+
+
 def fp32_attention_defaults() -> int:
     """Compile the default fp32 tiles (decode and prefill, 35B-A3B heads, head_dim 256) and check their
     shared memory: the bf16 tiles in fp32 need more than a block has."""
@@ -104,8 +152,15 @@ def fp32_attention_defaults() -> int:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fp32-attention", action="store_true", help="only the fp32 default attention tiles")
-    if ap.parse_args().fp32_attention:
+    ap.add_argument("--moe-gemv", action="store_true", help="only the MoE decode GEMV kernels")
+    args = ap.parse_args()
+    if args.fp32_attention:
         return fp32_attention_defaults()
+    if args.moe_gemv:
+        results = gemv_kernels()
+        failed = [r["label"] for r in results if not r["ok"]]
+        print(f"\n{len(results)} kernels, {len(failed)} failed: {failed}")
+        return 1 if failed else 0
     bf, f32, i32, i64 = "*bf16", "*fp32", "*i32", "*i64"
     results = []
     # Qwen3.5-35B-A3B attention: 16 query heads, 2 KV heads, head_dim 256 (G = 8); 27B: 24 / 4 (G = 6)
@@ -130,6 +185,7 @@ def main() -> int:
     results.append(compile_one("route", moe_route._route_kernel, dict(logits=bf, weights=f32, ids=i64),
                                dict(K=8, M=1, KP=16, EP=256, BT=1, RENORM=True, PDL=True), 1))
     results += one_pass_kernels()
+    results += gemv_kernels()
     for fused in (True, False):
         results.append(compile_one(
             f"moe_offsets fused={int(fused)}", moe_t._moe_offsets_kernel,

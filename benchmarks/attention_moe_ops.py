@@ -522,7 +522,45 @@ def session3_config(T: int):
     return replace(moe_t.GEMV_T1, pdl_w13=False) if T == 1 else moe_t.GemvMoeConfig()
 
 
-def decode_impls(T: int, d: DecodeInputs) -> dict:
+def session4_config(T: int):
+    """The session-4 default (w13 launched programmatically after the routing)."""
+    return moe_t.GEMV_T1 if T == 1 else moe_t.GemvMoeConfig(pdl_w13=True)
+
+
+HINTS = dict(prefetch_self=True, prefetch_w2=True, prefetch_tail=1, evict_first=True)
+# session 5: label -> (token counts, fields replaced in the session-4 default); timed as route + fused_moe
+GEMV_VARIANTS = {
+    "row_acc": ((1, 2, 4, 8), dict(row_acc=True)),
+    "prefetch_w2": ((1,), dict(prefetch_w2=True)),
+    "prefetch_self": ((1, 2), dict(prefetch_self=True)),
+    "row_acc + prefetch_self": ((1, 2, 4, 8), dict(row_acc=True, prefetch_self=True)),
+    "row_acc + prefetch_self + prefetch_w2": ((1, 2), dict(row_acc=True, prefetch_self=True, prefetch_w2=True)),
+    "row_acc + all hints": ((1, 2), dict(row_acc=True, **HINTS)),
+    "row_acc + prefetch_w2 + tail + evict_first": ((1,), dict(row_acc=True, prefetch_w2=True, prefetch_tail=1,
+                                                              evict_first=True)),
+    "row_acc + prefetch_self + tail": ((2, 4, 8), dict(row_acc=True, prefetch_self=True, prefetch_tail=1)),
+    "row_acc + tail": ((2, 4, 8), dict(row_acc=True, prefetch_tail=1)),
+    "row_acc + all hints, w2 2 rows": ((1,), dict(row_acc=True, **HINTS, block_n2=2)),
+    "row_acc + all hints, w13 4 rows": ((1,), dict(row_acc=True, **HINTS, block_n1=4)),
+    "row_acc + all hints, w13 8 x 512 2 warps": ((1,), dict(row_acc=True, **HINTS, block_k1=512, warps1=2)),
+    "row_acc + all hints, w2 packed 3 rows x 256": ((1,), dict(row_acc=True, **HINTS, packed_w2=True, block_n2=3,
+                                                               block_k2=256)),
+    "row_acc + all hints, w2 packed 3 rows x 512": ((1,), dict(row_acc=True, **HINTS, packed_w2=True, block_n2=3)),
+    "row_acc + all hints, w2 one expert at a time": ((1,), dict(row_acc=True, **HINTS, all_experts=False, pdl=False,
+                                                             block_n2=4, warps2=2)),
+}
+# rows also profiled per kernel (the profiler costs ~1 s a row)
+PROFILED = {"default: route + fused_moe", "default: fused_moe only", "route + row_acc + all hints",
+            "route + row_acc + prefetch_self + prefetch_w2", "route + row_acc", "route + row_acc + prefetch_self",
+            "fused_moe only, row_acc + all hints", "route + row_acc + all hints, w2 packed 3 rows x 256"}
+
+
+def gemv_variants(T: int) -> dict:
+    """label -> config of the session-5 variants timed at T."""
+    return {k: replace(session4_config(T), **f) for k, (ts, f) in GEMV_VARIANTS.items() if T in ts}
+
+
+def decode_impls(T: int, d: DecodeInputs, one_pass: bool = False) -> dict:
     """label -> fn(i) for call i (its own weight copy); '+' = routing inside the timed call."""
     def ours(cfg=None, route="new"):
         def fn(i):
@@ -535,22 +573,22 @@ def decode_impls(T: int, d: DecodeInputs) -> dict:
             return moe_t.fused_moe(d.x[i], d.w13[i], d.w2[i], w, ids, config=cfg)
         return fn
 
-    s3 = session3_config(T)
     impls = {
-        "session 3: route + fused_moe": ours(s3, "s3"),
         "default: route + fused_moe": ours(None, "new"),
-        "session 3: fused_moe only": ours(s3, None),
         "default: fused_moe only": ours(None, None),
-        "new route + session-3 fused_moe": ours(s3, "new"),
-        "new route + GEMV, w13 programmatic": ours(replace(s3, pdl_w13=True), "new"),
-        "route only, session 3": lambda i: route_s3(d.logits[i]),
         "route only, default": lambda i: moe_route.topk_softmax(d.logits[i], TOP_K, True, shared_slices=1),
         "peer: torch._grouped_mm pipeline (routing excluded)":
             lambda i: grouped_mm_decode(d.x[i], d.w13[i], d.w2[i], *d.routed[i]),
     }
-    impls["new route + one-pass default tiles"] = ours(moe_t.ONE_PASS_T1, "new")
-    for label, cfg in ONE_PASS_SWEEP.items():
-        impls[f"new route + {label}"] = ours(cfg, "new")
+    for label, cfg in gemv_variants(T).items():
+        impls[f"route + {label}"] = ours(cfg, "new")
+        if T == 1 and label == "row_acc + all hints":
+            impls[f"fused_moe only, {label}"] = ours(cfg, None)
+    if one_pass:
+        impls["session 3: route + fused_moe"] = ours(session3_config(T), "s3")
+        impls["new route + one-pass default tiles"] = ours(moe_t.ONE_PASS_T1, "new")
+        for label, cfg in ONE_PASS_SWEEP.items():
+            impls[f"new route + {label}"] = ours(cfg, "new")
     return impls
 
 
@@ -635,7 +673,7 @@ def run_moe_decode(args, log, ceil, t_start: float) -> list:
                     err = None if label.startswith("route only") else rel_err(got, wants[T])
                     graph = graph_of(fn, DECODE_CALLS)
                     sec = timer.time(graph, DECODE_CALLS)
-                    kern = timer.kernels(graph, DECODE_CALLS) if not sweep else {}
+                    kern = timer.kernels(graph, DECODE_CALLS) if not sweep and label in PROFILED else {}
                     del graph
                 except Exception as exc:
                     log(f"FAILED T={T} {label}: {type(exc).__name__}: {str(exc)[:300]}")
