@@ -182,8 +182,10 @@ def main() -> int:
     results.append(compile_one("store_kv", attn_t._store_kv_kernel, dict(k=bf, v=bf, cache=bf, slots=i64),
                                dict(NKV=2, D=256, BH=2), 4))
     # MoE, Qwen3.5-35B-A3B: E 256, top-8, H 2048, I 512
-    results.append(compile_one("route", moe_route._route_kernel, dict(logits=bf, weights=f32, ids=i64),
-                               dict(K=8, M=1, KP=16, EP=256, BT=1, RENORM=True, PDL=True), 1))
+    for wait in (False, True):
+        results.append(compile_one(f"route wait={int(wait)}", moe_route._route_kernel,
+                                   dict(logits=bf, weights=f32, ids=i64),
+                                   dict(K=8, M=1, KP=16, EP=256, BT=1, RENORM=True, PDL=True, WAIT=wait), 1))
     results += one_pass_kernels()
     results += gemv_kernels()
     for fused in (True, False):

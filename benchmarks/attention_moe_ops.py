@@ -52,6 +52,7 @@ from deltaserve.ops.activation import reference as act_ref
 from deltaserve.ops.activation import triton as act_t
 from deltaserve.ops.attention import reference as attn_ref
 from deltaserve.ops.attention import triton as attn_t
+from deltaserve.ops.linear import triton as lin_t
 from deltaserve.ops.moe import reference as moe_ref
 from deltaserve.ops.moe import triton as moe_t
 from deltaserve.ops.moe import triton_routing as moe_route
@@ -485,6 +486,9 @@ class DecodeInputs:
     logits: list       # [T, E + 1]: the routed experts' logits and the shared expert's gate
     routed: list       # (weights, ids) of each call, from the reference routing
     distinct: float    # mean distinct experts per call (the shared one included)
+    router: list = field(default_factory=list)      # [E + 1, H] router + shared gate rows, one per weight copy
+    resid: list = field(default_factory=list)       # the residual added before the pre-norm, per call
+    norm_w: torch.Tensor | None = None
 
 
 def decode_inputs(T: int, calls: int, copies: int | None = None, seed: int = 0) -> DecodeInputs:
@@ -497,7 +501,10 @@ def decode_inputs(T: int, calls: int, copies: int | None = None, seed: int = 0) 
     logits = [torch.randn(T, E_STORED, device=DEV, generator=g).to(BF) for _ in range(calls)]
     routed = [moe_ref.topk_softmax(lg, TOP_K, True, shared_slices=1) for lg in logits]
     distinct = sum(int(torch.unique(ids).numel()) for _, ids in routed) / calls
-    return DecodeInputs(w13, w2, xs, logits, routed, distinct)
+    router = [(torch.randn(E_STORED, H, device=DEV, generator=g) * H ** -0.5).to(BF) for _ in range(copies or calls)]
+    resid = [torch.randn(T, H, device=DEV, generator=g).to(BF) for _ in range(calls)]
+    norm_w = (torch.randn(H, device=DEV, generator=g) * 0.1).to(BF)
+    return DecodeInputs(w13, w2, xs, logits, routed, distinct, router, resid, norm_w)
 
 
 def grouped_mm_decode(x, w13, w2, weights, ids):
@@ -552,7 +559,9 @@ GEMV_VARIANTS = {
 # rows also profiled per kernel (the profiler costs ~1 s a row)
 PROFILED = {"default: route + fused_moe", "default: fused_moe only", "route + row_acc + all hints",
             "route + row_acc + prefetch_self + prefetch_w2", "route + row_acc", "route + row_acc + prefetch_self",
-            "fused_moe only, row_acc + all hints", "route + row_acc + all hints, w2 packed 3 rows x 256"}
+            "fused_moe only, row_acc + all hints", "route + row_acc + all hints, w2 packed 3 rows x 256",
+            "layer: norm + router GEMV + route + fused_moe, default",
+            "layer: ... route programmatic + row_acc + all hints", "layer: ... + row_acc + all hints"}
 
 
 def gemv_variants(T: int) -> dict:
@@ -580,7 +589,26 @@ def decode_impls(T: int, d: DecodeInputs, one_pass: bool = False) -> dict:
         "peer: torch._grouped_mm pipeline (routing excluded)":
             lambda i: grouped_mm_decode(d.x[i], d.w13[i], d.w2[i], *d.routed[i]),
     }
-    for label, cfg in gemv_variants(T).items():
+    def layer(cfg=None, route_pdl=False):
+        """The block as the decoder layer runs it: pre-norm folded into the router GEMV (rms_norm_linear,
+        released early), routing, fused_moe on the normed rows."""
+        def fn(i):
+            logits, normed, _ = lin_t.rms_norm_linear(d.x[i], d.resid[i], d.norm_w, 1e-6, d.router[i])
+            w, ids = moe_route.routed(logits, TOP_K, True, shared_slices=1, pdl_wait=route_pdl)
+            return moe_t.fused_moe(normed, d.w13[i], d.w2[i], w, ids, config=cfg)
+        return fn
+
+    impls["layer: norm + router GEMV + route + fused_moe, default"] = layer()
+    impls["layer: norm + router GEMV only"] = \
+        lambda i: lin_t.rms_norm_linear(d.x[i], d.resid[i], d.norm_w, 1e-6, d.router[i])[0]
+    impls["layer: ... route programmatic + default"] = layer(None, True)
+    variants = gemv_variants(T)
+    for label in ("row_acc + all hints", "row_acc + prefetch_self + tail",
+                  "row_acc + all hints, w2 packed 3 rows x 256"):
+        if label in variants:
+            impls[f"layer: ... + {label}"] = layer(variants[label])
+            impls[f"layer: ... route programmatic + {label}"] = layer(variants[label], True)
+    for label, cfg in variants.items():
         impls[f"route + {label}"] = ours(cfg, "new")
         if T == 1 and label == "row_acc + all hints":
             impls[f"fused_moe only, {label}"] = ours(cfg, None)
@@ -670,7 +698,7 @@ def run_moe_decode(args, log, ceil, t_start: float) -> list:
                     continue
                 try:
                     got = fn(0)
-                    err = None if label.startswith("route only") else rel_err(got, wants[T])
+                    err = None if label.startswith(("route only", "layer")) else rel_err(got, wants[T])
                     graph = graph_of(fn, DECODE_CALLS)
                     sec = timer.time(graph, DECODE_CALLS)
                     kern = timer.kernels(graph, DECODE_CALLS) if not sweep and label in PROFILED else {}
@@ -681,7 +709,7 @@ def run_moe_decode(args, log, ceil, t_start: float) -> list:
                     continue
                 row = dict(T=T, impl=label, us=sec * 1e6, rel_err_fp32=err, kernels_us=kern,
                            distinct_experts=d.distinct, sweep=sweep)
-                if not label.startswith("route only"):
+                if not label.startswith(("route only", "layer: norm + router GEMV only")):
                     row["TBps"] = moved / sec / 1e12
                     row["frac_copy"] = row["TBps"] / ceil["copy_TBps"]
                 rows.append(row)

@@ -66,3 +66,33 @@ def test_topk_softmax_bad_inputs(device):
 def test_empty_batch(device):
     w, ids = tri.topk_softmax(torch.zeros(0, 9, device=device), 2, True, shared_slices=1)
     assert w.shape == ids.shape == (0, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8])
+def test_programmatic_launch_after_the_router_gpu(T, device):
+    """The routing kernel launched as a programmatic dependent of the router GEMV (pdl_wait) gives the same
+    choice and weights as the ordinary launch, eagerly and in a CUDA graph replayed on new inputs (the
+    wait orders its logits read after the GEMV's writes)."""
+    from deltaserve.ops.linear import triton as lin
+
+    E, top_k, H = 256, 8, 2048
+    g = gen(200 + T)
+    router = (randn(E + 1, H, g=g) * H ** -0.5).to(device=device, dtype=torch.bfloat16)
+    norm_w = (randn(H, g=g) * 0.1).to(device=device, dtype=torch.bfloat16)
+    x, r = (randn(T, H, g=g).to(device=device, dtype=torch.bfloat16) for _ in range(2))
+
+    def run(pdl_wait):
+        logits = lin.rms_norm_linear(x, r, norm_w, 1e-6, router)[0]
+        return tri.routed(logits, top_k, True, shared_slices=1, pdl_wait=pdl_wait)
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run(True)
+    x.copy_(randn(T, H, g=g).to(device=device, dtype=torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(outs, run(False)):
+        assert torch.equal(a, b), "graph replay differs from the ordinary launch"

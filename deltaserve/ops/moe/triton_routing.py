@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..triton_common import ACTIVATION_DTYPES, check, check_last_contiguous
 
@@ -29,9 +29,12 @@ SMALL_BATCH = 64     # up to this many tokens: one token per program
 
 @triton.jit(do_not_specialize=["T"])
 def _route_kernel(logits, weights, ids, T, E, s_l, K: tl.constexpr, M: tl.constexpr, KP: tl.constexpr,
-                  EP: tl.constexpr, BT: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+                  EP: tl.constexpr, BT: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr,
+                  WAIT: tl.constexpr = False):
     if PDL:
         gdc_launch_dependents()      # the next kernel may start; it waits for our output itself
+    if WAIT:
+        gdc_wait()                   # launched programmatically: the logits come from the kernel before us
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.arange(0, EP)
     row_ok = rows < T
@@ -64,8 +67,21 @@ def _route_kernel(logits, weights, ids, T, E, s_l, K: tl.constexpr, M: tl.conste
     tl.store(ids + out, i_sel.to(ids.dtype.element_ty), mask=m)
 
 
+# Launch the routing kernel programmatically (Hopper) after the router GEMV, which releases its successor
+# early: not yet measured faster in the layer's chain, so off (benchmarks/attention_moe_ops.py --moe-decode
+# times both).
+PDL_WAIT = False
+
+
 def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
                  shared_slices: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    return routed(router_logits, top_k, renormalize, shared_slices=shared_slices, pdl_wait=PDL_WAIT)
+
+
+def routed(router_logits: torch.Tensor, top_k: int, renormalize: bool, *, shared_slices: int = 0,
+           pdl_wait: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_softmax; `pdl_wait`: on a device with programmatic dependent launch the kernel is launched as a
+    programmatic dependent of the kernel before it (it waits for it before reading the logits)."""
     op = "topk_softmax"
     check(router_logits.dim() == 2, op, f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
     check(shared_slices >= 0, op, f"shared_slices must be >= 0, got {shared_slices}")
@@ -89,7 +105,9 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
     else:
         bt, warps = max(1, min(16, 4096 // ep)), 4
     pdl = router_logits.is_cuda and torch.cuda.get_device_capability(router_logits.device)[0] >= 9
+    wait = pdl and pdl_wait
     _route_kernel[(triton.cdiv(T, bt),)](
         router_logits, weights, ids, T, E, router_logits.stride(0), K=top_k, M=shared_slices,
-        KP=triton.next_power_of_2(width), EP=ep, BT=bt, RENORM=bool(renormalize), PDL=pdl, num_warps=warps)
+        KP=triton.next_power_of_2(width), EP=ep, BT=bt, RENORM=bool(renormalize), PDL=pdl, WAIT=wait,
+        num_warps=warps, **({"launch_pdl": True} if wait else {}))
     return weights, ids
