@@ -86,7 +86,7 @@ def main() -> int:
     # chunked prefill: the tensor-core prep (default and the benchmark's variants), the state kernels
     prep_types = dict(q=bf, k=bf, v=bf, g=f32, beta=f32, A_log=f32, dt_bias=f32, coff=i32, cu=i32, Wb=bf, Ub=f32,
                       Pb=bf, Gb=f32, Tb=f32, Bb=f32, rq_b=f32, rk_b=f32, scale="fp32")
-    preps = [(128, "ieee", 0), (64, "ieee", 168), (64, "tf32", 168)]
+    preps = [(128, "ieee", 0), (64, "ieee", 168), (64, "tf32", 168), (64, "ieee", 128)]
     if args.sweep:
         preps += [(128, "ieee", 168), (64, "ieee", 0)]
     for cols, diag, maxnreg in preps:
@@ -114,7 +114,8 @@ def main() -> int:
                        cu=i32, idx=i32, has_init="*u8")
     # (transposed, bv, prec, warps, stages)
     variants = [(False, 32, "bf16x2", 4, 3), (False, 64, "bf16x2", 4, 2), (True, 32, "bf16x2", 4, 3),
-                (True, 64, "bf16x2", 4, 2), (True, 16, "bf16x2", 4, 2)]
+                (True, 64, "bf16x2", 4, 2), (True, 16, "bf16x2", 4, 2), (True, 32, "bf16x2", 8, 3),
+                (True, 16, "bf16x2", 4, 3), (True, 64, "bf16x2", 8, 2), (True, 128, "bf16x2", 8, 2)]
     if args.sweep:
         variants += [(False, 32, "bf16", 4, 3), (False, 32, "tf32", 4, 2), (True, 32, "bf16x2", 4, 2),
                      (False, 64, "bf16x2", 8, 2)]

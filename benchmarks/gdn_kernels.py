@@ -5,20 +5,25 @@ Every time is `triton.testing.do_bench` (median, L2 flushed before each replay) 
 CUDA graph holding `calls` invocations, divided by `calls`. Decode/verify invocations inside one graph
 use disjoint state slots, so no call finds its state in L2.
 
-  prefill  1x32768, 4x8192, 32x1024: ns/token, ours vs FLA chunk_gated_delta_rule (FLA_FLASH_QLA=0,
-           use_qk_l2norm_in_kernel, fp32 beta and initial state already gathered per sequence)
+  prefill  1x32768, 4x8192, 8x1024 (a mixed prefill as the engine batches it), 32x1024: ns/token, ours
+           (default), FLA chunk_gated_delta_rule (FLA_FLASH_QLA=0, use_qk_l2norm_in_kernel, fp32 beta and
+           initial state already gathered per sequence), the whole-op candidates of the shape's class
+           (triton_chunk.CANDIDATES), our two launches alone and, with --sweep prefill, single-kernel variants;
+           the I/O floor (bytes the op must move at the copy rate) as the fraction of the hardware limit
   decode   B = 1, 16, 64, 256, 512: TB/s of state traffic (read + write of B fp32 states), ours vs FLA
            fused_recurrent_gated_delta_rule; plus our whole fused layer decode (gdn_decode)
   verify   T = 2, 4 tokens at B = 1, 64: gdn_verify (+ gdn_commit) vs gdn_decode at the same B
   ceilings device-to-device copy bandwidth and bf16 matmul rate, measured in the same run
 
 Run (GPU):  PYTHONPATH=.:$FLA python benchmarks/gdn_kernels.py --out DIR [--sweep [prefill,verify]] [--workers 8]
-The warm-up phase compiles every kernel variant in parallel worker processes (shared Triton cache) and
-lets FLA autotune, so the timed phase only replays. Plan device time for it: on the H200 box (16 cores) it
-took 82 s with 18 GPU test processes and 44 cases (session 4, run 1) and did not finish in 38 s for ~10
-kernels, FLA's autotune and one 8k test (run 2); a timed case then takes ~1 s. Pick cases with --only /
---skip (words of "group name impl"), e.g. the main table and the candidate configs:
-  --sweep prefill --only "1x32768 ours,1x32768 fla,4x8192 ours,4x8192 fla,32x1024 ours,32x1024 fla"
+The warm-up phase compiles every kernel variant in parallel worker processes (shared Triton cache), lets
+FLA autotune (its results are cached on disk for the timed phase) and runs the GPU tests (--gpu-tests, in
+--gpu-tests-groups processes, each 8k test alone); --warmup-s kills what still runs after that many
+seconds, --budget-s bounds the timed phase (a timed case takes ~1 s). Session 4: the warm-up took 82 s
+with 18 test processes and 44 cases. Session 5 (the candidates, parts and their GPU tests):
+  --sweep prefill --only prefill --skip gates --workers 6 --gpu-tests --gpu-tests-groups 3
+  --gpu-tests-files tests/ops/test_gdn_chunk.py --gpu-tests-k "(real_shape_gpu and (default or cand)) or
+  (prep_buffers and (cols64-r168] or r128)) or (8k and candidates)" --no-fla-worker --warmup-s 65 --budget-s 40
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ HK, HV, DK, DV = 16, 32, 128, 128
 D_CONV = 2 * HK * DK + HV * DV
 STATE_BYTES = HV * DK * DV * 4
 SCALE = DK ** -0.5
-PREFILL = {"1x32768": [32768], "4x8192": [8192] * 4, "32x1024": [1024] * 32}
+PREFILL = {"1x32768": [32768], "4x8192": [8192] * 4, "8x1024": [1024] * 8, "32x1024": [1024] * 32}
 DECODE_B = [1, 16, 64, 256, 512]
 VERIFY = [(2, 1), (2, 64), (4, 1), (4, 64)]
 DEV = "cuda"
@@ -145,48 +150,47 @@ class Case:
     sweep: bool = False
 
 
-def chunk_label(cfg) -> str:
-    if cfg.solve == "tc":
-        prep = f"tc w{cfg.warps_tc} wu {cfg.wu_prec}" + (f" r{cfg.maxnreg_tc}" if cfg.maxnreg_tc else "")
-        prep += f" cols{cfg.wu_cols}" if cfg.wu_cols else ""
-        prep += f" diag {cfg.diag_prec}" if cfg.diag_prec != "ieee" else ""
-    else:
-        prep = (f"subst split w{cfg.warps_prep}+wu w{cfg.warps_wu}" if cfg.split_prep
-                else f"subst fused w{cfg.warps_prep}")
-        prep += f" P{'@wu' if cfg.p_in_wu else '@solve'}"
-    state = f"{'T ' if cfg.state_t else ''}bv{cfg.bv}/w{cfg.warps_state}/s{cfg.state_stages()}/{cfg.prec}"
-    return f"{state}/prep {prep} merge {cfg.merge_prec}"
-
-
 # --sweep prefill: prep and state kernel variants, each timed alone (the op is the sum of its two launches;
-# session 3: 55.3 + 39.0 = 94.3 vs 93.9 ns/token timed whole). Each is a configuration of the GPU tests.
-PREP_SWEEP = [dict(maxnreg_tc=168), dict(wu_cols=64), dict(wu_cols=64, maxnreg_tc=168),
-              dict(wu_cols=64, maxnreg_tc=168, diag_prec="tf32")]
-STATE_SWEEP = [dict(bv=32, stages_state=3), dict(bv=64, stages_state=2), dict(state_t=True, bv=32, stages_state=3),
-               dict(state_t=True, bv=32, stages_state=2), dict(state_t=True, bv=16, stages_state=2),
-               dict(state_t=True, bv=64, stages_state=2)]
+# session 3: 55.3 + 39.0 = 94.3 vs 93.9 ns/token timed whole), on top of the default. Each is a configuration
+# of the GPU tests (tests/ops/test_gdn_chunk.py GPU_CONFIGS, same names).
+PREP_SWEEP = {"tc-cols64-r168": dict(wu_cols=64, maxnreg_tc=168),
+              "tc-cols64-r168-diag-tf32": dict(wu_cols=64, maxnreg_tc=168, diag_prec="tf32"),
+              "tc-cols64-r128": dict(wu_cols=64, maxnreg_tc=128)}
+STATE_SWEEP_ONE = {"t-bv32": dict(state_t=True, bv=32, stages_state=3),
+                   "t-bv32-w8": dict(state_t=True, bv=32, warps_state=8, stages_state=3),
+                   "t-bv16-s3": dict(state_t=True, bv=16, stages_state=3),
+                   "t-bv16-s2": dict(state_t=True, bv=16, stages_state=2)}
+STATE_SWEEP_MANY = {"t-bv64": dict(state_t=True, bv=64, stages_state=2),
+                    "t-bv64-w8": dict(state_t=True, bv=64, warps_state=8, stages_state=2),
+                    "t-bv128-w8": dict(state_t=True, bv=128, warps_state=8, stages_state=2)}
+CANDIDATES_ONE = ("cand-t-bv32", "cand-t-bv32-w8", "cand-t-bv16")
+CANDIDATES_MANY = ("cand-t-bv64", "cand-t-bv128-w8", "cand-bv64-cols64")
 
 
-def sweep_changes(num_seqs: int) -> list[tuple[str, dict]]:
-    """(kernel, config change) pairs timed alone for a shape: the prep variants once (its time per token
-    does not depend on the batch layout), the state variants that fill the SMs at this layout."""
-    one = num_seqs * HV < 128
-    prep = [("prep", ch) for ch in PREP_SWEEP] if one else []
-    return prep + [("state", ch) for ch in STATE_SWEEP if not (one and ch["bv"] == 64)]
+def one_sequence_class(num_seqs: int) -> bool:
+    """The shape class of default_chunk_config: fewer than 128 (sequence, value head) pairs."""
+    return num_seqs * HV < 128
 
 
-def candidate_configs(num_seqs: int) -> list["tc.ChunkConfig"]:
-    """The configuration timed whole beside the default: W / U in 64-column slices under a 168-register
-    cap (3 prep programs per SM instead of 2) and the transposed state kernel."""
-    one = num_seqs * HV < 128
-    return [tc.ChunkConfig(wu_cols=64, maxnreg_tc=168, state_t=True, bv=32 if one else 64,
-                           stages_state=3 if one else 2)]
+def sweep_changes(num_seqs: int) -> list[tuple[str, str, dict]]:
+    """(kernel, name, config change) triples timed alone for a shape: the prep variants at one sequence only
+    (their time per token does not depend on the batch layout), the state variants of the shape's class."""
+    one = one_sequence_class(num_seqs)
+    prep = [("prep", n, ch) for n, ch in PREP_SWEEP.items()] if num_seqs == 1 else []
+    return prep + [("state", n, ch) for n, ch in (STATE_SWEEP_ONE if one else STATE_SWEEP_MANY).items()]
+
+
+def candidate_configs(num_seqs: int) -> list[tuple[str, "tc.ChunkConfig"]]:
+    """The whole-op candidates timed beside the default for the shape's class (triton_chunk.CANDIDATES)."""
+    names = CANDIDATES_ONE if one_sequence_class(num_seqs) else CANDIDATES_MANY
+    return [(n, tc.CANDIDATES[n]) for n in names]
 
 
 def prefill_cases(sweep: bool) -> list[Case]:
-    """Per shape: ours, FLA, our two launches alone and the candidate configs first, then the variants
-    (32 x 1024's last), so a run cut short by its time budget loses variants, not the main table."""
-    first, later, last, gates = [], [], [], []
+    """Per shape: ours (default), FLA and the whole-op candidates first (the table the default is chosen
+    from), then our two launches alone, then the single-kernel variants, so a run cut short by its time
+    budget loses variants, not the main table."""
+    first, parts, later, gates = [], [], [], []
     for name, lengths in PREFILL.items():
         T, N = sum(lengths), len(lengths)
         base = tc.default_chunk_config(N, HV, DV, torch.bfloat16)
@@ -203,7 +207,7 @@ def prefill_cases(sweep: bool) -> list[Case]:
                 d["q"], d["k"], d["v"], d["a"], d["b"], A_log=d["A_log"], dt_bias=d["dt_bias"], scale=SCALE,
                 cu_seqlens=d["cu"], ssm_state=d["pool"], state_indices=d["idx"], has_initial_state=d["has_init"])
 
-        def parts(calls, lengths=lengths, which="prep", cfg=base):
+        def part(calls, lengths=lengths, which="prep", cfg=base, N=N):  # N bound now, not the loop's last
             d = prefill_inputs(lengths)
             bufs = tc._launch_prep(d["q"], d["k"], d["v"], d["g"], d["beta"], False, None, None, SCALE, d["cu"], N,
                                    True, cfg)
@@ -221,23 +225,19 @@ def prefill_cases(sweep: bool) -> list[Case]:
                                    scale=SCALE, initial_state=d["init"], output_final_state=True,
                                    use_qk_l2norm_in_kernel=True, cu_seqlens=d["cu64"])
 
-        main = first
-        variants = last if name == "32x1024" else later
-        main.append(Case("prefill", name, "ours", 3, ours, tokens=T))
-        main.append(Case("prefill", name, "fla", 3, fla_chunk, tokens=T))
-        main.append(Case("prefill", name, "ours: prep kernel", 3, lambda c, f=parts: f(c, which="prep"), tokens=T))
-        main.append(Case("prefill", name, "ours: state kernel", 3, lambda c, f=parts: f(c, which="state"), tokens=T))
-        for cand in candidate_configs(N) if sweep else ():
-            main.append(Case("prefill", name, "ours candidate " + chunk_label(cand), 3,
-                             lambda c, cfg=cand, f=ours: f(c, cfg=cfg), tokens=T, sweep=True))
-        for which, ch in sweep_changes(N) if sweep else ():
+        first.append(Case("prefill", name, "ours", 3, ours, tokens=T))
+        first.append(Case("prefill", name, "fla", 3, fla_chunk, tokens=T))
+        for cand, cfg in candidate_configs(N):
+            first.append(Case("prefill", name, f"ours {cand}", 3, lambda c, cfg=cfg, f=ours: f(c, cfg=cfg),
+                              tokens=T))
+        parts.append(Case("prefill", name, "ours: prep kernel", 3, lambda c, f=part: f(c, which="prep"), tokens=T))
+        parts.append(Case("prefill", name, "ours: state kernel", 3, lambda c, f=part: f(c, which="state"), tokens=T))
+        for which, vname, ch in sweep_changes(N) if sweep else ():
             cfg = dataclasses.replace(base, **ch)
-            if chunk_label(cfg) == chunk_label(base):
-                continue
-            variants.append(Case("prefill", name, f"{which} alone: " + chunk_label(cfg), 3,
-                                 lambda c, cfg=cfg, w=which, f=parts: f(c, which=w, cfg=cfg), tokens=T, sweep=True))
+            later.append(Case("prefill", name, f"{which} alone: {vname}", 3,
+                              lambda c, cfg=cfg, w=which, f=part: f(c, which=w, cfg=cfg), tokens=T, sweep=True))
         gates.append(Case("prefill", name, "ours gdn_prefill (gates fused)", 3, ours_gates, tokens=T))
-    return first + later + last + gates
+    return first + parts + later + gates
 
 
 def _calls_for(B):
@@ -383,30 +383,47 @@ def worker(index: int, count: int, sweep: str, with_fla: bool, only: str = "", s
         torch.cuda.empty_cache()
 
 
-def warm_up(args, log) -> None:
+def _test_groups(tests: list[str], groups: int) -> list[list[str]]:
+    """Test ids in process groups: each 8k accuracy test alone (the longest), the rest dealt round-robin into
+    `groups` processes (one process per test when groups is 0: a CUDA fault cannot take others down)."""
+    long = [[t] for t in tests if "8k" in t]
+    rest = [t for t in tests if "8k" not in t]
+    if groups <= 0:
+        return long + [[t] for t in rest]
+    return long + [g for g in (rest[i::groups] for i in range(groups)) if g]
+
+
+def warm_up(args, log, stop_at: float) -> None:
+    """Compile workers, FLA's autotune and the GPU tests in parallel processes; those still running at
+    `stop_at` (epoch seconds) are killed and reported."""
     t0 = time.time()
     procs = []
     base = [sys.executable, os.path.abspath(__file__), "--worker-of", str(args.workers)]
     sweep = ["--sweep", args.sweep, "--only", args.only, "--skip", args.skip]
     for i in range(args.workers):
-        procs.append(subprocess.Popen(base + ["--worker", str(i)] + sweep))
-    if not args.no_fla:
-        procs.append(subprocess.Popen(base + ["--worker", "fla"] + sweep))
+        procs.append(("compile worker", subprocess.Popen(base + ["--worker", str(i)] + sweep)))
+    if not (args.no_fla or args.no_fla_worker):
+        procs.append(("fla worker", subprocess.Popen(base + ["--worker", "fla"] + sweep)))
     logs = []
     if args.gpu_tests:
-        # one process per test: a CUDA fault in one cannot take the others down
         env = dict(os.environ, DELTASERVE_GPU_REPORT=os.path.join(args.out, "gpu_tests.jsonl"))
         tests = subprocess.run([sys.executable, "-m", "pytest", *args.gpu_tests_files.split(","), "--co", "-q",
                                 "-p", "no:cacheprovider", "-k", args.gpu_tests_k], capture_output=True, text=True,
                                env=env).stdout.split()
         log_path = os.path.join(args.out, "gpu_tests.log")
-        for t in [t for t in tests if "::" in t]:
+        for group in _test_groups([t for t in tests if "::" in t], args.gpu_tests_groups):
             f = open(log_path + "." + str(len(logs)), "w")
             logs.append(f)
-            procs.append(subprocess.Popen([sys.executable, "-m", "pytest", t, "-s", "-q", "-p", "no:cacheprovider"],
-                                          stdout=f, stderr=subprocess.STDOUT, env=env))
-    for p in procs:
-        p.wait()
+            procs.append((" ".join(group), subprocess.Popen(
+                [sys.executable, "-m", "pytest", *group, "-s", "-q", "-p", "no:cacheprovider"],
+                stdout=f, stderr=subprocess.STDOUT, env=env)))
+    for what, p in procs:
+        try:
+            p.wait(timeout=max(0.0, stop_at - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            log(f"warm-up: killed at its time limit: {what[:300]}")
     if logs:
         with open(os.path.join(args.out, "gpu_tests.log"), "w") as out:
             for f in logs:
@@ -507,7 +524,14 @@ def main() -> int:
     ap.add_argument("--gpu-tests", action="store_true", help="run the GPU tests (--gpu-tests-files) during the warm-up")
     ap.add_argument("--gpu-tests-k", default="", help="pytest -k expression selecting those tests")
     ap.add_argument("--gpu-tests-files", default="tests/ops/test_gpu.py",
-                    help="comma-separated test files for --gpu-tests (one process per test)")
+                    help="comma-separated test files for --gpu-tests")
+    ap.add_argument("--gpu-tests-groups", type=int, default=0,
+                    help="pytest processes for the GPU tests besides one per 8k test (0: one per test)")
+    ap.add_argument("--no-fla-worker", action="store_true",
+                    help="no FLA warm-up process: a GPU test calling FLA (the 8k test) does its autotune, whose "
+                         "results the timed phase then reads from the disk cache")
+    ap.add_argument("--warmup-s", type=float, default=1e9,
+                    help="kill warm-up processes (compiles, FLA autotune, GPU tests) still running after this")
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="seconds for the timed phase (from its start); later cases are skipped. Bound the whole "
                          "run with an outer `timeout`: every finished case is already in gdn_bench.jsonl")
@@ -535,7 +559,7 @@ def main() -> int:
     log = RunLog(args.out, "gdn_bench.log")
     env = device_env(fla=True)
     log(json.dumps(env))
-    warm_up(args, log)
+    warm_up(args, log, t_start + args.warmup_s)
     ceil = ceilings(warmup=25, rep=200)
     log(json.dumps(ceil))
 
@@ -548,17 +572,27 @@ def main() -> int:
     return 0
 
 
+def prefill_io_bytes(lengths: list[int]) -> int:
+    """Bytes a prefill must move at least: bf16 q, k, v read and o written, fp32 g and beta read, and every
+    sequence's fp32 state read and written once."""
+    T = sum(lengths)
+    return T * (2 * (2 * HK * DK + 2 * HV * DV) + 8 * HV) + 2 * len(lengths) * STATE_BYTES
+
+
 def summary(results, ceil) -> str:
     """Markdown tables: ours vs FLA per case, with ratios and fractions of the copy ceiling."""
     by = {(r["group"], r["name"], r["impl"]): r for r in results}
-    lines = ["", "| prefill | ours ns/token | FLA ns/token | FLA / ours | prep + state kernels (us) |",
-             "|---|---|---|---|---|"]
-    for name in PREFILL:
+    lines = ["", "I/O floor: q, k, v, gates read, o written, states read + written once, at the copy rate "
+             f"({ceil['copy_TBps']:.2f} TB/s)", "",
+             "| prefill | impl | ns/token | us | default / this | FLA / this | I/O floor / this |",
+             "|---|---|---|---|---|---|---|"]
+    for name, lengths in PREFILL.items():
         o, f = by.get(("prefill", name, "ours")), by.get(("prefill", name, "fla"))
-        p, s = by.get(("prefill", name, "ours: prep kernel")), by.get(("prefill", name, "ours: state kernel"))
-        lines.append(f"| {name} | {o['ns_per_token']:.1f} |" if o else f"| {name} | - |")
-        lines[-1] += f" {f['ns_per_token']:.1f} | {f['us'] / o['us']:.2f}x |" if (o and f) else " - | - |"
-        lines[-1] += f" {p['us']:.0f} + {s['us']:.0f} |" if (p and s) else " - |"
+        floor_us = prefill_io_bytes(lengths) / (ceil["copy_TBps"] * 1e12) * 1e6
+        for r in [r for r in results if r["group"] == "prefill" and r["name"] == name]:
+            lines.append(f"| {name} | {r['impl']} | {r['ns_per_token']:.1f} | {r['us']:.0f} | "
+                         + (f"{o['us'] / r['us']:.2f}x" if o else "-") + " | "
+                         + (f"{f['us'] / r['us']:.2f}x" if f else "-") + f" | {floor_us / r['us']:.1%} |")
     lines += ["", f"| decode | ours us | ours TB/s (of {ceil['copy_TBps']:.2f} copy) | FLA us | FLA TB/s | FLA / ours |"
               " gdn_decode us | unfused layer us |", "|---|---|---|---|---|---|---|---|"]
     for B in DECODE_B:
@@ -584,7 +618,7 @@ def summary(results, ceil) -> str:
         nan = float("nan")
         lines.append(f"| {n} | {v['us'] if v else nan:.2f} | {r1} | {c['us'] if c else nan:.2f} | {r2} "
                      f"| {f['us'] if f else float('nan'):.2f} |")
-    sweeps = [r for r in results if r["impl"] not in ("ours", "fla") and "/" in r["impl"]]
+    sweeps = [r for r in results if r["group"] != "prefill" and r["impl"] not in ("ours", "fla") and "/" in r["impl"]]
     if sweeps:
         lines += ["", "sweep (launch-config variants):"]
         lines += [f"  {r['group']:8s} {r['name']:8s} {r['impl']:40s} {r['us']:10.2f} us"

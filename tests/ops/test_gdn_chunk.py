@@ -186,14 +186,18 @@ def test_tc_prep_rejects_bad_slices_and_diag_precision(device):
         _run(tc.chunk_gated_delta_rule, d, d["pool"], config=tc.ChunkConfig(stages_state=1))
 
 
-@pytest.mark.parametrize("prec,dtype", [("bf16x2", torch.bfloat16), ("bf16", torch.bfloat16), ("ieee", torch.float32)])
-def test_transposed_state_kernel_matches_reference(prec, dtype, device):
+@pytest.mark.parametrize("prec,dtype,bv,dv", [("bf16x2", torch.bfloat16, 32, 64), ("bf16", torch.bfloat16, 32, 64),
+                                          ("ieee", torch.float32, 32, 64), ("bf16x2", torch.bfloat16, 16, 64),
+                                          ("bf16x2", torch.bfloat16, 128, 128)])
+def test_transposed_state_kernel_matches_reference(prec, dtype, bv, dv, device):
     """The transposed state kernel (S^T carried, register A operands) == the reference, with a padded
-    row, slots out of order, half without initial state, lengths around the chunk size."""
-    d = _batch([65, 1, 130, 64], 2, dtype, device, seed=14, dk=32, dv=64)
+    row, slots out of order, half without initial state, lengths around the chunk size; narrow slices
+    and one slice of the whole state."""
+    d = _batch([65, 1, 130, 64], 2, dtype, device, seed=14, dk=32, dv=dv)
     p_ref, p_tri = d["pool"].clone(), d["pool"].clone()
     o_ref = _run(ref.chunk_gated_delta_rule, d, p_ref)
-    o_tri = _run(tc.chunk_gated_delta_rule, d, p_tri, config=tc.ChunkConfig(state_t=True, bv=32, prec=prec))
+    cfg = tc.ChunkConfig(state_t=True, bv=bv, prec=prec, warps_state=8 if bv == 128 else 4)
+    o_tri = _run(tc.chunk_gated_delta_rule, d, p_tri, config=cfg)
     assert_close(o_tri, o_ref, TOL[dtype], "output")
     assert_close(p_tri, p_ref, TOL[dtype], "state pool")
     assert (o_tri[66:196] == 0).all(), "padded sequence must produce zeros"
@@ -276,28 +280,32 @@ GPU_CONFIGS = {
     "t-bv32-s2": tc.ChunkConfig(state_t=True, bv=32, stages_state=2),
     "t-bv16-s2": tc.ChunkConfig(state_t=True, bv=16, stages_state=2),
     "t-bv64": tc.ChunkConfig(state_t=True, bv=64, stages_state=2),
-    "cand-t-bv32": tc.ChunkConfig(wu_cols=64, maxnreg_tc=168, state_t=True, bv=32, stages_state=3),
-    "cand-t-bv64": tc.ChunkConfig(wu_cols=64, maxnreg_tc=168, state_t=True, bv=64, stages_state=2),
+    "tc-cols64-r128": tc.ChunkConfig(wu_cols=64, maxnreg_tc=128),
+    "t-bv32-w8": tc.ChunkConfig(state_t=True, bv=32, warps_state=8, stages_state=3),
+    "t-bv16-s3": tc.ChunkConfig(state_t=True, bv=16, stages_state=3),
+    "t-bv64-w8": tc.ChunkConfig(state_t=True, bv=64, warps_state=8, stages_state=2),
+    "t-bv128-w8": tc.ChunkConfig(state_t=True, bv=128, warps_state=8, stages_state=2),
 }
+GPU_CONFIGS.update(tc.CANDIDATES)  # the whole-op candidates the benchmark times beside the default
 
 
 @pytest.mark.gpu
-def test_tc_prep_buffers_match_torch_gpu():
+@pytest.mark.parametrize("name", ["default", "tc-merge-tf32x3", "tc-w8", "tc-wu-tf32", "tc-r168", "tc-cols64",
+                                  "tc-cols64-r168", "tc-cols64-r168-diag-tf32", "tc-cols64-r128"])
+def test_tc_prep_buffers_match_torch_gpu(name):
     """The one-kernel tensor-core prep alone: W, U, P, G and the norms against torch (localises)."""
     from .test_gpu import HK, HV, D, _inputs, _prep_reference, _report
 
     lengths = [1, 63, 64, 65, 300]
     q, k, v, g, beta = _inputs(lengths, HK, HV, seed=12)
-    for name in ("default", "tc-merge-tf32x3", "tc-w8", "tc-wu-tf32", "tc-r168", "tc-cols64", "tc-cols64-r168",
-                 "tc-cols64-r168-diag-tf32"):
-        cfg = GPU_CONFIGS[name] or tc.default_chunk_config(len(lengths), HV, D, torch.bfloat16)
-        bufs = tc._launch_prep(q, k, v, g, beta, False, None, None, D ** -0.5, cu_seqlens(lengths, "cuda"),
-                               len(lengths), True, cfg)
-        want = _prep_reference(q, k, v, g, beta, lengths, D ** -0.5, HV)
-        errs = {b: rel_err(bufs[b], want[b]) for b in ("Wb", "Ub", "Pb", "Gb", "rq", "rk")}
-        _report(test="tc_prep_buffers", config=name, **errs)
-        for b, err in errs.items():
-            assert err < 2e-2, f"{name} {b}: relative error {err:.3g}"
+    cfg = GPU_CONFIGS[name] or tc.default_chunk_config(len(lengths), HV, D, torch.bfloat16)
+    bufs = tc._launch_prep(q, k, v, g, beta, False, None, None, D ** -0.5, cu_seqlens(lengths, "cuda"),
+                           len(lengths), True, cfg)
+    want = _prep_reference(q, k, v, g, beta, lengths, D ** -0.5, HV)
+    errs = {b: rel_err(bufs[b], want[b]) for b in ("Wb", "Ub", "Pb", "Gb", "rq", "rk")}
+    _report(test="tc_prep_buffers", config=name, **errs)
+    for b, err in errs.items():
+        assert err < 2e-2, f"{name} {b}: relative error {err:.3g}"
 
 
 @pytest.mark.gpu
@@ -330,8 +338,9 @@ def test_chunk_configs_real_shape_gpu(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("names", [",".join(GPU_CONFIGS), "default,tc-wu-tf32",
-                                   "default,cand-t-bv32,cand-t-bv64"])
+@pytest.mark.parametrize("names", [pytest.param(",".join(GPU_CONFIGS), id="all"),
+                                   pytest.param("default,tc-wu-tf32", id="wu-tf32"),
+                                   pytest.param(",".join(["default", *tc.CANDIDATES]), id="candidates")])
 def test_chunk_configs_8k_not_less_accurate_than_fla_gpu(names):
     """One 8192-token sequence with slow decay against the fp32 token-by-token recurrence: each
     configuration's output and final-state errors must not exceed FLA's on the same inputs."""

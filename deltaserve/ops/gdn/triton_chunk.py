@@ -44,6 +44,7 @@ so the op is CUDA-graph capturable: the chunk -> (sequence, chunk) map is comput
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import torch
 import triton
@@ -105,6 +106,22 @@ class ChunkConfig:
         shared memory). One stage (no pipelining) is refused for the untransposed kernel: on the H200 it
         computed wrong values (32 columns) or faulted (16 columns), session-4 run 1."""
         return self.stages_state or (3 if self.prec.startswith("bf16") and self.bv <= 32 else 2)
+
+
+# Whole-op candidates for the bf16 default, named as the benchmark and the GPU tests report them. All but
+# the last take the prep with W / U in 64-column slices under a 168-register cap (3 programs per SM
+# instead of 2) and the transposed state kernel (S^T and V_new^T as register operands); the bv32 / bv16
+# ones are for one long sequence (narrow slices are what fills the SMs), bv64 / bv128 for batches with
+# >= 128 (sequence, value head) pairs; "cand-bv64-cols64" is that prep with the untransposed bv64 kernel.
+CANDIDATES = types.MappingProxyType({
+    "cand-t-bv32": ChunkConfig(wu_cols=64, maxnreg_tc=168, state_t=True, bv=32, stages_state=3),
+    "cand-t-bv32-w8": ChunkConfig(wu_cols=64, maxnreg_tc=168, state_t=True, bv=32, warps_state=8, stages_state=3),
+    "cand-t-bv16": ChunkConfig(wu_cols=64, maxnreg_tc=168, state_t=True, bv=16, stages_state=3),
+    "cand-t-bv64": ChunkConfig(wu_cols=64, maxnreg_tc=168, state_t=True, bv=64, stages_state=2),
+    "cand-t-bv128-w8": ChunkConfig(wu_cols=64, maxnreg_tc=168, state_t=True, bv=128, warps_state=8,
+                                   stages_state=2),
+    "cand-bv64-cols64": ChunkConfig(wu_cols=64, maxnreg_tc=168, bv=64),
+})
 
 
 def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.dtype) -> ChunkConfig:
