@@ -555,6 +555,9 @@ GEMV_VARIANTS = {
     "row_acc + all hints, w2 packed 3 rows x 512": ((1,), dict(row_acc=True, **HINTS, packed_w2=True, block_n2=3)),
     "row_acc + all hints, w2 one expert at a time": ((1,), dict(row_acc=True, **HINTS, all_experts=False, pdl=False,
                                                              block_n2=4, warps2=2)),
+    "row_acc + prefetch_self, w2 packed 3 rows x 256 programmatic": ((2, 4, 8), dict(
+        row_acc=True, prefetch_self=True, all_experts=True, pdl=True, packed_w2=True, block_n2=3, block_k2=256,
+        warps2=4)),
 }
 # rows also profiled per kernel (the profiler costs ~1 s a row)
 PROFILED = {"default: route + fused_moe", "default: fused_moe only", "route + row_acc + all hints",
@@ -589,6 +592,7 @@ def decode_impls(T: int, d: DecodeInputs, one_pass: bool = False) -> dict:
         "peer: torch._grouped_mm pipeline (routing excluded)":
             lambda i: grouped_mm_decode(d.x[i], d.w13[i], d.w2[i], *d.routed[i]),
     }
+
     def layer(cfg=None, route_pdl=False):
         """The block as the decoder layer runs it: pre-norm folded into the router GEMV (rms_norm_linear,
         released early), routing, fused_moe on the normed rows."""

@@ -370,6 +370,8 @@ DECODE_VARIANTS = [  # (token counts, fields replaced in the default): those ben
     ((1,), dict(row_acc=True, **HINTS, packed_w2=True, block_n2=3, block_k2=256)),
     ((1,), dict(row_acc=True, **HINTS, packed_w2=True, block_n2=3)),
     ((1,), dict(row_acc=True, **HINTS, all_experts=False, pdl=False, block_n2=4, warps2=2)),
+    ((2, 8), dict(row_acc=True, prefetch_self=True, all_experts=True, pdl=True, packed_w2=True, block_n2=3,
+                  block_k2=256, warps2=4)),
 ]
 
 

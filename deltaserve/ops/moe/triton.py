@@ -681,7 +681,7 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, cfg: GemvMoeConfig) -> t
         w2.stride(1), TOP_K=top_k, BN=cfg.block_n1, BK=cfg.block_k1, PDL=cfg.pdl, WAIT=cfg.pdl_w13,
         ROW_ACC=cfg.row_acc, PF_SELF=cfg.prefetch_self,
         PF_W2=triton.next_power_of_2(triton.cdiv(H, slices)) if cfg.prefetch_w2 else 0,
-        PF_TAIL=min(cfg.prefetch_tail, top_k), EVICT="evict_first" if cfg.evict_first else "",
+        PF_TAIL=min(cfg.prefetch_tail, top_k, w13.shape[0]), EVICT="evict_first" if cfg.evict_first else "",
         LINE=line, LH=triton.next_power_of_2(triton.cdiv(H, line)), LI=triton.next_power_of_2(triton.cdiv(inter, line)),
         num_warps=cfg.warps1, num_stages=cfg.stages, **({"launch_pdl": True} if cfg.pdl_w13 else {}))
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
