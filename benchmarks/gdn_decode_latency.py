@@ -21,6 +21,13 @@ kernel before gdn_decode is the input projection.
 Run (GPU): PYTHONPATH=.:$FLA FLA_FLASH_QLA=0 python benchmarks/gdn_decode_latency.py --out DIR
   [--workers 8] [--wait-for FILE]   (compile every variant in parallel workers first; --wait-for: start
   timing only once FILE exists, e.g. when GPU tests running beside the warm-up are done)
+
+--fold: the batch-1 output-projection folds instead (35B-A3B shape, bf16, B = 1; out_proj / o_proj 4096 ->
+2048): (a) gdn_decode + out_proj (linear) against gdn_decode(gated_norm=False) + gated_linear (the GDN
+gated RMSNorm in the GEMV), each op also alone; (b) sigmoid_mul + o_proj against gated_linear (the
+attention output gate in the GEMV). A graph holds `calls` pairs on disjoint slots and distinct weight
+copies (16.8 MB each, so the weights come from HBM), each kernel a programmatic dependent of the one
+before as in the engine; time per pair.
 """
 
 from __future__ import annotations
@@ -202,6 +209,97 @@ def summary(rows: list[dict], copy: float, shapes: list[str], batches: list[int]
     return "\n".join(lines)
 
 
+# ---- --fold: the output-projection folds at B = 1 ------------------------------------------------------
+
+FOLD_CALLS = 16
+OUT_N = 2048        # hidden size of the 35B-A3B (out_proj / o_proj: 4096 -> 2048)
+
+
+def fold_cases() -> dict[str, Callable[[dict], Callable[[int], object]]]:
+    """name -> (inputs -> per-call function) for the --fold timings."""
+    from deltaserve.ops.activation import triton as act_t
+    from deltaserve.ops.linear import triton as lin_t
+
+    def decode(d, i, **kw):
+        return tr.gdn_decode(d["mixed"], d["z"], d["a"], d["b"], state_indices=d["idx"][i], conv_weight=d["conv_w"],
+                             A_log=d["A_log"], dt_bias=d["dt_bias"], norm_weight=d["norm_w"], eps=1e-6,
+                             scale=DK ** -0.5, conv_state=d["conv_pool"], ssm_state=d["pool"], **kw)
+
+    late = tr.default_decode_config(1, HK, SHAPES["35B-A3B"], DV, pdl=True)
+    wide = dataclasses.replace(late, bv=32, num_warps=2)
+    late = dataclasses.replace(late, state_after_release=True)
+    n2 = lin_t.LinearConfig(block_n=2, block_k=2048, warps=4, stages=2)
+    n4 = lin_t.LinearConfig(block_n=4, block_k=1024, warps=4, stages=3)
+    z2 = lambda d: d["z"].view(1, -1)  # noqa: E731
+    return {
+        "gdn_decode (normed)": lambda d: lambda i: decode(d, i),
+        "gdn_decode (gated_norm=False)": lambda d: lambda i: decode(d, i, gated_norm=False),
+        "gdn_decode (gated_norm=False, state after release)":
+            lambda d: lambda i: decode(d, i, gated_norm=False, config=late),
+        "out_proj alone (linear)": lambda d: lambda i: lin_t.linear(d["o"], d["w"][i]),
+        "gated_linear alone (norm)": lambda d: lambda i: lin_t.gated_linear(
+            d["o"], z2(d), d["w"][i], norm_weight=d["norm_w"], activation="silu"),
+        "(a) unfolded: gdn_decode + linear": lambda d: lambda i: lin_t.linear(decode(d, i).view(1, -1), d["w"][i]),
+        "(a) folded: gdn_decode(gated_norm=False) + gated_linear": lambda d: lambda i: lin_t.gated_linear(
+            decode(d, i, gated_norm=False).view(1, -1), z2(d), d["w"][i], norm_weight=d["norm_w"],
+            activation="silu"),
+        "(a) folded, state after release": lambda d: lambda i: lin_t.gated_linear(
+            decode(d, i, gated_norm=False, config=late).view(1, -1), z2(d), d["w"][i], norm_weight=d["norm_w"],
+            activation="silu"),
+        "(a) folded, decode bv32/w2": lambda d: lambda i: lin_t.gated_linear(
+            decode(d, i, gated_norm=False, config=wide).view(1, -1), z2(d), d["w"][i], norm_weight=d["norm_w"],
+            activation="silu"),
+        "(a) folded, gated_linear n2 k2048 s2": lambda d: lambda i: lin_t.gated_linear(
+            decode(d, i, gated_norm=False).view(1, -1), z2(d), d["w"][i], norm_weight=d["norm_w"],
+            activation="silu", config=n2),
+        "(a) folded, gated_linear n4 k1024 s3": lambda d: lambda i: lin_t.gated_linear(
+            decode(d, i, gated_norm=False).view(1, -1), z2(d), d["w"][i], norm_weight=d["norm_w"],
+            activation="silu", config=n4),
+        "sigmoid_mul alone": lambda d: lambda i: act_t.sigmoid_mul(d["o"], d["gate"]),
+        "gated_linear alone (sigmoid gate)": lambda d: lambda i: lin_t.gated_linear(d["o"], d["gate"], d["w"][i]),
+        "(b) unfolded: sigmoid_mul + linear": lambda d: lambda i: lin_t.linear(
+            act_t.sigmoid_mul(d["o"], d["gate"]), d["w"][i]),
+        "(b) folded: gated_linear (sigmoid gate)": lambda d: lambda i: lin_t.gated_linear(d["o"], d["gate"], d["w"][i]),
+    }
+
+
+def fold_main(args, log) -> int:
+    hv = SHAPES["35B-A3B"]
+    d = inputs(hv, 1, FOLD_CALLS)
+    g = torch.Generator(device=DEV).manual_seed(3)
+    K = hv * DV
+    d["w"] = [(torch.randn(OUT_N, K, device=DEV, generator=g) * K ** -0.5).to(torch.bfloat16)
+              for _ in range(FOLD_CALLS)]
+    d["o"] = torch.randn(1, K, device=DEV, generator=g).to(torch.bfloat16)
+    d["gate"] = torch.randn(1, 2 * K, device=DEV, generator=g).to(torch.bfloat16)[:, K:]   # a strided slice
+    d["norm_w"] = (torch.rand(DV, device=DEV, generator=g) + 0.5).to(torch.bfloat16)
+    copy = ceilings(matmul=False, warmup=25)["copy_TBps"] * 1e12
+    log(f"copy {copy / 1e12:.3f} TB/s")
+    rows = []
+    for name, make in fold_cases().items():
+        try:
+            sec = graph_seconds(make(d), FOLD_CALLS, rep=args.rep_ms)
+        except Exception as exc:
+            log(f"FAILED {name}: {type(exc).__name__}: {str(exc)[:300]}")
+            continue
+        rows.append(dict(case=name, us=sec * 1e6))
+        log(json.dumps(rows[-1]))
+    by = {r["case"]: r["us"] for r in rows}
+    w_bytes = OUT_N * K * 2
+    lines = ["", f"35B-A3B, B = 1, bf16; out_proj / o_proj {K} -> {OUT_N} ({w_bytes / 1e6:.1f} MB, {w_bytes / copy * 1e6:.2f}"
+             f" us at the copy rate {copy / 1e12:.2f} TB/s); us per call (pair) in a graph of {FOLD_CALLS}", "",
+             "| case | us |", "|---|---|"] + [f"| {r['case']} | {r['us']:.2f} |" for r in rows]
+    for tag, un, fo in (("(a)", "(a) unfolded: gdn_decode + linear",
+                         "(a) folded: gdn_decode(gated_norm=False) + gated_linear"),
+                        ("(b)", "(b) unfolded: sigmoid_mul + linear", "(b) folded: gated_linear (sigmoid gate)")):
+        if un in by and fo in by:
+            lines.append(f"{tag} fold saves {by[un] - by[fo]:.2f} us per layer ({by[un] / by[fo]:.3f}x)")
+    log("\n".join(lines))
+    with open(os.path.join(args.out, "gdn_fold.json"), "w") as f:
+        json.dump(dict(copy_TBps=copy / 1e12, results=rows), f, indent=1)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -212,7 +310,12 @@ def main() -> int:
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--worker", type=int, default=None)
+    ap.add_argument("--fold", action="store_true", help="time the B = 1 output-projection folds (module docstring)")
     args = ap.parse_args()
+    if args.fold:
+        log = RunLog(args.out, "gdn_fold.log")
+        log(json.dumps(device_env()))
+        return fold_main(args, log)
     shapes = args.shapes.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     if args.worker is not None:

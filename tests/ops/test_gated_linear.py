@@ -102,7 +102,19 @@ def test_two_launches_where_the_default_does_not_fold(D, device):
 def test_default_folds_at_one_row_only():
     for K, N in ((4096, 2048), (6144, 5120), (96, 45)):
         assert tri.default_gated_config(1, N, K) == tri.default_linear_config(1, N, K) is not None
+        assert tri.default_gated_config(1, N, K, 128) == tri.default_linear_config(1, N, K)
         assert all(tri.default_gated_config(M, N, K) is None for M in range(2, tri.GEMV_MAX_M + 2))
+    assert tri.default_gated_config(1, 45, 96, 24) is None, "a head size that is not a power of two: two launches"
+
+
+def test_head_size_not_a_power_of_two_takes_two_launches(device):
+    N, K, D = 5, 48, 24
+    x, gate, nw, w = _inputs(N, K, D, torch.float32, device, seed=6, strided_gate=False)
+    got = tri.gated_linear(x, gate, w, norm_weight=nw, activation="silu")
+    h = norm_tri.rms_norm_gated(x.view(1, 2, D), gate.view(1, 2, D), nw, 1e-6, activation="silu").view(1, K)
+    assert torch.equal(got, tri.linear(h, w))
+    with pytest.raises(ValueError, match="power-of-two head size"):
+        tri.gated_linear(x, gate, w, norm_weight=nw, activation="silu", config=C())
 
 
 def test_empty(device):

@@ -19,6 +19,10 @@ The fused decode has two forms, picked on the host from the batch size (default_
   kernel before it: it starts while that one drains and waits for it before its first read.
 - large batches, two launches: (1) the same per-program math writing the un-normalised output; (2) the
   gated RMSNorm and the conv-window update (after every program of (1) has read the old window).
+With gated_norm=False (the layer's batch-1 decode, whose out_proj applies the norm: linear.gated_linear)
+the one-launch kernel has no norm tail: each program stores its own slice of o, and the counter only
+tells the group's last program that every program has read the q/k window, which it then rewrites from
+the conv inputs it holds (stores only); the two launches skip the norm blocks of (2).
 Verify is three: a token-parallel pre-pass (conv + SiLU, q/k L2 norms, gates of every token, once per
 head instead of once per V-slice), the recurrence over the T_n tokens (state math only), and (2) with
 the copy of the inputs into the stash instead of the window update.

@@ -470,11 +470,14 @@ def _gemv_gated_kernel(x, g, nw, w, y, N, K, s_wn, eps,
     tl.store(y + rows, out.to(y.dtype.element_ty), mask=row_ok)
 
 
-def default_gated_config(M: int, N: int, K: int) -> LinearConfig | None:
-    """Tiles for gated_linear with the gate (and norm) folded into the GEMV, or None where the gate op
-    runs as a launch of its own before `linear`. Folded at M = 1 only, with the plain GEMV's M = 1 tiles
-    (block_k raised to whole heads where a head is longer), as the pre-norm fold (default_prenorm_config)."""
-    return default_linear_config(M, N, K) if M == 1 else None
+def default_gated_config(M: int, N: int, K: int, head_dim: int | None = None) -> LinearConfig | None:
+    """Tiles for gated_linear with the gate (and the norm over heads of head_dim) folded into the GEMV, or
+    None where the gate op runs as a launch of its own before `linear`. Folded at M = 1 only, with the
+    plain GEMV's M = 1 tiles (block_k raised to whole heads where a head is longer), as the pre-norm fold
+    (default_prenorm_config); not for a head size that is not a power of two (a tile dimension)."""
+    if M != 1 or (head_dim is not None and head_dim & (head_dim - 1)):
+        return None
+    return default_linear_config(M, N, K)
 
 
 def gated_linear(
@@ -502,7 +505,7 @@ def gated_linear(
     check_same_device(op, *tensors)
     lead = x.shape[:-1]
     M = lead.numel()
-    cfg = config if config is not None else default_gated_config(M, N, K)
+    cfg = config if config is not None else default_gated_config(M, N, K, None if norm_weight is None else D)
     if cfg is None or M == 0 or N == 0 or K == 0:
         if norm_weight is None:
             h = activation_triton.sigmoid_mul(x, gate) if activation == "sigmoid" else x * F.silu(gate)
