@@ -46,6 +46,7 @@ class Kernels:
     store_kv: Callable
     attention_prologue: Callable     # q/k RMSNorm + partial RoPE + KV store, between QKV proj and attention
     paged_attention: Callable
+    fused_paged_attention: Callable  # attention_prologue + paged_attention (one launch for decode batches)
     topk_softmax: Callable
     fused_moe: Callable
     silu_and_mul: Callable           # SwiGLU middle: [.., 2I] (gate | up) -> silu(gate) * up
@@ -70,6 +71,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "store_kv": attention_ref.store_kv,
     "attention_prologue": attention_ref.attention_prologue,
     "paged_attention": attention_ref.paged_attention,
+    "fused_paged_attention": attention_ref.fused_paged_attention,
     "topk_softmax": moe_ref.topk_softmax,
     "fused_moe": moe_ref.fused_moe,
     "silu_and_mul": activation_ref.silu_and_mul,

@@ -20,6 +20,7 @@ SHAPE_LIMITS = {
     "chunk_gated_delta_rule": _GDN_DIMS, "fused_recurrent_gated_delta_rule": _GDN_DIMS, "gdn_prefill": _GDN_DIMS,
     "gdn_decode": _GDN_DIMS, "gdn_verify": _GDN_DIMS, "gdn_commit": _GDN_DIMS,
     "store_kv": _ATTN_DIMS, "attention_prologue": _ATTN_DIMS, "paged_attention": _ATTN_DIMS,
+    "fused_paged_attention": _ATTN_DIMS,
 }
 
 
@@ -70,6 +71,7 @@ def _all_ops() -> dict[str, Callable]:
         "store_kv": attention_triton.store_kv,
         "attention_prologue": attention_triton.attention_prologue,
         "paged_attention": attention_triton.paged_attention,
+        "fused_paged_attention": attention_triton.fused_paged_attention,
         "topk_softmax": triton_routing.topk_softmax,
         "fused_moe": moe_triton.fused_moe,
         "linear": linear_triton.linear,

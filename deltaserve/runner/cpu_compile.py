@@ -100,6 +100,14 @@ def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, *, cu_seqlen
     return (probs @ torch.where(valid[:, None, :, None], kv[1], 0.0)).reshape(N, nh, d)
 
 
+def fused_paged_attention_decode(q, k, v, q_norm_weight, k_norm_weight, eps, cos, sin, kv_cache, slot_mapping, *,
+                                 cu_seqlens, seq_lens, block_tables, scale, max_query_len=None):
+    """fused_paged_attention as the two decode functions above (decode batches: one token per sequence)."""
+    q = attention_prologue_decode(q, k, v, q_norm_weight, k_norm_weight, eps, cos, sin, kv_cache, slot_mapping)
+    return paged_attention_decode(q, kv_cache, cu_seqlens=cu_seqlens, seq_lens=seq_lens, block_tables=block_tables,
+                                  scale=scale)
+
+
 def fused_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor) -> torch.Tensor:
     """fused_moe as a gather + multiply-reduce per (token, expert) pair: inductor fuses the gather and the
@@ -114,10 +122,11 @@ def fused_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
 def decode_kernels(kernels: Kernels) -> Kernels:
     return dataclasses.replace(
         kernels, store_kv=store_kv_decode, attention_prologue=attention_prologue_decode,
-        paged_attention=paged_attention_decode, fused_moe=fused_moe_decode, gdn_decode=gdn_ref.gdn_decode_unpadded,
+        paged_attention=paged_attention_decode, fused_paged_attention=fused_paged_attention_decode,
+        fused_moe=fused_moe_decode, gdn_decode=gdn_ref.gdn_decode_unpadded,
         backend={**kernels.backend, **{n: "compiled-decode" for n in
-                                      ("store_kv", "attention_prologue", "paged_attention", "fused_moe",
-                                       "gdn_decode")}})
+                                      ("store_kv", "attention_prologue", "paged_attention", "fused_paged_attention",
+                                       "fused_moe", "gdn_decode")}})
 
 
 # ---- the decode twin ----------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ MiB = 1 << 20
 
 # Ops a decode step calls (GDN: gdn_decode holds conv update, gates, delta rule and gated norm).
 DECODE_PATH_OPS = ("rms_norm", "rms_norm_linear", "gdn_decode", "attention_prologue", "paged_attention",
-                   "topk_softmax", "fused_moe", "silu_and_mul", "sigmoid_mul")
+                   "fused_paged_attention", "topk_softmax", "fused_moe", "silu_and_mul", "sigmoid_mul")
 MAX_CAPTURE_SIZE = 512
 
 

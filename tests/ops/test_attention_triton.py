@@ -1,8 +1,13 @@
 """Paged attention and KV store (Triton) against the plain-torch references: ragged prefill chunks that
 continue from cached context mixed with decodes, block tables out of order, GQA ratios 1/2/8, head_dim
-64 and 256, split-K, padded slots and rows, and chunked == whole."""
+64 and 256, split-K, padded slots and rows, and chunked == whole. fused_paged_attention (prologue +
+attention; one launch for decode batches) against the reference composition: random decode batches
+(contexts ending mid-block, empty padded rows, shuffled tables), the new token's key read by its own
+split, the merge by the last split, CUDA-graph replay == eager."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -174,9 +179,173 @@ def test_signatures_match_the_references():
     """The reference's parameters in order, plus only optional keyword-only extras (host-side hints)."""
     import inspect
 
-    for name, extras in (("store_kv", set()), ("paged_attention", {"max_query_len", "config"})):
+    for name, extras in (("store_kv", set()), ("paged_attention", {"max_query_len", "config"}),
+                         ("fused_paged_attention", {"config"})):
         want = [(p.name, p.kind) for p in inspect.signature(getattr(ref, name)).parameters.values()]
         params = inspect.signature(getattr(tri, name)).parameters.values()
         got = [(p.name, p.kind) for p in params if p.name not in extras]
         assert got == want, name
         assert all(p.kind == p.KEYWORD_ONLY and p.default is None for p in params if p.name in extras)
+
+
+# ---- fused_paged_attention: prologue + attention, one launch for decode batches ---------------------
+
+class Decode:
+    """A decode batch (token n = sequence n) as the attention layer hands it over: q/k/v strided views of
+    one projection output, norm weights, RoPE tables of each token's position, its cache slot (-1 for a
+    padded row: context 0), a paged cache with shuffled tables."""
+
+    def __init__(self, ctx, nh, nkv, d, rd, *, dtype=torch.float32, device="cpu", seed=0, bs=16):
+        self.paged = p = Paged(ctx, nkv, d, bs=bs, dtype=dtype, device=device, seed=seed)
+        g, T = p.g, len(ctx)
+        qkv = randn(T, (2 * nh + 2 * nkv) * d, g=g, dtype=dtype, device=device)      # [q | gate | k | v]
+        self.q = qkv[:, : nh * d].view(T, nh, d)
+        self.k = qkv[:, 2 * nh * d: (2 * nh + nkv) * d].view(T, nkv, d)
+        self.v = qkv[:, (2 * nh + nkv) * d:].view(T, nkv, d)
+        self.qw = randn(d, g=g, dtype=dtype, device=device, scale=0.1)
+        self.kw = randn(d, g=g, dtype=dtype, device=device, scale=0.1)
+        pos = torch.tensor([max(c - 1, 0) for c in ctx]).float()
+        emb = torch.cat([pos[:, None] * (1.0 / (1e7 ** (torch.arange(0, rd, 2).float() / rd)))] * 2, dim=-1)
+        self.cos, self.sin = emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
+        self.slots = torch.tensor([int(p.tables[n, (c - 1) // bs]) * bs + (c - 1) % bs if c > 0 else -1
+                                   for n, c in enumerate(ctx)], dtype=torch.int64, device=device)
+        self.kw_args = dict(cu_seqlens=cu_seqlens([1] * T, device), seq_lens=p.seq_lens, block_tables=p.tables,
+                            scale=d ** -0.5)
+
+    def run(self, impl, cache, **kw):
+        return impl.fused_paged_attention(self.q, self.k, self.v, self.qw, self.kw, 1e-6, self.cos, self.sin, cache,
+                                          self.slots, **self.kw_args, **kw)
+
+
+def _check_fused(dec: Decode, config, tol, what):
+    want_cache, got_cache = dec.paged.cache.clone(), dec.paged.cache.clone()
+    want = dec.run(ref, want_cache)
+    got = dec.run(tri, got_cache, max_query_len=1, config=config)
+    assert_close(got, want, tol, f"{what}: output")
+    assert_close(got_cache, want_cache, tol, f"{what}: cache")
+    return got, got_cache
+
+
+DC = tri.DecodeAttentionConfig
+
+
+@pytest.mark.parametrize("nh,nkv,d,rd,dtype,config", [
+    (4, 2, 64, 16, torch.float32, DC(block_n=16, max_splits=1, num_stages=1)),              # no split
+    (4, 2, 64, 16, torch.float32, DC(block_n=16, max_splits=3, min_tiles=1, num_stages=1)),  # split, merge
+    (8, 1, 64, 64, torch.float32, DC(block_n=16, max_splits=4, min_tiles=2, num_stages=1)),  # GQA 8, full rotary
+    (6, 2, 32, 8, torch.bfloat16, DC(block_n=16, max_splits=5, min_tiles=1, num_stages=1)),  # GQA 3 (rows padded)
+    (2, 2, 16, 4, torch.float32, DC(block_n=16, max_splits=2, min_tiles=1, num_stages=1)),   # MHA
+])
+def test_fused_decode_matches_reference(nh, nkv, d, rd, dtype, config, device):
+    """Random decode batches: contexts ending mid-block and on block ends, an empty padded row (slot -1,
+    context 0: zeros), one key, contexts shorter and longer than the splits reach."""
+    g = gen(nh * 100 + d + config.max_splits)
+    for trial in range(2):
+        ctx = [int(c) for c in torch.randint(1, 120, (5,), generator=g)] + [0, 1, 16, 64]
+        ctx = [ctx[i] for i in torch.randperm(len(ctx), generator=g)]
+        dec = Decode(ctx, nh, nkv, d, rd, dtype=dtype, device=device, seed=trial + nh)
+        _check_fused(dec, config, TOL[dtype], f"{config} ctx={ctx}")
+
+
+def test_fused_decode_reads_the_new_key(device):
+    """The new token's key and value weigh heavily at short contexts: the program that owns the last tile
+    must attend to what it just stored (the cache's previous contents at that slot would give another
+    answer, checked to differ by far more than the tolerance). Owners other than split 0 included."""
+    ctx = [1, 2, 3, 17, 33, 48]
+    dec = Decode(ctx, 4, 2, 64, 16, device=device, seed=7)
+    for config in (DC(block_n=16, max_splits=1, num_stages=1), DC(block_n=16, max_splits=3, min_tiles=1, num_stages=1)):
+        got, _ = _check_fused(dec, config, TOL[torch.float32], str(config))
+        q_only = ref.attention_prologue(dec.q, dec.k, dec.v, dec.qw, dec.kw, 1e-6, dec.cos, dec.sin,
+                                        dec.paged.cache.clone(), torch.full_like(dec.slots, -1))   # nothing stored
+        stale = ref.paged_attention(q_only, dec.paged.cache, **dec.kw_args)
+        assert (got - stale).abs().max() > 100 * TOL[torch.float32] * stale.abs().max()
+
+
+def test_fused_decode_repeat_and_counters(device):
+    """Two calls give the same output (the merge counters are back to zero after each launch), and the
+    default configuration of this device agrees with the reference."""
+    dec = Decode([40, 7, 100, 0], 4, 2, 64, 16, device=device, seed=9)
+    cfg = DC(block_n=16, max_splits=4, min_tiles=1, num_stages=1)
+    first, _ = _check_fused(dec, cfg, TOL[torch.float32], "first")
+    again, _ = _check_fused(dec, cfg, TOL[torch.float32], "again")
+    assert torch.equal(first, again)
+    assert int(tri._decode_counters(torch.device(device), 8).abs().sum()) == 0
+
+
+def test_fused_decode_path_choice(device, monkeypatch):
+    """Without a config, decode batches below FUSED_DECODE_MIN_PAIRS (token, KV head) pairs run the
+    prologue and paged attention, larger ones the one launch with its default configuration; both equal
+    the reference."""
+    dec = Decode([40, 7, 100, 0, 1], 4, 2, 64, 16, device=device, seed=19)
+    calls = []
+    prologue = tri.attention_prologue
+    monkeypatch.setattr(tri, "attention_prologue", lambda *a, **k: calls.append(1) or prologue(*a, **k))
+    monkeypatch.setattr(tri, "FUSED_DECODE_MIN_PAIRS", 11)                       # 5 tokens x 2 KV heads = 10
+    _check_fused(dec, None, TOL[torch.float32], "two launches")
+    assert calls == [1]
+    monkeypatch.setattr(tri, "FUSED_DECODE_MIN_PAIRS", 10)
+    _check_fused(dec, None, TOL[torch.float32], "one launch, default config")
+    assert calls == [1]
+
+
+def test_fused_mixed_batch_runs_the_two_launch_path(device):
+    """Prefill chunks mixed with decodes (max_query_len unknown or > 1): prologue then paged attention, equal
+    to the reference composition; cu_seqlens decides, not T."""
+    nh, nkv, d, rd = 4, 2, 64, 16
+    q_lens, ctx = [15, 1, 2, 1], [20, 9, 40, 1]
+    p = Paged(ctx, nkv, d, device=device, seed=13)
+    g, T = p.g, sum(q_lens)
+    q, k, v = (randn(T, h, d, g=g, device=device) for h in (nh, nkv, nkv))
+    qw, kw = randn(d, g=g, device=device, scale=0.1), randn(d, g=g, device=device, scale=0.1)
+    cos, sin = randn(T, rd, g=g, device=device), randn(T, rd, g=g, device=device)
+    slots = p.slots(q_lens, ctx)
+    args = dict(cu_seqlens=cu_seqlens(q_lens, device), seq_lens=p.seq_lens, block_tables=p.tables, scale=0.125)
+    c_ref, c_tri = p.cache.clone(), p.cache.clone()
+    want = ref.fused_paged_attention(q, k, v, qw, kw, 1e-6, cos, sin, c_ref, slots, **args)
+    for mql in (None, 15):
+        got = tri.fused_paged_attention(q, k, v, qw, kw, 1e-6, cos, sin, c_tri, slots, **args, max_query_len=mql)
+        assert_close(got, want, TOL[torch.float32], f"max_query_len={mql}")
+        assert_close(c_tri, c_ref, TOL[torch.float32], "cache")
+
+
+def test_fused_bad_inputs(device):
+    dec = Decode([5, 9], 4, 2, 64, 16, device=device)
+    with pytest.raises(ValueError, match="config applies"):
+        dec.run(tri, dec.paged.cache.clone(), config=DC())
+    with pytest.raises(ValueError, match="max_query_len"):
+        dec.run(tri, dec.paged.cache.clone(), max_query_len=0)
+    with pytest.raises(ValueError, match="max_splits"):
+        dec.run(tri, dec.paged.cache.clone(), max_query_len=1, config=DC(max_splits=0))
+    with pytest.raises(ValueError, match="k and v"):
+        tri.fused_paged_attention(dec.q, dec.k[:, :1], dec.v, dec.qw, dec.kw, 1e-6, dec.cos, dec.sin,
+                                  dec.paged.cache, dec.slots, **dec.kw_args, max_query_len=1)
+    # the reference checks the promise the one-launch path relies on
+    with pytest.raises(ValueError, match="max_query_len=1 but a sequence has 2"):
+        ref.fused_paged_attention(dec.q, dec.k, dec.v, dec.qw, dec.kw, 1e-6, dec.cos, dec.sin, dec.paged.cache,
+                                  dec.slots, cu_seqlens=cu_seqlens([2, 0], device), seq_lens=dec.paged.seq_lens,
+                                  block_tables=dec.paged.tables, scale=0.125, max_query_len=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nh,nkv", [(16, 2), (24, 4)])          # Qwen3.5-35B-A3B, Qwen3.5-27B
+def test_fused_decode_real_shapes_gpu(nh, nkv, device):
+    """Default launch choices at batch 1, 8 and 64 (split-K with the merge by the last split, and without),
+    contexts 1 .. 32768, bf16; then the batch-8 call captured in a CUDA graph replays to the eager result."""
+    d, rd = 256, 64
+    for ctx in ([1152], [32768], [1], [4095], [1 + 613 * i for i in range(8)], [1 + 37 * i for i in range(64)]):
+        dec = Decode(ctx, nh, nkv, d, rd, dtype=torch.bfloat16, device=device, seed=len(ctx))
+        _check_fused(dec, None, TOL[torch.bfloat16], f"ctx={ctx[:4]}.. x{len(ctx)}")
+        # the L2 prefetch before the programmatic-launch wait (a hint: the same result)
+        cfg = tri.default_decode_config(len(ctx), nkv, d, torch.cuda.get_device_properties(device).multi_processor_count)
+        _check_fused(dec, dataclasses.replace(cfg, prefetch_tiles=2), TOL[torch.bfloat16], f"prefetch ctx={ctx[:4]}..")
+    dec = Decode([1 + 613 * i for i in range(8)], nh, nkv, d, rd, dtype=torch.bfloat16, device=device, seed=3)
+    cache = dec.paged.cache.clone()
+    eager = dec.run(tri, cache, max_query_len=1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = dec.run(tri, cache, max_query_len=1)
+    for _ in range(2):
+        static.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static, eager)

@@ -44,6 +44,25 @@ def attention_prologue(
     return q.contiguous()
 
 
+def fused_paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+    eps: float, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+    cu_seqlens: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """attention_prologue then paged_attention: the whole attention core of a layer between the QKV
+    projection and the output gate. `max_query_len` (optional): the longest query chunk of the batch, a
+    promise the fused decode kernel relies on (1: every sequence has exactly one token); checked here."""
+    if max_query_len is not None:
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+        if max_query_len < 1 or longest > max_query_len:
+            raise ValueError(f"fused_paged_attention: max_query_len={max_query_len} but a sequence has "
+                             f"{longest} query tokens")
+    q = attention_prologue(q, k, v, q_norm_weight, k_norm_weight, eps, cos, sin, kv_cache, slot_mapping)
+    return paged_attention(q, kv_cache, cu_seqlens=cu_seqlens, seq_lens=seq_lens, block_tables=block_tables,
+                           scale=scale)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     live = slot_mapping >= 0
     slots = slot_mapping[live].long()

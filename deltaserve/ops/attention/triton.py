@@ -31,6 +31,7 @@ and releases the next one at once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -39,7 +40,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..triton_common import (ACTIVATION_DTYPES, check, check_head_dim, check_last_contiguous, check_same_device,
-                             pdl_launch)
+                             pdl_launch, prefetch_l2)
 
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp2(NEG_BIG - NEG_BIG) = 1, no NaN
@@ -141,19 +142,11 @@ def _attn_prologue_kernel(q, k, v, q_w, k_w, cos, sin, q_out, cache, slots, eps,
             tl.store(dst + s_c_kv, vv.to(cache.dtype.element_ty))
 
 
-def attention_prologue(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
-    eps: float, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-) -> torch.Tensor:
-    """See reference.attention_prologue: one launch instead of two norms, two rotations (a dozen
-    elementwise kernels) and the store. fp32 math; the normed values are rounded to the activation dtype
-    as the reference's rms_norm output is, and the rotation is rounded once (the reference rounds each
-    of its bf16 multiplies and the add: at most an ulp apart)."""
-    op = "attention_prologue"
+def _check_prologue(op, q, k, v, q_norm_weight, k_norm_weight, cos, sin, kv_cache, slot_mapping) -> None:
     _check_cache(op, kv_cache)
     nkv, d = kv_cache.shape[-2], kv_cache.shape[-1]
     check(q.dim() == 3 and q.shape[-1] == d, op, f"q must be [T, heads, {d}], got {tuple(q.shape)}")
-    T, nh = q.shape[0], q.shape[1]
+    T = q.shape[0]
     check(k.shape == (T, nkv, d) and v.shape == k.shape, op,
           f"k and v must be [{T}, {nkv}, {d}], got {tuple(k.shape)}, {tuple(v.shape)}")
     check(q_norm_weight.shape == (d,) and k_norm_weight.shape == (d,), op,
@@ -172,6 +165,19 @@ def attention_prologue(
     check_last_contiguous(op, q=q, k=k, v=v, cos=cos, sin=sin, q_norm_weight=q_norm_weight,
                           k_norm_weight=k_norm_weight)
     check_same_device(op, q, k, v, cos, sin, kv_cache, slot_mapping, q_norm_weight, k_norm_weight)
+
+
+def attention_prologue(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+    eps: float, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """See reference.attention_prologue: one launch instead of two norms, two rotations (a dozen
+    elementwise kernels) and the store. fp32 math; the normed values are rounded to the activation dtype
+    as the reference's rms_norm output is, and the rotation is rounded once (the reference rounds each
+    of its bf16 multiplies and the add: at most an ulp apart)."""
+    op = "attention_prologue"
+    _check_prologue(op, q, k, v, q_norm_weight, k_norm_weight, cos, sin, kv_cache, slot_mapping)
+    T, nh, nkv, d, rd = q.shape[0], q.shape[1], kv_cache.shape[-2], kv_cache.shape[-1], cos.shape[-1]
     q_out = torch.empty((T, nh, d), dtype=q.dtype, device=q.device)
     if T == 0:
         return q_out
@@ -399,19 +405,11 @@ def _merge_splits_kernel(part_ml, part_acc, out, NH: tl.constexpr, SPLITS: tl.co
     tl.store(out + row * D + dims, tl.sum(a * w[:, None], 0).to(out.dtype.element_ty))
 
 
-def paged_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor, seq_lens: torch.Tensor,
-    block_tables: torch.Tensor, scale: float, max_query_len: int | None = None,
-    config: AttentionConfig | None = None,
-) -> torch.Tensor:
-    """See reference.paged_attention. Optional, host-side only: `max_query_len` (the longest query chunk
-    in the batch, if the caller knows it; 1 selects the decode launch shape, which is otherwise chosen
-    when T <= N) and `config` (launch choices). Neither changes the result beyond rounding."""
-    op = "paged_attention"
+def _check_attention(op, q, kv_cache, cu_seqlens, seq_lens, block_tables, scale) -> None:
     _check_cache(op, kv_cache)
-    nkv, d, bs = kv_cache.shape[-2], kv_cache.shape[-1], kv_cache.shape[2]
+    nkv, d = kv_cache.shape[-2], kv_cache.shape[-1]
     check(q.dim() == 3 and q.shape[-1] == d, op, f"q must be [T, heads, {d}], got {tuple(q.shape)}")
-    T, nh = q.shape[0], q.shape[1]
+    nh = q.shape[1]
     check(nh % nkv == 0, op, f"query heads {nh} must be a multiple of KV heads {nkv}")
     check(q.dtype == kv_cache.dtype, op, f"q dtype {q.dtype} must match kv_cache dtype {kv_cache.dtype}")
     check(seq_lens.dim() == 1, op, f"seq_lens must be [N], got {tuple(seq_lens.shape)}")
@@ -425,9 +423,23 @@ def paged_attention(
     check(cu_seqlens.is_contiguous() and seq_lens.is_contiguous(), op, "cu_seqlens and seq_lens must be contiguous")
     check(block_tables.stride(-1) == 1 or block_tables.shape[1] <= 1, op, "block_tables rows must be contiguous")
     check(scale > 0 and math.isfinite(scale), op, f"scale must be a positive finite number, got {scale}")
-    check(max_query_len is None or max_query_len >= 1, op, f"max_query_len must be >= 1, got {max_query_len}")
     check_last_contiguous(op, q=q)
     check_same_device(op, q, kv_cache, cu_seqlens, seq_lens, block_tables)
+
+
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor, seq_lens: torch.Tensor,
+    block_tables: torch.Tensor, scale: float, max_query_len: int | None = None,
+    config: AttentionConfig | None = None,
+) -> torch.Tensor:
+    """See reference.paged_attention. Optional, host-side only: `max_query_len` (the longest query chunk
+    in the batch, if the caller knows it; 1 selects the decode launch shape, which is otherwise chosen
+    when T <= N) and `config` (launch choices). Neither changes the result beyond rounding."""
+    op = "paged_attention"
+    _check_attention(op, q, kv_cache, cu_seqlens, seq_lens, block_tables, scale)
+    check(max_query_len is None or max_query_len >= 1, op, f"max_query_len must be >= 1, got {max_query_len}")
+    T, nh, N = q.shape[0], q.shape[1], seq_lens.shape[0]
+    nkv, d, bs = kv_cache.shape[-2], kv_cache.shape[-1], kv_cache.shape[2]
     out = torch.empty((T, nh, d), dtype=q.dtype, device=q.device)
     if T == 0:
         return out
@@ -458,4 +470,282 @@ def paged_attention(
         bd = min(d, max(16, 4096 // sp))
         _merge_splits_kernel[(T, nh, d // bd)](part_ml, part_acc, out, NH=nh, SPLITS=splits, SP=sp, BD=bd, D=d,
                                                num_warps=4, **_pdl(q.device))
+    return out
+
+
+# ---- fused decode: prologue + attention + merge in one launch -----------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DecodeAttentionConfig:
+    """Launch choices of the one-launch decode path. max_splits: programs per (token, KV head) in the
+    grid; min_tiles: key tiles a split takes at least (a sequence of `tiles` key tiles uses
+    min(max_splits, cdiv(tiles, min_tiles)) of them, the rest exit at once); block_n: keys per step."""
+
+    block_n: int = 64
+    max_splits: int = 1
+    min_tiles: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+    prefetch_tiles: int = 0      # with PDL: key tiles per program asked of L2 before the wait (a hint)
+
+
+# Decode batches of at least this many (token, KV head) pairs run the one-launch kernel by default; smaller
+# ones the three launches (prologue, attention, split merge). H200, 35B-A3B shape (docs/PERFORMANCE.md,
+# "Decode in one launch"): one launch was 4 % faster at 64 and 256 sequences (128 and 512 pairs) and
+# 1.4-2.3x slower at 1 and 8 sequences, where its split merge and multi-tile splits add dependent memory
+# round trips to the critical path.
+FUSED_DECODE_MIN_PAIRS = 128
+
+
+def default_decode_config(N: int, nkv: int, d: int, sms: int,
+                          dtype: torch.dtype = torch.bfloat16) -> DecodeAttentionConfig:
+    """For N decode tokens on a device of `sms` multiprocessors: split-K while the (token, KV head)
+    programs cannot fill the GPU; each split takes at least `min_tiles` key tiles (the last program to
+    finish merges the splits: fewer, longer splits there)."""
+    pairs = N * nkv
+    splits = max(1, min(MAX_SPLITS, 4 * sms // pairs))
+    cap = SPLIT_SCRATCH_BYTES // max(1, pairs * 16 * (d + 2) * 4)
+    splits = max(1, min(splits, cap))
+    block_n, stages = (64, 2) if dtype.itemsize < 4 else (32, 1)
+    return DecodeAttentionConfig(block_n=block_n, max_splits=splits, min_tiles=2, num_warps=4, num_stages=stages)
+
+
+@triton.jit
+def _rope_normed(x, xp, rstd, w, wp, c, sn, sign, OUT_DTYPE: tl.constexpr):
+    """The prologue's math on loaded rows: zero-centred RMSNorm (rounded to the activation dtype, as the
+    reference's rms_norm output is), then rotate-half RoPE in fp32, rounded once."""
+    y = (x * rstd * (w + 1.0)).to(OUT_DTYPE).to(tl.float32)
+    yp = (xp * rstd * (wp + 1.0)).to(OUT_DTYPE).to(tl.float32)
+    return (y * c + sign * yp * sn).to(OUT_DTYPE)
+
+
+@triton.jit
+def _prefetch_tiles(cache, seq_lens, tables, n, kvh, split, s_bt_n, s_c_kv, BS, table_w, num_blocks,
+                    NKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                    MIN_TILES: tl.constexpr, TILES: tl.constexpr, LINE: tl.constexpr):
+    """L2 prefetch of the keys and values of this split's first TILES tiles, from guessed inputs (LINE:
+    elements per 128-byte line)."""
+    ctx = tl.load(seq_lens + n, cache_modifier=".cg").to(tl.int32)
+    tiles = tl.cdiv(ctx, BLOCK_N)
+    active = tl.maximum(tl.minimum(tl.cdiv(tiles, MIN_TILES), SPLITS), 1)
+    table = tables + n.to(tl.int64) * s_bt_n
+    lines = tl.arange(0, D // LINE) * LINE             # one pointer per line of a row
+    for j in tl.static_range(TILES):
+        pos = (split + j * active) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = pos < ctx
+        idx = tl.minimum(tl.maximum(pos // BS, 0), table_w - 1)
+        blk = tl.load(table + idx, mask=ok, other=0, cache_modifier=".cg").to(tl.int64)
+        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
+        row = cache + (blk * BS + pos % BS) * (NKV * D) + kvh * D
+        m = ok[:, None] & (lines[None, :] >= 0)
+        prefetch_l2(row[:, None] + lines[None, :], m)
+        prefetch_l2(row[:, None] + s_c_kv + lines[None, :], m)
+
+
+@triton.jit(do_not_specialize=["s_bt_n", "table_w", "num_blocks"])
+def _decode_attention_kernel(q, k, v, q_w, k_w, cos, sin, cache, slots, seq_lens, tables, out,
+                             part_ml, part_acc, counters, eps, qk_scale,
+                             s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_cos, s_sin, s_bt_n, s_c_kv, BS,
+                             table_w, num_blocks,
+                             NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, RD: tl.constexpr,
+                             G: tl.constexpr, GM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             SPLITS: tl.constexpr, SP: tl.constexpr, MIN_TILES: tl.constexpr,
+                             MS: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
+                             PREFETCH_TILES: tl.constexpr = 0, LINE: tl.constexpr = 64):
+    """One decode token (= sequence n), one KV head, one split of its keys per program:
+
+    1. q: RMSNorm + RoPE of the G query heads of this KV head, on the load (every split does this; it is
+       4 KB), exactly as the prologue computes and rounds it.
+    2. The program owning the last key tile (it holds the new token's position ctx - 1) normalises and
+       rotates the new key, stores key and value into the token's cache slot, and a CTA barrier orders
+       those stores before its own tile loads (bar.sync orders global memory among the CTA's threads).
+       No other program reads position ctx - 1: a decode token's slot is read only by its own sequence.
+    3. Online softmax over the split's key tiles: tiles split, split + A, split + 2A, ... of the
+       sequence, A = min(SPLITS, cdiv(tiles, MIN_TILES)) active splits (the others exit at once).
+    4. With one active split it writes the output; otherwise it writes (max, sum, accumulator) in fp32,
+       counts itself in on the (token, KV head) counter, and the last to arrive merges the A partial
+       results into the output and resets the counter to zero (as the GDN decode kernel's tail does).
+
+    With PDL the kernel reads nothing before griddepcontrol.wait but, with PREFETCH_TILES, a guess of its
+    context length and block table (L2 only) from which it asks L2 for the lines of its first key tiles:
+    the old keys are not written in this step, so the DRAM latency overlaps the kernel before; a stale
+    guess costs bandwidth, never a wrong value (every address is clamped into its buffer)."""
+    n = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    if PDL:
+        if PREFETCH_TILES > 0:
+            _prefetch_tiles(cache, seq_lens, tables, n, kvh, split, s_bt_n, s_c_kv, BS, table_w, num_blocks,
+                            NKV, D, BLOCK_N, SPLITS, MIN_TILES, PREFETCH_TILES, LINE)
+        gdc_wait()
+        gdc_launch_dependents()
+    t = n.to(tl.int64)
+    # every load the program needs that does not depend on the context length, in one batch
+    ctx = tl.load(seq_lens + n).to(tl.int32)
+    slot = tl.load(slots + t).to(tl.int64)
+    dims = tl.arange(0, D)
+    HALF: tl.constexpr = RD // 2
+    partner = tl.where(dims < HALF, dims + HALF, tl.where(dims < RD, dims - HALF, dims))
+    sign = tl.where(dims < HALF, -1.0, 1.0)
+    in_rd = dims < RD
+    c = tl.load(cos + t * s_cos + dims, mask=in_rd, other=1.0).to(tl.float32)
+    sn = tl.load(sin + t * s_sin + dims, mask=in_rd, other=0.0).to(tl.float32)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < G
+    head = kvh * G + rows
+    qp = q + t * s_q_t + head[:, None] * s_q_h
+    x = tl.load(qp + dims[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    xp = tl.load(qp + partner[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    kp = k + t * s_k_t + kvh * s_k_h
+    kx = tl.load(kp + dims).to(tl.float32)
+    kxp = tl.load(kp + partner).to(tl.float32)
+    vv_new = tl.load(v + t * s_v_t + kvh * s_v_h + dims)
+    qw = tl.load(q_w + dims).to(tl.float32)
+    qwp = tl.load(q_w + partner).to(tl.float32)
+    kw = tl.load(k_w + dims).to(tl.float32)
+    kwp = tl.load(k_w + partner).to(tl.float32)
+
+    tiles = tl.cdiv(ctx, BLOCK_N)
+    active = tl.maximum(tl.minimum(tl.cdiv(tiles, MIN_TILES), SPLITS), 1)
+    if split >= active:
+        return
+    owner = tl.maximum(tiles - 1, 0) % active
+    # the new key and value, stored by the owner of the last tile before it reads that tile
+    knew = _rope_normed(kx, kxp, tl.rsqrt(tl.sum(kx * kx, 0) / D + eps), kw, kwp, c, sn, sign,
+                        cache.dtype.element_ty)
+    dst = cache + slot * (NKV * D) + kvh * D + dims
+    store_new = (dims >= 0) & (slot >= 0) & (split == owner) & (ctx > 0)
+    tl.store(dst, knew, mask=store_new)
+    tl.store(dst + s_c_kv, vv_new.to(cache.dtype.element_ty), mask=store_new)
+    rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)
+    qv = _rope_normed(x, xp, rstd[:, None], qw[None, :], qwp[None, :], c[None, :], sn[None, :], sign[None, :],
+                      cache.dtype.element_ty)
+    tl.debug_barrier()
+
+    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    table = tables + n.to(tl.int64) * s_bt_n
+    head_off = kvh * D
+    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + ctx - 1
+    kv_full = ctx // BLOCK_N * BLOCK_N
+    for start in range(split * BLOCK_N, kv_full, active * BLOCK_N):
+        m_i, l_i, acc = _attend(qv, m_i, l_i, acc, cache, table, start, ctx, q_pos, dims, qk_scale, s_c_kv, BS,
+                                head_off, NKV, D, BLOCK_N, False, IEEE)
+    tail = tl.where(split == owner, kv_full, ctx)       # the partial last tile, if any: its owner's
+    for start in range(tail, ctx, BLOCK_N):
+        m_i, l_i, acc = _attend(qv, m_i, l_i, acc, cache, table, start, ctx, q_pos, dims, qk_scale, s_c_kv, BS,
+                                head_off, NKV, D, BLOCK_N, True, IEEE)
+
+    out_rows = out + (t * NH + head[:, None]) * D
+    if active == 1:   # the only split (or no keys: zeros, as the reference leaves them)
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_rows + dims[None, :], o.to(out.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        group = t * NKV + kvh
+        part = (group * SPLITS + split) * GM + rows
+        tl.store(part_ml + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml + part * 2 + 1, l_i, mask=row_ok)
+        tl.store(part_acc + part[:, None] * D + dims[None, :], acc, mask=row_ok[:, None])
+        tl.debug_barrier()   # every thread's partial stores precede the release below
+        cnt = counters + group
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == active - 1:     # the last split of this (token, KV head): merge
+            tl.store(cnt, 0)
+            sp = tl.arange(0, SP)
+            g = tl.arange(0, GM)
+            ml_ok = (sp[:, None] < active) & (g[None, :] < G)
+            pml = part_ml + ((group * SPLITS + sp[:, None]) * GM + g[None, :]) * 2
+            m_all = tl.load(pml, mask=ml_ok, other=NEG_BIG, cache_modifier=".cg")
+            l_all = tl.load(pml + 1, mask=ml_ok, other=0.0, cache_modifier=".cg")
+            m_max = tl.max(m_all, 0)                                          # [GM]
+            l_tot = tl.sum(tl.where(ml_ok, tl.exp2(m_all - m_max[None, :]) * l_all, 0.0), 0)
+            inv = 1.0 / tl.where(l_tot > 0, l_tot, 1.0)
+            ms = tl.arange(0, MS)
+            bd = tl.arange(0, BD)
+            for dc in tl.static_range(D // BD):
+                o = tl.zeros([GM, BD], dtype=tl.float32)
+                for j0 in range(0, active, MS):
+                    sj = j0 + ms
+                    ok2 = (sj[:, None] < active) & (g[None, :] < G)
+                    pj = (group * SPLITS + sj[:, None]) * GM + g[None, :]                   # [MS, GM]
+                    mj = tl.load(part_ml + pj * 2, mask=ok2, other=NEG_BIG, cache_modifier=".cg")
+                    wj = tl.where(ok2, tl.exp2(mj - m_max[None, :]), 0.0) * inv[None, :]
+                    a = tl.load(part_acc + pj[:, :, None] * D + dc * BD + bd[None, None, :], mask=ok2[:, :, None],
+                                other=0.0, cache_modifier=".cg")
+                    o += tl.sum(a * wj[:, :, None], 0)
+                tl.store(out + (t * NH + kvh * G + g[:, None]) * D + dc * BD + bd[None, :],
+                         o.to(out.dtype.element_ty), mask=(g < G)[:, None])
+
+
+def _decode_counters(device: torch.device, groups: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (token, KV head), for _decode_attention_kernel; every launch leaves
+    them zero again. Shared by all calls on a device (the layers' calls are stream-ordered; two launches
+    must not run concurrently)."""
+    return _zeroed_counters(device, triton.next_power_of_2(max(groups, 4096)))
+
+
+@functools.cache
+def _zeroed_counters(device: torch.device, size: int) -> torch.Tensor:
+    # A cache, as in ops/gdn/triton_recurrent.py: the op's signature has no workspace, and zeroing a fresh
+    # buffer on every call would add back a launch the one-launch path removes.
+    return torch.zeros(size, dtype=torch.int32, device=device)
+
+
+def fused_paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+    eps: float, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+    cu_seqlens: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+    max_query_len: int | None = None, config: DecodeAttentionConfig | None = None,
+) -> torch.Tensor:
+    """See reference.fused_paged_attention. With max_query_len == 1 (the caller promises one token per
+    sequence; the reference checks it, this op cannot without a host sync) and at least
+    FUSED_DECODE_MIN_PAIRS (token, KV head) pairs, or a `config` given (launch choices of that path), the
+    whole op is one launch (_decode_attention_kernel); otherwise attention_prologue then paged_attention."""
+    op = "fused_paged_attention"
+    T, N = q.shape[0], seq_lens.shape[0]
+    check(max_query_len is None or max_query_len >= 1, op, f"max_query_len must be >= 1, got {max_query_len}")
+    nkv = kv_cache.shape[-2] if kv_cache.dim() == 5 else 1
+    decode = max_query_len == 1 and T == N
+    check(config is None or decode, op, "config applies to the one-launch decode path only "
+          "(max_query_len=1, one token per sequence)")
+    one_launch = decode and (config is not None or N * nkv >= FUSED_DECODE_MIN_PAIRS)
+    if not one_launch:
+        qr = attention_prologue(q, k, v, q_norm_weight, k_norm_weight, eps, cos, sin, kv_cache, slot_mapping)
+        return paged_attention(qr, kv_cache, cu_seqlens=cu_seqlens, seq_lens=seq_lens, block_tables=block_tables,
+                               scale=scale, max_query_len=max_query_len)
+    _check_prologue(op, q, k, v, q_norm_weight, k_norm_weight, cos, sin, kv_cache, slot_mapping)
+    _check_attention(op, q, kv_cache, cu_seqlens, seq_lens, block_tables, scale)
+    nh, d, bs = q.shape[1], kv_cache.shape[-1], kv_cache.shape[2]
+    g = nh // nkv
+    cfg = config or default_decode_config(N, nkv, d, _device_sms(q.device), q.dtype)
+    check(cfg.block_n >= 16 and cfg.block_n & (cfg.block_n - 1) == 0, op,
+          f"config block_n={cfg.block_n} must be a power of two >= 16")
+    check(1 <= cfg.max_splits <= MAX_SPLITS and cfg.min_tiles >= 1 and cfg.prefetch_tiles >= 0, op,
+          f"config max_splits={cfg.max_splits} not in [1, {MAX_SPLITS}], min_tiles={cfg.min_tiles} < 1 or "
+          f"prefetch_tiles={cfg.prefetch_tiles} < 0")
+    out = torch.empty((T, nh, d), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    gm = triton.next_power_of_2(g)
+    splits = cfg.max_splits
+    if splits > 1:
+        part_ml = torch.empty((N, nkv, splits, gm, 2), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((N, nkv, splits, gm, d), dtype=torch.float32, device=q.device)
+        counters = _decode_counters(q.device, N * nkv)
+    else:
+        part_ml = part_acc = counters = out
+    sp = triton.next_power_of_2(splits)
+    ms = min(sp, 8)                                      # partial results merged per step
+    bd = min(d, max(16, 64 * 32 * cfg.num_warps // (ms * gm)))   # ~64 fp32 registers a thread per step
+    _decode_attention_kernel[(N, nkv, splits)](
+        q, k, v, q_norm_weight, k_norm_weight, cos, sin, kv_cache, slot_mapping, seq_lens, block_tables, out,
+        part_ml, part_acc, counters, float(eps), float(scale) * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+        block_tables.stride(0), kv_cache.stride(0), bs, max(1, block_tables.shape[1]), kv_cache.shape[1],
+        NH=nh, NKV=nkv, D=d, RD=cos.shape[-1], G=g, GM=gm, BLOCK_M=max(16, gm), BLOCK_N=cfg.block_n,
+        SPLITS=splits, SP=sp, MIN_TILES=cfg.min_tiles, MS=ms, BD=bd, IEEE=q.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl(q.device),
+        **({"PREFETCH_TILES": cfg.prefetch_tiles, "LINE": min(d, 128 // kv_cache.element_size())}
+           if pdl_launch(q.device) else {}))
     return out
