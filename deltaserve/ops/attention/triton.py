@@ -26,6 +26,12 @@ by that rounding: fp32 inputs agree to ~1e-6.
 On Hopper the prologue, attention and merge kernels are programmatic dependent launches (PDL): each
 becomes resident while the kernel before it drains, waits for it (griddepcontrol.wait) before any load,
 and releases the next one at once.
+
+`fused_paged_attention` is the prologue and attention together. Large decode batches (one token per
+sequence, >= FUSED_DECODE_MIN_PAIRS (token, KV head) pairs) run it as one launch, _decode_attention_kernel
+(its docstring: q norm + RoPE on the load, the new key stored by the owner of the last tile, split merge by
+the last split to finish); everything else runs the two ops. At batch 1-8 on an H200 the one launch was
+1.6-2.6x slower than the three (docs/PERFORMANCE.md, "Decode in one launch").
 """
 
 from __future__ import annotations
