@@ -83,50 +83,26 @@ def one_pass_kernels() -> list[dict]:
 
 
 def gemv_kernels() -> list[dict]:
-    """The decode GEMV kernels (w13, w2) of the defaults and of every session-5 variant the decode benchmark
-    times, at the 35B-A3B shape (9 slots, H 2048, I 512, bf16), with their programs per SM."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from attention_moe_ops import gemv_variants, session4_config
-
+    """The decode GEMV kernels (w13, w2 + combine) of the default configurations at T = 1 and T >= 2, at the
+    35B-A3B shape (9 slots, H 2048, I 512, bf16), with their programs per SM."""
     bf, f32, i64 = "*bf16", "*fp32", "*i64"
-    out, seen = [], set()
+    out = []
     for T in (1, 2):
-        cfgs = {"session-4 default": session4_config(T), "default": moe_t.default_moe_config(T, 9, 257, 2048, 512,
-                                                                                              pdl=True),
-                **gemv_variants(T)}
-        for label, c in cfgs.items():
-            pf_w2 = triton.next_power_of_2(2048 // triton.cdiv(512, c.block_n1)) if c.prefetch_w2 else 0
-            k13 = (c.block_n1, c.block_k1, c.warps1, c.row_acc, c.prefetch_self, pf_w2, c.prefetch_tail, c.evict_first,
-                   c.pdl, c.pdl_w13)
-            if k13 not in seen:
-                seen.add(k13)
-                out.append(compile_aligned(
-                    f"gemv_w13 T={T} {label}", moe_t._gemv_w13_kernel, dict(x=bf, w13=bf, ids=i64, inter=bf, w2=bf),
-                    dict(TOP_K=9, BN=c.block_n1, BK=c.block_k1, PDL=c.pdl, WAIT=c.pdl_w13, ROW_ACC=c.row_acc,
-                         PF_SELF=c.prefetch_self, PF_W2=pf_w2, PF_TAIL=c.prefetch_tail,
-                         EVICT="evict_first" if c.evict_first else "", LINE=64, LH=32, LI=8),
-                    c.warps1, c.stages, aligned=("H", "I", "s_x", "s_we", "s_wn", "s_w2e", "s_w2n")))
-            k2 = (c.all_experts, c.packed_w2, c.block_n2, c.block_k2, c.warps2, c.pdl)
-            if k2 in seen:
-                continue
-            seen.add(k2)
-            types = dict(inter=bf, w2=bf, ids=i64, weights=f32, out=bf)
-            if c.packed_w2:
-                out.append(compile_aligned(
-                    f"gemv_w2_packed T={T} {label}", moe_t._gemv_w2_packed_kernel, types,
-                    dict(TOP_K=9, BN=c.block_n2, R=triton.next_power_of_2(9 * c.block_n2),
-                         BNP=triton.next_power_of_2(c.block_n2), BK=c.block_k2, PDL=c.pdl), c.warps2, c.stages,
-                    aligned=("H", "I", "s_we", "s_wn", "s_w", "s_o")))
-            elif c.all_experts:
-                out.append(compile_aligned(
-                    f"gemv_w2_all T={T} {label}", moe_t._gemv_w2_all_kernel, types,
-                    dict(TOP_K=9, KP=16, BN=c.block_n2, BK=c.block_k2, PDL=c.pdl), c.warps2, c.stages,
-                    aligned=("H", "I", "s_we", "s_wn", "s_w", "s_o")))
-            else:
-                out.append(compile_aligned(
-                    f"gemv_w2_combine T={T} {label}", moe_t._gemv_w2_combine_kernel, types,
-                    dict(TOP_K=9, BN=c.block_n2, BK=c.block_k2, ONE_STEP=c.block_k2 >= 512, TRIGGER=True), c.warps2,
-                    c.stages, aligned=("H", "I", "s_we", "s_wn", "s_w", "s_o")))
+        c = moe_t.default_moe_config(T, 9, 257, 2048, 512, pdl=True)
+        out.append(compile_aligned(f"gemv_w13 T={T} default", moe_t._gemv_w13_kernel,
+                                   dict(x=bf, w13=bf, ids=i64, inter=bf),
+                                   dict(TOP_K=9, BN=c.block_n1, BK=c.block_k1, PDL=c.pdl, WAIT=c.pdl_w13),
+                                   c.warps1, c.stages, aligned=("H", "I", "s_x", "s_we", "s_wn")))
+        types = dict(inter=bf, w2=bf, ids=i64, weights=f32, out=bf)
+        if c.all_experts:
+            out.append(compile_aligned(f"gemv_w2_all T={T} default", moe_t._gemv_w2_all_kernel, types,
+                                       dict(TOP_K=9, KP=16, BN=c.block_n2, BK=c.block_k2, PDL=c.pdl), c.warps2,
+                                       c.stages, aligned=("H", "I", "s_we", "s_wn", "s_w", "s_o")))
+        else:
+            out.append(compile_aligned(f"gemv_w2_combine T={T} default", moe_t._gemv_w2_combine_kernel, types,
+                                       dict(TOP_K=9, BN=c.block_n2, BK=c.block_k2, ONE_STEP=c.block_k2 >= 512,
+                                            TRIGGER=True), c.warps2, c.stages,
+                                       aligned=("H", "I", "s_we", "s_wn", "s_w", "s_o")))
     return out
 
 

@@ -15,10 +15,13 @@ timings against peers run in the same process on the same GPU and inputs.
   moe decode (--moe-decode, alone): the batch-1..8 decode step's MoE block at the Qwen3.5-35B-A3B shape
              as the layer runs it (257 stored experts: the shared expert folded in as expert 256; top-8 +
              its slot; H 2048, I 512, bf16): routing + fused_moe, per call and per kernel, for T = 1, 2, 4, 8:
-             the default against the session-3 kernels (the session-3 routing kernel is kept here as
-             _route_s3_kernel) and variants, and the torch._grouped_mm pipeline as the peer. Each call in a
-             graph has its own weight copy and the L2 is flushed by a 256 MB read before each replay (as in
-             a decode step, every layer reads its own experts). Bytes = distinct experts x 6.29 MB.
+             the default, and the block as the decoder layer runs it (pre-norm folded into the router GEMV,
+             routing launched programmatically or the ordinary way, fused_moe; checked against the fp32
+             reference on the same router output), and the torch._grouped_mm pipeline as the peer. Each
+             call in a graph has its own weight copy and the L2 is flushed by a 256 MB read before each
+             replay (as in a decode step, every layer reads its own experts). Bytes = distinct experts x
+             6.29 MB. (The session-5 GEMV variants -- w13 row sums, L2 prefetch hints, a packed w2 tile --
+             were timed with this script at commit 9c6dd5c; all slower, docs/PERFORMANCE.md.)
 
 Every time is `triton.testing.do_bench` (median, L2 flushed before each replay) around the replay of a
 CUDA graph holding `calls` invocations on distinct inputs, divided by `calls` (the per-expert torch loop
@@ -534,42 +537,10 @@ def session4_config(T: int):
     return moe_t.GEMV_T1 if T == 1 else moe_t.GemvMoeConfig(pdl_w13=True)
 
 
-HINTS = dict(prefetch_self=True, prefetch_w2=True, prefetch_tail=1, evict_first=True)
-# session 5: label -> (token counts, fields replaced in the session-4 default); timed as route + fused_moe
-GEMV_VARIANTS = {
-    "row_acc": ((1, 2, 4, 8), dict(row_acc=True)),
-    "prefetch_w2": ((1,), dict(prefetch_w2=True)),
-    "prefetch_self": ((1, 2), dict(prefetch_self=True)),
-    "row_acc + prefetch_self": ((1, 2, 4, 8), dict(row_acc=True, prefetch_self=True)),
-    "row_acc + prefetch_self + prefetch_w2": ((1, 2), dict(row_acc=True, prefetch_self=True, prefetch_w2=True)),
-    "row_acc + all hints": ((1, 2), dict(row_acc=True, **HINTS)),
-    "row_acc + prefetch_w2 + tail + evict_first": ((1,), dict(row_acc=True, prefetch_w2=True, prefetch_tail=1,
-                                                              evict_first=True)),
-    "row_acc + prefetch_self + tail": ((2, 4, 8), dict(row_acc=True, prefetch_self=True, prefetch_tail=1)),
-    "row_acc + tail": ((2, 4, 8), dict(row_acc=True, prefetch_tail=1)),
-    "row_acc + all hints, w2 2 rows": ((1,), dict(row_acc=True, **HINTS, block_n2=2)),
-    "row_acc + all hints, w13 4 rows": ((1,), dict(row_acc=True, **HINTS, block_n1=4)),
-    "row_acc + all hints, w13 8 x 512 2 warps": ((1,), dict(row_acc=True, **HINTS, block_k1=512, warps1=2)),
-    "row_acc + all hints, w2 packed 3 rows x 256": ((1,), dict(row_acc=True, **HINTS, packed_w2=True, block_n2=3,
-                                                               block_k2=256)),
-    "row_acc + all hints, w2 packed 3 rows x 512": ((1,), dict(row_acc=True, **HINTS, packed_w2=True, block_n2=3)),
-    "row_acc + all hints, w2 one expert at a time": ((1,), dict(row_acc=True, **HINTS, all_experts=False, pdl=False,
-                                                             block_n2=4, warps2=2)),
-    "row_acc + prefetch_self, w2 packed 3 rows x 256 programmatic": ((2, 4, 8), dict(
-        row_acc=True, prefetch_self=True, all_experts=True, pdl=True, packed_w2=True, block_n2=3, block_k2=256,
-        warps2=4)),
-}
 # rows also profiled per kernel (the profiler costs ~1 s a row)
-PROFILED = {"default: route + fused_moe", "default: fused_moe only", "route + row_acc + all hints",
-            "route + row_acc + prefetch_self + prefetch_w2", "route + row_acc", "route + row_acc + prefetch_self",
-            "fused_moe only, row_acc + all hints", "route + row_acc + all hints, w2 packed 3 rows x 256",
+PROFILED = {"default: route + fused_moe", "default: fused_moe only",
             "layer: norm + router GEMV + route + fused_moe, default",
-            "layer: ... route programmatic + row_acc + all hints", "layer: ... + row_acc + all hints"}
-
-
-def gemv_variants(T: int) -> dict:
-    """label -> config of the session-5 variants timed at T."""
-    return {k: replace(session4_config(T), **f) for k, (ts, f) in GEMV_VARIANTS.items() if T in ts}
+            "layer: norm + router GEMV + route + fused_moe, routing launched the ordinary way"}
 
 
 def decode_impls(T: int, d: DecodeInputs, one_pass: bool = False) -> dict:
@@ -593,29 +564,28 @@ def decode_impls(T: int, d: DecodeInputs, one_pass: bool = False) -> dict:
             lambda i: grouped_mm_decode(d.x[i], d.w13[i], d.w2[i], *d.routed[i]),
     }
 
-    def layer(cfg=None, route_pdl=False):
+    def layer(cfg=None, route_pdl=None):
         """The block as the decoder layer runs it: pre-norm folded into the router GEMV (rms_norm_linear,
         released early), routing, fused_moe on the normed rows."""
         def fn(i):
             logits, normed, _ = lin_t.rms_norm_linear(d.x[i], d.resid[i], d.norm_w, 1e-6, d.router[i])
             w, ids = moe_route.routed(logits, TOP_K, True, shared_slices=1, pdl_wait=route_pdl)
             return moe_t.fused_moe(normed, d.w13[i], d.w2[i], w, ids, config=cfg)
+
+        def want():
+            """fp32 reference of call 0 on the same router output and normed rows."""
+            logits, normed, _ = lin_t.rms_norm_linear(d.x[0], d.resid[0], d.norm_w, 1e-6, d.router[0])
+            w, ids = moe_ref.topk_softmax(logits, TOP_K, True, shared_slices=1)
+            return moe_ref.fused_moe(normed.float(), d.w13[0].float(), d.w2[0].float(), w, ids)
+
+        fn.want = want
         return fn
 
     impls["layer: norm + router GEMV + route + fused_moe, default"] = layer()
+    impls["layer: norm + router GEMV + route + fused_moe, routing launched the ordinary way"] = layer(None, False)
+    impls["layer: norm + router GEMV + route + fused_moe, routing launched programmatically"] = layer(None, True)
     impls["layer: norm + router GEMV only"] = \
         lambda i: lin_t.rms_norm_linear(d.x[i], d.resid[i], d.norm_w, 1e-6, d.router[i])[0]
-    impls["layer: ... route programmatic + default"] = layer(None, True)
-    variants = gemv_variants(T)
-    for label in ("row_acc + all hints", "row_acc + prefetch_self + tail",
-                  "row_acc + all hints, w2 packed 3 rows x 256"):
-        if label in variants:
-            impls[f"layer: ... + {label}"] = layer(variants[label])
-            impls[f"layer: ... route programmatic + {label}"] = layer(variants[label], True)
-    for label, cfg in variants.items():
-        impls[f"route + {label}"] = ours(cfg, "new")
-        if T == 1 and label == "row_acc + all hints":
-            impls[f"fused_moe only, {label}"] = ours(cfg, None)
     if one_pass:
         impls["session 3: route + fused_moe"] = ours(session3_config(T), "s3")
         impls["new route + one-pass default tiles"] = ours(moe_t.ONE_PASS_T1, "new")
@@ -702,7 +672,11 @@ def run_moe_decode(args, log, ceil, t_start: float) -> list:
                     continue
                 try:
                     got = fn(0)
-                    err = None if label.startswith(("route only", "layer")) else rel_err(got, wants[T])
+                    if hasattr(fn, "want"):
+                        err = rel_err(got, fn.want())
+                        torch.cuda.empty_cache()
+                    else:
+                        err = None if label.startswith(("route only", "layer")) else rel_err(got, wants[T])
                     graph = graph_of(fn, DECODE_CALLS)
                     sec = timer.time(graph, DECODE_CALLS)
                     kern = timer.kernels(graph, DECODE_CALLS) if not sweep and label in PROFILED else {}

@@ -60,8 +60,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..triton_common import (ACTIVATION_DTYPES, check, check_last_contiguous, check_same_device, prefetch_l2,
-                             silu)
+from ..triton_common import ACTIVATION_DTYPES, check, check_last_contiguous, check_same_device, silu
 
 ALIGN_CHUNK = 1024      # assignments per counting / scatter program
 GEMV_MAX_ASSIGNMENTS = 96   # T * top_k up to this: the GEMV path (T <= 8 at top-8 or top-10 plus a shared slice)
@@ -214,25 +213,6 @@ class GemvMoeConfig:
     # waits before its first load, so only its launch and set-up overlap the routing kernel). Needs
     # compute capability 9.0; after a kernel that does not release it early it gains nothing.
     pdl_w13: bool = False
-    # row_acc: the w13 kernel sums each step's products at once ([block_n1] accumulators instead of
-    # [block_n1, block_k1]: about half the registers, so about twice the programs resident).
-    row_acc: bool = False
-    # prefetch_self: each w13 program asks L2 for all its gate / up rows when it starts (no registers held),
-    # so the reads of all its steps are in flight at once. prefetch_w2: each w13 program also asks L2 for
-    # its share of its expert's w2 rows, which the w2 kernel then reads from L2 (meant for T = 1, where
-    # the 9 experts' w2 (19 MB) fit in L2). Both are hints (results unchanged) and need a CUDA device.
-    prefetch_self: bool = False
-    prefetch_w2: bool = False
-    # prefetch_tail = m: the last m slots of every token are expected to be experts E - m .. E - 1 (the
-    # layer folds its shared expert in there): their w13 programs ask L2 for those rows before waiting for
-    # the routing (a hint; needs pdl_w13 to overlap anything). evict_first: the gate / up loads are marked
-    # evict-first (read once at T = 1), so they do not push the prefetched lines out of L2.
-    prefetch_tail: int = 0
-    evict_first: bool = False
-    # packed_w2 (with all_experts): the w2 kernel packs the token's experts x block_n2 rows into one tile
-    # of next_pow2(top_k * block_n2) rows (block_n2 need not be a power of two: 9 slots x 3 rows = 27 of
-    # 32), instead of padding top_k to a power of two (9 of 16).
-    packed_w2: bool = False
 
 
 # T = 1 (H200 sweep at the 35B-A3B shape, top-8 + the shared slot: 23.2 us against 27.1 for the T = 8 tiles):
@@ -369,75 +349,31 @@ def _combine_kernel(y, weights, out, H, s_w, s_o, TOP_K: tl.constexpr, BH: tl.co
 
 
 @triton.jit
-def _gemv_w13_kernel(x, w13, ids, inter, w2, E, H, I, s_x, s_we, s_wn, s_w2e, s_w2n,
+def _gemv_w13_kernel(x, w13, ids, inter, H, I, s_x, s_we, s_wn,
                      TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-                     WAIT: tl.constexpr, ROW_ACC: tl.constexpr = False, PF_SELF: tl.constexpr = False,
-                     PF_W2: tl.constexpr = 0, PF_TAIL: tl.constexpr = 0, EVICT: tl.constexpr = "",
-                     LINE: tl.constexpr = 64, LH: tl.constexpr = 1, LI: tl.constexpr = 1):
-    """ROW_ACC: the products are summed over each step's columns at once, so the accumulators are [BN],
-    not [BN, BK] (half the registers: more programs resident). PF_SELF: the program asks L2 for all its
-    gate / up rows at its start (prefetch, no registers), so the whole program's reads are in flight at
-    once, not one step's. PF_W2 > 0: it also asks L2 for PF_W2 rows of its expert's w2 (its share,
-    program_id(1) * PF_W2 ..), which the w2 kernel then reads from L2 instead of DRAM after this kernel.
-    PF_TAIL > 0: the last PF_TAIL slots of every token are expected to hold experts E - PF_TAIL .. E - 1
-    (the layer's folded shared expert): their programs ask L2 for those rows (and, with PF_W2, their w2
-    share) before waiting for the routing (a hint: they read whatever ids say). EVICT: eviction policy of
-    the gate / up loads.
-    LINE: elements per 128-byte line; LH / LI: lines per w13 / w2 row (powers of two, masked)."""
-    a = tl.program_id(0)
-    rows = tl.program_id(1) * BN + tl.arange(0, BN)
-    row_ok = rows < I
-    lc = tl.arange(0, LH) * LINE
-    pm = row_ok[:, None] & (lc < H)[None, :]
-    r2 = tl.program_id(1) * PF_W2 + tl.arange(0, PF_W2 if PF_W2 > 0 else 1)
-    lc2 = tl.arange(0, LI) * LINE
-    pm2 = (r2 < H)[:, None] & (lc2 < I)[None, :] & (PF_W2 > 0)
-    if PF_TAIL > 0:
-        j = a % TOP_K
-        if j >= TOP_K - PF_TAIL:
-            e_hint = (E + j - TOP_K).to(tl.int64)
-            pg = w13 + e_hint * s_we + rows[:, None].to(tl.int64) * s_wn + lc[None, :]
-            prefetch_l2(pg, pm)
-            prefetch_l2(pg + I * s_wn, pm)
-            if PF_W2 > 0:
-                prefetch_l2(w2 + e_hint * s_w2e + r2[:, None].to(tl.int64) * s_w2n + lc2[None, :], pm2)
+                     WAIT: tl.constexpr):
     if WAIT:
         gdc_wait()                   # ids / x come from the kernels before us
     if PDL:
         gdc_launch_dependents()      # the w2 kernel may start now; it waits for our output itself
+    a = tl.program_id(0)
     e = tl.load(ids + a).to(tl.int64)
     t = (a // TOP_K).to(tl.int64)
-    if PF_SELF:
-        pg = w13 + e * s_we + rows[:, None].to(tl.int64) * s_wn + lc[None, :]
-        prefetch_l2(pg, pm)
-        prefetch_l2(pg + I * s_wn, pm)
-    if PF_W2 > 0:
-        prefetch_l2(w2 + e * s_w2e + r2[:, None].to(tl.int64) * s_w2n + lc2[None, :], pm2)
+    rows = tl.program_id(1) * BN + tl.arange(0, BN)
+    row_ok = rows < I
     kk = tl.arange(0, BK)
     wg = w13 + e * s_we + rows[:, None].to(tl.int64) * s_wn + kk[None, :]
     wu = wg + I * s_wn
     xp = x + t * s_x + kk
-    if ROW_ACC:
-        sum_g = tl.zeros([BN], dtype=tl.float32)
-        sum_u = tl.zeros([BN], dtype=tl.float32)
-        for k0 in range(0, H, BK):
-            k_ok = kk + k0 < H
-            xv = tl.load(xp + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            m = row_ok[:, None] & k_ok[None, :]
-            sum_g += tl.sum(tl.load(wg + k0, mask=m, other=0.0, eviction_policy=EVICT).to(tl.float32) * xv, 1)
-            sum_u += tl.sum(tl.load(wu + k0, mask=m, other=0.0, eviction_policy=EVICT).to(tl.float32) * xv, 1)
-    else:
-        acc_g = tl.zeros([BN, BK], dtype=tl.float32)
-        acc_u = tl.zeros([BN, BK], dtype=tl.float32)
-        for k0 in range(0, H, BK):
-            k_ok = kk + k0 < H
-            xv = tl.load(xp + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            m = row_ok[:, None] & k_ok[None, :]
-            acc_g += tl.load(wg + k0, mask=m, other=0.0, eviction_policy=EVICT).to(tl.float32) * xv
-            acc_u += tl.load(wu + k0, mask=m, other=0.0, eviction_policy=EVICT).to(tl.float32) * xv
-        sum_g = tl.sum(acc_g, 1)
-        sum_u = tl.sum(acc_u, 1)
-    h = silu(sum_g) * sum_u
+    acc_g = tl.zeros([BN, BK], dtype=tl.float32)
+    acc_u = tl.zeros([BN, BK], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        k_ok = kk + k0 < H
+        xv = tl.load(xp + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        m = row_ok[:, None] & k_ok[None, :]
+        acc_g += tl.load(wg + k0, mask=m, other=0.0).to(tl.float32) * xv
+        acc_u += tl.load(wu + k0, mask=m, other=0.0).to(tl.float32) * xv
+    h = silu(tl.sum(acc_g, 1)) * tl.sum(acc_u, 1)
     tl.store(inter + a.to(tl.int64) * I + rows, h.to(inter.dtype.element_ty), mask=row_ok)
 
 
@@ -503,45 +439,6 @@ def _gemv_w2_all_kernel(inter, w2, ids, weights, out, H, I, s_we, s_wn, s_w, s_o
     y = acc.to(out.dtype.element_ty).to(tl.float32)                 # each expert's output, rounded
     total = tl.sum(wt[:, None] * y, 0)
     tl.store(out + t * s_o + rows, total.to(out.dtype.element_ty), mask=rows < H)
-
-
-@triton.jit
-def _gemv_w2_packed_kernel(inter, w2, ids, weights, out, H, I, s_we, s_wn, s_w, s_o, TOP_K: tl.constexpr,
-                           BN: tl.constexpr, R: tl.constexpr, BNP: tl.constexpr, BK: tl.constexpr,
-                           PDL: tl.constexpr):
-    """As _gemv_w2_all_kernel with the token's experts and the program's BN rows (any count) packed into
-    one [R, BK] tile, R = next_pow2(TOP_K * BN), row r = (expert slot r // BN, output row r % BN): no
-    tile rows are padding but R - TOP_K * BN (top-9 x 3 rows: 27 of 32 used, against 9 of 16 for the
-    [16, BN, BK] gather), so fewer registers per weight byte and more of the grid resident at once."""
-    t = tl.program_id(0).to(tl.int64)
-    r = tl.arange(0, R)
-    j = r // BN
-    n = r - j * BN
-    row = tl.program_id(1) * BN + n
-    j_ok = j < TOP_K
-    r_ok = j_ok & (row < H)
-    e = tl.load(ids + t * TOP_K + j, mask=j_ok, other=0).to(tl.int64)
-    kk = tl.arange(0, BK)
-    wp = w2 + e[:, None] * s_we + row[:, None].to(tl.int64) * s_wn + kk[None, :]
-    hp = inter + (t * TOP_K + j)[:, None] * I + kk[None, :]
-    w_first = tl.load(wp, mask=r_ok[:, None] & (kk < I)[None, :], other=0.0)
-    if PDL:
-        gdc_wait()                   # inter is written by the w13 kernel
-        gdc_launch_dependents()      # the next layer's projection may become resident; it waits for us
-    h = tl.load(hp, mask=j_ok[:, None] & (kk < I)[None, :], other=0.0).to(tl.float32)
-    acc = tl.sum(w_first.to(tl.float32) * h, 1)
-    for k0 in range(BK, I, BK):
-        k_ok = kk + k0 < I
-        w = tl.load(wp + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        h = tl.load(hp + k0, mask=j_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * h, 1)
-    y = acc.to(out.dtype.element_ty).to(tl.float32)                 # each expert's output, rounded
-    wt = tl.load(weights + t * s_w + j, mask=j_ok, other=0.0).to(tl.float32)
-    v = tl.where(r_ok, wt * y, 0.0)
-    nn = tl.arange(0, BNP)
-    total = tl.sum(tl.where(n[:, None] == nn[None, :], v[:, None], 0.0), 0)     # per output row, fixed order
-    cols = tl.program_id(1) * BN + nn
-    tl.store(out + t * s_o + cols, total.to(out.dtype.element_ty), mask=(nn < BN) & (cols < H))
 
 
 @triton.jit
@@ -674,24 +571,11 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, cfg: GemvMoeConfig) -> t
     top_k = topk_ids.shape[1]
     A = T * top_k
     h = torch.empty((A, inter), dtype=x.dtype, device=x.device)
-    slices = triton.cdiv(inter, cfg.block_n1)
-    line = 128 // x.element_size()                      # elements per 128-byte line (L2 prefetches)
-    _gemv_w13_kernel[(A, slices)](
-        x, w13, topk_ids, h, w2, w13.shape[0], H, inter, x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0),
-        w2.stride(1), TOP_K=top_k, BN=cfg.block_n1, BK=cfg.block_k1, PDL=cfg.pdl, WAIT=cfg.pdl_w13,
-        ROW_ACC=cfg.row_acc, PF_SELF=cfg.prefetch_self,
-        PF_W2=triton.next_power_of_2(triton.cdiv(H, slices)) if cfg.prefetch_w2 else 0,
-        PF_TAIL=min(cfg.prefetch_tail, top_k, w13.shape[0]), EVICT="evict_first" if cfg.evict_first else "",
-        LINE=line, LH=triton.next_power_of_2(triton.cdiv(H, line)), LI=triton.next_power_of_2(triton.cdiv(inter, line)),
-        num_warps=cfg.warps1, num_stages=cfg.stages, **({"launch_pdl": True} if cfg.pdl_w13 else {}))
+    _gemv_w13_kernel[(A, triton.cdiv(inter, cfg.block_n1))](
+        x, w13, topk_ids, h, H, inter, x.stride(0), w13.stride(0), w13.stride(1),
+        TOP_K=top_k, BN=cfg.block_n1, BK=cfg.block_k1, PDL=cfg.pdl, WAIT=cfg.pdl_w13, num_warps=cfg.warps1,
+        num_stages=cfg.stages, **({"launch_pdl": True} if cfg.pdl_w13 else {}))
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
-    if cfg.packed_w2:
-        _gemv_w2_packed_kernel[(T, triton.cdiv(H, cfg.block_n2))](
-            h, w2, topk_ids, topk_weights, out, H, inter, w2.stride(0), w2.stride(1), topk_weights.stride(0),
-            out.stride(0), TOP_K=top_k, BN=cfg.block_n2, R=triton.next_power_of_2(top_k * cfg.block_n2),
-            BNP=triton.next_power_of_2(cfg.block_n2), BK=cfg.block_k2, PDL=cfg.pdl, num_warps=cfg.warps2,
-            num_stages=cfg.stages, **({"launch_pdl": True} if cfg.pdl else {}))
-        return out
     if cfg.all_experts:
         _gemv_w2_all_kernel[(T, triton.cdiv(H, cfg.block_n2))](
             h, w2, topk_ids, topk_weights, out, H, inter, w2.stride(0), w2.stride(1), topk_weights.stride(0),
@@ -754,18 +638,11 @@ def fused_moe(
     gemv = isinstance(cfg, GemvMoeConfig)
     for name in ("block_n1", "block_k1", "block_n2", "block_k2") + (() if gemv else ("block_m",)):
         v, least = getattr(cfg, name), 1 if gemv else 16
-        if gemv and name == "block_n2" and cfg.packed_w2:
-            check(v >= 1, op, f"config block_n2={v} must be >= 1")
-            continue
         check(v >= least and v & (v - 1) == 0, op, f"config {name}={v} must be a power of two >= {least}")
     if gemv:
         if cfg.pdl_w13:
             check(x.is_cuda and _has_pdl(x.device), op,
                   "config pdl_w13=True needs a CUDA device of compute capability 9.0 or newer")
-        for name in ("prefetch_self", "prefetch_w2", "prefetch_tail"):
-            check(not getattr(cfg, name) or x.is_cuda, op, f"config {name}={getattr(cfg, name)} needs a CUDA device")
-        check(cfg.prefetch_tail >= 0, op, f"config prefetch_tail={cfg.prefetch_tail} must be >= 0")
-        check(not cfg.packed_w2 or cfg.all_experts, op, "config packed_w2=True needs all_experts=True")
         if cfg.pdl:
             check(cfg.all_experts, op, "config pdl=True needs all_experts=True")
             check(x.is_cuda and _has_pdl(x.device), op,

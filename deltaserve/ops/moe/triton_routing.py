@@ -9,9 +9,14 @@ CUDA-graph capturable.
 
 On Hopper (compute capability >= 9.0) the kernel lets the next kernel start at once (griddepcontrol
 .launch_dependents): fused_moe's first kernel, where it is launched programmatically, then has its launch
-and set-up done while the routing runs, and waits for the routing's output itself. The routing kernel is
-launched the ordinary way: launched programmatically after a kernel that does not release it early (the
-router GEMV) the MoE block measured ~0.5 us slower per call on an H200.
+and set-up done while the routing runs, and waits for the routing's output itself. Up to PDL_MAX_TOKENS
+tokens the routing kernel is itself launched programmatically and waits (griddepcontrol.wait) before
+reading the logits: the router GEMV before it (ops/linear's GEMV) releases its successor early, so the
+routing's launch overlaps the GEMV. Session 5, H200, the block as the layer runs it (pre-norm + router
+GEMV, routing, fused_moe): 0.6-1.1 us per call less at T = 1, 2, 4, 8 (26.9 -> 26.3, 42.5 -> 41.6,
+68.9 -> 67.8, 109.9 -> 109.1 us; docs/PERFORMANCE.md). (Session 4, after a GEMV that did not release it
+early, the programmatic launch measured ~0.5 us slower.) Larger batches are unmeasured and keep the
+ordinary launch (from 33 rows the router is cuBLAS, which does not release early).
 """
 
 from __future__ import annotations
@@ -67,21 +72,20 @@ def _route_kernel(logits, weights, ids, T, E, s_l, K: tl.constexpr, M: tl.conste
     tl.store(ids + out, i_sel.to(ids.dtype.element_ty), mask=m)
 
 
-# Launch the routing kernel programmatically (Hopper) after the router GEMV, which releases its successor
-# early: not yet measured faster in the layer's chain, so off (benchmarks/attention_moe_ops.py --moe-decode
-# times both).
-PDL_WAIT = False
+PDL_MAX_TOKENS = 8   # up to this many tokens the routing is launched programmatically (module docstring)
 
 
 def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
                  shared_slices: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    return routed(router_logits, top_k, renormalize, shared_slices=shared_slices, pdl_wait=PDL_WAIT)
+    return routed(router_logits, top_k, renormalize, shared_slices=shared_slices)
 
 
 def routed(router_logits: torch.Tensor, top_k: int, renormalize: bool, *, shared_slices: int = 0,
-           pdl_wait: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk_softmax; `pdl_wait`: on a device with programmatic dependent launch the kernel is launched as a
-    programmatic dependent of the kernel before it (it waits for it before reading the logits)."""
+           pdl_wait: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_softmax with the launch choice open: `pdl_wait` True launches the kernel as a programmatic
+    dependent of the kernel before it (where the device has programmatic dependent launch; it waits for
+    that kernel before reading the logits), False the ordinary way, None (topk_softmax) by the token
+    count (PDL_MAX_TOKENS)."""
     op = "topk_softmax"
     check(router_logits.dim() == 2, op, f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
     check(shared_slices >= 0, op, f"shared_slices must be >= 0, got {shared_slices}")
@@ -105,7 +109,7 @@ def routed(router_logits: torch.Tensor, top_k: int, renormalize: bool, *, shared
     else:
         bt, warps = max(1, min(16, 4096 // ep)), 4
     pdl = router_logits.is_cuda and torch.cuda.get_device_capability(router_logits.device)[0] >= 9
-    wait = pdl and pdl_wait
+    wait = pdl and (T <= PDL_MAX_TOKENS if pdl_wait is None else pdl_wait)
     _route_kernel[(triton.cdiv(T, bt),)](
         router_logits, weights, ids, T, E, router_logits.stride(0), K=top_k, M=shared_slices,
         KP=triton.next_power_of_2(width), EP=ep, BT=bt, RENORM=bool(renormalize), PDL=pdl, WAIT=wait,
