@@ -17,19 +17,19 @@ def main() -> int:
     bf, f32, i32 = "*bf16", "*fp32", "*i32"
     results = []
     gemv_types = dict(x=bf, g=bf, nw=bf, w=bf, y=bf, eps="fp32")
-    for shape, (N, K) in (("35B", (2048, 4096)), ("27B", (5120, 6144))):
-        cfg = lin_t.default_gated_config(1, N, K)
+    variants = [("35B", 2048, 4096, lin_t.default_gated_config(1, 2048, 4096, 128)),
+                ("27B", 5120, 6144, lin_t.default_gated_config(1, 5120, 6144, 128))]
+    # the tile variants benchmarks/gdn_decode_latency.py --fold times (the gate without norm on them too)
+    variants += [("35B", 2048, 4096, lin_t.LinearConfig(block_n=bn, block_k=bk, warps=4, stages=st))
+                 for bn, bk, st in ((1, 4096, 1), (2, 2048, 2), (8, 512, 3))]
+    for shape, N, K, cfg in variants:
         for norm, sigmoid in ((True, False), (True, True), (False, True)):
             hd = 128
             results.append(compile_one(
-                f"gemv_gated {shape} n{cfg.block_n} k{cfg.block_k} norm={int(norm)} sigmoid={int(sigmoid)}",
-                lin_t._gemv_gated_kernel, gemv_types,
+                f"gemv_gated {shape} n{cfg.block_n} k{cfg.block_k} s{cfg.stages} norm={int(norm)} "
+                f"sigmoid={int(sigmoid)}", lin_t._gemv_gated_kernel, gemv_types,
                 dict(BN=cfg.block_n, HB=max(cfg.block_k, hd) // hd, HD=hd, NORM=norm, SIGMOID=sigmoid, PDL=True,
                      PF=512), cfg.warps, cfg.stages))
-    for bn, bk, st in ((2, 2048, 2), (4, 1024, 3)):   # the variants benchmarks/gdn_decode_latency.py --fold times
-        results.append(compile_one(f"gemv_gated 35B n{bn} k{bk} s{st} norm=1", lin_t._gemv_gated_kernel, gemv_types,
-                                   dict(BN=bn, HB=bk // 128, HD=128, NORM=True, SIGMOID=False, PDL=True, PF=512),
-                                   4, st))
     dec_types = dict(x=bf, z=bf, a=bf, b=bf, conv_w=bf, A_log=f32, dt_bias=f32, norm_w=bf, conv_state=bf, ssm=f32,
                      idx=i32, o_tmp=bf, out=bf, counters=i32, scale="fp32", eps="fp32", SLOTS="i32")
     for r, label in ((2, "35B"), (3, "27B")):

@@ -24,8 +24,8 @@ Run (GPU): PYTHONPATH=.:$FLA FLA_FLASH_QLA=0 python benchmarks/gdn_decode_latenc
 
 --fold: the batch-1 output-projection folds instead (35B-A3B shape, bf16, B = 1; out_proj / o_proj 4096 ->
 2048): (a) gdn_decode + out_proj (linear) against gdn_decode(gated_norm=False) + gated_linear (the GDN
-gated RMSNorm in the GEMV), each op also alone; (b) sigmoid_mul + o_proj against gated_linear (the
-attention output gate in the GEMV). A graph holds `calls` pairs on disjoint slots and distinct weight
+gated RMSNorm in the GEMV; default and 4 tile variants), each op also alone; (b) sigmoid_mul + o_proj
+against gated_linear with the attention output gate in the GEMV (4 tile variants; not folded by default). A graph holds `calls` pairs on disjoint slots and distinct weight
 copies (16.8 MB each, so the weights come from HBM), each kernel a programmatic dependent of the one
 before as in the engine; time per pair.
 """
@@ -228,39 +228,43 @@ def fold_cases() -> dict[str, Callable[[dict], Callable[[int], object]]]:
     late = tr.default_decode_config(1, HK, SHAPES["35B-A3B"], DV, pdl=True)
     wide = dataclasses.replace(late, bv=32, num_warps=2)
     late = dataclasses.replace(late, state_after_release=True)
-    n2 = lin_t.LinearConfig(block_n=2, block_k=2048, warps=4, stages=2)
-    n4 = lin_t.LinearConfig(block_n=4, block_k=1024, warps=4, stages=3)
+    C = lin_t.LinearConfig
+    tiles = {"n1 k4096 s1": C(block_n=1, block_k=4096, warps=4, stages=1),   # the plain GEMV's M = 1 tiles
+             "n2 k2048 s2": C(block_n=2, block_k=2048, warps=4, stages=2),
+             "n4 k1024 s3": C(block_n=4, block_k=1024, warps=4, stages=3),   # the norm fold's default here
+             "n8 k512 s3": C(block_n=8, block_k=512, warps=4, stages=3)}
     z2 = lambda d: d["z"].view(1, -1)  # noqa: E731
-    return {
+
+    def folded(d, i, decode_kw=None, **kw):
+        o = decode(d, i, gated_norm=False, **(decode_kw or {}))
+        return lin_t.gated_linear(o.view(1, -1), z2(d), d["w"][i], norm_weight=d["norm_w"], activation="silu", **kw)
+
+    cases = {
         "gdn_decode (normed)": lambda d: lambda i: decode(d, i),
         "gdn_decode (gated_norm=False)": lambda d: lambda i: decode(d, i, gated_norm=False),
         "gdn_decode (gated_norm=False, state after release)":
             lambda d: lambda i: decode(d, i, gated_norm=False, config=late),
         "out_proj alone (linear)": lambda d: lambda i: lin_t.linear(d["o"], d["w"][i]),
-        "gated_linear alone (norm)": lambda d: lambda i: lin_t.gated_linear(
+        "gated_linear alone (norm, default tiles)": lambda d: lambda i: lin_t.gated_linear(
             d["o"], z2(d), d["w"][i], norm_weight=d["norm_w"], activation="silu"),
         "(a) unfolded: gdn_decode + linear": lambda d: lambda i: lin_t.linear(decode(d, i).view(1, -1), d["w"][i]),
-        "(a) folded: gdn_decode(gated_norm=False) + gated_linear": lambda d: lambda i: lin_t.gated_linear(
-            decode(d, i, gated_norm=False).view(1, -1), z2(d), d["w"][i], norm_weight=d["norm_w"],
-            activation="silu"),
-        "(a) folded, state after release": lambda d: lambda i: lin_t.gated_linear(
-            decode(d, i, gated_norm=False, config=late).view(1, -1), z2(d), d["w"][i], norm_weight=d["norm_w"],
-            activation="silu"),
-        "(a) folded, decode bv32/w2": lambda d: lambda i: lin_t.gated_linear(
-            decode(d, i, gated_norm=False, config=wide).view(1, -1), z2(d), d["w"][i], norm_weight=d["norm_w"],
-            activation="silu"),
-        "(a) folded, gated_linear n2 k2048 s2": lambda d: lambda i: lin_t.gated_linear(
-            decode(d, i, gated_norm=False).view(1, -1), z2(d), d["w"][i], norm_weight=d["norm_w"],
-            activation="silu", config=n2),
-        "(a) folded, gated_linear n4 k1024 s3": lambda d: lambda i: lin_t.gated_linear(
-            decode(d, i, gated_norm=False).view(1, -1), z2(d), d["w"][i], norm_weight=d["norm_w"],
-            activation="silu", config=n4),
+        "(a) folded: gdn_decode(gated_norm=False) + gated_linear": lambda d: lambda i: folded(d, i),
+        "(a) folded, state after release": lambda d: lambda i: folded(d, i, {"config": late}),
+        "(a) folded, decode bv32/w2": lambda d: lambda i: folded(d, i, {"config": wide}),
+    }
+    for name, cfg in tiles.items():
+        cases[f"(a) folded, gated_linear {name}"] = lambda d, cfg=cfg: lambda i: folded(d, i, config=cfg)
+    cases.update({
         "sigmoid_mul alone": lambda d: lambda i: act_t.sigmoid_mul(d["o"], d["gate"]),
-        "gated_linear alone (sigmoid gate)": lambda d: lambda i: lin_t.gated_linear(d["o"], d["gate"], d["w"][i]),
         "(b) unfolded: sigmoid_mul + linear": lambda d: lambda i: lin_t.linear(
             act_t.sigmoid_mul(d["o"], d["gate"]), d["w"][i]),
-        "(b) folded: gated_linear (sigmoid gate)": lambda d: lambda i: lin_t.gated_linear(d["o"], d["gate"], d["w"][i]),
-    }
+        "(b) gated_linear, default (two launches)": lambda d: lambda i: lin_t.gated_linear(d["o"], d["gate"],
+                                                                                          d["w"][i]),
+    })
+    for name, cfg in tiles.items():
+        cases[f"(b) folded: gated_linear {name}"] = lambda d, cfg=cfg: lambda i: lin_t.gated_linear(
+            d["o"], d["gate"], d["w"][i], config=cfg)
+    return cases
 
 
 def fold_main(args, log) -> int:
@@ -289,11 +293,11 @@ def fold_main(args, log) -> int:
     lines = ["", f"35B-A3B, B = 1, bf16; out_proj / o_proj {K} -> {OUT_N} ({w_bytes / 1e6:.1f} MB, {w_bytes / copy * 1e6:.2f}"
              f" us at the copy rate {copy / 1e12:.2f} TB/s); us per call (pair) in a graph of {FOLD_CALLS}", "",
              "| case | us |", "|---|---|"] + [f"| {r['case']} | {r['us']:.2f} |" for r in rows]
-    for tag, un, fo in (("(a)", "(a) unfolded: gdn_decode + linear",
-                         "(a) folded: gdn_decode(gated_norm=False) + gated_linear"),
-                        ("(b)", "(b) unfolded: sigmoid_mul + linear", "(b) folded: gated_linear (sigmoid gate)")):
-        if un in by and fo in by:
-            lines.append(f"{tag} fold saves {by[un] - by[fo]:.2f} us per layer ({by[un] / by[fo]:.3f}x)")
+    pairs = [("(a) unfolded: gdn_decode + linear", k) for k in by if k.startswith("(a) folded")]
+    pairs += [("(b) unfolded: sigmoid_mul + linear", k) for k in by if k.startswith("(b) folded")]
+    for un, fo in pairs:
+        if un in by:
+            lines.append(f"{fo}: saves {by[un] - by[fo]:.2f} us per layer against {un} ({by[un] / by[fo]:.3f}x)")
     log("\n".join(lines))
     with open(os.path.join(args.out, "gdn_fold.json"), "w") as f:
         json.dump(dict(copy_TBps=copy / 1e12, results=rows), f, indent=1)

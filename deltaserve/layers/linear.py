@@ -4,8 +4,8 @@ Each layer owns how a checkpoint tensor lands in it (`load_rows`), so a quantize
 the storage and the loading without the model or the loader changing.
 
 `gated_projection` is a gated sublayer's output projection (attention's sigmoid gate, GDN's gated norm):
-one op (kernels.gated_linear, the gate folded into the GEMV at one token) for a dense Linear, the gate op
-then the module's forward for a projection of another kind.
+one op for a dense Linear (kernels.gated_linear: the GDN norm folded into the GEMV at one token, the gate
+op then the GEMV elsewhere), the gate op then the module's forward for a projection of another kind.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ class Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}"
 
 
-# Rows of x up to which a sublayer hands its gate to the projection (the GDN layer then asks gdn_decode for
-# the un-normalised output): gated_linear folds the gate into the GEMV at one row only (default_gated_config).
+# Rows of x up to which the GDN layer hands its gated norm to the projection (asking gdn_decode for the
+# un-normalised output): gated_linear folds the norm into the GEMV at one row only (default_gated_config).
 GATE_FOLD_MAX_ROWS = 1
 
 

@@ -88,7 +88,7 @@ def test_two_launches_where_the_default_does_not_fold(D, device):
     x, gate = randn(M, K, g=g, device=device), randn(M, K, g=g, device=device)
     w = randn(N, K, g=g, device=device)
     nw = None if D is None else randn(D, g=g, device=device)
-    assert tri.default_gated_config(M, N, K) is None and tri.default_gated_config(1, N, K) is not None
+    assert tri.default_gated_config(M, N, K, D) is None
     got = tri.gated_linear(x, gate, w, norm_weight=nw, activation="sigmoid")
     if D is None:
         h = act_tri.sigmoid_mul(x, gate)
@@ -99,12 +99,22 @@ def test_two_launches_where_the_default_does_not_fold(D, device):
     assert_close(got, ref.gated_linear(x, gate, w, norm_weight=nw, activation="sigmoid"), 1e-5, "vs reference")
 
 
-def test_default_folds_at_one_row_only():
-    for K, N in ((4096, 2048), (6144, 5120), (96, 45)):
-        assert tri.default_gated_config(1, N, K) == tri.default_linear_config(1, N, K) is not None
-        assert tri.default_gated_config(1, N, K, 128) == tri.default_linear_config(1, N, K)
-        assert all(tri.default_gated_config(M, N, K) is None for M in range(2, tri.GEMV_MAX_M + 2))
+def test_default_rule():
+    """The norm is folded at one row only, on row blocks of >= 4 (the plain GEMV's where it has them);
+    the gate without norm is not folded (measured slower on the one-row tiles)."""
+    C41 = C(block_n=4, block_k=1024, warps=4, stages=3)
+    for K, N, want in ((4096, 2048, C41), (6144, 5120, tri.default_linear_config(1, 5120, 6144)),
+                       (2048, 1024, tri.default_linear_config(1, 1024, 2048)), (8192, 45, C(4, 1024, 4, 3))):
+        assert tri.default_gated_config(1, N, K, 128) == want, (K, N)
+        assert want.block_n >= 4 and want.split_k == 1 and not want.dot
+        assert tri.default_gated_config(1, N, K, None) is None
+        assert all(tri.default_gated_config(M, N, K, 128) is None for M in range(2, tri.GEMV_MAX_M + 2))
     assert tri.default_gated_config(1, 45, 96, 24) is None, "a head size that is not a power of two: two launches"
+
+
+def test_gate_without_norm_takes_two_launches_by_default(device):
+    x, gate, _, w = _inputs(6, 64, None, torch.float32, device, seed=7)
+    assert torch.equal(tri.gated_linear(x, gate, w), tri.linear(act_tri.sigmoid_mul(x, gate), w))
 
 
 def test_head_size_not_a_power_of_two_takes_two_launches(device):
@@ -315,36 +325,41 @@ def test_gated_projection_composes_for_other_projection_modules():
 REAL = [(4096, 2048, 128), (4096, 2048, None), (6144, 5120, 128), (6144, 5120, None)]
 
 
+# explicit fold tiles checked beside the default (the variants benchmarks/gdn_decode_latency.py --fold times)
+REAL_FOLD_CONFIGS = [C(block_n=1, block_k=4096, warps=4, stages=1), C(block_n=4, block_k=1024, warps=4, stages=3),
+                     C(block_n=8, block_k=512, warps=4, stages=3)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("K,N,D", REAL)
 def test_real_shapes_equal_the_two_launches_gpu(K, N, D):
-    """bf16 at the model's output projections, M = 1 (folded) and M = 2, 8 (two launches), eager and in a
-    CUDA graph: the fold == the gate op (sigmoid_mul / rms_norm_gated) then the GEMV within one rounding
-    of y; the graph replay == eager bit for bit."""
+    """bf16 at the model's output projections, M = 1 (the default, and every fold tile variant) and
+    M = 2, 8 (two launches), eager and in a CUDA graph: == the gate op (sigmoid_mul / rms_norm_gated)
+    then the GEMV within one rounding of y; the graph replay == eager bit for bit."""
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(K + N)
     bf = torch.bfloat16
     w = (torch.randn(N, K, device=dev, generator=g) * K ** -0.5).to(bf)
     nw = None if D is None else (torch.rand(D, device=dev, generator=g) + 0.5).to(bf)
     act = "sigmoid" if D is None else "silu"
-    for M in (1, 2, 8):
+    for M, cfg in [(1, None)] + [(1, c) for c in REAL_FOLD_CONFIGS] + [(2, None), (8, None)]:
         x = torch.randn(M, K, device=dev, generator=g).to(bf)
         gate = torch.randn(M, 2 * K, device=dev, generator=g).to(bf)[:, K:]
-        got = tri.gated_linear(x, gate, w, norm_weight=nw, activation=act)
+        got = tri.gated_linear(x, gate, w, norm_weight=nw, activation=act, config=cfg)
         if D is None:
             h = act_tri.sigmoid_mul(x, gate)
         else:
             h = norm_tri.rms_norm_gated(x.view(M, K // D, D), gate.reshape(M, K // D, D), nw, 1e-6,
                                         activation=act).view(M, K)
         want = tri.linear(h, w)
-        assert_close(got, want, 8e-3, f"M={M}")
-        assert_close(got, F.linear(h.float(), w.float()), 1e-2, f"M={M} vs fp32")
+        assert_close(got, want, 8e-3, f"M={M} {cfg}")
+        assert_close(got, F.linear(h.float(), w.float()), 1e-2, f"M={M} {cfg} vs fp32")
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            y = tri.gated_linear(x, gate, w, norm_weight=nw, activation=act)
+            y = tri.gated_linear(x, gate, w, norm_weight=nw, activation=act, config=cfg)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(y, got), f"M={M}: graph replay != eager"
+        assert torch.equal(y, got), f"M={M} {cfg}: graph replay != eager"
 
 
 @pytest.mark.gpu

@@ -34,11 +34,12 @@ than a norm launch before the GEMV: at M = 1 (`default_prenorm_config`), i.e. ev
 batch-1 decode step launches no norm.
 
 `gated_linear` is a gated sublayer's output projection: the attention output gate x * sigmoid(gate), or
-the GDN output norm (per-head RMSNorm times silu / sigmoid of the gate), then the projection. At M = 1
-(`default_gated_config`) it is one launch (`_gemv_gated_kernel`): each program steps over K in whole
-heads, normalises and gates the x chunk in registers (x and the gate re-read from L2 by every program),
-rounds it to x's dtype as the two ops do, and multiplies its weight rows by it; elsewhere the gate op
-(norm) kernel, then `linear`.
+the GDN output norm (per-head RMSNorm times silu / sigmoid of the gate), then the projection. Where
+`default_gated_config` folds (the GDN norm at M = 1) it is one launch (`_gemv_gated_kernel`): each
+program steps over K in whole heads, normalises and gates the x chunk in registers (x and the gate
+re-read from L2 by every program, hence wider row blocks than the plain GEMV's), rounds it to x's dtype
+as the two ops do, and multiplies its weight rows by it; elsewhere the gate op (norm) kernel, then
+`linear`.
 """
 
 from __future__ import annotations
@@ -470,22 +471,34 @@ def _gemv_gated_kernel(x, g, nw, w, y, N, K, s_wn, eps,
     tl.store(y + rows, out.to(y.dtype.element_ty), mask=row_ok)
 
 
-def default_gated_config(M: int, N: int, K: int, head_dim: int | None = None) -> LinearConfig | None:
-    """Tiles for gated_linear with the gate (and the norm over heads of head_dim) folded into the GEMV, or
-    None where the gate op runs as a launch of its own before `linear`. Folded at M = 1 only, with the
-    plain GEMV's M = 1 tiles (block_k raised to whole heads where a head is longer), as the pre-norm fold
-    (default_prenorm_config); not for a head size that is not a power of two (a tile dimension)."""
-    if M != 1 or (head_dim is not None and head_dim & (head_dim - 1)):
+def default_gated_config(M: int, N: int, K: int, head_dim: int | None) -> LinearConfig | None:
+    """Tiles for gated_linear with the gate folded into the GEMV (head_dim: the norm's head size, None for
+    a gate without norm), or None where the gate op runs as a launch of its own before `linear`. Measured
+    on an H200 at the 35B-A3B shape, 4096 -> 2048, B = 1 (docs/PERFORMANCE.md, "Dense GEMV"):
+
+    - with the norm (the GDN output): folded at M = 1. Every program re-reads x and the gate from L2
+      (the same lines for all of them), so the plain GEMV's one-row tiles (2048 programs) made the fold
+      5.6 us slower than the GEMV alone; 4 rows x 1024 columns at 3 stages (512 programs) made
+      gdn_decode + out_proj 12.70 us against 14.13 unfolded. Where the plain tiles already hold >= 4 rows
+      (N >= 2112: the 27B) they are kept (not timed with the fold).
+    - without the norm (the attention output gate): not folded. On the one-row tiles it was 2.1 us slower
+      than sigmoid_mul + the GEMV (10.55 against 8.43 us); wider tiles are not timed yet.
+    - never at M > 1 (the pre-norm fold measured ~2x slower there on the tensor-core kernel), nor for a
+      head size that is not a power of two (a tile dimension)."""
+    if M != 1 or head_dim is None or head_dim & (head_dim - 1):
         return None
-    return default_linear_config(M, N, K)
+    cfg = default_linear_config(M, N, K)
+    if cfg.block_n < 4:
+        return LinearConfig(block_n=4, block_k=min(1024, triton.next_power_of_2(K)), warps=4, stages=3)
+    return cfg
 
 
 def gated_linear(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6, activation: str = "sigmoid", config: LinearConfig | None = None,
 ) -> torch.Tensor:
-    """See reference.gated_linear. With tiles (default_gated_config: one row of x; or an explicit `config`
-    with one row and no split K): one launch of _gemv_gated_kernel. Otherwise the gate op (sigmoid_mul,
+    """See reference.gated_linear. With tiles (default_gated_config: one row of x and a norm; or an explicit
+    `config` with one row and no split K): one launch of _gemv_gated_kernel. Otherwise the gate op (sigmoid_mul,
     rms_norm_gated; x * silu(gate) in torch) and then `linear`, as two launches."""
     op = "gated_linear"
     _check_operands(op, x, weight)
