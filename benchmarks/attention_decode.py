@@ -40,9 +40,13 @@ SWEEP = {  # label -> config, timed at batch 1 (block_n, max_splits, min_tiles, 
     "bn64 S64 t2 w8": DC(64, 64, 2, 8, 2), "bn64 S64 t2 w4 s3": DC(64, 64, 2, 4, 3),
     "bn64 S64 t1 w4 pf1": DC(64, 64, 1, 4, 2, 1), "bn64 S64 t2 w4 pf2": DC(64, 64, 2, 4, 2, 2),
     "bn64 S64 t4 w4 pf2": DC(64, 64, 4, 4, 2, 2), "bn64 S64 t2 w8 pf2": DC(64, 64, 2, 8, 2, 2),
+    # two launches: the splits' results merged by _merge_splits_kernel (not measured yet)
+    "bn64 S64 t1 w4 mk": DC(64, 64, 1, 4, 2, 0, False), "bn64 S64 t1 w4 pf1 mk": DC(64, 64, 1, 4, 2, 1, False),
+    "bn64 S64 t1 w8 pf1 mk": DC(64, 64, 1, 8, 2, 1, False),
 }
 SWEEP_B8 = {"bn64 S33 t1 w4": DC(64, 33, 1, 4, 2), "bn64 S33 t4 w4": DC(64, 33, 4, 4, 2),
-            "bn64 S33 t2 w8": DC(64, 33, 2, 8, 2), "bn64 S33 t2 w4 pf2": DC(64, 33, 2, 4, 2, 2)}
+            "bn64 S33 t2 w8": DC(64, 33, 2, 8, 2), "bn64 S33 t2 w4 pf2": DC(64, 33, 2, 4, 2, 2),
+            "bn64 S33 t1 w4 mk": DC(64, 33, 1, 4, 2, 0, False), "bn64 S33 t1 w4 pf1 mk": DC(64, 33, 1, 4, 2, 1, False)}
 
 
 class Layers:
@@ -207,7 +211,8 @@ def compile_check() -> int:
                         dict(NH=NH, NKV=NKV, D=D, RD=RD, G=gm, GM=gm, BLOCK_M=16, BLOCK_N=c.block_n,
                              SPLITS=c.max_splits, SP=sp, MIN_TILES=c.min_tiles, MS=ms,
                              BD=min(D, max(16, 64 * 32 * c.num_warps // (ms * gm))), IEEE=False, PDL=True,
-                             PREFETCH_TILES=c.prefetch_tiles, LINE=64),
+                             PREFETCH_TILES=c.prefetch_tiles, LINE=64,
+                             LAST_MERGES=c.max_splits == 1 or c.last_split_merges),
                         c.num_warps, c.num_stages)
         if not r["ok"] or r["spills"]:
             bad.append(label)

@@ -235,6 +235,9 @@ DC = tri.DecodeAttentionConfig
     (8, 1, 64, 64, torch.float32, DC(block_n=16, max_splits=4, min_tiles=2, num_stages=1)),  # GQA 8, full rotary
     (6, 2, 32, 8, torch.bfloat16, DC(block_n=16, max_splits=5, min_tiles=1, num_stages=1)),  # GQA 3 (rows padded)
     (2, 2, 16, 4, torch.float32, DC(block_n=16, max_splits=2, min_tiles=1, num_stages=1)),   # MHA
+    (4, 2, 64, 16, torch.float32, DC(block_n=16, max_splits=3, min_tiles=1, num_stages=1,    # merge launch
+                                     last_split_merges=False)),
+    (6, 2, 32, 8, torch.bfloat16, DC(block_n=16, max_splits=4, min_tiles=2, num_stages=1, last_split_merges=False)),
 ])
 def test_fused_decode_matches_reference(nh, nkv, d, rd, dtype, config, device):
     """Random decode batches: contexts ending mid-block and on block ends, an empty padded row (slot -1,
@@ -253,7 +256,8 @@ def test_fused_decode_reads_the_new_key(device):
     answer, checked to differ by far more than the tolerance). Owners other than split 0 included."""
     ctx = [1, 2, 3, 17, 33, 48]
     dec = Decode(ctx, 4, 2, 64, 16, device=device, seed=7)
-    for config in (DC(block_n=16, max_splits=1, num_stages=1), DC(block_n=16, max_splits=3, min_tiles=1, num_stages=1)):
+    for config in (DC(block_n=16, max_splits=1, num_stages=1), DC(block_n=16, max_splits=3, min_tiles=1, num_stages=1),
+                   DC(block_n=16, max_splits=3, min_tiles=1, num_stages=1, last_split_merges=False)):
         got, _ = _check_fused(dec, config, TOL[torch.float32], str(config))
         q_only = ref.attention_prologue(dec.q, dec.k, dec.v, dec.qw, dec.kw, 1e-6, dec.cos, dec.sin,
                                         dec.paged.cache.clone(), torch.full_like(dec.slots, -1))   # nothing stored
@@ -335,9 +339,11 @@ def test_fused_decode_real_shapes_gpu(nh, nkv, device):
     for ctx in ([1152], [32768], [1], [4095], [1 + 613 * i for i in range(8)], [1 + 37 * i for i in range(64)]):
         dec = Decode(ctx, nh, nkv, d, rd, dtype=torch.bfloat16, device=device, seed=len(ctx))
         _check_fused(dec, None, TOL[torch.bfloat16], f"ctx={ctx[:4]}.. x{len(ctx)}")
-        # the L2 prefetch before the programmatic-launch wait (a hint: the same result)
+        # the L2 prefetch before the programmatic-launch wait (a hint: the same result); the merge launch
         cfg = tri.default_decode_config(len(ctx), nkv, d, torch.cuda.get_device_properties(device).multi_processor_count)
         _check_fused(dec, dataclasses.replace(cfg, prefetch_tiles=2), TOL[torch.bfloat16], f"prefetch ctx={ctx[:4]}..")
+        _check_fused(dec, dataclasses.replace(cfg, min_tiles=1, prefetch_tiles=1, last_split_merges=False),
+                     TOL[torch.bfloat16], f"merge launch ctx={ctx[:4]}..")
     dec = Decode([1 + 613 * i for i in range(8)], nh, nkv, d, rd, dtype=torch.bfloat16, device=device, seed=3)
     cache = dec.paged.cache.clone()
     eager = dec.run(tri, cache, max_query_len=1)

@@ -472,11 +472,17 @@ def paged_attention(
         MIN_SPLIT=cfg.min_split, IEEE=q.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl(q.device))
     if splits > 1:
-        sp = triton.next_power_of_2(splits)
-        bd = min(d, max(16, 4096 // sp))
-        _merge_splits_kernel[(T, nh, d // bd)](part_ml, part_acc, out, NH=nh, SPLITS=splits, SP=sp, BD=bd, D=d,
-                                               num_warps=4, **_pdl(q.device))
+        _merge_splits(part_ml, part_acc, out)
     return out
+
+
+def _merge_splits(part_ml: torch.Tensor, part_acc: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, NH, D] from the split-K partial results part_ml [T, NH, S, 2], part_acc [T, NH, S, D]."""
+    T, nh, splits, d = part_acc.shape
+    sp = triton.next_power_of_2(splits)
+    bd = min(d, max(16, 4096 // sp))
+    _merge_splits_kernel[(T, nh, d // bd)](part_ml, part_acc, out, NH=nh, SPLITS=splits, SP=sp, BD=bd, D=d,
+                                           num_warps=4, **_pdl(out.device))
 
 
 # ---- fused decode: prologue + attention + merge in one launch -----------------------------------------
@@ -493,6 +499,7 @@ class DecodeAttentionConfig:
     num_warps: int = 4
     num_stages: int = 2
     prefetch_tiles: int = 0      # with PDL: key tiles per program asked of L2 before the wait (a hint)
+    last_split_merges: bool = True   # False: the splits' results merged by _merge_splits_kernel (2 launches)
 
 
 # Decode batches of at least this many (token, KV head) pairs run the one-launch kernel by default; smaller
@@ -557,7 +564,8 @@ def _decode_attention_kernel(q, k, v, q_w, k_w, cos, sin, cache, slots, seq_lens
                              G: tl.constexpr, GM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              SPLITS: tl.constexpr, SP: tl.constexpr, MIN_TILES: tl.constexpr,
                              MS: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
-                             PREFETCH_TILES: tl.constexpr = 0, LINE: tl.constexpr = 64):
+                             PREFETCH_TILES: tl.constexpr = 0, LINE: tl.constexpr = 64,
+                             LAST_MERGES: tl.constexpr = True):
     """One decode token (= sequence n), one KV head, one split of its keys per program:
 
     1. q: RMSNorm + RoPE of the G query heads of this KV head, on the load (every split does this; it is
@@ -571,6 +579,8 @@ def _decode_attention_kernel(q, k, v, q_w, k_w, cos, sin, cache, slots, seq_lens
     4. With one active split it writes the output; otherwise it writes (max, sum, accumulator) in fp32,
        counts itself in on the (token, KV head) counter, and the last to arrive merges the A partial
        results into the output and resets the counter to zero (as the GDN decode kernel's tail does).
+       Without LAST_MERGES (and SPLITS > 1) every split writes its partial result, inactive ones an
+       empty one, in _merge_splits_kernel's layout, and that kernel merges them (a second launch).
 
     With PDL the kernel reads nothing before griddepcontrol.wait but, with PREFETCH_TILES, a guess of its
     context length and block table (L2 only) from which it asks L2 for the lines of its first key tiles:
@@ -614,6 +624,10 @@ def _decode_attention_kernel(q, k, v, q_w, k_w, cos, sin, cache, slots, seq_lens
     tiles = tl.cdiv(ctx, BLOCK_N)
     active = tl.maximum(tl.minimum(tl.cdiv(tiles, MIN_TILES), SPLITS), 1)
     if split >= active:
+        if SPLITS > 1 and not LAST_MERGES:  # the merge kernel reads every split: this one has no keys
+            part = (t * NH + kvh * G + rows) * SPLITS + split
+            tl.store(part_ml + part * 2, tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32), mask=row_ok)
+            tl.store(part_ml + part * 2 + 1, tl.zeros([BLOCK_M], dtype=tl.float32), mask=row_ok)
         return
     owner = tl.maximum(tiles - 1, 0) % active
     # the new key and value, stored by the owner of the last tile before it reads that tile
@@ -644,7 +658,12 @@ def _decode_attention_kernel(q, k, v, q_w, k_w, cos, sin, cache, slots, seq_lens
                                 head_off, NKV, D, BLOCK_N, True, IEEE)
 
     out_rows = out + (t * NH + head[:, None]) * D
-    if active == 1:   # the only split (or no keys: zeros, as the reference leaves them)
+    if SPLITS > 1 and not LAST_MERGES:  # partial results in _merge_splits_kernel's layout, merged by it
+        part = (t * NH + head) * SPLITS + split
+        tl.store(part_ml + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml + part * 2 + 1, l_i, mask=row_ok)
+        tl.store(part_acc + part[:, None] * D + dims[None, :], acc, mask=row_ok[:, None])
+    elif active == 1:   # the only split (or no keys: zeros, as the reference leaves them)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_rows + dims[None, :], o.to(out.dtype.element_ty), mask=row_ok[:, None])
     else:
@@ -735,7 +754,12 @@ def fused_paged_attention(
         return out
     gm = triton.next_power_of_2(g)
     splits = cfg.max_splits
-    if splits > 1:
+    merge_kernel = splits > 1 and not cfg.last_split_merges
+    if merge_kernel:
+        part_ml = torch.empty((N, nh, splits, 2), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((N, nh, splits, d), dtype=torch.float32, device=q.device)
+        counters = out
+    elif splits > 1:
         part_ml = torch.empty((N, nkv, splits, gm, 2), dtype=torch.float32, device=q.device)
         part_acc = torch.empty((N, nkv, splits, gm, d), dtype=torch.float32, device=q.device)
         counters = _decode_counters(q.device, N * nkv)
@@ -752,6 +776,9 @@ def fused_paged_attention(
         NH=nh, NKV=nkv, D=d, RD=cos.shape[-1], G=g, GM=gm, BLOCK_M=max(16, gm), BLOCK_N=cfg.block_n,
         SPLITS=splits, SP=sp, MIN_TILES=cfg.min_tiles, MS=ms, BD=bd, IEEE=q.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl(q.device),
+        LAST_MERGES=not merge_kernel,
         **({"PREFETCH_TILES": cfg.prefetch_tiles, "LINE": min(d, 128 // kv_cache.element_size())}
            if pdl_launch(q.device) else {}))
+    if merge_kernel:
+        _merge_splits(part_ml, part_acc, out)
     return out
