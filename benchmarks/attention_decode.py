@@ -10,7 +10,7 @@ layers of a step; the PDL chain links consecutive calls), `triton.testing.do_ben
 before each replay, divided by 10: microseconds per layer. Every new row is checked against the old path
 (output and cache). Batch sizes 1 (contexts 512 .. 32768), 8, 64, 256.
 
-    PYTHONPATH=. python benchmarks/attention_decode.py --out DIR [--sweep] [--gpu-tests] [--workers 8]
+    PYTHONPATH=. python benchmarks/attention_decode.py --out DIR [--sweep] [--only new,mk] [--gpu-tests] [--workers 8]
     PYTHONPATH=. python benchmarks/attention_decode.py --compile-check   # sm_90 compile on CPU, no GPU needed
 """
 
@@ -90,7 +90,7 @@ class Layers:
                                             config=config)
 
 
-def impls(sweep: bool) -> list[tuple[int, int, str, object]]:
+def impls(sweep: bool, only: str = "") -> list[tuple[int, int, str, object]]:
     """(B, ctx, label, config) of every timed row: "old" = the three launches (prologue, attention, merge),
     "new" = the one launch with default_decode_config (whichever path the op would pick by itself)."""
     rows = []
@@ -99,7 +99,8 @@ def impls(sweep: bool) -> list[tuple[int, int, str, object]]:
         rows.append((B, ctx, "new", None))
         if sweep and B in (1, 8):
             rows += [(B, ctx, label, cfg) for label, cfg in (SWEEP if B == 1 else SWEEP_B8).items()]
-    return rows
+    # --only "old,mk": rows whose label contains one of the parts (the old rows are the check's reference)
+    return [r for r in rows if not only or r[2] == "old" or any(p in r[2] for p in only.split(","))]
 
 
 def run_fn(layers: Layers, cfg):
@@ -127,9 +128,9 @@ def rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def worker(index: int, count: int, sweep: bool) -> None:
+def worker(index: int, count: int, sweep: bool, only: str) -> None:
     """Compile (one call of) every row this worker is dealt; the Triton cache on disk keeps the binaries."""
-    for j, (B, ctx, label, cfg) in enumerate(impls(sweep)):
+    for j, (B, ctx, label, cfg) in enumerate(impls(sweep, only)):
         if j % count == index:
             try:
                 run_fn(Layers(B, ctx, layers=1), cfg)(0)
@@ -151,7 +152,7 @@ def main_gpu(args) -> None:
     log(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
     t0 = time.time()
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", str(i), "--workers",
-                               str(args.workers)] + (["--sweep"] if args.sweep else []))
+                               str(args.workers), "--only", args.only] + (["--sweep"] if args.sweep else []))
              for i in range(args.workers)]
     if args.gpu_tests:  # the gpu-marked tests, and the small-shape fused tests compiled (races show only here)
         for name, sel in (("gpu_tests.log", ["-m", "gpu"]), ("fused_tests_cuda.log", ["-m", "not gpu", "-k", "fused"])):
@@ -168,7 +169,7 @@ def main_gpu(args) -> None:
     log(f"warm-up (parallel compile, GPU tests) {time.time() - t0:.0f} s")
     results = []
     current = None
-    for B, ctx, label, cfg in impls(args.sweep):
+    for B, ctx, label, cfg in impls(args.sweep, args.only):
         if current is None or current[0] != (B, ctx):
             current = ((B, ctx), Layers(B, ctx))
             ref_out = [current[1].old(i).clone() for i in range(LAYERS)]
@@ -224,6 +225,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="attention_decode_out")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--only", default="", help='comma-separated label parts, e.g. "new,mk" (old rows always run)')
     ap.add_argument("--gpu-tests", action="store_true")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--warmup-s", type=float, default=120.0)
@@ -233,7 +235,7 @@ def main() -> int:
     if args.compile_check:
         return compile_check()
     if args.worker >= 0:
-        worker(args.worker, args.workers, args.sweep)
+        worker(args.worker, args.workers, args.sweep, args.only)
         return 0
     main_gpu(args)
     return 0
