@@ -115,7 +115,8 @@ def main() -> int:
     # (transposed, bv, prec, warps, stages)
     variants = [(False, 32, "bf16x2", 4, 3), (False, 64, "bf16x2", 4, 2), (True, 32, "bf16x2", 4, 3),
                 (True, 64, "bf16x2", 4, 2), (True, 16, "bf16x2", 4, 2), (True, 32, "bf16x2", 8, 3),
-                (True, 16, "bf16x2", 4, 3), (True, 64, "bf16x2", 8, 2), (True, 128, "bf16x2", 8, 2)]
+                (True, 16, "bf16x2", 4, 3), (True, 64, "bf16x2", 8, 2), (True, 128, "bf16x2", 8, 2),
+                (False, 32, "bf16x2", 8, 3)]
     if args.sweep:
         variants += [(False, 32, "bf16", 4, 3), (False, 32, "tf32", 4, 2), (True, 32, "bf16x2", 4, 2),
                      (False, 64, "bf16x2", 8, 2)]

@@ -20,10 +20,13 @@ The warm-up phase compiles every kernel variant in parallel worker processes (sh
 FLA autotune (its results are cached on disk for the timed phase) and runs the GPU tests (--gpu-tests, in
 --gpu-tests-groups processes, each 8k test alone); --warmup-s kills what still runs after that many
 seconds, --budget-s bounds the timed phase (a timed case takes ~1 s). Session 4: the warm-up took 82 s
-with 18 test processes and 44 cases. Session 5 (the candidates, parts and their GPU tests):
-  --sweep prefill --only prefill --skip gates --workers 6 --gpu-tests --gpu-tests-groups 3
-  --gpu-tests-files tests/ops/test_gdn_chunk.py --gpu-tests-k "(real_shape_gpu and (default or cand)) or
-  (prep_buffers and (cols64-r168] or r128)) or (8k and candidates)" --no-fla-worker --warmup-s 65 --budget-s 40
+with 18 test processes and 44 cases. Session 5 (run S5-1, 108 s of command, 142 s with the start): the
+real-shape tests took < 10 s in 3 processes, the 8k test of 7 configurations (serial compiles, then FLA's
+import and autotune) did not finish in 58 s, and FLA's import + autotune then took ~30 s of the timed phase.
+Next (docs/PERFORMANCE.md "Chunked prefill"; keep the FLA worker, the 8k test on the default alone):
+  --sweep prefill --only prefill --skip "gates,cand-t-bv32,cand-t-bv16" --workers 6 --gpu-tests
+  --gpu-tests-groups 2 --gpu-tests-files tests/ops/test_gdn_chunk.py --gpu-tests-k "(real_shape_gpu and
+  (default or bv32-w8)) or (8k and default) or (prep_buffers and r128)" --warmup-s 70 --budget-s 60
 """
 
 from __future__ import annotations
@@ -156,7 +159,8 @@ class Case:
 PREP_SWEEP = {"tc-cols64-r168": dict(wu_cols=64, maxnreg_tc=168),
               "tc-cols64-r168-diag-tf32": dict(wu_cols=64, maxnreg_tc=168, diag_prec="tf32"),
               "tc-cols64-r128": dict(wu_cols=64, maxnreg_tc=128)}
-STATE_SWEEP_ONE = {"t-bv32": dict(state_t=True, bv=32, stages_state=3),
+STATE_SWEEP_ONE = {"bv32-w8": dict(bv=32, warps_state=8, stages_state=3),
+                   "t-bv32": dict(state_t=True, bv=32, stages_state=3),
                    "t-bv32-w8": dict(state_t=True, bv=32, warps_state=8, stages_state=3),
                    "t-bv16-s3": dict(state_t=True, bv=16, stages_state=3),
                    "t-bv16-s2": dict(state_t=True, bv=16, stages_state=2)}
@@ -187,10 +191,11 @@ def candidate_configs(num_seqs: int) -> list[tuple[str, "tc.ChunkConfig"]]:
 
 
 def prefill_cases(sweep: bool) -> list[Case]:
-    """Per shape: ours (default), FLA and the whole-op candidates first (the table the default is chosen
-    from), then our two launches alone, then the single-kernel variants, so a run cut short by its time
-    budget loses variants, not the main table."""
-    first, parts, later, gates = [], [], [], []
+    """Per shape ours (default) and FLA first, then our two launches alone (where the time goes), then the
+    whole-op candidates (the many-sequence ones first: the one-sequence ones were timed in session 5),
+    then the single-kernel variants, so a run cut short by its time budget loses variants, not the main
+    table."""
+    first, parts, cands_many, cands_one, later, gates = [], [], [], [], [], []
     for name, lengths in PREFILL.items():
         T, N = sum(lengths), len(lengths)
         base = tc.default_chunk_config(N, HV, DV, torch.bfloat16)
@@ -227,8 +232,9 @@ def prefill_cases(sweep: bool) -> list[Case]:
 
         first.append(Case("prefill", name, "ours", 3, ours, tokens=T))
         first.append(Case("prefill", name, "fla", 3, fla_chunk, tokens=T))
+        cands = cands_one if one_sequence_class(N) else cands_many
         for cand, cfg in candidate_configs(N):
-            first.append(Case("prefill", name, f"ours {cand}", 3, lambda c, cfg=cfg, f=ours: f(c, cfg=cfg),
+            cands.append(Case("prefill", name, f"ours {cand}", 3, lambda c, cfg=cfg, f=ours: f(c, cfg=cfg),
                               tokens=T))
         parts.append(Case("prefill", name, "ours: prep kernel", 3, lambda c, f=part: f(c, which="prep"), tokens=T))
         parts.append(Case("prefill", name, "ours: state kernel", 3, lambda c, f=part: f(c, which="state"), tokens=T))
@@ -237,7 +243,7 @@ def prefill_cases(sweep: bool) -> list[Case]:
             later.append(Case("prefill", name, f"{which} alone: {vname}", 3,
                               lambda c, cfg=cfg, w=which, f=part: f(c, which=w, cfg=cfg), tokens=T, sweep=True))
         gates.append(Case("prefill", name, "ours gdn_prefill (gates fused)", 3, ours_gates, tokens=T))
-    return first + parts + later + gates
+    return first + parts + cands_many + cands_one + later + gates
 
 
 def _calls_for(B):

@@ -282,6 +282,7 @@ GPU_CONFIGS = {
     "t-bv64": tc.ChunkConfig(state_t=True, bv=64, stages_state=2),
     "tc-cols64-r128": tc.ChunkConfig(wu_cols=64, maxnreg_tc=128),
     "t-bv32-w8": tc.ChunkConfig(state_t=True, bv=32, warps_state=8, stages_state=3),
+    "bv32-w8": tc.ChunkConfig(bv=32, warps_state=8, stages_state=3),
     "t-bv16-s3": tc.ChunkConfig(state_t=True, bv=16, stages_state=3),
     "t-bv64-w8": tc.ChunkConfig(state_t=True, bv=64, warps_state=8, stages_state=2),
     "t-bv128-w8": tc.ChunkConfig(state_t=True, bv=128, warps_state=8, stages_state=2),
@@ -339,6 +340,7 @@ def test_chunk_configs_real_shape_gpu(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("names", [pytest.param(",".join(GPU_CONFIGS), id="all"),
+                                   pytest.param("default", id="default"),
                                    pytest.param("default,tc-wu-tf32", id="wu-tf32"),
                                    pytest.param(",".join(["default", *tc.CANDIDATES]), id="candidates")])
 def test_chunk_configs_8k_not_less_accurate_than_fla_gpu(names):
@@ -360,11 +362,12 @@ def test_chunk_configs_8k_not_less_accurate_than_fla_gpu(names):
         p = pool.clone()
         o = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p, config=cfg, **kw)
         rows[name] = (rel_err(o, o_rec), rel_err(p, p_rec))
+        # reported at once: a run cut short (time limit, FLA's autotune) keeps the errors measured so far
+        _report(test="chunk_8k_configs", impl=name, out_rel=rows[name][0], state_rel=rows[name][1])
     fla_chunk = pytest.importorskip("fla.ops.gated_delta_rule").chunk_gated_delta_rule
     o, st = fla_chunk(q[None], k[None], v[None], g[None], beta[None], scale=D ** -0.5, initial_state=pool.clone(),
                       output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=kw["cu_seqlens"].long())
     fla = (rel_err(o[0], o_rec), rel_err(st, p_rec))
-    for name, (out_rel, state_rel) in dict(rows, fla=fla).items():
-        _report(test="chunk_8k_configs", impl=name, out_rel=out_rel, state_rel=state_rel)
+    _report(test="chunk_8k_configs", impl="fla", out_rel=fla[0], state_rel=fla[1])
     worse = {name: r for name, r in rows.items() if r[0] > fla[0] or r[1] > fla[1]}
     assert not worse, f"less accurate than FLA {fla}: {worse}"

@@ -113,6 +113,9 @@ class ChunkConfig:
 # instead of 2) and the transposed state kernel (S^T and V_new^T as register operands); the bv32 / bv16
 # ones are for one long sequence (narrow slices are what fills the SMs), bv64 / bv128 for batches with
 # >= 128 (sequence, value head) pairs; "cand-bv64-cols64" is that prep with the untransposed bv64 kernel.
+# Session 5 (H200, 1 x 32768, same run): default 77.4 ns/token, cand-t-bv32 112.3, cand-t-bv32-w8 91.5,
+# cand-t-bv16 109.8, so none is the default there (the transposed kernel's mma.sync products, 176 per warp
+# and chunk at 4 warps, lose to the untransposed kernel's wgmma); the batch ones are not timed yet.
 CANDIDATES = types.MappingProxyType({
     "cand-t-bv32": ChunkConfig(wu_cols=64, maxnreg_tc=168, state_t=True, bv=32, stages_state=3),
     "cand-t-bv32-w8": ChunkConfig(wu_cols=64, maxnreg_tc=168, state_t=True, bv=32, warps_state=8, stages_state=3),
@@ -128,7 +131,8 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     """The fastest configuration measured on the H200 and verified there (docs/PERFORMANCE.md): the
     one-kernel tensor-core prep; 64-column state slices (2 stages) once there are >= 128 (sequence,
     value head) pairs to fill the SMs (5 % faster at 4 x 8192 and 32 x 1024), else 32 columns
-    (3 stages; 64 columns leave half the SMs idle at 1 x 32768 and are 25 % slower there)."""
+    (3 stages; 64 columns leave half the SMs idle at 1 x 32768 and are 25 % slower there). Every
+    CANDIDATES entry timed so far is slower (session 5), so none replaces it."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
     bv = 64 if num_seqs * num_v_heads >= 128 and v >= 64 else min(32, v)
     return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2")
