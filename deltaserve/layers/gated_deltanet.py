@@ -1,5 +1,6 @@
 """Gated DeltaNet layer (model_spec.md §3): projections, causal conv + SiLU, gates, L2-norm, delta rule,
-gated RMSNorm, output projection.
+gated RMSNorm, output projection. At a one-token decode step the gated RMSNorm moves into the output
+projection's kernel (kernels.gated_linear; gdn_decode then returns o before the norm).
 
 The recurrent state and conv window of each sequence live outside the layer, in the CacheBuffers pools
 indexed by the batch's state slots: prefill chunks continue from a saved state, decode tokens update
@@ -85,7 +86,7 @@ class GatedDeltaNet(nn.Module):
             outs.append(k.rms_norm_gated(o, z[:P], self.norm_weight, self.eps, activation=self.norm_activation))
         if P < T:
             # decode tokens: conv update, gates, q/k L2 norm, delta rule and gated norm in one op
-            # (two launches with the Triton backend; the reference is the same ops composed)
+            # (Triton: one launch up to 16 sequences, else two; the reference is the same ops composed)
             outs.append(k.gdn_decode(
                 mixed[P:], z[P:], a[P:], b[P:], conv_weight=self.conv_weight, A_log=self.A_log,
                 dt_bias=self.dt_bias, norm_weight=self.norm_weight, eps=self.eps, scale=self.scale,
