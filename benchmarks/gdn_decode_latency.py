@@ -22,12 +22,13 @@ Run (GPU): PYTHONPATH=.:$FLA FLA_FLASH_QLA=0 python benchmarks/gdn_decode_latenc
   [--workers 8] [--wait-for FILE]   (compile every variant in parallel workers first; --wait-for: start
   timing only once FILE exists, e.g. when GPU tests running beside the warm-up are done)
 
---fold: the batch-1 output-projection folds instead (35B-A3B shape, bf16, B = 1; out_proj / o_proj 4096 ->
-2048): (a) gdn_decode + out_proj (linear) against gdn_decode(gated_norm=False) + gated_linear (the GDN
-gated RMSNorm in the GEMV; default and 4 tile variants), each op also alone; (b) sigmoid_mul + o_proj
-against gated_linear with the attention output gate in the GEMV (4 tile variants; not folded by default). A graph holds `calls` pairs on disjoint slots and distinct weight
-copies (16.8 MB each, so the weights come from HBM), each kernel a programmatic dependent of the one
-before as in the engine; time per pair.
+--fold: the batch-1 output-projection folds instead (bf16, B = 1; --shapes: 35B-A3B out_proj / o_proj
+4096 -> 2048, 27B 6144 -> 5120): (a) gdn_decode + out_proj (linear) against gdn_decode(gated_norm=False)
++ gated_linear (the GDN gated RMSNorm in the GEMV; default and 4 tile variants), each op also alone;
+(b) sigmoid_mul + o_proj against gated_linear with the attention output gate in the GEMV (4 tile
+variants; not folded by default). A graph holds 16 pairs on disjoint slots and distinct weight copies
+(16.8 / 63 MB each, so the weights come from HBM), each kernel a programmatic dependent of the one before
+as in the engine; time per pair.
 """
 
 from __future__ import annotations
@@ -212,10 +213,10 @@ def summary(rows: list[dict], copy: float, shapes: list[str], batches: list[int]
 # ---- --fold: the output-projection folds at B = 1 ------------------------------------------------------
 
 FOLD_CALLS = 16
-OUT_N = 2048        # hidden size of the 35B-A3B (out_proj / o_proj: 4096 -> 2048)
+HIDDEN = {"35B-A3B": 2048, "27B": 5120}      # out_proj / o_proj: value heads * 128 (= attention heads * 256) -> H
 
 
-def fold_cases() -> dict[str, Callable[[dict], Callable[[int], object]]]:
+def fold_cases(shape: str = "35B-A3B") -> dict[str, Callable[[dict], Callable[[int], object]]]:
     """name -> (inputs -> per-call function) for the --fold timings."""
     from deltaserve.ops.activation import triton as act_t
     from deltaserve.ops.linear import triton as lin_t
@@ -225,7 +226,7 @@ def fold_cases() -> dict[str, Callable[[dict], Callable[[int], object]]]:
                              A_log=d["A_log"], dt_bias=d["dt_bias"], norm_weight=d["norm_w"], eps=1e-6,
                              scale=DK ** -0.5, conv_state=d["conv_pool"], ssm_state=d["pool"], **kw)
 
-    late = tr.default_decode_config(1, HK, SHAPES["35B-A3B"], DV, pdl=True)
+    late = tr.default_decode_config(1, HK, SHAPES[shape], DV, pdl=True)
     wide = dataclasses.replace(late, bv=32, num_warps=2)
     late = dataclasses.replace(late, state_after_release=True)
     C = lin_t.LinearConfig
@@ -268,7 +269,13 @@ def fold_cases() -> dict[str, Callable[[dict], Callable[[int], object]]]:
 
 
 def fold_main(args, log) -> int:
-    hv = SHAPES["35B-A3B"]
+    for shape in args.shapes.split(","):
+        fold_shape(args, log, shape)
+    return 0
+
+
+def fold_shape(args, log, shape: str) -> None:
+    hv, OUT_N = SHAPES[shape], HIDDEN[shape]
     d = inputs(hv, 1, FOLD_CALLS)
     g = torch.Generator(device=DEV).manual_seed(3)
     K = hv * DV
@@ -280,18 +287,19 @@ def fold_main(args, log) -> int:
     copy = ceilings(matmul=False, warmup=25)["copy_TBps"] * 1e12
     log(f"copy {copy / 1e12:.3f} TB/s")
     rows = []
-    for name, make in fold_cases().items():
+    for name, make in fold_cases(shape).items():
         try:
             sec = graph_seconds(make(d), FOLD_CALLS, rep=args.rep_ms)
         except Exception as exc:
             log(f"FAILED {name}: {type(exc).__name__}: {str(exc)[:300]}")
             continue
-        rows.append(dict(case=name, us=sec * 1e6))
+        rows.append(dict(shape=shape, case=name, us=sec * 1e6))
         log(json.dumps(rows[-1]))
     by = {r["case"]: r["us"] for r in rows}
     w_bytes = OUT_N * K * 2
-    lines = ["", f"35B-A3B, B = 1, bf16; out_proj / o_proj {K} -> {OUT_N} ({w_bytes / 1e6:.1f} MB, {w_bytes / copy * 1e6:.2f}"
-             f" us at the copy rate {copy / 1e12:.2f} TB/s); us per call (pair) in a graph of {FOLD_CALLS}", "",
+    lines = ["", f"{shape}, B = 1, bf16; out_proj / o_proj {K} -> {OUT_N} ({w_bytes / 1e6:.1f} MB, "
+             f"{w_bytes / copy * 1e6:.2f} us at the copy rate {copy / 1e12:.2f} TB/s); us per call (pair) in a "
+             f"graph of {FOLD_CALLS}", "",
              "| case | us |", "|---|---|"] + [f"| {r['case']} | {r['us']:.2f} |" for r in rows]
     pairs = [("(a) unfolded: gdn_decode + linear", k) for k in by if k.startswith("(a) folded")]
     pairs += [("(b) unfolded: sigmoid_mul + linear", k) for k in by if k.startswith("(b) folded")]
@@ -299,9 +307,8 @@ def fold_main(args, log) -> int:
         if un in by:
             lines.append(f"{fo}: saves {by[un] - by[fo]:.2f} us per layer against {un} ({by[un] / by[fo]:.3f}x)")
     log("\n".join(lines))
-    with open(os.path.join(args.out, "gdn_fold.json"), "w") as f:
+    with open(os.path.join(args.out, f"gdn_fold_{shape}.json"), "w") as f:
         json.dump(dict(copy_TBps=copy / 1e12, results=rows), f, indent=1)
-    return 0
 
 
 def main() -> int:
