@@ -192,6 +192,7 @@ def _gdn_layer(device, dtype, *, hk=1, ratio=2, dk=16, dv=16, slots=6, seed=0):
     (2, 32, 16, torch.float32, "silu"),      # 2 V-slices x 2 heads per key head: the counter orders the window
     (1, 16, 16, torch.bfloat16, "sigmoid"),  # a group of one program
     (2, 16, 16, torch.bfloat16, "silu"),     # whole rows, 2 heads share the q/k window
+    (3, 32, 16, torch.float32, "silu"),      # 3 heads per key head (the 27B), 6 programs on the counter
 ])
 def test_gdn_decode_unnormalised_then_folded_equals_gdn_decode_then_linear(impl, ratio, dv, bv, dtype,
                                                                          activation, device):
