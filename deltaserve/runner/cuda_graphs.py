@@ -42,9 +42,11 @@ logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 
-# Ops a decode step calls (GDN: gdn_decode holds conv update, gates, delta rule and gated norm).
-DECODE_PATH_OPS = ("rms_norm", "rms_norm_linear", "gdn_decode", "attention_prologue", "paged_attention",
-                   "fused_paged_attention", "topk_softmax", "fused_moe", "silu_and_mul", "sigmoid_mul")
+# Ops a decode step calls (GDN: gdn_decode holds conv update, gates, delta rule and, unless gated_linear
+# folds it into out_proj, the gated norm).
+DECODE_PATH_OPS = ("linear", "rms_norm", "rms_norm_linear", "gated_linear", "gdn_decode", "attention_prologue",
+                   "paged_attention", "fused_paged_attention", "topk_softmax", "fused_moe", "silu_and_mul",
+                   "sigmoid_mul")
 MAX_CAPTURE_SIZE = 512
 
 
