@@ -277,19 +277,22 @@ def test_fused_decode_repeat_and_counters(device):
 
 
 def test_fused_decode_path_choice(device, monkeypatch):
-    """Without a config, decode batches below FUSED_DECODE_MIN_PAIRS (token, KV head) pairs run the
-    prologue and paged attention, larger ones the one launch with its default configuration; both equal
-    the reference."""
+    """Without a config, every decode batch runs the decode kernel (never the prologue op): below
+    FUSED_DECODE_MIN_PAIRS (token, KV head) pairs with one tile per split and the merge kernel, from there on
+    with the in-kernel merge; both equal the reference."""
     dec = Decode([40, 7, 100, 0, 1], 4, 2, 64, 16, device=device, seed=19)
     calls = []
     prologue = tri.attention_prologue
     monkeypatch.setattr(tri, "attention_prologue", lambda *a, **k: calls.append(1) or prologue(*a, **k))
     monkeypatch.setattr(tri, "FUSED_DECODE_MIN_PAIRS", 11)                       # 5 tokens x 2 KV heads = 10
-    _check_fused(dec, None, TOL[torch.float32], "two launches")
-    assert calls == [1]
+    small = tri.default_decode_config(5, 2, 64, 4, torch.float32)
+    assert not small.last_split_merges and small.min_tiles == 1 and small.prefetch_tiles == 0
+    assert tri.default_decode_config(1, 2, 64, 4).prefetch_tiles == 1
+    _check_fused(dec, None, TOL[torch.float32], "two launches (merge kernel)")
     monkeypatch.setattr(tri, "FUSED_DECODE_MIN_PAIRS", 10)
+    assert tri.default_decode_config(5, 2, 64, 4, torch.float32).last_split_merges
     _check_fused(dec, None, TOL[torch.float32], "one launch, default config")
-    assert calls == [1]
+    assert calls == []
 
 
 def test_fused_mixed_batch_runs_the_two_launch_path(device):

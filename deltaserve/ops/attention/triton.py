@@ -27,11 +27,13 @@ On Hopper the prologue, attention and merge kernels are programmatic dependent l
 becomes resident while the kernel before it drains, waits for it (griddepcontrol.wait) before any load,
 and releases the next one at once.
 
-`fused_paged_attention` is the prologue and attention together. Large decode batches (one token per
-sequence, >= FUSED_DECODE_MIN_PAIRS (token, KV head) pairs) run it as one launch, _decode_attention_kernel
-(its docstring: q norm + RoPE on the load, the new key stored by the owner of the last tile, split merge by
-the last split to finish); everything else runs the two ops. At batch 1-8 on an H200 the one launch was
-1.6-2.6x slower than the three (docs/PERFORMANCE.md, "Decode in one launch").
+`fused_paged_attention` is the prologue and attention together. Decode batches (one token per sequence)
+run _decode_attention_kernel (its docstring: q norm + RoPE on the load, the new key stored by the owner of
+the last tile): large ones (>= FUSED_DECODE_MIN_PAIRS (token, KV head) pairs) in one launch, the split
+merge done by the last split to finish; smaller ones with one key tile per split and the parallel merge
+kernel (two launches: on an H200 at batch 1-8 the in-kernel merge was 1.6-2.6x slower than the old three
+launches, the two launches 3-22 % faster; docs/PERFORMANCE.md, "Decode in one launch"). Batches with
+prefill chunks run the two ops.
 """
 
 from __future__ import annotations
@@ -502,11 +504,12 @@ class DecodeAttentionConfig:
     last_split_merges: bool = True   # False: the splits' results merged by _merge_splits_kernel (2 launches)
 
 
-# Decode batches of at least this many (token, KV head) pairs run the one-launch kernel by default; smaller
-# ones the three launches (prologue, attention, split merge). H200, 35B-A3B shape (docs/PERFORMANCE.md,
-# "Decode in one launch"): one launch was 4 % faster at 64 and 256 sequences (128 and 512 pairs) and
-# 1.4-2.3x slower at 1 and 8 sequences, where its split merge and multi-tile splits add dependent memory
-# round trips to the critical path.
+# Decode batches of at least this many (token, KV head) pairs merge their splits in the last split to finish
+# (one launch); smaller ones take one key tile per split and merge in _merge_splits_kernel (two launches).
+# H200, 35B-A3B shape (docs/PERFORMANCE.md, "Decode in one launch"): the one launch was 4 % faster than the
+# old three launches at 64 and 256 sequences (128 and 512 pairs) and 1.4-2.3x slower at 1 and 8 sequences,
+# where its merge and multi-tile splits add dependent memory round trips to the critical path; the two
+# launches were 3-22 % faster than the three at 1 and 8 sequences (contexts 512-32768).
 FUSED_DECODE_MIN_PAIRS = 128
 
 
@@ -520,6 +523,11 @@ def default_decode_config(N: int, nkv: int, d: int, sms: int,
     cap = SPLIT_SCRATCH_BYTES // max(1, pairs * 16 * (d + 2) * 4)
     splits = max(1, min(splits, cap))
     block_n, stages = (64, 2) if dtype.itemsize < 4 else (32, 1)
+    if pairs < FUSED_DECODE_MIN_PAIRS:
+        # one tile per split, merged by the merge kernel; the L2 prefetch before the wait won at batch 1
+        # (11.7 against 12.1 us at ctx 1152) and lost at batch 8 (22.8 against 22.2)
+        return DecodeAttentionConfig(block_n=block_n, max_splits=splits, min_tiles=1, num_warps=4,
+                                     num_stages=stages, prefetch_tiles=1 if N == 1 else 0, last_split_merges=False)
     return DecodeAttentionConfig(block_n=block_n, max_splits=splits, min_tiles=2, num_warps=4, num_stages=stages)
 
 
@@ -724,9 +732,9 @@ def fused_paged_attention(
     max_query_len: int | None = None, config: DecodeAttentionConfig | None = None,
 ) -> torch.Tensor:
     """See reference.fused_paged_attention. With max_query_len == 1 (the caller promises one token per
-    sequence; the reference checks it, this op cannot without a host sync) and at least
-    FUSED_DECODE_MIN_PAIRS (token, KV head) pairs, or a `config` given (launch choices of that path), the
-    whole op is one launch (_decode_attention_kernel); otherwise attention_prologue then paged_attention."""
+    sequence; the reference checks it, this op cannot without a host sync) the op runs
+    _decode_attention_kernel with `config` or default_decode_config (one launch, or two with the merge
+    kernel); otherwise attention_prologue then paged_attention."""
     op = "fused_paged_attention"
     T, N = q.shape[0], seq_lens.shape[0]
     check(max_query_len is None or max_query_len >= 1, op, f"max_query_len must be >= 1, got {max_query_len}")
@@ -734,8 +742,7 @@ def fused_paged_attention(
     decode = max_query_len == 1 and T == N
     check(config is None or decode, op, "config applies to the one-launch decode path only "
           "(max_query_len=1, one token per sequence)")
-    one_launch = decode and (config is not None or N * nkv >= FUSED_DECODE_MIN_PAIRS)
-    if not one_launch:
+    if not decode:
         qr = attention_prologue(q, k, v, q_norm_weight, k_norm_weight, eps, cos, sin, kv_cache, slot_mapping)
         return paged_attention(qr, kv_cache, cu_seqlens=cu_seqlens, seq_lens=seq_lens, block_tables=block_tables,
                                scale=scale, max_query_len=max_query_len)

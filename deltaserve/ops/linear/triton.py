@@ -481,16 +481,17 @@ def default_gated_config(M: int, N: int, K: int, head_dim: int | None) -> Linear
       5.6 us slower than the GEMV alone; 4 rows x 1024 columns at 3 stages (512 programs) made
       gdn_decode + out_proj 12.70 us against 14.13 unfolded. Where the plain tiles already hold >= 4 rows
       (N >= 2112: the 27B) they are kept (not timed with the fold).
-    - without the norm (the attention output gate): not folded. On the one-row tiles it was 2.1 us slower
-      than sigmoid_mul + the GEMV (10.55 against 8.43 us); wider tiles are not timed yet.
+    - without the norm (the attention output gate): folded at M = 1 on the same 4 x 1024 tiles, only where
+      the plain tiles are one-row (the 35B): 7.83 us against 8.43 for sigmoid_mul + the GEMV (one-row tiles
+      10.55, 2 x 2048 8.22, 8 x 512 9.06); elsewhere (the 27B) two launches, the fold untimed there.
     - never at M > 1 (the pre-norm fold measured ~2x slower there on the tensor-core kernel), nor for a
       head size that is not a power of two (a tile dimension)."""
-    if M != 1 or head_dim is None or head_dim & (head_dim - 1):
+    if M != 1 or (head_dim is not None and head_dim & (head_dim - 1)):
         return None
     cfg = default_linear_config(M, N, K)
     if cfg.block_n < 4:
         return LinearConfig(block_n=4, block_k=min(1024, triton.next_power_of_2(K)), warps=4, stages=3)
-    return cfg
+    return None if head_dim is None else cfg
 
 
 def gated_linear(
