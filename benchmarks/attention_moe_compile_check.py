@@ -93,6 +93,11 @@ def gemv_kernels() -> list[dict]:
                                    dict(x=bf, w13=bf, ids=i64, inter=bf),
                                    dict(TOP_K=9, BN=c.block_n1, BK=c.block_k1, PDL=c.pdl, WAIT=c.pdl_w13),
                                    c.warps1, c.stages, aligned=("H", "I", "s_x", "s_we", "s_wn")))
+        out.append(compile_aligned(f"gemv_w13_routed T={T} default", moe_t._gemv_w13_routed_kernel,
+                                   dict(x=bf, logits=bf, w13=bf, ids=i64, weights=f32, inter=bf),
+                                   dict(K=8, M=1, EP=256, RENORM=True, BN=c.block_n1, BK=c.block_k1, PDL=c.pdl,
+                                        WAIT=c.pdl_w13),
+                                   c.warps1, c.stages, aligned=("H", "I", "s_x", "s_we", "s_wn")))
         types = dict(inter=bf, w2=bf, ids=i64, weights=f32, out=bf)
         if c.all_experts:
             out.append(compile_aligned(f"gemv_w2_all T={T} default", moe_t._gemv_w2_all_kernel, types,
@@ -117,7 +122,7 @@ def fp32_attention_defaults() -> int:
         cfg = attn_t.default_attention_config(T, N, 16, 2, 256, torch.device("cpu"), dtype=torch.float32)
         r = compile_one(f"attention fp32 {label} {cfg}", attn_t._attention_kernel, types,
                         dict(NH=16, NKV=2, D=256, G=8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                             SPLITS=cfg.num_splits, MIN_SPLIT=cfg.min_split, IEEE=True),
+                             SPLIT=cfg.num_splits > 1, MIN_SPLIT=cfg.min_split, IEEE=True),
                         cfg.num_warps, cfg.num_stages)
         if not r["ok"] or r["smem"] > SM90_SMEM_BYTES:
             bad.append(label)
@@ -151,10 +156,10 @@ def main() -> int:
                 ("prefill", 128, 32, 1, 8, 2), ("prefill", 128, 64, 1, 8, 2)):
             results.append(compile_one(
                 f"attention {nh}/{nkv} {label} bm={bm} bn={bn} w{warps} s{stages}", attn_t._attention_kernel,
-                attn_types, dict(NH=nh, NKV=nkv, D=256, G=g, BLOCK_M=bm, BLOCK_N=bn, SPLITS=splits, MIN_SPLIT=256,
+                attn_types, dict(NH=nh, NKV=nkv, D=256, G=g, BLOCK_M=bm, BLOCK_N=bn, SPLIT=splits > 1, MIN_SPLIT=256,
                                  IEEE=False), warps, stages))
     results.append(compile_one("merge_splits", attn_t._merge_splits_kernel, dict(part_ml=f32, part_acc=f32, out=bf),
-                               dict(NH=16, SPLITS=16, SP=16, BD=256, D=256), 4))
+                               dict(NH=16, SP=16, BD=256, D=256), 4))
     results.append(compile_one("store_kv", attn_t._store_kv_kernel, dict(k=bf, v=bf, cache=bf, slots=i64),
                                dict(NKV=2, D=256, BH=2), 4))
     # MoE, Qwen3.5-35B-A3B: E 256, top-8, H 2048, I 512

@@ -310,11 +310,13 @@ def _attend(qv, m_i, l_i, acc, cache, table, start, hi, q_pos, dims, qk_scale, s
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["T", "N", "s_bt_n"])
-def _attention_kernel(q, cache, cu, seq_lens, tables, out, part_ml, part_acc, qk_scale, T, N,
+# The split count is a runtime value (only split-or-not is a constant): in eager mixed steps it follows the
+# batch, and as a constant each new value built a kernel variant in the middle of a step (H200: 1.5 s).
+@triton.jit(do_not_specialize=["T", "N", "s_bt_n", "splits"])
+def _attention_kernel(q, cache, cu, seq_lens, tables, out, part_ml, part_acc, qk_scale, T, N, splits,
                       s_q_t, s_q_h, s_bt_n, s_c_kv, BS,
                       NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                       MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:
         gdc_wait()
@@ -352,8 +354,8 @@ def _attention_kernel(q, cache, cu, seq_lens, tables, out, part_ml, part_acc, qk
     last_tok = tl.minimum(tile * BQ + BQ, q_len) - 1
     kv_hi = tl.minimum(ctx, ctx - q_len + last_tok + 1)
     kv_hi = tl.maximum(kv_hi, 0)
-    if SPLITS > 1:
-        seg = tl.cdiv(tl.cdiv(kv_hi, SPLITS), BLOCK_N) * BLOCK_N
+    if SPLIT:
+        seg = tl.cdiv(tl.cdiv(kv_hi, splits), BLOCK_N) * BLOCK_N
         seg = tl.maximum(seg, MIN_SPLIT)
         lo = split * seg
         hi = tl.minimum(kv_hi, lo + seg)
@@ -376,20 +378,20 @@ def _attention_kernel(q, cache, cu, seq_lens, tables, out, part_ml, part_acc, qk
         m_i, l_i, acc = _attend(qv, m_i, l_i, acc, cache, table, start, hi, q_pos, dims, qk_scale, s_c_kv, BS,
                                 head_off, NKV, D, BLOCK_N, True, IEEE)
 
-    if SPLITS == 1:
+    if not SPLIT:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out + (t_glob[:, None] * NH + head[:, None]) * D + dims[None, :], o.to(out.dtype.element_ty),
                  mask=row_ok[:, None])
     else:
-        part = (t_glob * NH + head) * SPLITS + split
+        part = (t_glob * NH + head) * splits + split
         tl.store(part_ml + part * 2, m_i, mask=row_ok)
         tl.store(part_ml + part * 2 + 1, l_i, mask=row_ok)
         if hi > lo:  # empty segments leave their accumulator unwritten; the merge masks it by l == 0
             tl.store(part_acc + part[:, None] * D + dims[None, :], acc, mask=row_ok[:, None])
 
 
-@triton.jit
-def _merge_splits_kernel(part_ml, part_acc, out, NH: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
+@triton.jit(do_not_specialize=["splits"])
+def _merge_splits_kernel(part_ml, part_acc, out, splits, NH: tl.constexpr, SP: tl.constexpr,
                          BD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False):
     """out[t, h, dims] = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp2(m_s - max_s m_s), for one token,
     one head and BD dims per program, every segment loaded at once (a loop over segments would be a
@@ -401,8 +403,8 @@ def _merge_splits_kernel(part_ml, part_acc, out, NH: tl.constexpr, SPLITS: tl.co
     t = tl.program_id(0).to(tl.int64)
     row = t * NH + tl.program_id(1)
     s = tl.arange(0, SP)
-    ok = s < SPLITS
-    part = row * SPLITS + s
+    ok = s < splits
+    part = row * splits + s
     m = tl.load(part_ml + part * 2, mask=ok, other=NEG_BIG)
     lsum = tl.load(part_ml + part * 2 + 1, mask=ok, other=0.0)
     w = tl.where(lsum > 0, tl.exp2(m - tl.max(m, 0)), 0.0)
@@ -468,9 +470,9 @@ def paged_attention(
         part_ml = part_acc = out
     grid = (T // bq + N + 1, nkv, splits)
     _attention_kernel[grid](
-        q, kv_cache, cu_seqlens, seq_lens, block_tables, out, part_ml, part_acc, float(scale) * LOG2E, T, N,
+        q, kv_cache, cu_seqlens, seq_lens, block_tables, out, part_ml, part_acc, float(scale) * LOG2E, T, N, splits,
         q.stride(0), q.stride(1), block_tables.stride(0), kv_cache.stride(0), bs,
-        NH=nh, NKV=nkv, D=d, G=g, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLITS=splits,
+        NH=nh, NKV=nkv, D=d, G=g, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
         MIN_SPLIT=cfg.min_split, IEEE=q.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl(q.device))
     if splits > 1:
@@ -483,7 +485,7 @@ def _merge_splits(part_ml: torch.Tensor, part_acc: torch.Tensor, out: torch.Tens
     T, nh, splits, d = part_acc.shape
     sp = triton.next_power_of_2(splits)
     bd = min(d, max(16, 4096 // sp))
-    _merge_splits_kernel[(T, nh, d // bd)](part_ml, part_acc, out, NH=nh, SPLITS=splits, SP=sp, BD=bd, D=d,
+    _merge_splits_kernel[(T, nh, d // bd)](part_ml, part_acc, out, splits, NH=nh, SP=sp, BD=bd, D=d,
                                            num_warps=4, **_pdl(out.device))
 
 
