@@ -17,7 +17,8 @@ timings against peers run in the same process on the same GPU and inputs.
              its slot; H 2048, I 512, bf16): routing + fused_moe, per call and per kernel, for T = 1, 2, 4, 8:
              the default, and the block as the decoder layer runs it (pre-norm folded into the router GEMV,
              routing launched programmatically or the ordinary way, fused_moe; checked against the fp32
-             reference on the same router output), and the torch._grouped_mm pipeline as the peer. Each
+             reference on the same router output; and fused_moe_routed with the routing inside the w13
+             kernel, session 5: slower), and the torch._grouped_mm pipeline as the peer. Each
              call in a graph has its own weight copy and the L2 is flushed by a 256 MB read before each
              replay (as in a decode step, every layer reads its own experts). Bytes = distinct experts x
              6.29 MB. (The session-5 GEMV variants -- w13 row sums, L2 prefetch hints, a packed w2 tile --
@@ -538,8 +539,9 @@ def session4_config(T: int):
 
 
 # rows also profiled per kernel (the profiler costs ~1 s a row)
+ROUTED_IN_W13 = "layer: norm + router GEMV + fused_moe_routed (routing inside w13)"
 PROFILED = {"default: route + fused_moe", "default: fused_moe only",
-            "layer: norm + router GEMV + route + fused_moe, default",
+            "layer: norm + router GEMV + route + fused_moe, default", ROUTED_IN_W13,
             "layer: norm + router GEMV + route + fused_moe, routing launched the ordinary way"}
 
 
@@ -582,6 +584,15 @@ def decode_impls(T: int, d: DecodeInputs, one_pass: bool = False) -> dict:
         return fn
 
     impls["layer: norm + router GEMV + route + fused_moe, default"] = layer()
+
+    def layer_routed(i):
+        """The block with the routing inside the w13 kernel (fused_moe_routed, fuse_routing=True)."""
+        logits, normed, _ = lin_t.rms_norm_linear(d.x[i], d.resid[i], d.norm_w, 1e-6, d.router[i])
+        return moe_t.fused_moe_routed(normed, d.w13[i], d.w2[i], logits, TOP_K, True, shared_slices=1,
+                                      fuse_routing=True)
+
+    layer_routed.want = impls["layer: norm + router GEMV + route + fused_moe, default"].want
+    impls[ROUTED_IN_W13] = layer_routed
     impls["layer: norm + router GEMV + route + fused_moe, routing launched the ordinary way"] = layer(None, False)
     impls["layer: norm + router GEMV + route + fused_moe, routing launched programmatically"] = layer(None, True)
     impls["layer: norm + router GEMV only"] = \

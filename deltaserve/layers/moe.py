@@ -10,7 +10,9 @@ its intermediate columns jI .. (j+1)I - 1, and every token is routed to all m wi
 sigmoid(shared_expert_gate(x)). silu(gate) * up is per column and the down projection sums over columns,
 so the slices' outputs add up to the shared expert's output: the same function, one op, one fp32
 combine. The shared gate's row is the router's last row, and topk_softmax appends the slices with weight
-sigmoid(gate logit), so a decode step's MoE block is four launches: router GEMV, route, w13, w2 + combine.
+sigmoid(gate logit). A decode step's MoE block is four launches: router GEMV, route, w13, w2 + combine
+(fused_moe_routed can do the routing inside its w13 kernel instead; by its default rule it does not: it
+measured slower, docs/PERFORMANCE.md).
 Other widths keep the shared expert as a separate MLP.
 """
 
@@ -57,10 +59,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward_projected(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """forward from x and gate(x), computed by the caller."""
-        # routing and the shared slices' sigmoid weights in one op: router GEMV, route, w13, w2+combine
-        weights, ids = self.kernels.topk_softmax(router_logits, self.top_k, self.renormalize,
-                                                 shared_slices=self.shared_slices)
-        out = self.kernels.fused_moe(x, self.w13, self.w2, weights, ids)
+        # routing (the shared slices' sigmoid weights included) and the experts in one op (the op picks
+        # whether the routing is its own kernel or done inside the w13 kernel)
+        out = self.kernels.fused_moe_routed(x, self.w13, self.w2, router_logits, self.top_k, self.renormalize,
+                                            shared_slices=self.shared_slices)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

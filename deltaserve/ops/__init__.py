@@ -49,6 +49,7 @@ class Kernels:
     fused_paged_attention: Callable  # attention_prologue + paged_attention (one launch for decode batches)
     topk_softmax: Callable
     fused_moe: Callable
+    fused_moe_routed: Callable       # topk_softmax + fused_moe (the Triton op routes inside w13 at decode)
     silu_and_mul: Callable           # SwiGLU middle: [.., 2I] (gate | up) -> silu(gate) * up
     sigmoid_mul: Callable            # x * sigmoid(gate): the attention output gate
     linear: Callable                 # y = x W^T: every projection and the logits
@@ -74,6 +75,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "fused_paged_attention": attention_ref.fused_paged_attention,
     "topk_softmax": moe_ref.topk_softmax,
     "fused_moe": moe_ref.fused_moe,
+    "fused_moe_routed": moe_ref.fused_moe_routed,
     "silu_and_mul": activation_ref.silu_and_mul,
     "sigmoid_mul": activation_ref.sigmoid_mul,
     "linear": linear_ref.linear,

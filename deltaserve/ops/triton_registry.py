@@ -74,6 +74,7 @@ def _all_ops() -> dict[str, Callable]:
         "fused_paged_attention": attention_triton.fused_paged_attention,
         "topk_softmax": triton_routing.topk_softmax,
         "fused_moe": moe_triton.fused_moe,
+        "fused_moe_routed": moe_triton.fused_moe_routed,
         "linear": linear_triton.linear,
         "rms_norm_linear": linear_triton.rms_norm_linear,
         "gated_linear": linear_triton.gated_linear,

@@ -43,6 +43,7 @@ from ..models.qwen3_next import HybridForCausalLM
 from ..ops import Kernels
 from ..ops.attention import reference as attention_ref
 from ..ops.gdn import reference as gdn_ref
+from ..ops.moe import reference as moe_ref
 from ..ops.norm import reference as norm_ref
 
 logger = logging.getLogger(__name__)
@@ -119,14 +120,20 @@ def fused_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     return (y.float() * topk_weights.float()[..., None]).sum(1).to(x.dtype)
 
 
+def fused_moe_routed_decode(x, w13, w2, router_logits, top_k, renormalize, *, shared_slices=0):
+    """fused_moe_routed as the reference routing and fused_moe_decode."""
+    weights, ids = moe_ref.topk_softmax(router_logits, top_k, renormalize, shared_slices=shared_slices)
+    return fused_moe_decode(x, w13, w2, weights, ids)
+
+
 def decode_kernels(kernels: Kernels) -> Kernels:
     return dataclasses.replace(
         kernels, store_kv=store_kv_decode, attention_prologue=attention_prologue_decode,
         paged_attention=paged_attention_decode, fused_paged_attention=fused_paged_attention_decode,
-        fused_moe=fused_moe_decode, gdn_decode=gdn_ref.gdn_decode_unpadded,
+        fused_moe=fused_moe_decode, fused_moe_routed=fused_moe_routed_decode, gdn_decode=gdn_ref.gdn_decode_unpadded,
         backend={**kernels.backend, **{n: "compiled-decode" for n in
                                       ("store_kv", "attention_prologue", "paged_attention", "fused_paged_attention",
-                                       "fused_moe", "gdn_decode")}})
+                                       "fused_moe", "fused_moe_routed", "gdn_decode")}})
 
 
 # ---- the decode twin ----------------------------------------------------------------------------------

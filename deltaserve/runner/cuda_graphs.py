@@ -45,8 +45,8 @@ MiB = 1 << 20
 # Ops a decode step calls (GDN: gdn_decode holds conv update, gates, delta rule and, unless gated_linear
 # folds it into out_proj, the gated norm).
 DECODE_PATH_OPS = ("linear", "rms_norm", "rms_norm_linear", "gated_linear", "gdn_decode", "attention_prologue",
-                   "paged_attention", "fused_paged_attention", "topk_softmax", "fused_moe", "silu_and_mul",
-                   "sigmoid_mul")
+                   "paged_attention", "fused_paged_attention", "topk_softmax", "fused_moe", "fused_moe_routed",
+                   "silu_and_mul", "sigmoid_mul")
 MAX_CAPTURE_SIZE = 512
 
 

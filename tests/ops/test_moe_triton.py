@@ -1,7 +1,8 @@
 """MoE routing and grouped-GEMM experts (Triton) against the plain-torch references: E=8/top-2 with T=1
 and T=100, experts that get no tokens, the multi-chunk alignment path, the alignment's invariants, and
 a shared expert folded in as one more expert; the small-batch GEMV path against the reference and
-against the grouped path, tiles that do not divide the shapes, tokens sharing experts."""
+against the grouped path, tiles that do not divide the shapes, tokens sharing experts; fused_moe_routed
+with the routing inside the w13 kernel: the routing kernel's choice and weights bit for bit, its rule."""
 
 from __future__ import annotations
 
@@ -336,3 +337,145 @@ def test_one_pass_real_shape_gpu(T, device):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, run(x2, logits2, config)), f"graph replay differs from eager ({config})"
+
+
+# ---- fused_moe_routed: the routing inside the w13 GEMV kernel ------------------------------------------
+
+def _routed_in_w13(x, w13, w2, logits, top_k, renorm, slices, cfg):
+    """The fused path with its routing outputs kept (the op itself returns only y)."""
+    T, E = x.shape[0], logits.shape[1] - (1 if slices else 0)
+    w = torch.full((T, top_k + slices), float("nan"), device=x.device)
+    ids = torch.full((T, top_k + slices), -1, dtype=torch.int64, device=x.device)
+    y = tri._fused_moe("t", x, w13, w2, w, ids, cfg, tri._Routing(logits, E, top_k, slices, renorm))
+    return y, w, ids
+
+
+def _tied_logits(T, E, *, g, device, dtype):
+    """Logits from a few values only: many exact ties, in the choice and at the k-th place."""
+    return (torch.randint(-2, 3, (T, E), generator=g).float() * 0.5).to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("T,E,top_k,slices,renorm,dtype,ties", [
+    (1, 16, 4, 1, True, torch.float32, False),
+    (3, 16, 4, 1, True, torch.float32, True),
+    (2, 12, 3, 2, True, torch.bfloat16, True),      # E not a power of two, two shared slices
+    (2, 16, 4, 0, True, torch.float32, False),      # no shared expert
+    (3, 16, 4, 1, False, torch.float32, True),      # not renormalised
+])
+def test_fused_routing_picks_what_topk_softmax_picks(T, E, top_k, slices, renorm, dtype, ties, device):
+    """The w13 kernel's own routing writes the same ids and weights as topk_softmax (ties included: lowest
+    index first), and the block's output equals topk_softmax + fused_moe with the same tiles exactly and
+    the reference composition within tolerance."""
+    g = gen(300 + T + E)
+    H, inter = 64, 32
+    x = randn(T, H, g=g, dtype=dtype, device=device)
+    w13, w2 = _experts(E + slices, H, inter, g=g, dtype=dtype, device=device)
+    width = E + (1 if slices else 0)
+    logits = _tied_logits(T, width, g=g, device=device, dtype=dtype) if ties \
+        else randn(T, width, g=g, scale=2.0).to(device=device, dtype=dtype)
+    cfg = tri.GemvMoeConfig(block_n1=8, block_k1=32, block_n2=8, block_k2=16)
+    y, w, ids = _routed_in_w13(x, w13, w2, logits, top_k, renorm, slices, cfg)
+    w_sep, i_sep = route.topk_softmax(logits, top_k, renorm, shared_slices=slices)
+    assert torch.equal(ids, i_sep), "another expert choice than topk_softmax"
+    assert torch.equal(w, w_sep), "other weights than topk_softmax"
+    assert torch.equal(y, tri.fused_moe(x, w13, w2, w_sep, i_sep, config=cfg)), "differs from route + fused_moe"
+    # with ties torch.topk's order is not defined: the reference experts on our choice
+    want = ref.fused_moe(x, w13, w2, w_sep, i_sep) if ties \
+        else ref.fused_moe_routed(x, w13, w2, logits, top_k, renorm, shared_slices=slices)
+    assert_close(tri.fused_moe_routed(x, w13, w2, logits, top_k, renorm, shared_slices=slices, config=cfg), want,
+                 TOL[dtype], "vs reference")
+    if not ties:
+        w_ref, i_ref = ref.topk_softmax(logits, top_k, renorm, shared_slices=slices)
+        assert torch.equal(ids, i_ref)
+        assert_close(w, w_ref, 1e-6, "weights vs reference")
+
+
+@pytest.mark.parametrize("max_tokens", [0, 8])
+def test_fused_moe_routed_rule_and_fallback(max_tokens, device, monkeypatch):
+    """Up to FUSED_ROUTING_MAX_TOKENS tokens (or with fuse_routing=True) the routing runs inside w13 (no
+    topk_softmax call); beyond it, or on the grouped path, topk_softmax then fused_moe. All equal the
+    reference."""
+    monkeypatch.setattr(tri, "FUSED_ROUTING_MAX_TOKENS", max_tokens)
+    E, top_k, H, inter = 8, 2, 64, 32
+    g = gen(320)
+    w13, w2 = _experts(E + 1, H, inter, g=g, dtype=torch.float32, device=device)
+    calls = []
+    original = route.topk_softmax
+    monkeypatch.setattr(route, "topk_softmax", lambda *a, **k: calls.append(1) or original(*a, **k))
+    for T, force in ((1, None), (8, None), (9, None), (2, True), (2, False)):
+        fused = force if force is not None else T <= max_tokens
+        calls.clear()
+        x = randn(T, H, g=g, device=device)
+        logits = randn(T, E + 1, g=g, scale=2.0).to(device)
+        got = tri.fused_moe_routed(x, w13, w2, logits, top_k, True, shared_slices=1, fuse_routing=force)
+        assert (not calls) == fused, f"T={T} fuse_routing={force}: fused={fused} expected"
+        assert_close(got, ref.fused_moe_routed(x, w13, w2, logits, top_k, True, shared_slices=1), 1e-5, f"T={T}")
+    calls.clear()
+    got = tri.fused_moe_routed(x[:2], w13, w2, logits[:2], top_k, True, shared_slices=1, config=GROUPED_SMALL)
+    assert calls, "the grouped path routes first"
+    assert_close(got, ref.fused_moe_routed(x[:2], w13, w2, logits[:2], top_k, True, shared_slices=1), 1e-5, "grouped")
+
+
+def test_fused_moe_routed_bad_inputs(device):
+    x, w13 = torch.zeros(2, 64, device=device), torch.zeros(9, 64, 64, device=device)
+    w2 = torch.zeros(9, 64, 32, device=device)
+    with pytest.raises(ValueError, match="fuse_routing needs the GEMV path"):
+        tri.fused_moe_routed(x, w13, w2, torch.zeros(2, 9, device=device), 2, True, shared_slices=1,
+                             config=GROUPED_SMALL, fuse_routing=True)
+    with pytest.raises(ValueError, match="routing needs 10"):
+        tri.fused_moe_routed(x, w13, w2, torch.zeros(2, 10, device=device), 2, True, shared_slices=1)
+    with pytest.raises(ValueError, match="same tokens"):
+        tri.fused_moe_routed(x, w13, w2, torch.zeros(3, 9, device=device), 2, True, shared_slices=1)
+    with pytest.raises(ValueError, match="top_k"):
+        tri.fused_moe_routed(x, w13, w2, torch.zeros(2, 9, device=device), 9, True, shared_slices=1)
+
+
+def test_fused_moe_routed_signature_matches_the_reference():
+    import inspect
+
+    want = [(p.name, p.kind) for p in inspect.signature(ref.fused_moe_routed).parameters.values()]
+    params = inspect.signature(tri.fused_moe_routed).parameters.values()
+    assert [(p.name, p.kind) for p in params if p.name not in ("config", "fuse_routing")] == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 4, 8])
+def test_fused_routing_real_shape_gpu(T, device):
+    """The 35B-A3B block as the layer runs it (router GEMV with the pre-norm folded, released early; 256
+    experts + the shared one as expert 256, top-8 + its slot): the routing inside w13 (launched
+    programmatically after the GEMV) picks the experts and weights the routing kernel does, bit for bit,
+    on random and tied logits; the output equals route + fused_moe exactly and the fp32 reference within
+    tolerance; a CUDA-graph replay on new inputs equals the eager call."""
+    from deltaserve.ops.linear import triton as lin
+
+    E, top_k, H, inter = 256, 8, 2048, 512
+    g = gen(400 + T)
+    w13, w2 = _experts(E + 1, H, inter, g=g, dtype=torch.bfloat16, device=device)
+    router = (randn(E + 1, H, g=g) * H ** -0.5).to(device=device, dtype=torch.bfloat16)
+    norm_w = (randn(H, g=g) * 0.1).to(device=device, dtype=torch.bfloat16)
+    x, r = (randn(T, H, g=g).to(device=device, dtype=torch.bfloat16) for _ in range(2))
+    cfg = tri.default_moe_config(T, top_k + 1, E + 1, H, inter, pdl=True)
+    assert isinstance(cfg, tri.GemvMoeConfig) and cfg.pdl_w13
+
+    def block(x):
+        logits, normed, _ = lin.rms_norm_linear(x, r, norm_w, 1e-6, router)
+        return tri.fused_moe_routed(normed, w13, w2, logits, top_k, True, shared_slices=1, fuse_routing=True), \
+            logits, normed
+
+    y, logits, normed = block(x)
+    w_sep, i_sep = route.topk_softmax(logits, top_k, True, shared_slices=1)
+    assert torch.equal(y, tri.fused_moe(normed, w13, w2, w_sep, i_sep)), "differs from route + fused_moe"
+    want = ref.fused_moe(normed.float(), w13.float(), w2.float(), w_sep, i_sep)
+    assert_close(y, want, TOL[torch.bfloat16], f"T={T} vs fp32 reference")
+    for lg in (logits, _tied_logits(T, E + 1, g=g, device=device, dtype=torch.bfloat16)):
+        _, w, ids = _routed_in_w13(normed, w13, w2, lg, top_k, True, 1, dataclasses.replace(cfg, pdl_w13=False))
+        w_sep, i_sep = route.topk_softmax(lg, top_k, True, shared_slices=1)
+        assert torch.equal(ids, i_sep) and torch.equal(w, w_sep), "another choice than the routing kernel"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = block(x)[0]
+    x2 = randn(T, H, g=g).to(device=device, dtype=torch.bfloat16)
+    x.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, block(x2)[0]), "graph replay differs from eager"

@@ -4,6 +4,7 @@
   (fp32), ids [T, k] (int64), plus the shared-expert slices when asked
   w13 [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up), w2 [E, H, I]
   fused_moe: y_t = sum_j weights[t, j] * w2[e] (silu(gate_e x_t) * up_e x_t), e = ids[t, j]
+  fused_moe_routed: fused_moe on topk_softmax's choice (one op, so a kernel can fuse the two)
 Weighted expert outputs are accumulated in fp32 and rounded once.
 """
 
@@ -56,6 +57,15 @@ def fused_moe(
         y = h @ w2[e].t()
         out.index_add_(0, tokens, y.float() * topk_weights.flatten()[picks, None].float())
     return out.to(x.dtype)
+
+
+def fused_moe_routed(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor, top_k: int,
+    renormalize: bool, *, shared_slices: int = 0,
+) -> torch.Tensor:
+    """topk_softmax, then fused_moe on its choice: the MoE block from the router's logits."""
+    weights, ids = topk_softmax(router_logits, top_k, renormalize, shared_slices=shared_slices)
+    return fused_moe(x, w13, w2, weights, ids)
 
 
 # Up to this many (token, expert) pairs, loop over the pairs (few ops each, no sort): the decode case.

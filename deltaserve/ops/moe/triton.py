@@ -30,6 +30,9 @@ and no alignment: the weights are the whole cost there, and the grouped path's f
 2. w2 GEMV + combine: one program per (token, slice of H) runs the token's top_k experts in order, each
    expert output rounded to the activation dtype (as in the grouped path), weighted and summed in fp32,
    rounded once -> [T, H].
+fused_moe_routed (routing + experts, what the layer calls) can do the routing inside the w13 GEMV kernel
+(each program takes its slot's choice from the logits itself) instead of a routing kernel before it; not
+by default: slower on an H200 (FUSED_ROUTING_MAX_TOKENS).
 
 One-pass path (OnePassMoeConfig; selectable, not a default: on an H200 its main kernel read the ~57 MB of
 a decode step's experts at 2.7 TB/s, slower than the GEMV path, see docs/PERFORMANCE.md): w2 split along
@@ -61,6 +64,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..triton_common import ACTIVATION_DTYPES, check, check_last_contiguous, check_same_device, silu
+from . import triton_routing as route_ops
 
 ALIGN_CHUNK = 1024      # assignments per counting / scatter program
 GEMV_MAX_ASSIGNMENTS = 96   # T * top_k up to this: the GEMV path (T <= 8 at top-8 or top-10 plus a shared slice)
@@ -377,6 +381,85 @@ def _gemv_w13_kernel(x, w13, ids, inter, H, I, s_x, s_we, s_wn,
     tl.store(inter + a.to(tl.int64) * I + rows, h.to(inter.dtype.element_ty), mask=row_ok)
 
 
+@triton.jit(do_not_specialize=["E"])
+def _gemv_w13_routed_kernel(x, logits, w13, ids, weights, inter, H, I, E, s_x, s_l, s_we, s_wn,
+                            K: tl.constexpr, M: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr,
+                            BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr):
+    """_gemv_w13_kernel with the routing inside (fused_moe_routed): program (a, n) takes slot j = a % (K + M)
+    of token t = a // (K + M). A routed slot finds its expert from the token's logits (the choice j of
+    triton_routing's math: exponentials exp(x - max), one max-reduction per choice over int64 keys
+    (exponential bits | EP-1-index: the largest value, the lowest index among equal ones)); a shared slot
+    knows its expert (E + j - K) and loads its first weight tiles before the wait (constant data). The
+    programs with n = 0 write the slot's id and weight for the w2 kernel (they run all K choices, for the
+    renormalisation sum in choice order; the others stop at choice j). The GEMV is _gemv_w13_kernel's,
+    operation for operation."""
+    a = tl.program_id(0)
+    t = (a // (K + M)).to(tl.int64)
+    j = a % (K + M)
+    writer = tl.program_id(1) == 0
+    shared = j >= K
+    rows = tl.program_id(1) * BN + tl.arange(0, BN)
+    row_ok = rows < I
+    kk = tl.arange(0, BK)
+    off = rows[:, None].to(tl.int64) * s_wn + kk[None, :]
+    m0 = row_ok[:, None] & (kk < H)[None, :]
+    ws = w13 + (E + j - K).to(tl.int64) * s_we + off            # read only where shared
+    g0 = tl.load(ws, mask=m0 & shared, other=0.0)
+    u0 = tl.load(ws + I * s_wn, mask=m0 & shared, other=0.0)
+    if WAIT:
+        gdc_wait()                   # logits / x come from the kernel before us
+    if PDL:
+        gdc_launch_dependents()      # the w2 kernel may start now; it waits for our output itself
+    lrow = logits + t * s_l
+    if shared:
+        e = (E + j - K).to(tl.int64)
+        gate = tl.load(lrow + E).to(tl.float32)
+        w = 1.0 / (1.0 + tl.exp(-gate))
+    else:
+        cols = tl.arange(0, EP)
+        lg = tl.load(lrow + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
+        ex = tl.exp(lg - tl.max(lg, 0))
+        key = (ex.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (EP - 1 - cols).to(tl.int64)
+        key = tl.where(cols < E, key, -1)
+        total = tl.full([], 0.0, tl.float32)
+        pick = tl.full([], 0, tl.int64)
+        for r in tl.static_range(K):
+            if writer | (r <= j):
+                best = tl.max(key, 0)
+                key = tl.where(key == best, -1, key)             # keys are distinct: one taken
+                total += (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+                pick = tl.where(r == j, best, pick)
+        hi = pick >> 32
+        e = (EP - 1 - (pick - (hi << 32))).to(tl.int64)
+        w = hi.to(tl.int32).to(tl.float32, bitcast=True)
+        if RENORM:
+            w = w / total
+        else:
+            w = w / tl.sum(ex, 0)
+    if writer:
+        tl.store(ids + a, e.to(ids.dtype.element_ty))
+        tl.store(weights + a, w)
+    wg = w13 + e * s_we + off
+    wu = wg + I * s_wn
+    xp = x + t * s_x + kk
+    routed = j < K
+    acc_g = tl.zeros([BN, BK], dtype=tl.float32)
+    acc_u = tl.zeros([BN, BK], dtype=tl.float32)
+    xv = tl.load(xp, mask=kk < H, other=0.0).to(tl.float32)[None, :]
+    gt = tl.where(shared, g0, tl.load(wg, mask=m0 & routed, other=0.0))
+    ut = tl.where(shared, u0, tl.load(wu, mask=m0 & routed, other=0.0))
+    acc_g += gt.to(tl.float32) * xv
+    acc_u += ut.to(tl.float32) * xv
+    for k0 in range(BK, H, BK):
+        k_ok = kk + k0 < H
+        xv = tl.load(xp + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        m = row_ok[:, None] & k_ok[None, :]
+        acc_g += tl.load(wg + k0, mask=m, other=0.0).to(tl.float32) * xv
+        acc_u += tl.load(wu + k0, mask=m, other=0.0).to(tl.float32) * xv
+    h = silu(tl.sum(acc_g, 1)) * tl.sum(acc_u, 1)
+    tl.store(inter + a.to(tl.int64) * I + rows, h.to(inter.dtype.element_ty), mask=row_ok)
+
+
 @triton.jit
 def _gemv_w2_combine_kernel(inter, w2, ids, weights, out, H, I, s_we, s_wn, s_w, s_o,
                             TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_STEP: tl.constexpr,
@@ -565,16 +648,35 @@ def _fused_moe_one_pass(x, w13, w2, topk_weights, topk_ids, cfg: OnePassMoeConfi
     return out
 
 
-def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, cfg: GemvMoeConfig) -> torch.Tensor:
+@dataclasses.dataclass(frozen=True)
+class _Routing:
+    """fused_moe_routed's routing, done inside the w13 kernel (its outputs go to topk_weights / topk_ids)."""
+
+    logits: torch.Tensor
+    experts: int             # routed experts E (the shared gate, if any, is logits' column E)
+    top_k: int
+    shared_slices: int
+    renormalize: bool
+
+
+def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, cfg: GemvMoeConfig, route: _Routing | None = None
+                    ) -> torch.Tensor:
     T, H = x.shape
     inter = w2.shape[-1]
     top_k = topk_ids.shape[1]
     A = T * top_k
     h = torch.empty((A, inter), dtype=x.dtype, device=x.device)
-    _gemv_w13_kernel[(A, triton.cdiv(inter, cfg.block_n1))](
-        x, w13, topk_ids, h, H, inter, x.stride(0), w13.stride(0), w13.stride(1),
-        TOP_K=top_k, BN=cfg.block_n1, BK=cfg.block_k1, PDL=cfg.pdl, WAIT=cfg.pdl_w13, num_warps=cfg.warps1,
-        num_stages=cfg.stages, **({"launch_pdl": True} if cfg.pdl_w13 else {}))
+    launch = dict(BN=cfg.block_n1, BK=cfg.block_k1, PDL=cfg.pdl, WAIT=cfg.pdl_w13, num_warps=cfg.warps1,
+                  num_stages=cfg.stages, **({"launch_pdl": True} if cfg.pdl_w13 else {}))
+    if route is None:
+        _gemv_w13_kernel[(A, triton.cdiv(inter, cfg.block_n1))](
+            x, w13, topk_ids, h, H, inter, x.stride(0), w13.stride(0), w13.stride(1), TOP_K=top_k, **launch)
+    else:
+        lg = route.logits
+        _gemv_w13_routed_kernel[(A, triton.cdiv(inter, cfg.block_n1))](
+            x, lg, w13, topk_ids, topk_weights, h, H, inter, route.experts, x.stride(0), lg.stride(0),
+            w13.stride(0), w13.stride(1), K=route.top_k, M=route.shared_slices,
+            EP=triton.next_power_of_2(route.experts), RENORM=route.renormalize, **launch)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if cfg.all_experts:
         _gemv_w2_all_kernel[(T, triton.cdiv(H, cfg.block_n2))](
@@ -594,6 +696,49 @@ def _has_pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+# fused_moe_routed does the routing inside the w13 GEMV kernel up to this many tokens by default. 0: never.
+# H200, session 5, the block as the layer runs it: slower at every T measured (T = 1, 2, 4, 8: 26.3 / 42.2
+# / 71.1 / 117.4 us against 25.8 / 41.4 / 67.7 / 109.1 with the routing kernel; docs/PERFORMANCE.md).
+FUSED_ROUTING_MAX_TOKENS = 0
+
+
+def fused_moe_routed(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor, top_k: int,
+    renormalize: bool, *, shared_slices: int = 0, config: MoeConfigs | None = None,
+    fuse_routing: bool | None = None,
+) -> torch.Tensor:
+    """See reference.fused_moe_routed: topk_softmax then fused_moe. On the GEMV path (small batches) with
+    `fuse_routing` (None: up to FUSED_ROUTING_MAX_TOKENS tokens, now none) the routing runs inside the w13
+    kernel: every w13 program computes its own slot's expert from the token's logits (redundant, a few
+    reductions over the logits from L2), so the routing kernel's launch, drain and the round trip for its
+    output leave the chain (router GEMV -> w13 -> w2 instead of -> route -> w13 -> w2). The choice and the
+    weights are triton_routing's (same math, module docstring there), bit for bit with renormalisation.
+    Elsewhere: triton_routing.topk_softmax, then fused_moe. (Measured slower on an H200 at T = 1..8: each
+    wave of w13 programs pays the routing before its first weight load, see FUSED_ROUTING_MAX_TOKENS.)"""
+    op = "fused_moe_routed"
+    E = route_ops.check_routing(op, router_logits, top_k, shared_slices)
+    check(x.dim() == 2 and router_logits.shape[0] == x.shape[0], op,
+          f"router_logits {tuple(router_logits.shape)} and x {tuple(x.shape)} must have the same tokens")
+    check(w13.dim() == 3 and w13.shape[0] >= E + shared_slices, op,
+          f"w13 holds {w13.shape[0] if w13.dim() == 3 else '?'} experts, the routing needs {E + shared_slices}")
+    check_same_device(op, x, router_logits)
+    T, width = x.shape[0], top_k + shared_slices
+    if config is None and T >= 1 and T * width <= GEMV_MAX_ASSIGNMENTS:
+        config = default_moe_config(T, width, w13.shape[0], x.shape[1], w2.shape[-1],
+                                    pdl=x.is_cuda and _has_pdl(x.device))
+    gemv = isinstance(config, GemvMoeConfig)
+    if fuse_routing is None:
+        fuse_routing = gemv and T <= FUSED_ROUTING_MAX_TOKENS
+    check(not fuse_routing or gemv, op, f"fuse_routing needs the GEMV path (a GemvMoeConfig), got {config}")
+    if not fuse_routing:
+        weights, ids = route_ops.topk_softmax(router_logits, top_k, renormalize, shared_slices=shared_slices)
+        return fused_moe(x, w13, w2, weights, ids, config=config)
+    weights = torch.empty((T, width), dtype=torch.float32, device=x.device)
+    ids = torch.empty((T, width), dtype=torch.int64, device=x.device)
+    return _fused_moe(op, x, w13, w2, weights, ids, config,
+                      _Routing(router_logits, E, top_k, shared_slices, bool(renormalize)))
+
+
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     *, config: MoeConfigs | None = None,
@@ -601,7 +746,12 @@ def fused_moe(
     """See reference.fused_moe. `config` (optional) picks the path (OnePassMoeConfig or GemvMoeConfig: small
     batches, MoeConfig: grouped GEMMs) and its tiles; expert ids must lie in [0, E) (they are not checked
     on device)."""
-    op = "fused_moe"
+    return _fused_moe("fused_moe", x, w13, w2, topk_weights, topk_ids, config)
+
+
+def _fused_moe(op: str, x, w13, w2, topk_weights, topk_ids, config: MoeConfigs | None,
+               route: _Routing | None = None) -> torch.Tensor:
+    """fused_moe; with `route`, topk_weights / topk_ids are outputs, written by the w13 kernel."""
     check(x.dim() == 2, op, f"x must be [T, H], got {tuple(x.shape)}")
     T, H = x.shape
     check(w13.dim() == 3 and w13.shape[2] == H and w13.shape[1] % 2 == 0, op,
@@ -647,7 +797,7 @@ def fused_moe(
             check(cfg.all_experts, op, "config pdl=True needs all_experts=True")
             check(x.is_cuda and _has_pdl(x.device), op,
                   "config pdl=True needs a CUDA device of compute capability 9.0 or newer")
-        return _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, cfg)
+        return _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, cfg, route)
     sorted_ids, block_expert = align_by_expert(topk_ids, E, cfg.block_m)
     nb = block_expert.shape[0]
     ieee = x.dtype == torch.float32

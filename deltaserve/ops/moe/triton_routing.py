@@ -3,7 +3,12 @@ optional renormalisation, and the shared expert's slices appended with their sig
 
 One program takes BT tokens with all their logits in registers; the k choices are k max-reductions, each
 taking the lowest index among equal maxima (torch.topk's order for distinct values; for exact ties the
-reference's order is not defined either). (One reduction per choice over int64 keys, probability bits
+reference's order is not defined either). The choice is made on the unnormalised exponentials
+exp(x - max) (the softmax order; every value computed alone, so any launch layout gets the same bits),
+and the renormalised weights are e_j / (e_0 + e_1 + ... + e_{k-1}), summed in choice order: the fused
+w13 kernel (triton.py, fused_moe_routed) repeats this math with another layout and must pick the same
+experts with the same weights. (Without renormalisation the weight is e_j over a tree sum of all
+exponentials, whose order depends on the layout: ulp differences possible there.) (One reduction per choice over int64 keys, probability bits
 and index packed, measured slower on an H200: 3.1 against 2.9 us per call at T = 1.) No host sync,
 CUDA-graph capturable.
 
@@ -46,20 +51,23 @@ def _route_kernel(logits, weights, ids, T, E, s_l, K: tl.constexpr, M: tl.conste
     row_ptr = logits + rows[:, None].to(tl.int64) * s_l
     x = tl.load(row_ptr + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < E), other=float("-inf"))
     x = tl.where(row_ok[:, None], x.to(tl.float32), 0.0)        # rows past T: finite, never stored
-    x = tl.exp(x - tl.max(x, 1)[:, None])
-    probs = x / tl.sum(x, 1)[:, None]
+    x = tl.exp(x - tl.max(x, 1)[:, None])                        # the softmax order, layout-free bits
     kcol = tl.arange(0, KP)
     w_sel = tl.zeros([BT, KP], dtype=tl.float32)
     i_sel = tl.zeros([BT, KP], dtype=tl.int32)
-    avail = probs
+    total = tl.zeros([BT], dtype=tl.float32)
+    avail = x
     for j in tl.static_range(K):
         best = tl.max(avail, 1)
         idx = tl.min(tl.where(avail == best[:, None], cols[None, :], EP), 1)
         w_sel = tl.where(kcol[None, :] == j, best[:, None], w_sel)
         i_sel = tl.where(kcol[None, :] == j, idx[:, None], i_sel)
-        avail = tl.where(cols[None, :] == idx[:, None], -1.0, avail)   # taken (probabilities are >= 0)
+        total += best                                                  # in choice order (docstring)
+        avail = tl.where(cols[None, :] == idx[:, None], -1.0, avail)   # taken (exponentials are >= 0)
     if RENORM:
-        w_sel = w_sel / tl.sum(tl.where(kcol[None, :] < K, w_sel, 0.0), 1)[:, None]
+        w_sel = w_sel / total[:, None]
+    else:
+        w_sel = w_sel / tl.sum(x, 1)[:, None]
     if M > 0:
         gate = tl.load(logits + rows.to(tl.int64) * s_l + E, mask=row_ok, other=0.0).to(tl.float32)
         shared_w = 1.0 / (1.0 + tl.exp(-gate))
@@ -75,6 +83,19 @@ def _route_kernel(logits, weights, ids, T, E, s_l, K: tl.constexpr, M: tl.conste
 PDL_MAX_TOKENS = 8   # up to this many tokens the routing is launched programmatically (module docstring)
 
 
+def check_routing(op: str, router_logits: torch.Tensor, top_k: int, shared_slices: int) -> int:
+    """Validate topk_softmax's routing arguments (for `op`); the number of routed experts E."""
+    check(router_logits.dim() == 2, op, f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
+    check(shared_slices >= 0, op, f"shared_slices must be >= 0, got {shared_slices}")
+    E = router_logits.shape[1] - (1 if shared_slices else 0)
+    check(E >= 1, op, f"router_logits {tuple(router_logits.shape)} leave no expert column besides the shared gate")
+    check(1 <= top_k <= E, op, f"top_k = {top_k} must be in [1, {E}]")
+    check(E <= MAX_EXPERTS, op, f"{E} experts: at most {MAX_EXPERTS} supported")
+    check(router_logits.dtype in ACTIVATION_DTYPES, op, f"unsupported dtype {router_logits.dtype}")
+    check_last_contiguous(op, router_logits=router_logits)
+    return E
+
+
 def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
                  shared_slices: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return routed(router_logits, top_k, renormalize, shared_slices=shared_slices)
@@ -86,16 +107,8 @@ def routed(router_logits: torch.Tensor, top_k: int, renormalize: bool, *, shared
     dependent of the kernel before it (where the device has programmatic dependent launch; it waits for
     that kernel before reading the logits), False the ordinary way, None (topk_softmax) by the token
     count (PDL_MAX_TOKENS)."""
-    op = "topk_softmax"
-    check(router_logits.dim() == 2, op, f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
-    check(shared_slices >= 0, op, f"shared_slices must be >= 0, got {shared_slices}")
+    E = check_routing("topk_softmax", router_logits, top_k, shared_slices)
     T = router_logits.shape[0]
-    E = router_logits.shape[1] - (1 if shared_slices else 0)
-    check(E >= 1, op, f"router_logits {tuple(router_logits.shape)} leave no expert column besides the shared gate")
-    check(1 <= top_k <= E, op, f"top_k = {top_k} must be in [1, {E}]")
-    check(E <= MAX_EXPERTS, op, f"{E} experts: at most {MAX_EXPERTS} supported")
-    check(router_logits.dtype in ACTIVATION_DTYPES, op, f"unsupported dtype {router_logits.dtype}")
-    check_last_contiguous(op, router_logits=router_logits)
     width = top_k + shared_slices
     weights = torch.empty((T, width), dtype=torch.float32, device=router_logits.device)
     ids = torch.empty((T, width), dtype=torch.int64, device=router_logits.device)
