@@ -173,7 +173,7 @@ def main() -> int:
         results.append(compile_one(
             f"moe_offsets fused={int(fused)}", moe_t._moe_offsets_kernel,
             dict(topk_ids=i64, chunk_counts=i32, chunk_base=i32, sorted_ids=i32, block_expert=i32),
-            dict(NCHUNK=4, C=1024 if not fused else 512, EB=512, BM=16, BB=16, FUSED=fused), 4))
+            dict(C=1024 if not fused else 512, EB=512, BM=16, BB=16, FUSED=fused), 4))
     results.append(compile_one("moe_count", moe_t._moe_count_kernel, dict(topk_ids=i64, chunk_counts=i32),
                                dict(C=1024, EB=512), 4))
     results.append(compile_one("moe_scatter", moe_t._moe_scatter_kernel,

@@ -284,7 +284,7 @@ class ModelRunner:
             return handle
         # rows are increasing and distinct, so as many rows as tokens means every row (decode-only batches)
         picked = hidden if len(plan.rows) == hidden.shape[0] else hidden[self._index(plan.rows)]
-        logits = model.compute_logits(picked).float()
+        logits = model.compute_logits(picked)       # the activation dtype: the sampler widens where it must
         if plan.samples:
             states = [st for _, st in plan.samples]
             assert not any(st.sampling.num_pending and st.sampling.needs_history() for st in states), \
@@ -341,5 +341,5 @@ class ModelRunner:
     def _prompt_logprobs(logits: torch.Tensor, st: _SeqState, start: int) -> PendingLogprobs:
         """Logprobs of prompt tokens start + 1, start + 2, ... each given everything before it."""
         targets = st.token_ids[start + 1 : start + 1 + logits.shape[0]]
-        lp = log_softmax(logits)
+        lp = log_softmax(logits.float())
         return top_logprobs(lp, targets, [st.prompt_logprobs] * len(targets))

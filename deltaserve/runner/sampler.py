@@ -127,6 +127,15 @@ def seeded_uniform(seed: int, index: int) -> float:
     return ((x ^ (x >> 31)) >> 11) * (1.0 / (1 << 53))
 
 
+def _top_k(params, V: int) -> int:
+    return params.top_k if 0 < params.top_k < V else V
+
+
+def _no_filters(rows: list[SamplingRow], V: int) -> bool:
+    """No row of the batch has top-k, top-p or min-p: the batch draws through the temperature op."""
+    return all(_top_k(r.params, V) >= V and r.params.top_p >= 1.0 and r.params.min_p <= 0.0 for r in rows)
+
+
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """log_softmax over the last dim as x - logsumexp(x): the reductions run over the whole GPU, where
     torch.log_softmax gives each row one thread block (slow for few rows of a large vocabulary)."""
@@ -234,14 +243,17 @@ class Sampler:
 
     def launch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
         """Queue the sampling of one token per row. Per-row options reach the device as one pinned copy;
-        the tokens (and logprobs) go back in one transfer, read by `.get()` (the only host sync)."""
-        logits = logits.float()
+        the tokens (and logprobs) go back in one transfer, read by `.get()` (the only host sync).
+        Logits stay in their dtype where the result cannot depend on it (argmax; the temperature op widens
+        as it reads); everything else works on an fp32 copy."""
         dev = logits.device
         lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        adjust = [i for i, r in enumerate(rows) if r.adjusts_logits()]
+        if lp_rows or adjust or not _no_filters(rows, logits.shape[1]):
+            logits = logits.float()
         if lp_rows:
             lp_index = None if len(lp_rows) == len(rows) else to_device(torch.tensor(lp_rows), dev)
             raw = log_softmax(logits if lp_index is None else logits[lp_index])
-        adjust = [i for i, r in enumerate(rows) if r.adjusts_logits()]
         if adjust:
             logits = logits.clone()
             _apply_penalties(logits, rows, adjust)
@@ -260,7 +272,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
         V = logits.shape[1]
         params = [r.params for r in rows]
-        top_k = [p.top_k if 0 < p.top_k < V else V for p in params]
+        top_k = [_top_k(p, V) for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
         u = [0.0 if g else self._shared.random() if r.seed is None else seeded_uniform(r.seed, r.num_generated)
@@ -268,7 +280,7 @@ class Sampler:
         # every per-row option in one host tensor, one copy: temperature, top_k, top_p, min_p, uniform, greedy
         opts = to_device(torch.tensor([[1.0 if g else p.temperature for g, p in zip(greedy, params)], top_k, top_p,
                                        min_p, u, greedy], dtype=torch.float64), logits.device)
-        if min(top_k) >= V and min(top_p) >= 1.0 and max(min_p) <= 0.0:
+        if _no_filters(rows, V):
             sampled = self.temperature_sample(logits, opts[0].float(), opts[4])
             return torch.where(opts[5].bool(), logits.argmax(dim=-1), sampled) if any(greedy) else sampled
         x = logits / opts[0].float()[:, None]

@@ -157,3 +157,19 @@ def test_mixed_filters_in_one_batch_equal_each_row_alone():
     together = Sampler(torch.device("cpu"), 0)(x, rows).token_ids
     alone = [Sampler(torch.device("cpu"), 0)(x[i : i + 1], [r]).token_ids[0] for i, r in enumerate(rows)]
     assert together == alone
+
+
+@pytest.mark.parametrize("kws", [
+    [dict(temperature=0)] * 3,                                              # greedy: argmax in bf16
+    [dict(temperature=0.8), dict(temperature=1.5), dict(temperature=0)],   # the temperature op, one greedy row
+    [dict(temperature=1.0, top_k=4), dict(temperature=0.7)],               # a filter: the fp32 path
+    [dict(temperature=0.9, logprobs=2), dict(temperature=0.9)],            # logprobs: the fp32 path
+])
+def test_bf16_logits_sample_as_their_fp32_widening(kws):
+    """The runner hands over logits in the activation dtype; the sampler's tokens and logprobs equal those of
+    the same logits widened to fp32 (seeded rows, so the draws are comparable)."""
+    x = logits(len(kws), seed=21, v=300).bfloat16()
+    rows = lambda: [row(seed=7 + i, **kw) for i, kw in enumerate(kws)]          # noqa: E731
+    got = Sampler(torch.device("cpu"), 0)(x, rows())
+    want = Sampler(torch.device("cpu"), 0)(x.float(), rows())
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs

@@ -103,9 +103,11 @@ def _moe_count_kernel(topk_ids, chunk_counts, A, E, C: tl.constexpr, EB: tl.cons
     tl.store(chunk_counts + c * EB + bins, tl.histogram(e, EB))
 
 
-@triton.jit(do_not_specialize=["A", "NB"])
-def _moe_offsets_kernel(topk_ids, chunk_counts, chunk_base, sorted_ids, block_expert, A, E, NB,
-                        NCHUNK: tl.constexpr, C: tl.constexpr, EB: tl.constexpr, BM: tl.constexpr,
+# The chunk count follows the batch: a runtime loop bound (as a constant, each new count built a variant in
+# the middle of a step: H200 e2e at concurrency 256, 5.6-8.5 s).
+@triton.jit(do_not_specialize=["A", "NB", "nchunk"])
+def _moe_offsets_kernel(topk_ids, chunk_counts, chunk_base, sorted_ids, block_expert, A, E, NB, nchunk,
+                        C: tl.constexpr, EB: tl.constexpr, BM: tl.constexpr,
                         BB: tl.constexpr, FUSED: tl.constexpr):
     bins = tl.arange(0, EB)
     is_expert = bins < E
@@ -114,7 +116,7 @@ def _moe_offsets_kernel(topk_ids, chunk_counts, chunk_base, sorted_ids, block_ex
         total = tl.histogram(e, EB)
     else:
         total = tl.zeros([EB], dtype=tl.int32)
-        for c in range(NCHUNK):
+        for c in range(nchunk):
             total += tl.load(chunk_counts + c * EB + bins)
     total = tl.where(is_expert, total, 0)
     padded = (total + BM - 1) // BM * BM
@@ -124,7 +126,7 @@ def _moe_offsets_kernel(topk_ids, chunk_counts, chunk_base, sorted_ids, block_ex
         _scatter_chunk(topk_ids, sorted_ids, start, 0, A, E, C, EB)
     else:
         running = start
-        for c in range(NCHUNK):
+        for c in range(nchunk):
             tl.store(chunk_base + c * EB + bins, running)
             running += tl.load(chunk_counts + c * EB + bins)
     # padding rows of each expert's last block
@@ -169,7 +171,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     base = torch.empty((nchunk, eb), dtype=torch.int32, device=dev) if not fused else sorted_ids
     if not fused:
         _moe_count_kernel[(nchunk,)](ids, counts, A, E, C=C, EB=eb, num_warps=4)
-    _moe_offsets_kernel[(1,)](ids, counts, base, sorted_ids, block_expert, A, E, nb, NCHUNK=nchunk, C=C, EB=eb,
+    _moe_offsets_kernel[(1,)](ids, counts, base, sorted_ids, block_expert, A, E, nb, nchunk, C=C, EB=eb,
                               BM=block_m, BB=max(16, min(256, 8192 // eb)), FUSED=fused, num_warps=4)
     if not fused:
         _moe_scatter_kernel[(nchunk,)](ids, base, sorted_ids, A, E, C=C, EB=eb, num_warps=4)
