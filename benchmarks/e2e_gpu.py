@@ -249,13 +249,17 @@ class CompileRecorder:
 
     @staticmethod
     def describe(key, fn) -> str:
-        """`name=type/spec` per argument from the cache key ((per-argument (type, specialization)), options):
-        the specialization ('D': divisible by 16, '1': equal to 1) is what makes a new variant. (The hook's own
-        `repr` zips the arguments with the options string in Triton 3.6, so it names only the first.)"""
+        """`name=type/spec` per argument from the cache key: in Triton 3.6 the string of the per-argument
+        (type, specialization) list followed by the options (older: a (list, options) tuple). The
+        specialization ('D': divisible by 16, '1': equal to 1, a constexpr's value) makes a new variant. (The
+        hook's own `repr` zips the arguments with the options string, so it names only the first.)"""
+        import ast
+
         try:
-            args = ", ".join(f"{n}={t}/{sp}" if sp else f"{n}={t}"
-                             for n, (t, sp) in zip(fn.arg_names, key[0]))
-        except (TypeError, ValueError, AttributeError):
+            spec = ast.literal_eval(key[: key.index("]") + 1]) if isinstance(key, str) else key[0]
+            args = ", ".join(f"{n}={t}/{sp}" if sp not in (None, "") else f"{n}={t}"
+                             for n, (t, sp) in zip(fn.arg_names, spec))
+        except (TypeError, ValueError, AttributeError, SyntaxError):
             args = str(key)
         return f"{fn.name}({args})"[:1200]
 

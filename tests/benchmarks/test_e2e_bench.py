@@ -101,6 +101,8 @@ def test_compile_recorder_reports_builds_and_restores_the_hooks(e2e):
     got = rec.take()
     assert got["compiles"] == 1 and got["compile_s"] >= 0 and got["compiled"][0].startswith("_gemv_fma_kernel")
     assert got["variants"] == ["_gemv_fma_kernel(x=*bf16/D, M=i32/1, BN=constexpr/16)"]
+    real = "[('*bf16', 'D'), ('i32', None), ('constexpr', 37)]{'num_warps': 4, 'debug': False}"   # Triton 3.6
+    assert e2e.CompileRecorder.describe(real, fn) == "_gemv_fma_kernel(x=*bf16/D, M=i32, BN=constexpr/37)"
     assert rec.take()["compiles"] == 0
     rec.remove()
     assert (knobs.jit_cache_hook, knobs.jit_post_compile_hook) == before
