@@ -24,6 +24,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
                    help="launch each step before reading the previous step's tokens, so host work overlaps the "
                         "GPU (default: on for CUDA devices, off on CPU)")
+    p.add_argument("--warm-up", default=None, action=argparse.BooleanOptionalAction,
+                   help="run throw-away requests of several batch packings at startup so kernels are built before "
+                        "serving (serve: on for CUDA devices by default; generate: off by default)")
     p.add_argument("--compile", default=None, choices=("auto", "on", "off"),
                    help="compiled CPU decode step: auto = compile in the background, eager until ready; on = compile "
                         "first; off = never (default: $DELTASERVE_COMPILE, else auto for serve and off for "
@@ -69,7 +72,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
               load_format=args.load_format, enforce_eager=args.enforce_eager,
-              compile=args.compile or settings().compile or "off", async_scheduling=args.async_scheduling)
+              compile=args.compile or settings().compile or "off", async_scheduling=args.async_scheduling,
+              warm_up=bool(args.warm_up))                 # one-off generation: only when asked
     for out in llm.generate(prompts, params, use_tqdm=False):
         for c in out.outputs:
             if args.json:

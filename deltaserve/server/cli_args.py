@@ -58,7 +58,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks=args.num_gpu_blocks, cpu_cache_bytes=args.cpu_cache_bytes, seed=args.seed,
         enforce_reference_ops=args.enforce_reference_ops, load_format=args.load_format,
-        enforce_eager=args.enforce_eager, compile=args.compile, async_scheduling=args.async_scheduling)
+        enforce_eager=args.enforce_eager, compile=args.compile, async_scheduling=args.async_scheduling,
+        warm_up=args.warm_up)
     config = ServerConfig(served_model_name=served_model_name(args), model_path=str(args.model or DEFAULT_MODEL_PATH),
                           api_key=args.api_key, max_logprobs=args.max_logprobs,
                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)

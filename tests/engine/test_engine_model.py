@@ -172,3 +172,27 @@ def test_cpu_cache_budget_sizes_the_pools_and_clamps_concurrency(model_path, cap
     assert used <= 64 << 10
     assert "clamped" in caplog.text and "KV blocks" in caplog.text
     assert torch.equal(torch.tensor(engine.runner.cache.kv.shape[2]), torch.tensor(engine.cache.blocks.num_blocks))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_warm_up_leaves_no_trace(model_path, async_scheduling):
+    """warm_up() (on by default on CUDA) frees every slot and block, resets the counters, and the engine then
+    gives the same greedy and seeded outputs (and the same unseeded draws) as one that never warmed up."""
+    kw = dict(device="cpu", max_num_seqs=16, max_num_batched_tokens=64, async_scheduling=async_scheduling)
+    warm = LLM(model_path, warm_up=True, **kw)
+    cold = LLM(model_path, warm_up=False, **kw)
+    stats = warm.engine.get_stats()
+    assert stats.num_steps_total == stats.prompt_tokens_total == stats.generation_tokens_total == 0
+    assert stats.num_finished_total == {} and stats.num_preempted_total == 0
+    assert_all_free(warm)
+    prompts, max_toks = ragged(6, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_toks]
+    params += [SamplingParams(temperature=1.0, seed=9, max_tokens=5, ignore_eos=True),
+               SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)]
+    prompts += [[3, 4, 5], [6, 7]]
+    assert tokens(warm.generate(as_inputs(prompts), params, use_tqdm=False)) == \
+        tokens(cold.generate(as_inputs(prompts), params, use_tqdm=False))
+    assert warm.engine.get_stats().num_finished_total == {"length": len(prompts)}
+    with pytest.raises(RuntimeError, match="before serving"):
+        warm.engine.add_request("x", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=1))
+        warm.engine.warm_up()

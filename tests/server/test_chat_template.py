@@ -80,6 +80,9 @@ def test_serve_subcommand_is_registered():
     args = build_parser().parse_args(["serve", "--model", "/models/Qwen3-Next-80B/"])
     assert served_model_name(args) == "Qwen3-Next-80B" and args.host == "127.0.0.1" and args.port == 8000
     assert served_model_name(build_parser().parse_args(["serve"])) == DEFAULT_SERVED_NAME
+    # the startup warm-up: the device's default unless asked either way
+    assert [build_parser().parse_args(["serve", *flag]).warm_up for flag in ([], ["--warm-up"], ["--no-warm-up"])] \
+        == [None, True, False]
 
 
 # Jinja constructs published Qwen templates rely on (namespace, reversed slices, string methods, `items`,
