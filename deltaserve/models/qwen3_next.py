@@ -61,7 +61,8 @@ class DecoderLayer(nn.Module):
         return self.mlp.forward_projected(h, projected), residual
 
     def checkpoint_weights(self, fused_experts: bool) -> WeightMap:
-        mixer = ("self_attn", self.self_attn) if self.layer_type == FULL_ATTENTION else ("linear_attn", self.linear_attn)
+        mixer = (("self_attn", self.self_attn) if self.layer_type == FULL_ATTENTION
+                 else ("linear_attn", self.linear_attn))
         mlp = self.mlp.checkpoint_weights(fused_experts) if self.is_moe else self.mlp.checkpoint_weights()
         return {
             **prefixed(mixer[0], mixer[1].checkpoint_weights()),
@@ -122,7 +123,8 @@ class HybridForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, kernels, **kw) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, **kw)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, kernels, **kw)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else Linear(config.hidden_size, config.vocab_size, kernels, **kw))
         self.rope = RotaryEmbedding(config.rotary_dim, config.rope_theta, device=device)
         self.mtp = MTPHead(config, mtp_layers, kernels, **kw) if mtp_layers else None
         # layer index -> index into the GDN pools or the attention KV layers

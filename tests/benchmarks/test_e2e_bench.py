@@ -62,10 +62,14 @@ def test_limits(e2e):
 
 
 @pytest.mark.parametrize("name,fam", [
-    ("_gemv_w13_kernel", "MoE"), ("_gemv_w2_combine_kernel", "MoE"), ("_topk_softmax_kernel", "MoE"), ("_route_kernel", "MoE"),
+    ("_gemv_w13_kernel", "MoE"), ("_gemv_w2_combine_kernel", "MoE"), ("_topk_softmax_kernel", "MoE"),
+    ("_route_kernel", "MoE"),
     ("_tokens_kernel", "GDN"), ("_finish_kernel", "GDN"), ("_rms_norm_gated_kernel", "GDN"),
     ("_conv_update_kernel", "GDN"), ("fused_recurrent_gated_delta_rule_fwd_kernel", "GDN"),
-    ("_decode_fused_kernel", "GDN"), ("_gemv_fma_kernel", "linears"), ("_gemv_dot_kernel", "linears"), ("_split_sum_kernel", "linears"), ("_gemv_w2_all_kernel", "MoE"), ("_attention_kernel", "attention"), ("_merge_splits_kernel", "attention"), ("_store_kv_kernel", "attention"), ("_attn_prologue_kernel", "attention"),
+    ("_decode_fused_kernel", "GDN"), ("_gemv_fma_kernel", "linears"), ("_gemv_dot_kernel", "linears"),
+    ("_split_sum_kernel", "linears"), ("_gemv_w2_all_kernel", "MoE"), ("_attention_kernel", "attention"),
+    ("_merge_splits_kernel", "attention"), ("_store_kv_kernel", "attention"), ("_attn_prologue_kernel", "attention"),
+    ("_decode_attention_kernel", "attention"), ("_gemv_gated_kernel", "linears"),
     ("_rms_norm_kernel", "norms"), ("_silu_and_mul_kernel", "activations"),
     ("nvjet_tst_64x8_64x16_4x1_v_bz_TNN", "linears"), ("void gemv2T_kernel_val<int, int, __nv_bfloat16>", "linears"),
 ])
