@@ -5,12 +5,14 @@ configuration's programs per SM are checked against its registers (its grid must
 
     PYTHONPATH=. python benchmarks/attention_moe_compile_check.py
     PYTHONPATH=. python benchmarks/attention_moe_compile_check.py --fp32-attention   # the fp32 default tiles only
+    PYTHONPATH=. python benchmarks/attention_moe_compile_check.py --moe-router   # the router GEMV + routing tail
         (exits 1 if one fails to compile or needs more shared memory than an sm_90 block has)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -23,6 +25,7 @@ from gdn_compile_check import CUOBJDUMP, TARGET, _sig, compile_one
 from triton.compiler import ASTSource
 
 from deltaserve.ops.attention import triton as attn_t
+from deltaserve.ops.linear import triton as lin_t
 from deltaserve.ops.moe import triton as moe_t
 from deltaserve.ops.moe import triton_routing as moe_route
 
@@ -111,6 +114,32 @@ def gemv_kernels() -> list[dict]:
     return out
 
 
+# the router-with-routing GEMV's launch variants the benchmark times (label -> LinearConfig)
+ROUTER_ROUTE_CONFIGS = {"default tiles": lin_t.default_prenorm_config(1, 257, 2048),
+                        "default tiles, 4 warps": dataclasses.replace(lin_t.default_prenorm_config(1, 257, 2048),
+                                                                       warps=4)}
+
+
+def router_route_kernels() -> list[dict]:
+    """The pre-norm router GEMV at one token (35B-A3B: 257 rows incl. the shared gate, K 2048, bf16): the
+    plain kernel rms_norm_linear runs, and rms_norm_route's kernel with the routing tail (top-8 + 1 shared
+    slice) for each launch variant the benchmark times."""
+    bf, f32, i32, i64 = "*bf16", "*fp32", "*i32", "*i64"
+    out = []
+    c = ROUTER_ROUTE_CONFIGS["default tiles"]
+    out.append(compile_aligned(f"gemv_fma NORM router {c.block_n}x{c.block_k} w{c.warps}", lin_t._gemv_fma_kernel,
+                               dict(x=bf, w=bf, y=bf, r=bf, nw=bf, h=bf, s=bf),
+                               dict(BM=1, BN=c.block_n, BK=c.block_k, NORM=True, HAS_RES=True, ZC=True, PK=2048,
+                                    PDL=True, PF=512), c.warps, c.stages, aligned=("K", "s_wn")))
+    for label, c in ROUTER_ROUTE_CONFIGS.items():
+        out.append(compile_aligned(
+            f"gemv_norm_route {label} {c.block_n}x{c.block_k} w{c.warps}", lin_t._gemv_norm_route_kernel,
+            dict(x=bf, w=bf, y=bf, r=bf, nw=bf, h=bf, s=bf, counter=i32, weights=f32, ids=i64),
+            dict(BN=c.block_n, BK=c.block_k, HAS_RES=True, ZC=True, PK=2048, TOP_K=8, SLICES=1, KP=16, EP=256,
+                 RENORM=True, PDL=True, PF=512), c.warps, c.stages, aligned=("K", "s_wn")))
+    return out
+
+
 def fp32_attention_defaults() -> int:
     """Compile the default fp32 tiles (decode and prefill, 35B-A3B heads, head_dim 256) and check their
     shared memory: the bf16 tiles in fp32 need more than a block has."""
@@ -134,11 +163,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fp32-attention", action="store_true", help="only the fp32 default attention tiles")
     ap.add_argument("--moe-gemv", action="store_true", help="only the MoE decode GEMV kernels")
+    ap.add_argument("--moe-router", action="store_true", help="only the router GEMV (with the routing tail)")
     args = ap.parse_args()
     if args.fp32_attention:
         return fp32_attention_defaults()
-    if args.moe_gemv:
-        results = gemv_kernels()
+    if args.moe_gemv or args.moe_router:
+        results = gemv_kernels() if args.moe_gemv else router_route_kernels()
         failed = [r["label"] for r in results if not r["ok"]]
         print(f"\n{len(results)} kernels, {len(failed)} failed: {failed}")
         return 1 if failed else 0
@@ -169,6 +199,7 @@ def main() -> int:
                                    dict(K=8, M=1, KP=16, EP=256, BT=1, RENORM=True, PDL=True, WAIT=wait), 1))
     results += one_pass_kernels()
     results += gemv_kernels()
+    results += router_route_kernels()
     for fused in (True, False):
         results.append(compile_one(
             f"moe_offsets fused={int(fused)}", moe_t._moe_offsets_kernel,

@@ -18,7 +18,9 @@ timings against peers run in the same process on the same GPU and inputs.
              the default, and the block as the decoder layer runs it (pre-norm folded into the router GEMV,
              routing launched programmatically or the ordinary way, fused_moe; checked against the fp32
              reference on the same router output; and fused_moe_routed with the routing inside the w13
-             kernel, session 5: slower), and the torch._grouped_mm pipeline as the peer. Each
+             kernel, session 5: slower; and rms_norm_route + fused_moe at T = 1, the routing done by the
+             router GEMV's last program, with the router-only rows beside it), and the
+             torch._grouped_mm pipeline as the peer. Each
              call in a graph has its own weight copy and the L2 is flushed by a 256 MB read before each
              replay (as in a decode step, every layer reads its own experts). Bytes = distinct experts x
              6.29 MB. (The session-5 GEMV variants -- w13 row sums, L2 prefetch hints, a packed w2 tile --
@@ -540,9 +542,12 @@ def session4_config(T: int):
 
 # rows also profiled per kernel (the profiler costs ~1 s a row)
 ROUTED_IN_W13 = "layer: norm + router GEMV + fused_moe_routed (routing inside w13)"
+ROUTED_IN_ROUTER = "layer: norm + router GEMV with the routing tail (rms_norm_route) + fused_moe"
 PROFILED = {"default: route + fused_moe", "default: fused_moe only",
-            "layer: norm + router GEMV + route + fused_moe, default", ROUTED_IN_W13,
+            "layer: norm + router GEMV + route + fused_moe, default", ROUTED_IN_W13, ROUTED_IN_ROUTER,
             "layer: norm + router GEMV + route + fused_moe, routing launched the ordinary way"}
+# rms_norm_route's launch variants (T = 1 only: other batches run rms_norm_linear + the routing kernel)
+ROUTER_TAIL_CONFIGS = {"": None, ", 4 warps": replace(lin_t.default_prenorm_config(1, E_STORED, H), warps=4)}
 
 
 def decode_impls(T: int, d: DecodeInputs, one_pass: bool = False) -> dict:
@@ -597,6 +602,25 @@ def decode_impls(T: int, d: DecodeInputs, one_pass: bool = False) -> dict:
     impls["layer: norm + router GEMV + route + fused_moe, routing launched programmatically"] = layer(None, True)
     impls["layer: norm + router GEMV only"] = \
         lambda i: lin_t.rms_norm_linear(d.x[i], d.resid[i], d.norm_w, 1e-6, d.router[i])[0]
+
+    def layer_tail(cfg=None, experts=True):
+        """The block with the routing in the router GEMV's last program (rms_norm_route: router GEMV -> w13
+        -> w2, no routing launch); experts=False: the router alone."""
+        def fn(i):
+            _, normed, _, w, ids = lin_t.rms_norm_route(d.x[i], d.resid[i], d.norm_w, 1e-6, d.router[i], TOP_K,
+                                                        True, shared_slices=1, config=cfg)
+            return moe_t.fused_moe(normed, d.w13[i], d.w2[i], w, ids) if experts else w
+        if experts:
+            fn.want = impls["layer: norm + router GEMV + route + fused_moe, default"].want
+        return fn
+
+    if T == 1:
+        for suffix, cfg in ROUTER_TAIL_CONFIGS.items():
+            impls[ROUTED_IN_ROUTER + suffix] = layer_tail(cfg)
+            impls["layer: norm + router GEMV with the routing tail only" + suffix] = layer_tail(cfg, False)
+        impls["layer: norm + router GEMV + route only"] = lambda i: moe_route.routed(
+            lin_t.rms_norm_linear(d.x[i], d.resid[i], d.norm_w, 1e-6, d.router[i])[0], TOP_K, True,
+            shared_slices=1)[0]
     if one_pass:
         impls["session 3: route + fused_moe"] = ours(session3_config(T), "s3")
         impls["new route + one-pass default tiles"] = ours(moe_t.ONE_PASS_T1, "new")
@@ -698,7 +722,7 @@ def run_moe_decode(args, log, ceil, t_start: float) -> list:
                     continue
                 row = dict(T=T, impl=label, us=sec * 1e6, rel_err_fp32=err, kernels_us=kern,
                            distinct_experts=d.distinct, sweep=sweep)
-                if not label.startswith(("route only", "layer: norm + router GEMV only")):
+                if not label.startswith(("route only", "layer: norm + router GEMV only")) and "only" not in label:
                     row["TBps"] = moved / sec / 1e12
                     row["frac_copy"] = row["TBps"] / ceil["copy_TBps"]
                 rows.append(row)

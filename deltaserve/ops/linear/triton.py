@@ -45,6 +45,7 @@ as the two ops do, and multiplies its weight rows by it; elsewhere the gate op (
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..activation import triton as activation_triton
+from ..moe import triton_routing as route_ops
 from ..norm import triton as norm_triton
 from ..triton_common import ACTIVATION_DTYPES, check, check_same_device, pdl_launch, prefetch_l2, sigmoid, silu
 from .reference import GATE_ACTIVATIONS
@@ -383,6 +385,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, config: LinearConfig | None
     return _gemv(x2, weight, cfg).reshape(*lead, N)
 
 
+def _check_prenorm(op: str, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                   weight: torch.Tensor) -> None:
+    """rms_norm_linear's operand checks (also rms_norm_route's)."""
+    _check_operands(op, x, weight)
+    K = weight.shape[1]
+    check(K >= 1, op, "the normalised dim K must be >= 1")
+    check(norm_weight.shape == (K,), op, f"norm_weight must be [{K}], got {tuple(norm_weight.shape)}")
+    tensors = [x, weight, norm_weight]
+    if residual is not None:
+        check(residual.shape == x.shape and residual.dtype == x.dtype, op,
+              f"residual must match x: {tuple(residual.shape)} {residual.dtype} vs {tuple(x.shape)} {x.dtype}")
+        check(residual.stride(-1) == 1, op,
+              f"residual must be contiguous in its last dim (strides {tuple(residual.stride())})")
+        tensors.append(residual)
+    check_same_device(op, *tensors)
+
+
 def default_prenorm_config(M: int, N: int, K: int) -> LinearConfig | None:
     """Tiles for rms_norm_linear with the norm folded into the GEMV, or None where the norm stays a launch
     of its own before `linear`. Folded only at M = 1 (the CUDA-core kernel, one program per row block):
@@ -403,18 +422,8 @@ def rms_norm_linear(
     by each program); program 0 also writes the normed rows and the sum. Otherwise the norm kernel, then
     `linear` (our GEMV tiles or cuBLAS), as two launches."""
     op = "rms_norm_linear"
-    _check_operands(op, x, weight)
+    _check_prenorm(op, x, residual, norm_weight, weight)
     N, K = weight.shape
-    check(K >= 1, op, "the normalised dim K must be >= 1")
-    check(norm_weight.shape == (K,), op, f"norm_weight must be [{K}], got {tuple(norm_weight.shape)}")
-    tensors = [x, weight, norm_weight]
-    if residual is not None:
-        check(residual.shape == x.shape and residual.dtype == x.dtype, op,
-              f"residual must match x: {tuple(residual.shape)} {residual.dtype} vs {tuple(x.shape)} {x.dtype}")
-        check(residual.stride(-1) == 1, op,
-              f"residual must be contiguous in its last dim (strides {tuple(residual.stride())})")
-        tensors.append(residual)
-    check_same_device(op, *tensors)
     lead = x.shape[:-1]
     M = lead.numel()
     cfg = config if config is not None else default_prenorm_config(M, N, K)
@@ -429,6 +438,108 @@ def rms_norm_linear(
     s = None if residual is None else torch.empty((M, K), dtype=x.dtype, device=x.device)
     y = _gemv(x2, weight, cfg, (r2, norm_weight, eps, zero_centered, h, h if s is None else s))
     return y.reshape(*lead, N), h.view(*lead, K), x if s is None else s.view(*lead, K)
+
+
+# ---- the MoE router with the routing in its tail -------------------------------------------------
+
+@triton.jit
+def _gemv_norm_route_kernel(x, w, y, N, K, s_wn, r, nw, h, s, eps, counter, weights, ids, E,
+                            BN: tl.constexpr, BK: tl.constexpr, HAS_RES: tl.constexpr, ZC: tl.constexpr,
+                            PK: tl.constexpr, TOP_K: tl.constexpr, SLICES: tl.constexpr, KP: tl.constexpr,
+                            EP: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False,
+                            PF: tl.constexpr = 0):
+    """rms_norm_route at one token: _gemv_fma_kernel's NORM loop at BM = 1, operation for operation (the
+    same logits bits), then each program counts itself in on `counter` after storing its logits; the last
+    to arrive resets the counter and routes the token from all N logits, read back at L2
+    (triton_routing._route_tile: the routing kernel's math). On Hopper the successor (the w13 GEMV) is
+    released right after the wait, as the plain GEMV releases the routing kernel; its griddepcontrol.wait
+    covers the whole grid, the tail included."""
+    pid = tl.program_id(0)
+    rows = pid * BN + tl.arange(0, BN)
+    row_ok = rows < N
+    if PDL:
+        _prefetch_weights(w, rows, row_ok, 0, K, s_wn, BN, PF)
+        gdc_wait()                   # x, r, the outputs and the counter belong to the kernels before us
+        gdc_launch_dependents()      # the next kernel may become resident; it waits for us itself
+    kk = tl.arange(0, BK)
+    wp = w + rows[:, None].to(tl.int64) * s_wn + kk[None, :]
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    ss = tl.zeros([BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = kk + k0 < K
+        wt = tl.load(wp + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        xv = _residual_sum(x, r, k0 + kk, k0 + kk, k_ok, HAS_RES).to(tl.float32)
+        ss += xv * xv
+        xv = xv * _norm_weight(nw, k0 + kk, k_ok, ZC)
+        acc += wt * xv[None, :]
+    out = tl.sum(acc, 1)[None, :]
+    rstd = tl.rsqrt(tl.sum(ss, 0)[None] / K + eps)
+    out = out * rstd[:, None]
+    if pid == 0:
+        _prenorm_store(x, r, nw, h, s, rstd, 1, K, K, K, 1, PK, HAS_RES, ZC)
+    one = tl.arange(0, 1)
+    tl.store(y + one[:, None] * N + rows[None, :], out.to(y.dtype.element_ty), mask=row_ok[None, :])
+    tl.debug_barrier()               # every thread's logit stores precede the release below
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:    # the last program: all N logits are in L2
+        tl.store(counter, 0)                 # for the next launch (stream-ordered; graph replays too)
+        route_ops._route_tile(y, weights, ids, one, one < 1, E, N, TOP_K, SLICES, KP, EP, RENORM, True)
+
+
+@functools.cache
+def _route_counter(device: torch.device) -> torch.Tensor:
+    # A cache, as ops/gdn/triton_recurrent.py's and ops/attention/triton.py's counters: the op's signature
+    # has no workspace, and zeroing a fresh one per call would add back a launch. Every launch leaves it
+    # zero; launches on one device are stream-ordered (two must not run concurrently).
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def rms_norm_route(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    top_k: int, renormalize: bool, *, shared_slices: int = 0, zero_centered: bool = True,
+    config: LinearConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An MoE block's router: rms_norm_linear, then topk_softmax on its logits -> (logits, normed,
+    x + residual, topk_weights, topk_ids), as moe.reference.rms_norm_route. At one token with CUDA-core
+    tiles without split K (default_prenorm_config, or `config`): one launch, _gemv_norm_route_kernel, the
+    last of the GEMV's programs doing the routing (the routing kernel's launch and one kernel boundary
+    leave a decode step's chain: router GEMV -> w13 -> w2). Otherwise rms_norm_linear, then
+    triton_routing.topk_softmax. Either way the same choice and weight bits (the routing kernel's math,
+    triton_routing._route_tile). Not a default anywhere yet: selected by the caller (benchmarks/
+    attention_moe_ops.py --moe-decode times it; docs/PERFORMANCE.md, "MoE")."""
+    op = "rms_norm_route"
+    _check_prenorm(op, x, residual, norm_weight, weight)
+    N, K = weight.shape
+    # the routing's checks, on the logits' shape (a meta tensor: nothing computed yet)
+    route_ops.check_routing(op, torch.empty((0, N), dtype=x.dtype, device="meta"), top_k, shared_slices)
+    E = N - (1 if shared_slices else 0)
+    lead = x.shape[:-1]
+    M = lead.numel()
+    cfg = config if config is not None else default_prenorm_config(M, N, K)
+    if cfg is None or M != 1:
+        logits, h, s = rms_norm_linear(x, residual, norm_weight, eps, weight, zero_centered=zero_centered,
+                                       config=config)
+        w_, ids = route_ops.topk_softmax(logits.reshape(M, N), top_k, renormalize, shared_slices=shared_slices)
+        return logits, h, s, w_, ids
+    _check_config(cfg, M)
+    check(not cfg.dot and cfg.split_k == 1, op,
+          f"the routing tail runs on the CUDA-core kernel without split K, got {cfg}")
+    x2, r2 = x.reshape(1, K), None if residual is None else residual.reshape(1, K)
+    width = top_k + shared_slices
+    y = torch.empty((1, N), dtype=x.dtype, device=x.device)
+    h = torch.empty((1, K), dtype=x.dtype, device=x.device)
+    s = h if residual is None else torch.empty((1, K), dtype=x.dtype, device=x.device)
+    weights = torch.empty((1, width), dtype=torch.float32, device=x.device)
+    ids = torch.empty((1, width), dtype=torch.int64, device=x.device)
+    pf = 0 if cfg.prefetch <= 0 else max(64, triton.next_power_of_2(min(cfg.prefetch, K)))
+    pdl = dict(PDL=True, PF=pf, launch_pdl=True) if cfg.pdl and pdl_launch(x.device) else {}
+    _gemv_norm_route_kernel[(triton.cdiv(N, cfg.block_n),)](
+        x2, weight, y, N, K, weight.stride(0), x2 if r2 is None else r2, norm_weight, h, s, float(eps),
+        _route_counter(x.device), weights, ids, E, BN=cfg.block_n, BK=cfg.block_k, HAS_RES=r2 is not None,
+        ZC=bool(zero_centered), PK=min(triton.next_power_of_2(K), 2048), TOP_K=top_k, SLICES=shared_slices,
+        KP=triton.next_power_of_2(width), EP=triton.next_power_of_2(E), RENORM=bool(renormalize),
+        num_warps=cfg.warps, num_stages=cfg.stages, **pdl)
+    return (y.reshape(*lead, N), h.view(*lead, K), x if residual is None else s.view(*lead, K), weights, ids)
 
 
 # ---- the gated output projection ------------------------------------------------------------------

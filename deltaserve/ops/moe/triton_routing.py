@@ -37,25 +37,27 @@ MAX_EXPERTS = 4096
 SMALL_BATCH = 64     # up to this many tokens: one token per program
 
 
-@triton.jit(do_not_specialize=["T"])
-def _route_kernel(logits, weights, ids, T, E, s_l, K: tl.constexpr, M: tl.constexpr, KP: tl.constexpr,
-                  EP: tl.constexpr, BT: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr,
-                  WAIT: tl.constexpr = False):
-    if PDL:
-        gdc_launch_dependents()      # the next kernel may start; it waits for our output itself
-    if WAIT:
-        gdc_wait()                   # launched programmatically: the logits come from the kernel before us
-    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+@triton.jit
+def _route_tile(logits, weights, ids, rows, row_ok, E, s_l, K: tl.constexpr, M: tl.constexpr,
+                KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr, CG: tl.constexpr = False):
+    """The routing of the tokens `rows` (those with row_ok): logits [*, E (+ the shared gate)] at row
+    stride s_l -> weights (fp32) / ids [*, K + M] contiguous (module docstring). Shared by _route_kernel
+    and the router GEMV's last-program tail (ops/linear/triton.py, rms_norm_route), which must choose the
+    same experts with the same weight bits. CG: read the logits at L2 (.cg), for logits other programs of
+    the same grid have just written."""
     cols = tl.arange(0, EP)
-    row_ok = rows < T
     row_ptr = logits + rows[:, None].to(tl.int64) * s_l
-    x = tl.load(row_ptr + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < E), other=float("-inf"))
+    lmask = row_ok[:, None] & (cols[None, :] < E)
+    if CG:
+        x = tl.load(row_ptr + cols[None, :], mask=lmask, other=float("-inf"), cache_modifier=".cg")
+    else:
+        x = tl.load(row_ptr + cols[None, :], mask=lmask, other=float("-inf"))
     x = tl.where(row_ok[:, None], x.to(tl.float32), 0.0)        # rows past T: finite, never stored
     x = tl.exp(x - tl.max(x, 1)[:, None])                        # the softmax order, layout-free bits
     kcol = tl.arange(0, KP)
-    w_sel = tl.zeros([BT, KP], dtype=tl.float32)
-    i_sel = tl.zeros([BT, KP], dtype=tl.int32)
-    total = tl.zeros([BT], dtype=tl.float32)
+    w_sel = tl.zeros([rows.shape[0], KP], dtype=tl.float32)
+    i_sel = tl.zeros([rows.shape[0], KP], dtype=tl.int32)
+    total = tl.zeros([rows.shape[0]], dtype=tl.float32)
     avail = x
     for j in tl.static_range(K):
         best = tl.max(avail, 1)
@@ -69,7 +71,11 @@ def _route_kernel(logits, weights, ids, T, E, s_l, K: tl.constexpr, M: tl.conste
     else:
         w_sel = w_sel / tl.sum(x, 1)[:, None]
     if M > 0:
-        gate = tl.load(logits + rows.to(tl.int64) * s_l + E, mask=row_ok, other=0.0).to(tl.float32)
+        gp = logits + rows.to(tl.int64) * s_l + E
+        if CG:
+            gate = tl.load(gp, mask=row_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            gate = tl.load(gp, mask=row_ok, other=0.0).to(tl.float32)
         shared_w = 1.0 / (1.0 + tl.exp(-gate))
         is_shared = (kcol[None, :] >= K) & (kcol[None, :] < K + M)
         w_sel = tl.where(is_shared, shared_w[:, None], w_sel)
@@ -78,6 +84,18 @@ def _route_kernel(logits, weights, ids, T, E, s_l, K: tl.constexpr, M: tl.conste
     m = row_ok[:, None] & (kcol[None, :] < K + M)
     tl.store(weights + out, w_sel, mask=m)
     tl.store(ids + out, i_sel.to(ids.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _route_kernel(logits, weights, ids, T, E, s_l, K: tl.constexpr, M: tl.constexpr, KP: tl.constexpr,
+                  EP: tl.constexpr, BT: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr,
+                  WAIT: tl.constexpr = False):
+    if PDL:
+        gdc_launch_dependents()      # the next kernel may start; it waits for our output itself
+    if WAIT:
+        gdc_wait()                   # launched programmatically: the logits come from the kernel before us
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    _route_tile(logits, weights, ids, rows, rows < T, E, s_l, K, M, KP, EP, RENORM)
 
 
 PDL_MAX_TOKENS = 8   # up to this many tokens the routing is launched programmatically (module docstring)
