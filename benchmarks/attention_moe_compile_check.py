@@ -114,10 +114,10 @@ def gemv_kernels() -> list[dict]:
     return out
 
 
-# the router-with-routing GEMV's launch variants the benchmark times (label -> LinearConfig)
-ROUTER_ROUTE_CONFIGS = {"default tiles": lin_t.default_prenorm_config(1, 257, 2048),
-                        "default tiles, 4 warps": dataclasses.replace(lin_t.default_prenorm_config(1, 257, 2048),
-                                                                       warps=4)}
+# the router-with-routing GEMV's variants the benchmark times: label -> (LinearConfig, route_keys)
+_ROUTER = lin_t.default_prenorm_config(1, 257, 2048)
+ROUTER_ROUTE_CONFIGS = {"default tiles, keys": (_ROUTER, True), "default tiles, two reductions": (_ROUTER, False),
+                        "4 warps, keys": (dataclasses.replace(_ROUTER, warps=4), True)}
 
 
 def router_route_kernels() -> list[dict]:
@@ -126,17 +126,18 @@ def router_route_kernels() -> list[dict]:
     slice) for each launch variant the benchmark times."""
     bf, f32, i32, i64 = "*bf16", "*fp32", "*i32", "*i64"
     out = []
-    c = ROUTER_ROUTE_CONFIGS["default tiles"]
+    c = _ROUTER
     out.append(compile_aligned(f"gemv_fma NORM router {c.block_n}x{c.block_k} w{c.warps}", lin_t._gemv_fma_kernel,
                                dict(x=bf, w=bf, y=bf, r=bf, nw=bf, h=bf, s=bf),
                                dict(BM=1, BN=c.block_n, BK=c.block_k, NORM=True, HAS_RES=True, ZC=True, PK=2048,
-                                    PDL=True, PF=512), c.warps, c.stages, aligned=("K", "s_wn")))
-    for label, c in ROUTER_ROUTE_CONFIGS.items():
+                                    PDL=True, PF=512), c.warps, c.stages,
+                               aligned=("K", "s_xm", "s_wn", "s_ym", "s_rm")))
+    for label, (c, keys) in ROUTER_ROUTE_CONFIGS.items():
         out.append(compile_aligned(
             f"gemv_norm_route {label} {c.block_n}x{c.block_k} w{c.warps}", lin_t._gemv_norm_route_kernel,
             dict(x=bf, w=bf, y=bf, r=bf, nw=bf, h=bf, s=bf, counter=i32, weights=f32, ids=i64),
             dict(BN=c.block_n, BK=c.block_k, HAS_RES=True, ZC=True, PK=2048, TOP_K=8, SLICES=1, KP=16, EP=256,
-                 RENORM=True, PDL=True, PF=512), c.warps, c.stages, aligned=("K", "s_wn")))
+                 RENORM=True, KEYS=keys, PDL=True, PF=512), c.warps, c.stages, aligned=("K", "s_wn")))
     return out
 
 

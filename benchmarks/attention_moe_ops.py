@@ -546,8 +546,10 @@ ROUTED_IN_ROUTER = "layer: norm + router GEMV with the routing tail (rms_norm_ro
 PROFILED = {"default: route + fused_moe", "default: fused_moe only",
             "layer: norm + router GEMV + route + fused_moe, default", ROUTED_IN_W13, ROUTED_IN_ROUTER,
             "layer: norm + router GEMV + route + fused_moe, routing launched the ordinary way"}
-# rms_norm_route's launch variants (T = 1 only: other batches run rms_norm_linear + the routing kernel)
-ROUTER_TAIL_CONFIGS = {"": None, ", 4 warps": replace(lin_t.default_prenorm_config(1, E_STORED, H), warps=4)}
+# rms_norm_route's variants, label suffix -> (config, route_keys) (T = 1 only: other batches run
+# rms_norm_linear + the routing kernel); the same set as attention_moe_compile_check.ROUTER_ROUTE_CONFIGS
+ROUTER_TAIL_CONFIGS = {"": (None, True), ", two reductions per choice": (None, False),
+                       ", 4 warps": (replace(lin_t.default_prenorm_config(1, E_STORED, H), warps=4), True)}
 
 
 def decode_impls(T: int, d: DecodeInputs, one_pass: bool = False) -> dict:
@@ -603,21 +605,21 @@ def decode_impls(T: int, d: DecodeInputs, one_pass: bool = False) -> dict:
     impls["layer: norm + router GEMV only"] = \
         lambda i: lin_t.rms_norm_linear(d.x[i], d.resid[i], d.norm_w, 1e-6, d.router[i])[0]
 
-    def layer_tail(cfg=None, experts=True):
+    def layer_tail(cfg=None, keys=True, experts=True):
         """The block with the routing in the router GEMV's last program (rms_norm_route: router GEMV -> w13
         -> w2, no routing launch); experts=False: the router alone."""
         def fn(i):
             _, normed, _, w, ids = lin_t.rms_norm_route(d.x[i], d.resid[i], d.norm_w, 1e-6, d.router[i], TOP_K,
-                                                        True, shared_slices=1, config=cfg)
+                                                        True, shared_slices=1, config=cfg, route_keys=keys)
             return moe_t.fused_moe(normed, d.w13[i], d.w2[i], w, ids) if experts else w
         if experts:
             fn.want = impls["layer: norm + router GEMV + route + fused_moe, default"].want
         return fn
 
     if T == 1:
-        for suffix, cfg in ROUTER_TAIL_CONFIGS.items():
-            impls[ROUTED_IN_ROUTER + suffix] = layer_tail(cfg)
-            impls["layer: norm + router GEMV with the routing tail only" + suffix] = layer_tail(cfg, False)
+        for suffix, (cfg, keys) in ROUTER_TAIL_CONFIGS.items():
+            impls[ROUTED_IN_ROUTER + suffix] = layer_tail(cfg, keys)
+            impls["layer: norm + router GEMV with the routing tail only" + suffix] = layer_tail(cfg, keys, False)
         impls["layer: norm + router GEMV + route only"] = lambda i: moe_route.routed(
             lin_t.rms_norm_linear(d.x[i], d.resid[i], d.norm_w, 1e-6, d.router[i])[0], TOP_K, True,
             shared_slices=1)[0]

@@ -122,14 +122,16 @@ def _separate(x, r, nw, w, top_k, renorm, slices):
 @pytest.mark.parametrize("E,top_k,renorm,slices,residual", [(16, 4, True, 1, True), (16, 4, False, 0, True),
                                                              (30, 3, True, 2, False), (9, 1, False, 1, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_route_equals_the_separate_kernels(E, top_k, renorm, slices, residual, dtype, device):
+@pytest.mark.parametrize("keys", [True, False])
+def test_rms_norm_route_equals_the_separate_kernels(E, top_k, renorm, slices, residual, dtype, keys, device):
     """One token: one launch whose last program routes; logits, normed rows, sum, choice and weights are the
-    separate kernels' bit for bit, and the choice / weights match the reference composition."""
+    separate kernels' bit for bit (either tail choice loop), and the choice / weights match the reference
+    composition."""
     from deltaserve.ops.linear import triton as lin
 
     N = E + (1 if slices else 0)
     x, r, nw, w = _router_inputs(1, 64, N, seed=E + top_k, device=device, dtype=dtype, residual=residual)
-    got = lin.rms_norm_route(x, r, nw, 1e-6, w, top_k, renorm, shared_slices=slices)
+    got = lin.rms_norm_route(x, r, nw, 1e-6, w, top_k, renorm, shared_slices=slices, route_keys=keys)
     want = _separate(x, r, nw, w, top_k, renorm, slices)
     for name, a, b in zip(("logits", "normed", "sum", "weights", "ids"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
@@ -150,8 +152,8 @@ def test_rms_norm_route_ties_take_the_lowest_index(device):
 
     rows = [0, 1, 0, 2, 1, 1, 3, 0, 2, 3, 3, 1, 0, 2, 4]      # 14 experts from 4 distinct rows + the gate (4)
     x, r, nw, w = _router_inputs(1, 32, 5, seed=7, device=device, dtype=torch.bfloat16, rows=rows)
-    for renorm in (True, False):
-        got = lin.rms_norm_route(x, r, nw, 1e-6, w, 6, renorm, shared_slices=1)
+    for renorm, keys in ((True, True), (False, True), (True, False), (False, False)):
+        got = lin.rms_norm_route(x, r, nw, 1e-6, w, 6, renorm, shared_slices=1, route_keys=keys)
         want = _separate(x, r, nw, w, 6, renorm, 1)
         assert torch.equal(got[4], want[4]) and torch.equal(got[3], want[3])
         lg = got[0][0, :14].float().tolist()
@@ -211,8 +213,9 @@ def test_rms_norm_route_real_shape_graph_gpu(device):
     w13 = (randn(E + 1, 2 * inter, H, g=g) * H ** -0.5).to(device=device, dtype=torch.bfloat16)
     w2 = (randn(E + 1, H, inter, g=g) * inter ** -0.5).to(device=device, dtype=torch.bfloat16)
 
-    def tail():
-        logits, h, s, wts, ids = lin.rms_norm_route(x, r, nw, 1e-6, router, top_k, True, shared_slices=1)
+    def tail(keys=True):
+        logits, h, s, wts, ids = lin.rms_norm_route(x, r, nw, 1e-6, router, top_k, True, shared_slices=1,
+                                                    route_keys=keys)
         return logits, s, wts, ids, moe_t.fused_moe(h, w13, w2, wts, ids)
 
     def separate():
@@ -220,8 +223,9 @@ def test_rms_norm_route_real_shape_graph_gpu(device):
         wts, ids = tri.topk_softmax(logits, top_k, True, shared_slices=1)
         return logits, s, wts, ids, moe_t.fused_moe_routed(h, w13, w2, logits, top_k, True, shared_slices=1)
 
-    for a, b in zip(tail(), separate()):
-        assert torch.equal(a, b), "the tail differs from the separate kernels"
+    for keys in (True, False):
+        for a, b in zip(tail(keys), separate()):
+            assert torch.equal(a, b), f"the tail (route_keys={keys}) differs from the separate kernels"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = tail()

@@ -446,8 +446,8 @@ def rms_norm_linear(
 def _gemv_norm_route_kernel(x, w, y, N, K, s_wn, r, nw, h, s, eps, counter, weights, ids, E,
                             BN: tl.constexpr, BK: tl.constexpr, HAS_RES: tl.constexpr, ZC: tl.constexpr,
                             PK: tl.constexpr, TOP_K: tl.constexpr, SLICES: tl.constexpr, KP: tl.constexpr,
-                            EP: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False,
-                            PF: tl.constexpr = 0):
+                            EP: tl.constexpr, RENORM: tl.constexpr, KEYS: tl.constexpr,
+                            PDL: tl.constexpr = False, PF: tl.constexpr = 0):
     """rms_norm_route at one token: _gemv_fma_kernel's NORM loop at BM = 1, operation for operation (the
     same logits bits), then each program counts itself in on `counter` after storing its logits; the last
     to arrive resets the counter and routes the token from all N logits, read back at L2
@@ -483,7 +483,7 @@ def _gemv_norm_route_kernel(x, w, y, N, K, s_wn, r, nw, h, s, eps, counter, weig
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(0) - 1:    # the last program: all N logits are in L2
         tl.store(counter, 0)                 # for the next launch (stream-ordered; graph replays too)
-        route_ops._route_tile(y, weights, ids, one, one < 1, E, N, TOP_K, SLICES, KP, EP, RENORM, True)
+        route_ops._route_tile(y, weights, ids, one, one < 1, E, N, TOP_K, SLICES, KP, EP, RENORM, True, KEYS)
 
 
 @functools.cache
@@ -497,7 +497,7 @@ def _route_counter(device: torch.device) -> torch.Tensor:
 def rms_norm_route(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
     top_k: int, renormalize: bool, *, shared_slices: int = 0, zero_centered: bool = True,
-    config: LinearConfig | None = None,
+    config: LinearConfig | None = None, route_keys: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """An MoE block's router: rms_norm_linear, then topk_softmax on its logits -> (logits, normed,
     x + residual, topk_weights, topk_ids), as moe.reference.rms_norm_route. At one token with CUDA-core
@@ -505,7 +505,9 @@ def rms_norm_route(
     last of the GEMV's programs doing the routing (the routing kernel's launch and one kernel boundary
     leave a decode step's chain: router GEMV -> w13 -> w2). Otherwise rms_norm_linear, then
     triton_routing.topk_softmax. Either way the same choice and weight bits (the routing kernel's math,
-    triton_routing._route_tile). Not a default anywhere yet: selected by the caller (benchmarks/
+    triton_routing._route_tile). `route_keys`: the tail's choice by one max-reduction per expert over int64
+    keys (_route_tile's KEYS; the tail's tile spans all the GEMV's warps, so each reduction crosses warps;
+    same result either way). Not a default anywhere yet: selected by the caller (benchmarks/
     attention_moe_ops.py --moe-decode times it; docs/PERFORMANCE.md, "MoE")."""
     op = "rms_norm_route"
     _check_prenorm(op, x, residual, norm_weight, weight)
@@ -538,7 +540,7 @@ def rms_norm_route(
         _route_counter(x.device), weights, ids, E, BN=cfg.block_n, BK=cfg.block_k, HAS_RES=r2 is not None,
         ZC=bool(zero_centered), PK=min(triton.next_power_of_2(K), 2048), TOP_K=top_k, SLICES=shared_slices,
         KP=triton.next_power_of_2(width), EP=triton.next_power_of_2(E), RENORM=bool(renormalize),
-        num_warps=cfg.warps, num_stages=cfg.stages, **pdl)
+        KEYS=bool(route_keys), num_warps=cfg.warps, num_stages=cfg.stages, **pdl)
     return (y.reshape(*lead, N), h.view(*lead, K), x if residual is None else s.view(*lead, K), weights, ids)
 
 

@@ -39,12 +39,16 @@ SMALL_BATCH = 64     # up to this many tokens: one token per program
 
 @triton.jit
 def _route_tile(logits, weights, ids, rows, row_ok, E, s_l, K: tl.constexpr, M: tl.constexpr,
-                KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr, CG: tl.constexpr = False):
+                KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr, CG: tl.constexpr = False,
+                KEYS: tl.constexpr = False):
     """The routing of the tokens `rows` (those with row_ok): logits [*, E (+ the shared gate)] at row
     stride s_l -> weights (fp32) / ids [*, K + M] contiguous (module docstring). Shared by _route_kernel
     and the router GEMV's last-program tail (ops/linear/triton.py, rms_norm_route), which must choose the
     same experts with the same weight bits. CG: read the logits at L2 (.cg), for logits other programs of
-    the same grid have just written."""
+    the same grid have just written. KEYS: one max-reduction per choice over int64 keys (exponential's
+    bits << 32 | EP - 1 - index: the largest value, the lowest index among equal ones) instead of two (the
+    maximum, then the lowest index holding it): the same choice and values; for a tile spread over several
+    warps, where every reduction crosses warps through shared memory (the GEMV's tail)."""
     cols = tl.arange(0, EP)
     row_ptr = logits + rows[:, None].to(tl.int64) * s_l
     lmask = row_ok[:, None] & (cols[None, :] < E)
@@ -58,14 +62,27 @@ def _route_tile(logits, weights, ids, rows, row_ok, E, s_l, K: tl.constexpr, M: 
     w_sel = tl.zeros([rows.shape[0], KP], dtype=tl.float32)
     i_sel = tl.zeros([rows.shape[0], KP], dtype=tl.int32)
     total = tl.zeros([rows.shape[0]], dtype=tl.float32)
-    avail = x
-    for j in tl.static_range(K):
-        best = tl.max(avail, 1)
-        idx = tl.min(tl.where(avail == best[:, None], cols[None, :], EP), 1)
-        w_sel = tl.where(kcol[None, :] == j, best[:, None], w_sel)
-        i_sel = tl.where(kcol[None, :] == j, idx[:, None], i_sel)
-        total += best                                                  # in choice order (docstring)
-        avail = tl.where(cols[None, :] == idx[:, None], -1.0, avail)   # taken (exponentials are >= 0)
+    if KEYS:
+        key = (x.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (EP - 1 - cols)[None, :].to(tl.int64)
+        key = tl.where(cols[None, :] < E, key, -1)                     # padding columns never chosen
+        for j in tl.static_range(K):
+            top = tl.max(key, 1)
+            hi = top >> 32
+            best = hi.to(tl.int32).to(tl.float32, bitcast=True)
+            idx = (EP - 1 - (top - (hi << 32))).to(tl.int32)
+            w_sel = tl.where(kcol[None, :] == j, best[:, None], w_sel)
+            i_sel = tl.where(kcol[None, :] == j, idx[:, None], i_sel)
+            total += best                                              # in choice order (docstring)
+            key = tl.where(key == top[:, None], -1, key)               # keys are distinct: one taken
+    else:
+        avail = x
+        for j in tl.static_range(K):
+            best = tl.max(avail, 1)
+            idx = tl.min(tl.where(avail == best[:, None], cols[None, :], EP), 1)
+            w_sel = tl.where(kcol[None, :] == j, best[:, None], w_sel)
+            i_sel = tl.where(kcol[None, :] == j, idx[:, None], i_sel)
+            total += best                                              # in choice order (docstring)
+            avail = tl.where(cols[None, :] == idx[:, None], -1.0, avail)   # taken (exponentials are >= 0)
     if RENORM:
         w_sel = w_sel / total[:, None]
     else:
