@@ -33,6 +33,10 @@ residual add and the norm folded into the same kernels (their NORM variant) wher
 than a norm launch before the GEMV: at M = 1 (`default_prenorm_config`), i.e. every decoder layer of a
 batch-1 decode step launches no norm.
 
+`rms_norm_route` is an MoE block's router at one token: rms_norm_linear's kernel whose last program to
+finish (an arrival counter) also does the routing (moe/triton_routing.py's math), so no routing kernel
+follows the GEMV. Selectable, not a default (docs/PERFORMANCE.md, "MoE").
+
 `gated_linear` is a gated sublayer's output projection: the attention output gate x * sigmoid(gate), or
 the GDN output norm (per-head RMSNorm times silu / sigmoid of the gate), then the projection. Where
 `default_gated_config` folds (the GDN norm at M = 1) it is one launch (`_gemv_gated_kernel`): each

@@ -22,6 +22,9 @@ GEMV, routing, fused_moe): 0.6-1.1 us per call less at T = 1, 2, 4, 8 (26.9 -> 2
 68.9 -> 67.8, 109.9 -> 109.1 us; docs/PERFORMANCE.md). (Session 4, after a GEMV that did not release it
 early, the programmatic launch measured ~0.5 us slower.) Larger batches are unmeasured and keep the
 ordinary launch (from 33 rows the router is cuBLAS, which does not release early).
+
+The math lives in `_route_tile`, also called by the router GEMV's last program in ops/linear's
+rms_norm_route (the routing without a kernel of its own; selectable, not a default).
 """
 
 from __future__ import annotations
