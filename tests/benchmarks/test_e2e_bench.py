@@ -38,6 +38,8 @@ def test_quick_run_reports_every_row(e2e, tmp_path):
         assert r["limit"]["bytes"] > 0 and 0 < r["frac_of_limit"]
         assert r["distinct_experts_actual"] is not None, "the router's choices were recorded"
     assert {r["prompt_len"] for r in rows if r["what"] == "ttft"} == set(e2e.QUICK.ttft_lens)
+    copy = next(r for r in rows if r["what"] == "copy_bandwidth")
+    assert len(copy["samples"]) == 2 and copy["bytes_per_s"] == max(copy["samples"]), "the higher of two"
     prof = next(r for r in rows if r["what"] == "profile")
     assert prof["steps"] == e2e.QUICK.profile_steps and prof["family_us"]
     prefill = [r for r in rows if r["what"] == "prefill_profile"]
