@@ -578,6 +578,10 @@ def ours_part(args, wl: Workload, out: Path) -> None:
 
     first, rest = wl.concurrency[0], wl.concurrency[1:]
     concurrency(first)
+    # the same level twice more: the run-to-run spread of the headline number
+    repeats = [run_requests(engine, [prompt(wl.prompt_len) for _ in range(first)], params, f"r{first}-{i}")
+               for i in range(2)]
+    log(dict(what="concurrency_repeats", C=first, decode_tok_s=[r["decode_tok_s"] for r in repeats]))
     if device.type == "cuda":            # the same level with the other temperature sampler, for the difference
         from deltaserve.ops.sampling import reference as sampling_ref
         from deltaserve.ops.sampling import triton as sampling_triton
@@ -821,6 +825,9 @@ def report(out: Path, name: str, wl: Workload) -> str:
         lines += ["", f"One step of {r['prompts']} prompt(s), {r['tokens']} tokens{beside}: {r['wall_ms']:.1f} ms wall "
                   f"(first time {r['wall_ms_first']:.1f}); under the profiler {r['kernels']} kernels, "
                   f"{r['kernel_ms']:.1f} ms of kernel time; by family: {fam}."]
+    for r in get(ours, "concurrency_repeats"):
+        rates = ", ".join(f"{x:.1f}" for x in r["decode_tok_s"])
+        lines += ["", f"Concurrency {r['C']} decode, run twice more in the same process: {rates} tok/s."]
     for r in get(ours, "concurrency_other_sampler"):
         lines += ["", f"The other temperature sampler ({r['sampler']}), concurrency {r['C']}: decode "
                   f"{r['decode_tok_s']:.1f} tok/s ({r['decode_step_s'] * 1e3:.3f} ms/step)."]

@@ -38,6 +38,7 @@ def test_quick_run_reports_every_row(e2e, tmp_path):
         assert r["limit"]["bytes"] > 0 and 0 < r["frac_of_limit"]
         assert r["distinct_experts_actual"] is not None, "the router's choices were recorded"
     assert {r["prompt_len"] for r in rows if r["what"] == "ttft"} == set(e2e.QUICK.ttft_lens)
+    assert len(next(r for r in rows if r["what"] == "concurrency_repeats")["decode_tok_s"]) == 2
     copy = next(r for r in rows if r["what"] == "copy_bandwidth")
     assert len(copy["samples"]) == 2 and copy["bytes_per_s"] == max(copy["samples"]), "the higher of two"
     prof = next(r for r in rows if r["what"] == "profile")
@@ -49,7 +50,7 @@ def test_quick_run_reports_every_row(e2e, tmp_path):
     assert {r["B"] for r in peer if r["what"] == "peer_decode"} == set(e2e.QUICK.peer_batches)
     text = e2e.report(out, "quick", e2e.QUICK)
     assert "| decode tok/s, concurrency 1" in text and "| time to first token, 32 tokens" in text
-    assert "Profile of a batch-1 decode step" in text
+    assert "Profile of a batch-1 decode step" in text and "run twice more in the same process" in text
 
 
 def test_limits(e2e):
