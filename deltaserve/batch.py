@@ -42,6 +42,10 @@ class ForwardBatch:
     # runner packs one): Triton builds a kernel variant per pointer alignment, so a slice whose start moves
     # with num_prefills would trigger builds in the middle of serving. None: the slice is used.
     decode_state_slots: torch.Tensor | None = None
+    # Decode-only batches (token row == sequence row): a negative input id means "the token the previous
+    # step is still sampling", read on the device from last_tokens[state_slots[row]] (int64 per slot).
+    # None: every input id is a token.
+    last_tokens: torch.Tensor | None = None
 
     def decode_slots(self) -> torch.Tensor:
         """State slots of the decode sequences."""
@@ -69,6 +73,7 @@ class ForwardBatch:
             cu_seqlens=self.cu_seqlens[: n + 1], seq_lens=self.seq_lens[:n], state_slots=self.state_slots[:n],
             has_initial_state=self.has_initial_state[:n], slot_mapping=self.slot_mapping[:t],
             block_tables=self.block_tables[:n], num_prefills=n, num_prefill_tokens=t, decode_state_slots=None,
+            last_tokens=None,
         )
 
 

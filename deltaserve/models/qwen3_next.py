@@ -134,8 +134,10 @@ class HybridForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, cache: CacheBuffers) -> torch.Tensor:
         """Final normed hidden states [T, H] for every token of the batch."""
-        x = self.embed_tokens[batch.input_ids]
-        cos_sin = self.rope.cos_sin(batch.positions, x.dtype)
+        pending = {} if batch.last_tokens is None else {"last_tokens": batch.last_tokens, "slots": batch.state_slots}
+        x, cos, sin = self.kernels.embed_rope(batch.input_ids, self.embed_tokens, batch.positions, self.rope.inv_freq,
+                                              **pending)
+        cos_sin = (cos, sin)
         residual = None
         for i, layer in enumerate(self.layers):
             j = self._state_index[i]

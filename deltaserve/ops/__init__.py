@@ -17,6 +17,7 @@ import torch
 from .activation import reference as activation_ref
 from .attention import reference as attention_ref
 from .conv1d import reference as conv1d_ref
+from .embedding import reference as embedding_ref
 from .gdn import reference as gdn_ref
 from .linear import reference as linear_ref
 from .moe import reference as moe_ref
@@ -55,6 +56,7 @@ class Kernels:
     linear: Callable                 # y = x W^T: every projection and the logits
     rms_norm_linear: Callable        # (normed @ W^T, normed, x + residual): a pre-norm sublayer's input projection
     gated_linear: Callable           # (gate [after a per-head norm] * x) @ W^T: a gated sublayer's output projection
+    embed_rope: Callable             # token embeddings (pending ids resolved on device) + the positions' RoPE tables
 
 
 REFERENCE_OPS: dict[str, Callable] = {
@@ -81,6 +83,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "linear": linear_ref.linear,
     "rms_norm_linear": linear_ref.rms_norm_linear,
     "gated_linear": linear_ref.gated_linear,
+    "embed_rope": embedding_ref.embed_rope,
 }
 
 

@@ -50,6 +50,7 @@ def _all_ops() -> dict[str, Callable]:
     from .activation import triton as activation_triton
     from .attention import triton as attention_triton
     from .conv1d import triton as conv1d_triton
+    from .embedding import triton as embedding_triton
     from .gdn import triton_chunk, triton_recurrent
     from .linear import triton as linear_triton
     from .moe import triton as moe_triton
@@ -80,4 +81,5 @@ def _all_ops() -> dict[str, Callable]:
         "gated_linear": linear_triton.gated_linear,
         "silu_and_mul": activation_triton.silu_and_mul,
         "sigmoid_mul": activation_triton.sigmoid_mul,
+        "embed_rope": embedding_triton.embed_rope,
     }

@@ -46,7 +46,7 @@ MiB = 1 << 20
 # folds it into out_proj, the gated norm).
 DECODE_PATH_OPS = ("linear", "rms_norm", "rms_norm_linear", "gated_linear", "gdn_decode", "attention_prologue",
                    "paged_attention", "fused_paged_attention", "topk_softmax", "fused_moe", "fused_moe_routed",
-                   "silu_and_mul", "sigmoid_mul")
+                   "silu_and_mul", "sigmoid_mul", "embed_rope")
 MAX_CAPTURE_SIZE = 512
 
 
@@ -153,13 +153,12 @@ class DecodeGraphs:
         return self.sizes[-1]
 
     def _batch(self, b: int) -> ForwardBatch:
-        ids = self._tok[0, :b]
-        if self.last_tokens is not None:          # captured: resolves rows still being sampled on the host
-            ids = torch.where(ids < 0, self.last_tokens[self._seq[1, :b]], ids)
+        # last_tokens: the model resolves rows still being sampled on the host (input id -1), in the graph
         return ForwardBatch(
-            input_ids=ids, positions=self._tok[1, :b], slot_mapping=self._tok[2, :b],
+            input_ids=self._tok[0, :b], positions=self._tok[1, :b], slot_mapping=self._tok[2, :b],
             cu_seqlens=self._cu[: b + 1], seq_lens=self._seq[0, :b], state_slots=self._seq[1, :b],
-            has_initial_state=self._has_init[:b], block_tables=self._tables[:b], num_prefills=0, num_prefill_tokens=0)
+            has_initial_state=self._has_init[:b], block_tables=self._tables[:b], num_prefills=0, num_prefill_tokens=0,
+            last_tokens=self.last_tokens)
 
     def _pad_all(self) -> None:
         self._tok.zero_()
@@ -228,6 +227,10 @@ class DecodeGraphs:
         self.num_padded_replays += b > n
         return out[:n]
 
+    def state_slots(self, n: int) -> torch.Tensor:
+        """The last replay's state slots of its n rows (int32, on the device; valid until the next replay's
+        copies, which the stream orders after anything queued now)."""
+        return self._seq[1, :n]
 
     def replay_static(self, n: int) -> None:
         """Replay the bucket for n rows on whatever its static inputs hold now (no host packing, no copies):

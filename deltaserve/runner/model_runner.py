@@ -273,7 +273,8 @@ class ModelRunner:
         chunks = sorted(out.chunks, key=self.is_decode)     # stable: prefills first, then decodes
         plan = self._logit_rows(chunks)
         model = self.model
-        if self.uses_graph(chunks):
+        graphed = self.uses_graph(chunks)
+        if graphed:
             hidden = self._replay_decodes(chunks)
         else:
             if self.compiled_decode is not None and self.is_decode(chunks[0]):  # prefills sort first
@@ -290,10 +291,13 @@ class ModelRunner:
             assert not any(st.sampling.num_pending and st.sampling.needs_history() for st in states), \
                 "penalties need the pending token: collect the step in flight first (can_launch_ahead)"
             rows = [st.sampling for st in states]
+            # the state slots of the sampling rows on the device: when every row of a graph step samples, the
+            # graph's static input already holds them in this order, so nothing is copied for them
+            slots = self.graphs.state_slots(len(rows)) if graphed and len(rows) == len(chunks) \
+                else self._index([st.state_slot for st in states])
             handle.sample = self.sampler.launch(
-                logits[self._index(plan.sample_rows)] if len(plan.sample_rows) < len(plan.rows) else logits, rows)
-            slots = self._index([st.state_slot for st in states])
-            self.last_tokens.index_copy_(0, slots, handle.sample.tokens)
+                logits[self._index(plan.sample_rows)] if len(plan.sample_rows) < len(plan.rows) else logits, rows,
+                record=(self.last_tokens, slots))
             for row in rows:
                 row.num_pending += 1
         for seq_id, st, first, count, start in plan.prompt_parts:

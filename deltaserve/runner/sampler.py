@@ -241,11 +241,14 @@ class Sampler:
         """logits [N, V] (any float dtype) for N rows -> one token per row (launch, then wait)."""
         return self.launch(logits, rows).get()
 
-    def launch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
+    def launch(self, logits: torch.Tensor, rows: list[SamplingRow], *,
+               record: tuple[torch.Tensor, torch.Tensor] | None = None) -> PendingSample:
         """Queue the sampling of one token per row. Per-row options reach the device as one pinned copy;
         the tokens (and logprobs) go back in one transfer, read by `.get()` (the only host sync).
         Logits stay in their dtype where the result cannot depend on it (argmax; the temperature op widens
-        as it reads); everything else works on an fp32 copy."""
+        as it reads); everything else works on an fp32 copy. record = (last_tokens, slots [N] on the
+        device): row i's token is also written to last_tokens[slots[i]] on the device (by the temperature
+        op itself where it draws every row: no extra kernel)."""
         dev = logits.device
         lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         adjust = [i for i, r in enumerate(rows) if r.adjusts_logits()]
@@ -261,7 +264,11 @@ class Sampler:
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = self._sample(logits, rows, greedy)
+            tokens, recorded = self._sample(logits, rows, greedy, record)
+            if recorded:
+                record = None
+        if record is not None:
+            record[0].index_copy_(0, record[1].long(), tokens)
         if not lp_rows:
             return PendingSample(tokens, len(rows), HostCopy(tokens), [], [])
         ns = [rows[i].params.logprobs for i in lp_rows]
@@ -269,7 +276,9 @@ class Sampler:
         lp = _logprob_tensors(raw, tokens if lp_index is None else tokens[lp_index], k)
         return PendingSample(tokens, len(rows), HostCopy(tokens, *lp), lp_rows, ns)
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool],
+                record: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, bool]:
+        """(tokens, whether they were written to `record` already)."""
         V = logits.shape[1]
         params = [r.params for r in rows]
         top_k = [_top_k(p, V) for p in params]
@@ -281,8 +290,11 @@ class Sampler:
         opts = to_device(torch.tensor([[1.0 if g else p.temperature for g, p in zip(greedy, params)], top_k, top_p,
                                        min_p, u, greedy], dtype=torch.float64), logits.device)
         if _no_filters(rows, V):
-            sampled = self.temperature_sample(logits, opts[0].float(), opts[4])
-            return torch.where(opts[5].bool(), logits.argmax(dim=-1), sampled) if any(greedy) else sampled
+            # float64 temperatures go in as they are (the op narrows them as it reads: no conversion kernel)
+            if any(greedy):
+                return torch.where(opts[5].bool(), logits.argmax(dim=-1), self.temperature_sample(
+                    logits, opts[0], opts[4])), False
+            return self.temperature_sample(logits, opts[0], opts[4], record=record), record is not None
         x = logits / opts[0].float()[:, None]
         if min(top_k) < V:
             kmax = max(k for k in top_k if k < V)
@@ -306,4 +318,4 @@ class Sampler:
         sampled = inverse_cdf(probs, opts[4])
         if any(greedy):
             sampled = torch.where(opts[5].bool(), logits.argmax(dim=-1), sampled)
-        return sampled
+        return sampled, False

@@ -42,13 +42,35 @@ def test_many_draws_follow_the_distribution(device):
     assert counts == [40, 80, 120, 160]
 
 
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_record_writes_the_tokens_by_slot_and_float64_temperature(slot_dtype, device):
+    """record = (last_tokens, slots): the tokens also land in last_tokens[slots] (nothing else changes);
+    a float64 temperature (the sampler's option tensor, no conversion kernel) draws as its float32 value."""
+    g = gen(5)
+    logits = (torch.randn(3, 3000, generator=g) * 4).to(device)
+    temp = torch.tensor([0.7, 1.0, 1.3], dtype=torch.float64, device=device)
+    u = torch.rand(3, generator=g, dtype=torch.float64).to(device)
+    slots = torch.tensor([5, 0, 2], dtype=slot_dtype, device=device)
+    for impl in (ref, tri):
+        last = torch.full((8,), -7, dtype=torch.long, device=device)
+        got = impl.temperature_sample(logits, temp, u, record=(last, slots))
+        assert got.tolist() == ref.temperature_sample(logits, temp.float(), u).tolist()
+        want = [-7] * 8
+        for s_, t in zip(slots.tolist(), got.tolist()):
+            want[s_] = t
+        assert last.tolist() == want
+
+
 def test_bad_inputs_raise(device):
     x = torch.zeros(2, 10, device=device)
     t, u = torch.ones(2, device=device), torch.zeros(2, dtype=torch.float64, device=device)
     with pytest.raises(ValueError, match="temperature and u"):
         tri.temperature_sample(x, t[:1], u)
     with pytest.raises(ValueError, match="float32"):
-        tri.temperature_sample(x, t.double(), u)
+        tri.temperature_sample(x, t.half(), u)
+    with pytest.raises(ValueError, match="record"):
+        tri.temperature_sample(x, t, u, record=(torch.zeros(4, dtype=torch.int32, device=device),
+                                                torch.zeros(2, dtype=torch.long, device=device)))
     assert tri.temperature_sample(x[:0], t[:0], u[:0]).shape == (0,)
 
 

@@ -29,10 +29,15 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (b * BLOCK + j)[:, 0]
 
 
-def temperature_sample(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def temperature_sample(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor, *,
+                       record: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One token per row of logits [N, V] from softmax(logits / temperature) (no top-k / top-p / min-p),
-    by inverse CDF at the row's uniform u [N] (float64 in [0, 1)). temperature [N] > 0. Returns int64 [N].
-    Rows may hold -inf (suppressed tokens) but need one finite logit."""
+    by inverse CDF at the row's uniform u [N] (float64 in [0, 1)). temperature [N] > 0, float32 or float64
+    (used as float32). Returns int64 [N]. Rows may hold -inf (suppressed tokens) but need one finite logit.
+    record = (last_tokens, slots [N] int32 / int64): also writes row i's token to last_tokens[slots[i]]."""
     x = logits.float() / temperature.float()[:, None]
     probs = (x - x.amax(dim=-1, keepdim=True)).exp_()
-    return inverse_cdf(probs, u.double())
+    tokens = inverse_cdf(probs, u.double())
+    if record is not None:
+        record[0].index_copy_(0, record[1].long(), tokens)
+    return tokens

@@ -28,7 +28,7 @@ def _block_mass_kernel(logits, temp, cmax, mass, V, s_l, NC, s_m,
                        NB: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    t = tl.load(temp + r)
+    t = tl.load(temp + r).to(tl.float32)
     offs = c * (NB * BLOCK) + tl.arange(0, NB * BLOCK)
     x = tl.load(logits + r * s_l + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / t
     m = tl.max(x, 0)
@@ -38,10 +38,10 @@ def _block_mass_kernel(logits, temp, cmax, mass, V, s_l, NC, s_m,
 
 
 @triton.jit
-def _pick_kernel(logits, temp, u, cmax, mass, out, V, s_l, NC, NBT, s_m,
-                 NCP: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr):
+def _pick_kernel(logits, temp, u, cmax, mass, out, last, slots, V, s_l, NC, NBT, s_m,
+                 NCP: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr, RECORD: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
-    t = tl.load(temp + r)
+    t = tl.load(temp + r).to(tl.float32)
     cs = tl.arange(0, NCP)
     M = tl.max(tl.load(cmax + r * NC + cs, mask=cs < NC, other=float("-inf")), 0)
     bs = tl.arange(0, NBP)
@@ -61,19 +61,28 @@ def _pick_kernel(logits, temp, u, cmax, mass, out, V, s_l, NC, NBT, s_m,
     inner = tl.cumsum(p, 0)
     j = tl.minimum(tl.sum((inner <= frac * tl.sum(p, 0)).to(tl.int32), 0), BLOCK - 1)
     tl.store(out + r, (b * BLOCK + j).to(tl.int64))
+    if RECORD:
+        tl.store(last + tl.load(slots + r), (b * BLOCK + j).to(tl.int64))
 
 
-def temperature_sample(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """See reference.temperature_sample."""
+def temperature_sample(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor, *,
+                       record: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """See reference.temperature_sample (record: the pick kernel writes the tokens there too)."""
     op = "temperature_sample"
     check(logits.dim() == 2 and logits.stride(-1) == 1, op,
           f"logits must be [N, V] with contiguous rows, got {tuple(logits.shape)} strides {tuple(logits.stride())}")
     N, V = logits.shape
     check(temperature.shape == (N,) and u.shape == (N,), op,
           f"temperature and u must be [{N}], got {tuple(temperature.shape)} and {tuple(u.shape)}")
-    check(temperature.dtype == torch.float32 and u.dtype == torch.float64, op,
-          f"temperature must be float32 and u float64, got {temperature.dtype} and {u.dtype}")
+    check(temperature.dtype in (torch.float32, torch.float64) and u.dtype == torch.float64, op,
+          f"temperature must be float32 / float64 and u float64, got {temperature.dtype} and {u.dtype}")
     check_same_device(op, logits, temperature, u)
+    last, slots = record if record is not None else (u, u)
+    if record is not None:
+        check(last.dim() == 1 and last.dtype == torch.long and slots.shape == (N,)
+              and slots.dtype in (torch.int32, torch.int64), op,
+              "record must be (last_tokens 1-D int64, slots [N] int32 / int64)")
+        check_same_device(op, logits, last, slots)
     out = torch.empty(N, dtype=torch.long, device=logits.device)
     if N == 0:
         return out
@@ -84,7 +93,8 @@ def temperature_sample(logits: torch.Tensor, temperature: torch.Tensor, u: torch
     mass = torch.empty((N, nc * CHUNK_BLOCKS), dtype=torch.float32, device=logits.device)
     _block_mass_kernel[(N, nc)](logits, temperature, cmax, mass, V, logits.stride(0), nc, mass.stride(0),
                                 NB=CHUNK_BLOCKS, BLOCK=BLOCK, num_warps=4)
-    _pick_kernel[(N,)](logits, temperature, u, cmax, mass, out, V, logits.stride(0), nc, nbt, mass.stride(0),
-                       NCP=triton.next_power_of_2(nc), NB=CHUNK_BLOCKS,
-                       NBP=triton.next_power_of_2(nc * CHUNK_BLOCKS), BLOCK=BLOCK, num_warps=8)
+    _pick_kernel[(N,)](logits, temperature, u, cmax, mass, out, last, slots, V, logits.stride(0), nc, nbt,
+                       mass.stride(0), NCP=triton.next_power_of_2(nc), NB=CHUNK_BLOCKS,
+                       NBP=triton.next_power_of_2(nc * CHUNK_BLOCKS), BLOCK=BLOCK, RECORD=record is not None,
+                       num_warps=8)
     return out
