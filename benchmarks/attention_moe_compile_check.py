@@ -103,14 +103,44 @@ def gemv_kernels() -> list[dict]:
                                    c.warps1, c.stages, aligned=("H", "I", "s_x", "s_we", "s_wn")))
         types = dict(inter=bf, w2=bf, ids=i64, weights=f32, out=bf)
         if c.all_experts:
-            out.append(compile_aligned(f"gemv_w2_all T={T} default", moe_t._gemv_w2_all_kernel, types,
-                                       dict(TOP_K=9, KP=16, BN=c.block_n2, BK=c.block_k2, PDL=c.pdl), c.warps2,
+            out.append(compile_aligned(f"gemv_w2_all T={T} default", moe_t._gemv_w2_all_kernel, {**types, "part": f32},
+                                       dict(TOP_K=9, KP=16, BN=c.block_n2, BK=c.block_k2, PDL=c.pdl, SLOTS=9, MP=0),
+                                       c.warps2,
                                        c.stages, aligned=("H", "I", "s_we", "s_wn", "s_w", "s_o")))
         else:
             out.append(compile_aligned(f"gemv_w2_combine T={T} default", moe_t._gemv_w2_combine_kernel, types,
                                        dict(TOP_K=9, BN=c.block_n2, BK=c.block_k2, ONE_STEP=c.block_k2 >= 512,
                                             TRIGGER=True), c.warps2, c.stages,
                                        aligned=("H", "I", "s_we", "s_wn", "s_w", "s_o")))
+    out += shared_variant_kernels()
+    return out
+
+
+def shared_variant_kernels() -> list[dict]:
+    """The kernels of the shared-slot variants at the 35B-A3B shape (top-8 + 1 shared slice, H 2048, I 512)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from attention_moe_ops import SHARED_T1, SHARED_TN
+
+    bf, f32, i64 = "*bf16", "*fp32", "*i64"
+    out = []
+    variants = {**{f"T=1 {k}": c for k, c in SHARED_T1.items()}, **{f"T>=2 {k}": c for k, c in SHARED_TN.items()}}
+    for rows in sorted({c.shared_rows for c in variants.values()}):
+        out.append(compile_aligned(f"route_shared rows={rows}", moe_route._route_shared_kernel,
+                                   dict(logits=bf, weights=f32, ids=i64, x=bf, w13=bf, h=bf),
+                                   dict(K=8, M=1, KP=16, EP=256, BT=1, RENORM=True, PDL=True, WAIT=True, R=rows,
+                                        HB=2048), 1, aligned=("H", "I", "s_x", "s_we", "s_wn")))
+    for label, c in variants.items():
+        out.append(compile_aligned(f"gemv_w13_split {label}", moe_t._gemv_w13_split_kernel,
+                                   dict(x=bf, w13=bf, ids=i64, inter=bf, w2=bf, weights=f32, part=f32),
+                                   dict(SLOTS=9, K=8, M=1, BN=c.block_n1, BK=c.block_k1, PDL=c.pdl, WAIT=c.pdl_w13,
+                                        PRE=c.shared_first, W2S=c.shared_w2, R2=c.shared_w2_rows, IB=512),
+                                   c.warps1, c.stages, aligned=("H", "I", "s_x", "s_we", "s_wn", "s_w2e", "s_w2n")))
+    for label, c in variants.items():
+        if c.shared_w2:
+            out.append(compile_aligned(f"gemv_w2_all routed slots + shared partial {label}", moe_t._gemv_w2_all_kernel,
+                                       dict(inter=bf, w2=bf, ids=i64, weights=f32, out=bf, part=f32),
+                                       dict(TOP_K=8, KP=8, BN=c.block_n2, BK=c.block_k2, PDL=c.pdl, SLOTS=9, MP=1),
+                                       c.warps2, c.stages, aligned=("H", "I", "s_we", "s_wn", "s_w", "s_o")))
     return out
 
 

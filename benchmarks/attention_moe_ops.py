@@ -540,12 +540,34 @@ def session4_config(T: int):
     return moe_t.GEMV_T1 if T == 1 else moe_t.GemvMoeConfig(pdl_w13=True)
 
 
+# session 6: the shared expert's slots set apart from the routing (GemvMoeConfig.shared_*), label -> config;
+# T = 1 on GEMV_T1, T >= 2 on the T >= 2 default (the same sets as attention_moe_compile_check's)
+SHARED_T1 = {
+    "shared_first": replace(moe_t.GEMV_T1, shared_first=True),
+    "shared_in_route": replace(moe_t.GEMV_T1, shared_in_route=True),
+    "shared_in_route rows 2": replace(moe_t.GEMV_T1, shared_in_route=True, shared_rows=2),
+    "shared_in_route + shared_w2": replace(moe_t.GEMV_T1, shared_in_route=True, shared_w2=True),
+    "shared_in_route + shared_w2 16 rows": replace(moe_t.GEMV_T1, shared_in_route=True, shared_w2=True,
+                                                   shared_w2_rows=16),
+}
+_TN = moe_t.GemvMoeConfig(pdl_w13=True)
+SHARED_TN = {
+    "shared_first": replace(_TN, shared_first=True),
+    "shared_in_route": replace(_TN, shared_in_route=True),
+    "shared_in_route + shared_w2 (w2 all experts, 1 row, 4 warps, pdl)":
+        replace(_TN, shared_in_route=True, shared_w2=True, all_experts=True, pdl=True, block_n2=1, warps2=4),
+}
+SHARED_LABEL = "layer: norm + router GEMV + fused_moe_routed, "
+DEFAULT_LAYER = "layer: norm + router GEMV + route + fused_moe, default"
+
+
 # rows also profiled per kernel (the profiler costs ~1 s a row)
 ROUTED_IN_W13 = "layer: norm + router GEMV + fused_moe_routed (routing inside w13)"
 ROUTED_IN_ROUTER = "layer: norm + router GEMV with the routing tail (rms_norm_route) + fused_moe"
 PROFILED = {"default: route + fused_moe", "default: fused_moe only",
             "layer: norm + router GEMV + route + fused_moe, default", ROUTED_IN_W13, ROUTED_IN_ROUTER,
-            "layer: norm + router GEMV + route + fused_moe, routing launched the ordinary way"}
+            "layer: norm + router GEMV + route + fused_moe, routing launched the ordinary way",
+            DEFAULT_LAYER + " (repeat)", *(SHARED_LABEL + k for k in (*SHARED_T1, *SHARED_TN))}
 # rms_norm_route's variants, label suffix -> (config, route_keys) (T = 1 only: other batches run
 # rms_norm_linear + the routing kernel); the same set as attention_moe_compile_check.ROUTER_ROUTE_CONFIGS
 ROUTER_TAIL_CONFIGS = {"": (None, True), ", two reductions per choice": (None, False),
@@ -623,6 +645,18 @@ def decode_impls(T: int, d: DecodeInputs, one_pass: bool = False) -> dict:
         impls["layer: norm + router GEMV + route only"] = lambda i: moe_route.routed(
             lin_t.rms_norm_linear(d.x[i], d.resid[i], d.norm_w, 1e-6, d.router[i])[0], TOP_K, True,
             shared_slices=1)[0]
+    def layer_shared(cfg):
+        """The block as the layer calls it (fused_moe_routed) with a shared-slot variant."""
+        def fn(i):
+            logits, normed, _ = lin_t.rms_norm_linear(d.x[i], d.resid[i], d.norm_w, 1e-6, d.router[i])
+            return moe_t.fused_moe_routed(normed, d.w13[i], d.w2[i], logits, TOP_K, True, shared_slices=1,
+                                          config=cfg)
+        fn.want = impls[DEFAULT_LAYER].want
+        return fn
+
+    for label, cfg in (SHARED_T1 if T == 1 else SHARED_TN).items():
+        impls[SHARED_LABEL + label] = layer_shared(cfg)
+    impls[DEFAULT_LAYER + " (repeat)"] = layer()
     if one_pass:
         impls["session 3: route + fused_moe"] = ours(session3_config(T), "s3")
         impls["new route + one-pass default tiles"] = ours(moe_t.ONE_PASS_T1, "new")
@@ -669,12 +703,15 @@ class FlushTimer:
         return {k: v / (reps * calls) for k, v in tot.items()}
 
 
-def decode_worker(index: int, count: int) -> None:
-    """Compile every decode variant (T = 1 and 2 cover every specialisation) on one weight copy."""
+def decode_worker(index: int, count: int, only: str = "") -> None:
+    """Compile every decode variant (T = 1 and 2 cover every specialisation) on one weight copy (those
+    `only` selects, as the timed phase does)."""
     n = 0
     for T in sorted({min(T, 2) for T in DECODE_T}):
         impls = decode_impls(T, decode_inputs(T, 1))
         for label, fn in impls.items():
+            if not selected(only, f"T={T} {label}"):
+                continue
             n += 1
             if n % count != index:
                 continue
@@ -764,7 +801,7 @@ def main() -> int:
     DECODE_T[:] = [int(t) for t in args.decode_t.split(",")]
     if args.worker is not None:
         if args.moe_decode:
-            decode_worker(int(args.worker), args.worker_of)
+            decode_worker(int(args.worker), args.worker_of, args.only)
         else:
             worker(int(args.worker), args.worker_of, args.sweep, args.only)
         return 0

@@ -237,3 +237,44 @@ def test_rms_norm_route_real_shape_graph_gpu(device):
             assert torch.equal(a, b), "graph replay differs from the eager call"
         for a, b in zip(outs, separate()):
             assert torch.equal(a, b), "graph replay differs from the separate kernels"
+
+
+# ---- the routing kernel with the shared slices' w13 rows (route_and_shared_w13, session 6) -------------------
+
+@pytest.mark.parametrize("T,slices,rows,dtype", [(1, 1, 1, torch.float32), (3, 2, 4, torch.float32),
+                                                 (2, 1, 2, torch.bfloat16)])
+def test_route_and_shared_w13(T, slices, rows, dtype, device):
+    """Same choice and weights as topk_softmax, bit for bit; the shared slots' intermediate rows equal
+    SiLU(gate . x) * (up . x) of the shared experts; the routed slots' rows are left alone (H and I not
+    powers of two)."""
+    import torch.nn.functional as F
+
+    E, top_k, H, inter = 12, 3, 40, 24
+    g = gen(800 + T)
+    logits = randn(T, E + 1, g=g, scale=2.0).to(device=device, dtype=dtype)
+    x = randn(T, H, g=g).to(device=device, dtype=dtype)
+    w13 = (randn(E + slices, 2 * inter, H, g=g) * H ** -0.5).to(device=device, dtype=dtype)
+    width = top_k + slices
+    h = torch.full((T * width, inter), 7.0, dtype=dtype, device=device)
+    w, ids = tri.route_and_shared_w13(logits, top_k, True, slices, x, w13, h, rows=rows)
+    w_sep, i_sep = tri.topk_softmax(logits, top_k, True, shared_slices=slices)
+    assert torch.equal(ids, i_sep) and torch.equal(w, w_sep), "another routing than topk_softmax"
+    h = h.view(T, width, inter)
+    assert bool((h[:, :top_k] == 7.0).all()), "routed slots' rows were written"
+    for s in range(slices):
+        gate, up = w13[E + s].float().split(inter)
+        want = F.silu(x.float() @ gate.T) * (x.float() @ up.T)
+        assert_close(h[:, top_k + s], want, 1e-5 if dtype == torch.float32 else 1e-2, f"slice {s}")
+
+
+def test_route_and_shared_w13_bad_inputs(device):
+    logits, x = torch.zeros(2, 9, device=device), torch.zeros(2, 16, device=device)
+    w13, h = torch.zeros(9, 8, 16, device=device), torch.zeros(6, 4, device=device)
+    with pytest.raises(ValueError, match="shared_slices >= 1"):
+        tri.route_and_shared_w13(logits[:, :8], 2, True, 0, x, w13, h)
+    with pytest.raises(ValueError, match="rows=3"):
+        tri.route_and_shared_w13(logits, 2, True, 1, x, w13, h, rows=3)
+    with pytest.raises(ValueError, match="inter must be"):
+        tri.route_and_shared_w13(logits, 2, True, 1, x, w13, torch.zeros(5, 4, device=device))
+    with pytest.raises(ValueError, match="w13 must be"):
+        tri.route_and_shared_w13(logits, 2, True, 1, x, w13[:8], h)

@@ -479,3 +479,119 @@ def test_fused_routing_real_shape_gpu(T, device):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, block(x2)[0]), "graph replay differs from eager"
+
+
+# ---- the shared expert's slots set apart from the routing (GemvMoeConfig.shared_*, session 6) ---------------
+
+_SMALL_GEMV = tri.GemvMoeConfig(block_n1=8, block_k1=16, block_n2=4, block_k2=16, all_experts=True)
+SHARED_VARIANTS = {
+    "shared_first": dict(shared_first=True),
+    "shared_in_route": dict(shared_in_route=True),
+    "shared_in_route rows 4": dict(shared_in_route=True, shared_rows=4),
+    "shared_in_route + shared_w2": dict(shared_in_route=True, shared_w2=True, shared_w2_rows=16),
+}
+
+
+@pytest.mark.parametrize("variant", list(SHARED_VARIANTS))
+@pytest.mark.parametrize("T,slices,dtype,all_experts", [
+    (1, 1, torch.float32, True),
+    (3, 2, torch.float32, True),        # two shared slices, tokens > 1
+    (2, 1, torch.bfloat16, True),
+    (2, 1, torch.float32, False),       # the one-expert-at-a-time w2 kernel (not with shared_w2)
+])
+def test_shared_variants_match_reference_and_default(variant, T, slices, dtype, all_experts, device):
+    """Every shared-slot variant equals the reference within tolerance and the default GEMV path with the
+    same tiles (shared_first: bit for bit, the same arithmetic; the others sum the shared slots' products
+    in another order). H, I not multiples of the tiles."""
+    kw = SHARED_VARIANTS[variant]
+    if kw.get("shared_w2") and not all_experts:
+        pytest.skip("shared_w2 needs all_experts")
+    E, top_k, H, inter = 8, 2, 72, 40
+    g = gen(600 + T + slices)
+    x = randn(T, H, g=g, dtype=dtype, device=device)
+    w13, w2 = _experts(E + slices, H, inter, g=g, dtype=dtype, device=device)
+    logits = randn(T, E + 1, g=g, scale=2.0).to(device=device, dtype=dtype)
+    base = dataclasses.replace(_SMALL_GEMV, all_experts=all_experts)
+    cfg = dataclasses.replace(base, **kw)
+    got = tri.fused_moe_routed(x, w13, w2, logits, top_k, True, shared_slices=slices, config=cfg)
+    default = tri.fused_moe_routed(x, w13, w2, logits, top_k, True, shared_slices=slices, config=base)
+    want = ref.fused_moe_routed(x, w13, w2, logits, top_k, True, shared_slices=slices)
+    assert_close(got, want, TOL[dtype], f"{variant} vs reference")
+    if kw.get("shared_first"):
+        assert torch.equal(got, default), "shared_first differs from the default path"
+    else:
+        assert_close(got, default, 1e-6 if dtype == torch.float32 else 1e-2, f"{variant} vs default")
+
+
+def test_shared_variants_bad_configs(device):
+    E, top_k, H, inter = 8, 2, 32, 16
+    g = gen(620)
+    x = randn(2, H, g=g, device=device)
+    w13, w2 = _experts(E + 1, H, inter, g=g, dtype=torch.float32, device=device)
+    logits = randn(2, E + 1, g=g).to(device)
+    weights, ids = ref.topk_softmax(logits, top_k, True, shared_slices=1)
+    cfg = dataclasses.replace(_SMALL_GEMV, shared_in_route=True)
+    with pytest.raises(ValueError, match="need fused_moe_routed"):
+        tri.fused_moe(x, w13, w2, weights, ids, config=cfg)
+    with pytest.raises(ValueError, match="shared_slices >= 1"):
+        tri.fused_moe_routed(x, w13[:E], w2[:E], logits[:, :E], top_k, True, config=cfg)
+    with pytest.raises(ValueError, match="fuse_routing excludes"):
+        tri.fused_moe_routed(x, w13, w2, logits, top_k, True, shared_slices=1, config=cfg, fuse_routing=True)
+    for bad, match in ((dict(shared_first=True, shared_in_route=True), "exclude each other"),
+                       (dict(shared_w2=True), "shared_w2 needs"),
+                       (dict(shared_in_route=True, shared_w2=True, all_experts=False), "shared_w2 needs"),
+                       (dict(shared_in_route=True, shared_rows=3), "shared_rows=3"),
+                       (dict(shared_in_route=True, shared_w2=True, shared_w2_rows=0), "shared_w2_rows=0")):
+        with pytest.raises(ValueError, match=match):
+            tri.fused_moe_routed(x, w13, w2, logits, top_k, True, shared_slices=1,
+                                 config=dataclasses.replace(_SMALL_GEMV, **bad))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 4, 8])
+def test_shared_variants_real_shape_gpu(T, device):
+    """The 35B-A3B block as the layer runs it (router GEMV with the pre-norm folded, released early; 256
+    experts + the shared one as expert 256, top-8 + its slot), with each shared-slot variant the benchmark
+    times: equal to the fp32 reference within tolerance and to the default block (shared_first: bit for
+    bit); a CUDA-graph replay on new inputs equals the eager call (the programs that start before the
+    routing's wait read nothing stale)."""
+    import sys
+    from pathlib import Path
+
+    from deltaserve.ops.linear import triton as lin
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from attention_moe_ops import SHARED_T1, SHARED_TN
+
+    E, top_k, H, inter = 256, 8, 2048, 512
+    g = gen(700 + T)
+    w13, w2 = _experts(E + 1, H, inter, g=g, dtype=torch.bfloat16, device=device)
+    router = (randn(E + 1, H, g=g) * H ** -0.5).to(device=device, dtype=torch.bfloat16)
+    norm_w = (randn(H, g=g) * 0.1).to(device=device, dtype=torch.bfloat16)
+    x, r = (randn(T, H, g=g).to(device=device, dtype=torch.bfloat16) for _ in range(2))
+
+    def block(x, cfg):
+        logits, normed, _ = lin.rms_norm_linear(x, r, norm_w, 1e-6, router)
+        return tri.fused_moe_routed(normed, w13, w2, logits, top_k, True, shared_slices=1, config=cfg), logits, normed
+
+    default, logits, normed = block(x, None)
+    w_sep, i_sep = route.topk_softmax(logits, top_k, True, shared_slices=1)
+    want = ref.fused_moe(normed.float(), w13.float(), w2.float(), w_sep, i_sep)
+    variants = SHARED_T1 if T == 1 else SHARED_TN
+    for label, cfg in variants.items():
+        got = block(x, cfg)[0]
+        assert_close(got, want, TOL[torch.bfloat16], f"T={T} {label} vs fp32 reference")
+        if cfg.shared_first:
+            assert torch.equal(got, default), f"T={T} {label} differs from the default block"
+        else:
+            assert_close(got, default, 1e-2, f"T={T} {label} vs default")
+    graphs, outs = [], []
+    for cfg in variants.values():
+        graphs.append(torch.cuda.CUDAGraph())
+        with torch.cuda.graph(graphs[-1]):
+            outs.append(block(x, cfg)[0])
+    x.copy_(randn(T, H, g=g).to(device=device, dtype=torch.bfloat16))
+    for (label, cfg), graph, out in zip(variants.items(), graphs, outs):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, block(x, cfg)[0]), f"T={T} {label}: graph replay differs from eager"

@@ -219,6 +219,22 @@ class GemvMoeConfig:
     # waits before its first load, so only its launch and set-up overlap the routing kernel). Needs
     # compute capability 9.0; after a kernel that does not release it early it gains nothing.
     pdl_w13: bool = False
+    # The shared expert's slots (fused_moe_routed with shared_slices M: experts E .. E+M-1 in every token's
+    # last M slots) do not depend on the routing; session 6 variants that start them before it is known:
+    # shared_first: the w13 kernel's programs of the shared slots are launched first and load their first
+    # weight tiles before the wait (overlapping the routing kernel); same arithmetic, bit for bit.
+    shared_first: bool = False
+    # shared_in_route: the shared slots' w13 rows are computed by extra programs of the routing kernel
+    # (shared_rows weight rows each, loaded before its wait: they stream during the router GEMV), and the
+    # w13 kernel runs the routed slots only (8 of 9 slots at top-8).
+    shared_in_route: bool = False
+    shared_rows: int = 1
+    # shared_w2 (needs shared_in_route and all_experts): the shared slots' w2 rows are computed by extra
+    # programs at the front of the w13 kernel (shared_w2_rows rows each, loaded before its wait) into a
+    # weighted fp32 partial; the w2 kernel runs the routed slots only (KP = 8 instead of 16 at top-8) and
+    # adds the partial last.
+    shared_w2: bool = False
+    shared_w2_rows: int = 32
 
 
 # T = 1 (H200 sweep at the 35B-A3B shape, top-8 + the shared slot: 23.2 us against 27.1 for the T = 8 tiles):
@@ -383,6 +399,96 @@ def _gemv_w13_kernel(x, w13, ids, inter, H, I, s_x, s_we, s_wn,
     tl.store(inter + a.to(tl.int64) * I + rows, h.to(inter.dtype.element_ty), mask=row_ok)
 
 
+@triton.jit
+def _shared_w2_rows(inter, w2, weights, part, q, T, H, I, E0, s_w2e, s_w2n, s_w, SLOTS: tl.constexpr,
+                    K: tl.constexpr, M: tl.constexpr, R2: tl.constexpr, IB: tl.constexpr, WAIT: tl.constexpr,
+                    PDL: tl.constexpr):
+    """Rows q*R2 .. of the shared slices' stacked w2 rows (M*H rows: slice s = row // H, expert E0 + s) for
+    every token: part[t, s, row % H] = weight[t, K + s] * round(w2 row . inter[t * SLOTS + K + s]) in fp32.
+    The weights are constant: loaded before the wait (the intermediate comes from the kernel before us)."""
+    rr = q * R2 + tl.arange(0, R2)
+    r_ok = rr < M * H
+    s = rr // H
+    r = rr - s * H
+    kk = tl.arange(0, IB)
+    k_ok = kk < I
+    m = r_ok[:, None] & k_ok[None, :]
+    w = tl.load(w2 + (E0 + s).to(tl.int64)[:, None] * s_w2e + r.to(tl.int64)[:, None] * s_w2n + kk[None, :],
+                mask=m, other=0.0)
+    if WAIT:
+        gdc_wait()
+    if PDL:
+        gdc_launch_dependents()
+    for t in range(T):
+        slot = t * SLOTS + K + s
+        hv = tl.load(inter + slot.to(tl.int64)[:, None] * I + kk[None, :], mask=m, other=0.0).to(tl.float32)
+        y = tl.sum(w.to(tl.float32) * hv, 1).to(inter.dtype.element_ty).to(tl.float32)   # rounded
+        wt = tl.load(weights + t * s_w + K + s, mask=r_ok, other=0.0).to(tl.float32)
+        tl.store(part + (t * M + s).to(tl.int64) * H + r, wt * y, mask=r_ok)
+
+
+@triton.jit(do_not_specialize=["T", "NW2", "NSH"])
+def _gemv_w13_split_kernel(x, w13, ids, inter, w2, weights, part, T, H, I, E0, NW2, NSH, s_x, s_we, s_wn,
+                           s_w2e, s_w2n, s_w, SLOTS: tl.constexpr, K: tl.constexpr, M: tl.constexpr,
+                           BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
+                           PRE: tl.constexpr, W2S: tl.constexpr, R2: tl.constexpr, IB: tl.constexpr):
+    """_gemv_w13_kernel with the shared slots (the last M of SLOTS per token, experts E0 .. E0+M-1) set apart,
+    over a 1-D grid in this order: NW2 programs of the shared slots' w2 (W2S, _shared_w2_rows), NSH w13
+    programs of the shared slots (PRE: they load their first tiles before the wait), then the routed slots'
+    w13 programs (K per token; program order (slot, row block) as _gemv_w13_kernel's grid). Each w13 program
+    runs _gemv_w13_kernel's arithmetic, operation for operation."""
+    pid = tl.program_id(0)
+    if pid < NW2:
+        if W2S:
+            _shared_w2_rows(inter, w2, weights, part, pid, T, H, I, E0, s_w2e, s_w2n, s_w, SLOTS, K, M, R2, IB,
+                            WAIT, PDL)
+    else:
+        p = pid - NW2
+        shared = p < NSH
+        routed = p >= NSH
+        sa = p % (T * M)                       # shared programs: (token, slice), then row block
+        ra = (p - NSH) % (T * K)               # routed programs: (token, slot), then row block
+        n = tl.where(shared, p // (T * M), (p - NSH) // (T * K))
+        t = tl.where(shared, sa // M, ra // K).to(tl.int64)
+        a = tl.where(shared, t * SLOTS + K + sa % M, t * SLOTS + ra % K)
+        rows = n * BN + tl.arange(0, BN)
+        row_ok = rows < I
+        kk = tl.arange(0, BK)
+        off = rows[:, None].to(tl.int64) * s_wn + kk[None, :]
+        m0 = row_ok[:, None] & (kk < H)[None, :]
+        if PRE:
+            ws = w13 + (E0 + sa % M).to(tl.int64) * s_we + off          # read only where shared
+            g0 = tl.load(ws, mask=m0 & shared, other=0.0)
+            u0 = tl.load(ws + I * s_wn, mask=m0 & shared, other=0.0)
+        if WAIT:
+            gdc_wait()                   # ids / x come from the kernels before us
+        if PDL:
+            gdc_launch_dependents()      # the w2 kernel may start now; it waits for our output itself
+        e = tl.where(shared, E0 + sa % M, tl.load(ids + a, mask=routed, other=0)).to(tl.int64)
+        wg = w13 + e * s_we + off
+        wu = wg + I * s_wn
+        xp = x + t * s_x + kk
+        acc_g = tl.zeros([BN, BK], dtype=tl.float32)
+        acc_u = tl.zeros([BN, BK], dtype=tl.float32)
+        xv = tl.load(xp, mask=kk < H, other=0.0).to(tl.float32)[None, :]
+        if PRE:
+            gt = tl.where(shared, g0, tl.load(wg, mask=m0 & routed, other=0.0))
+            ut = tl.where(shared, u0, tl.load(wu, mask=m0 & routed, other=0.0))
+        else:
+            gt = tl.load(wg, mask=m0, other=0.0)
+            ut = tl.load(wu, mask=m0, other=0.0)
+        acc_g += gt.to(tl.float32) * xv
+        acc_u += ut.to(tl.float32) * xv
+        for k0 in range(BK, H, BK):
+            k_ok = kk + k0 < H
+            xv = tl.load(xp + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            m = row_ok[:, None] & k_ok[None, :]
+            acc_g += tl.load(wg + k0, mask=m, other=0.0).to(tl.float32) * xv
+            acc_u += tl.load(wu + k0, mask=m, other=0.0).to(tl.float32) * xv
+        h = silu(tl.sum(acc_g, 1)) * tl.sum(acc_u, 1)
+        tl.store(inter + a.to(tl.int64) * I + rows, h.to(inter.dtype.element_ty), mask=row_ok)
+
+
 @triton.jit(do_not_specialize=["E"])
 def _gemv_w13_routed_kernel(x, logits, w13, ids, weights, inter, H, I, E, s_x, s_l, s_we, s_wn,
                             K: tl.constexpr, M: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr,
@@ -498,17 +604,21 @@ def _gemv_w2_combine_kernel(inter, w2, ids, weights, out, H, I, s_we, s_wn, s_w,
 
 @triton.jit
 def _gemv_w2_all_kernel(inter, w2, ids, weights, out, H, I, s_we, s_wn, s_w, s_o, TOP_K: tl.constexpr,
-                        KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
-    """As _gemv_w2_combine_kernel, the token's experts gathered into one [KP, BN, BK] tile per step."""
+                        KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
+                        SLOTS: tl.constexpr, part=None, MP: tl.constexpr = 0):
+    """As _gemv_w2_combine_kernel, the token's experts gathered into one [KP, BN, BK] tile per step.
+    SLOTS: slots per token in ids / weights / inter, of which the first TOP_K run here; MP: the
+    fp32 partials part[t, 0 .. MP-1, :] (the other slots' weighted outputs, GemvMoeConfig.shared_w2) are
+    added after them, in order."""
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BN + tl.arange(0, BN)
     j = tl.arange(0, KP)
     j_ok = j < TOP_K
-    e = tl.load(ids + t * TOP_K + j, mask=j_ok, other=0).to(tl.int64)
+    e = tl.load(ids + t * SLOTS + j, mask=j_ok, other=0).to(tl.int64)
     wt = tl.load(weights + t * s_w + j, mask=j_ok, other=0.0).to(tl.float32)
     kk = tl.arange(0, BK)
     wp = w2 + e[:, None, None] * s_we + rows[None, :, None].to(tl.int64) * s_wn + kk[None, None, :]
-    hp = inter + (t * TOP_K + j)[:, None] * I + kk[None, :]
+    hp = inter + (t * SLOTS + j)[:, None] * I + kk[None, :]
     m_w = j_ok[:, None, None] & (rows < H)[None, :, None]
     w_first = tl.load(wp, mask=m_w & (kk < I)[None, None, :], other=0.0)
     if PDL:
@@ -523,6 +633,8 @@ def _gemv_w2_all_kernel(inter, w2, ids, weights, out, H, I, s_we, s_wn, s_w, s_o
         acc += tl.sum(w * h[:, None, :], 2)
     y = acc.to(out.dtype.element_ty).to(tl.float32)                 # each expert's output, rounded
     total = tl.sum(wt[:, None] * y, 0)
+    for s in tl.static_range(MP):
+        total += tl.load(part + (t * MP + s) * H + rows, mask=rows < H, other=0.0)
     tl.store(out + t * s_o + rows, total.to(out.dtype.element_ty), mask=rows < H)
 
 
@@ -684,11 +796,69 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, cfg: GemvMoeConfig, rout
         _gemv_w2_all_kernel[(T, triton.cdiv(H, cfg.block_n2))](
             h, w2, topk_ids, topk_weights, out, H, inter, w2.stride(0), w2.stride(1), topk_weights.stride(0),
             out.stride(0), TOP_K=top_k, KP=triton.next_power_of_2(top_k), BN=cfg.block_n2, BK=cfg.block_k2,
-            PDL=cfg.pdl, num_warps=cfg.warps2, num_stages=cfg.stages, **({"launch_pdl": True} if cfg.pdl else {}))
+            PDL=cfg.pdl, SLOTS=top_k, num_warps=cfg.warps2, num_stages=cfg.stages,
+            **({"launch_pdl": True} if cfg.pdl else {}))
         return out
     _gemv_w2_combine_kernel[(T, triton.cdiv(H, cfg.block_n2))](
         h, w2, topk_ids, topk_weights, out, H, inter, w2.stride(0), w2.stride(1), topk_weights.stride(0),
         out.stride(0), TOP_K=top_k, BN=cfg.block_n2, BK=cfg.block_k2, ONE_STEP=cfg.block_k2 >= inter,
+        TRIGGER=x.is_cuda and _has_pdl(x.device), num_warps=cfg.warps2, num_stages=cfg.stages)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shared:
+    """fused_moe_routed's routing, done by the routing kernel with the shared slots set apart (the
+    GemvMoeConfig.shared_* variants); its outputs go to topk_weights / topk_ids."""
+
+    logits: torch.Tensor
+    experts: int             # routed experts E; the shared slices are experts E .. E + slices - 1
+    top_k: int
+    slices: int
+    renormalize: bool
+
+
+def _shared_variant(cfg: MoeConfigs | None) -> bool:
+    return isinstance(cfg, GemvMoeConfig) and (cfg.shared_first or cfg.shared_in_route or cfg.shared_w2)
+
+
+def _fused_moe_gemv_shared(x, w13, w2, topk_weights, topk_ids, cfg: GemvMoeConfig, sh: _Shared) -> torch.Tensor:
+    """The GEMV path with the shared slots set apart (GemvMoeConfig.shared_first / shared_in_route /
+    shared_w2): routing (with the shared slots' w13 rows where shared_in_route), one w13 launch whose
+    shared-slot programs come first, the w2 + combine."""
+    T, H = x.shape
+    inter = w2.shape[-1]
+    K, M = sh.top_k, sh.slices
+    width = K + M
+    h = torch.empty((T * width, inter), dtype=x.dtype, device=x.device)
+    if cfg.shared_in_route:
+        route_ops.route_and_shared_w13(sh.logits, K, sh.renormalize, M, x, w13, h, rows=cfg.shared_rows,
+                                       out=(topk_weights, topk_ids))
+    else:
+        w, i = route_ops.topk_softmax(sh.logits, K, sh.renormalize, shared_slices=M)
+        topk_weights.copy_(w), topk_ids.copy_(i)
+    nb = triton.cdiv(inter, cfg.block_n1)
+    nsh = 0 if cfg.shared_in_route else T * M * nb
+    nw2 = triton.cdiv(M * H, cfg.shared_w2_rows) if cfg.shared_w2 else 0
+    part = torch.empty((T, M, H), dtype=torch.float32, device=x.device) if cfg.shared_w2 else None
+    _gemv_w13_split_kernel[(nw2 + nsh + T * K * nb,)](
+        x, w13, topk_ids, h, w2, topk_weights, part if part is not None else h, T, H, inter, sh.experts, nw2, nsh,
+        x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1), topk_weights.stride(0),
+        SLOTS=width, K=K, M=M, BN=cfg.block_n1, BK=cfg.block_k1, PDL=cfg.pdl, WAIT=cfg.pdl_w13,
+        PRE=cfg.shared_first, W2S=cfg.shared_w2, R2=cfg.shared_w2_rows, IB=triton.next_power_of_2(inter),
+        num_warps=cfg.warps1, num_stages=cfg.stages, **({"launch_pdl": True} if cfg.pdl_w13 else {}))
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    if cfg.all_experts:
+        run = K if cfg.shared_w2 else width
+        _gemv_w2_all_kernel[(T, triton.cdiv(H, cfg.block_n2))](
+            h, w2, topk_ids, topk_weights, out, H, inter, w2.stride(0), w2.stride(1), topk_weights.stride(0),
+            out.stride(0), TOP_K=run, KP=triton.next_power_of_2(run), BN=cfg.block_n2, BK=cfg.block_k2,
+            PDL=cfg.pdl, SLOTS=width, part=part, MP=M if cfg.shared_w2 else 0, num_warps=cfg.warps2,
+            num_stages=cfg.stages, **({"launch_pdl": True} if cfg.pdl else {}))
+        return out
+    _gemv_w2_combine_kernel[(T, triton.cdiv(H, cfg.block_n2))](
+        h, w2, topk_ids, topk_weights, out, H, inter, w2.stride(0), w2.stride(1), topk_weights.stride(0),
+        out.stride(0), TOP_K=width, BN=cfg.block_n2, BK=cfg.block_k2, ONE_STEP=cfg.block_k2 >= inter,
         TRIGGER=x.is_cuda and _has_pdl(x.device), num_warps=cfg.warps2, num_stages=cfg.stages)
     return out
 
@@ -729,9 +899,18 @@ def fused_moe_routed(
         config = default_moe_config(T, width, w13.shape[0], x.shape[1], w2.shape[-1],
                                     pdl=x.is_cuda and _has_pdl(x.device))
     gemv = isinstance(config, GemvMoeConfig)
+    split = _shared_variant(config)
     if fuse_routing is None:
-        fuse_routing = gemv and T <= FUSED_ROUTING_MAX_TOKENS
+        fuse_routing = gemv and not split and T <= FUSED_ROUTING_MAX_TOKENS
     check(not fuse_routing or gemv, op, f"fuse_routing needs the GEMV path (a GemvMoeConfig), got {config}")
+    check(not (fuse_routing and split), op, "fuse_routing excludes the config's shared_first / shared_in_route / "
+          "shared_w2 (the routing is its own kernel there)")
+    if split:
+        check(shared_slices >= 1, op, "the config's shared_first / shared_in_route / shared_w2 need shared_slices >= 1")
+        weights = torch.empty((T, width), dtype=torch.float32, device=x.device)
+        ids = torch.empty((T, width), dtype=torch.int64, device=x.device)
+        return _fused_moe(op, x, w13, w2, weights, ids, config,
+                          shared=_Shared(router_logits, E, top_k, shared_slices, bool(renormalize)))
     if not fuse_routing:
         weights, ids = route_ops.topk_softmax(router_logits, top_k, renormalize, shared_slices=shared_slices)
         return fused_moe(x, w13, w2, weights, ids, config=config)
@@ -752,8 +931,9 @@ def fused_moe(
 
 
 def _fused_moe(op: str, x, w13, w2, topk_weights, topk_ids, config: MoeConfigs | None,
-               route: _Routing | None = None) -> torch.Tensor:
-    """fused_moe; with `route`, topk_weights / topk_ids are outputs, written by the w13 kernel."""
+               route: _Routing | None = None, shared: _Shared | None = None) -> torch.Tensor:
+    """fused_moe; with `route` or `shared`, topk_weights / topk_ids are outputs, written by the w13 kernel
+    or the routing kernel."""
     check(x.dim() == 2, op, f"x must be [T, H], got {tuple(x.shape)}")
     T, H = x.shape
     check(w13.dim() == 3 and w13.shape[2] == H and w13.shape[1] % 2 == 0, op,
@@ -792,6 +972,17 @@ def _fused_moe(op: str, x, w13, w2, topk_weights, topk_ids, config: MoeConfigs |
         v, least = getattr(cfg, name), 1 if gemv else 16
         check(v >= least and v & (v - 1) == 0, op, f"config {name}={v} must be a power of two >= {least}")
     if gemv:
+        if _shared_variant(cfg):
+            check(shared is not None, op, "config shared_first / shared_in_route / shared_w2 need fused_moe_routed "
+                  "with shared_slices >= 1 (the shared slots must be known before the routing)")
+            check(not (cfg.shared_first and cfg.shared_in_route), op,
+                  "config shared_first and shared_in_route exclude each other (the shared slots' w13 runs in "
+                  "one of the two kernels)")
+            check(not cfg.shared_w2 or (cfg.shared_in_route and cfg.all_experts), op,
+                  "config shared_w2 needs shared_in_route=True and all_experts=True")
+            for name in ("shared_rows", "shared_w2_rows"):
+                v = getattr(cfg, name)
+                check(v >= 1 and v & (v - 1) == 0, op, f"config {name}={v} must be a power of two")
         if cfg.pdl_w13:
             check(x.is_cuda and _has_pdl(x.device), op,
                   "config pdl_w13=True needs a CUDA device of compute capability 9.0 or newer")
@@ -799,6 +990,8 @@ def _fused_moe(op: str, x, w13, w2, topk_weights, topk_ids, config: MoeConfigs |
             check(cfg.all_experts, op, "config pdl=True needs all_experts=True")
             check(x.is_cuda and _has_pdl(x.device), op,
                   "config pdl=True needs a CUDA device of compute capability 9.0 or newer")
+        if shared is not None:
+            return _fused_moe_gemv_shared(x, w13, w2, topk_weights, topk_ids, cfg, shared)
         return _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, cfg, route)
     sorted_ids, block_expert = align_by_expert(topk_ids, E, cfg.block_m)
     nb = block_expert.shape[0]

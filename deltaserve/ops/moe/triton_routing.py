@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..triton_common import ACTIVATION_DTYPES, check, check_last_contiguous
+from ..triton_common import ACTIVATION_DTYPES, check, check_last_contiguous, silu
 
 MAX_EXPERTS = 4096
 SMALL_BATCH = 64     # up to this many tokens: one token per program
@@ -118,6 +118,49 @@ def _route_kernel(logits, weights, ids, T, E, s_l, K: tl.constexpr, M: tl.conste
     _route_tile(logits, weights, ids, rows, rows < T, E, s_l, K, M, KP, EP, RENORM)
 
 
+@triton.jit
+def _shared_w13_rows(x, w13, h, q, T, H, I, E, s_x, s_we, s_wn, K: tl.constexpr, M: tl.constexpr,
+                     R: tl.constexpr, HB: tl.constexpr, WAIT: tl.constexpr):
+    """Rows q*R .. q*R+R-1 of the shared slices' intermediate (M*I rows, slice s = row // I, expert E + s),
+    for every token t: h[t * (K + M) + K + s, row % I] = SiLU(gate row . x_t) * (up row . x_t), rounded
+    once. The weights are constant: loaded before the wait, so they stream while the kernel before us runs."""
+    rr = q * R + tl.arange(0, R)
+    r_ok = rr < M * I
+    s = rr // I
+    r = rr - s * I
+    kk = tl.arange(0, HB)
+    k_ok = kk < H
+    m = r_ok[:, None] & k_ok[None, :]
+    wg = w13 + (E + s).to(tl.int64)[:, None] * s_we + r.to(tl.int64)[:, None] * s_wn + kk[None, :]
+    g = tl.load(wg, mask=m, other=0.0)
+    u = tl.load(wg + I * s_wn, mask=m, other=0.0)
+    if WAIT:
+        gdc_wait()                   # x comes from the kernel before us (the router GEMV's normed rows)
+    for t in range(T):
+        xv = tl.load(x + t * s_x + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        hv = silu(tl.sum(g.to(tl.float32) * xv, 1)) * tl.sum(u.to(tl.float32) * xv, 1)
+        tl.store(h + (t * (K + M) + K + s).to(tl.int64) * I + r, hv.to(h.dtype.element_ty), mask=r_ok)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _route_shared_kernel(logits, weights, ids, x, w13, h, T, E, H, I, NR, s_l, s_x, s_we, s_wn,
+                         K: tl.constexpr, M: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, BT: tl.constexpr,
+                         RENORM: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr, R: tl.constexpr,
+                         HB: tl.constexpr):
+    """_route_kernel's NR programs, then programs that compute the shared slices' w13 rows
+    (_shared_w13_rows, R rows each): route_and_shared_w13."""
+    if PDL:
+        gdc_launch_dependents()      # the next kernel may start; it waits for our output itself
+    p = tl.program_id(0)
+    if p < NR:
+        if WAIT:
+            gdc_wait()               # the logits come from the kernel before us
+        rows = p * BT + tl.arange(0, BT)
+        _route_tile(logits, weights, ids, rows, rows < T, E, s_l, K, M, KP, EP, RENORM)
+    else:
+        _shared_w13_rows(x, w13, h, p - NR, T, H, I, E, s_x, s_we, s_wn, K, M, R, HB, WAIT)
+
+
 PDL_MAX_TOKENS = 8   # up to this many tokens the routing is launched programmatically (module docstring)
 
 
@@ -139,6 +182,64 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
     return routed(router_logits, top_k, renormalize, shared_slices=shared_slices)
 
 
+def _launch_shape(E: int, T: int) -> tuple[int, int]:
+    """Tokens per program and warps of the routing kernel."""
+    ep = triton.next_power_of_2(E)
+    if T <= SMALL_BATCH:
+        # decode: a token per one-warp program, so the 2k max-reductions are warp shuffles (a 16-row,
+        # 4-warp tile measured 18.6 us per call at T = 1 on an H200, most of it block-wide reductions)
+        return 1, 1 if ep <= 1024 else 4
+    return max(1, min(16, 4096 // ep)), 4
+
+
+def _pdl(router_logits: torch.Tensor, T: int, pdl_wait: bool | None) -> tuple[bool, bool]:
+    """(release the next kernel early, wait for the kernel before us): module docstring."""
+    pdl = router_logits.is_cuda and torch.cuda.get_device_capability(router_logits.device)[0] >= 9
+    return pdl, pdl and (T <= PDL_MAX_TOKENS if pdl_wait is None else pdl_wait)
+
+
+def route_and_shared_w13(router_logits: torch.Tensor, top_k: int, renormalize: bool, shared_slices: int,
+                         x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, *, rows: int = 1,
+                         pdl_wait: bool | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """routed(), and in the same launch the shared slices' w13 GEMV: inter [T * (top_k + M), I] gets, in
+    the rows of every token's shared slots (K .. K + M - 1), SiLU(gate . x) * up . x of experts E .. E + M - 1
+    of w13 [>= E + M, 2I, H] (fused_moe's w13 kernel does the rest). Extra programs of `rows` weight rows
+    each (M * I / rows of them) load their rows before the kernel's wait: constant weights stream while the
+    router GEMV before it runs (fused_moe_routed with GemvMoeConfig.shared_in_route). `out`: the (weights,
+    ids) tensors to write (else new ones)."""
+    op = "route_and_shared_w13"
+    E = check_routing(op, router_logits, top_k, shared_slices)
+    T, H = x.shape
+    inter_rows = w13.shape[1] // 2
+    width = top_k + shared_slices
+    check(shared_slices >= 1, op, "needs shared_slices >= 1")
+    check(rows >= 1 and rows & (rows - 1) == 0, op, f"rows={rows} must be a power of two")
+    check(x.dim() == 2 and T == router_logits.shape[0], op, f"x {tuple(x.shape)} must be [T, H] for the logits' T")
+    check(w13.dim() == 3 and w13.shape[0] >= E + shared_slices and w13.shape[2] == H and w13.stride(1) == H, op,
+          f"w13 must be dense [>= {E + shared_slices}, 2I, {H}], got {tuple(w13.shape)}")
+    check(inter.shape == (T * width, inter_rows) and inter.is_contiguous() and inter.dtype == x.dtype, op,
+          f"inter must be a contiguous [{T * width}, {inter_rows}] {x.dtype} tensor, got {tuple(inter.shape)}")
+    check_last_contiguous(op, x=x, w13=w13)
+    if out is None:
+        out = (torch.empty((T, width), dtype=torch.float32, device=router_logits.device),
+               torch.empty((T, width), dtype=torch.int64, device=router_logits.device))
+    weights, ids = out
+    check(weights.shape == ids.shape == (T, width) and weights.dtype == torch.float32 and weights.is_contiguous()
+          and ids.is_contiguous(), op, f"out must be contiguous fp32 / integer [{T}, {width}] tensors")
+    if T == 0:
+        return weights, ids
+    bt, warps = _launch_shape(E, T)
+    pdl, wait = _pdl(router_logits, T, pdl_wait)
+    nr = triton.cdiv(T, bt)
+    _route_shared_kernel[(nr + triton.cdiv(shared_slices * inter_rows, rows),)](
+        router_logits, weights, ids, x, w13, inter, T, E, H, inter_rows, nr, router_logits.stride(0), x.stride(0),
+        w13.stride(0), w13.stride(1), K=top_k, M=shared_slices, KP=triton.next_power_of_2(width),
+        EP=triton.next_power_of_2(E), BT=bt, RENORM=bool(renormalize), PDL=pdl, WAIT=wait, R=rows,
+        HB=triton.next_power_of_2(H), num_warps=warps, **({"launch_pdl": True} if wait else {}))
+    return weights, ids
+
+
 def routed(router_logits: torch.Tensor, top_k: int, renormalize: bool, *, shared_slices: int = 0,
            pdl_wait: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_softmax with the launch choice open: `pdl_wait` True launches the kernel as a programmatic
@@ -153,14 +254,8 @@ def routed(router_logits: torch.Tensor, top_k: int, renormalize: bool, *, shared
     if T == 0:
         return weights, ids
     ep = triton.next_power_of_2(E)
-    if T <= SMALL_BATCH:
-        # decode: a token per one-warp program, so the 2k max-reductions are warp shuffles (a 16-row,
-        # 4-warp tile measured 18.6 us per call at T = 1 on an H200, most of it block-wide reductions)
-        bt, warps = 1, 1 if ep <= 1024 else 4
-    else:
-        bt, warps = max(1, min(16, 4096 // ep)), 4
-    pdl = router_logits.is_cuda and torch.cuda.get_device_capability(router_logits.device)[0] >= 9
-    wait = pdl and (T <= PDL_MAX_TOKENS if pdl_wait is None else pdl_wait)
+    bt, warps = _launch_shape(E, T)
+    pdl, wait = _pdl(router_logits, T, pdl_wait)
     _route_kernel[(triton.cdiv(T, bt),)](
         router_logits, weights, ids, T, E, router_logits.stride(0), K=top_k, M=shared_slices,
         KP=triton.next_power_of_2(width), EP=ep, BT=bt, RENORM=bool(renormalize), PDL=pdl, WAIT=wait,
