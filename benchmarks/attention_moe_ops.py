@@ -549,6 +549,8 @@ SHARED_T1 = {
     "shared_in_route + shared_w2": replace(moe_t.GEMV_T1, shared_in_route=True, shared_w2=True),
     "shared_in_route + shared_w2 16 rows": replace(moe_t.GEMV_T1, shared_in_route=True, shared_w2=True,
                                                    shared_w2_rows=16),
+    "shared_in_route + shared_w2, w2 2 rows": replace(moe_t.GEMV_T1, shared_in_route=True, shared_w2=True,
+                                                      block_n2=2),
 }
 _TN = moe_t.GemvMoeConfig(pdl_w13=True)
 SHARED_TN = {
