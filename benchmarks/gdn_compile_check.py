@@ -41,7 +41,7 @@ def _sig(fn, types: dict[str, str], constexprs: dict[str, object]) -> dict[str, 
 
 
 # runtime values: never specialised (do_not_specialize, or floats)
-UNSPECIALISED = ("N", "scale", "eps")
+UNSPECIALISED = ("N", "scale", "eps", "M", "s_ys", "SLOTS")
 
 
 def compile_one(label: str, fn, types: dict[str, str], constexprs: dict[str, object], num_warps: int,
@@ -155,6 +155,30 @@ def main() -> int:
         "commit", rec_t._commit_kernel,
         dict(num_acc=i32, cu=i32, idx=i32, conv_state=bf, ssm=f32, st_x=bf, st_k=f32, st_g=f32, st_d=f32),
         dict(R=R, K=K, V=V, BV=32, W=4, WP=4, BD=1024), 4))
+    # the one-launch decode: the layer's batch-1 forms (gated_norm=False), conv inside and conv applied
+    # (rms_norm_linear_conv's output); PDL + prefetch as the default at B = 1
+    dec_types = dict(x=bf, z=bf, a=bf, b=bf, conv_w=bf, A_log=f32, dt_bias=f32, norm_w=bf, conv_state=bf, ssm=f32,
+                     idx=i32, o_tmp=bf, out=bf, counters=i32, scale="fp32", eps="fp32", SLOTS="i32")
+    for conv, norm, bv, warps in [(True, False, 16, 1), (False, False, 16, 1), (False, True, 16, 1),
+                                  (False, False, 16, 2), (False, False, 32, 2)]:
+        results.append(compile_one(
+            f"decode one launch conv={int(conv)} norm={int(norm)} bv={bv} w{warps} pdl", rec_t._decode_fused_kernel,
+            dec_types, dict(R=R, RP=R, K=K, V=V, BV=bv, W=4, WP=4, SIGMOID=False, PDL=True, PREFETCH=True,
+                            STATE_AFTER_RELEASE=False, TRIGGER=True, NORM=norm, CONV=conv), warps))
+    # the input projection with the conv epilogue (rms_norm_linear_conv): 35B-A3B in_proj 2048 -> 12352 at
+    # M = 1 (the norm folded, default tiles 16 x 256, 4 stages) and M = 8 (tensor cores, 64 x 128, 4 stages)
+    from deltaserve.ops.linear import triton as lin_t
+    gemv_types = dict(x=bf, w=bf, y=bf, r=bf, nw=bf, h=bf, s=bf, eps="fp32", cw=bf, cst=bf, cidx=i32)
+    for conv, pf in ((False, False), (True, False), (True, True)):
+        results.append(compile_one(
+            f"gemv_fma NORM in_proj 16x256 w4 s4 conv={int(conv)} window_prefetch={int(pf)}", lin_t._gemv_fma_kernel,
+            gemv_types, dict(BM=1, BN=16, BK=256, NORM=True, HAS_RES=True, ZC=True, PK=2048, PDL=True, PF=512,
+                             CONV=conv, CW=4, CONV_PF=pf), 4, 4))
+    for conv in (False, True):
+        results.append(compile_one(
+            f"gemv_dot in_proj M=8 64x128 w4 s4 conv={int(conv)}", lin_t._gemv_dot_kernel, gemv_types,
+            dict(BM=16, BN=64, BK=128, IEEE=False, NORM=False, HAS_RES=False, ZC=False, PK=16, PDL=True, PF=128,
+                 CONV=conv, CW=4), 4, 4))
     results.append(compile_one(
         "gating", rec_t._gating_kernel, dict(A_log=f32, a=bf, dt_bias=f32, b=bf, g=f32, beta=f32),
         dict(BH=32, BT=32), 4))

@@ -29,6 +29,14 @@ Run (GPU): PYTHONPATH=.:$FLA FLA_FLASH_QLA=0 python benchmarks/gdn_decode_latenc
 variants; not folded by default). A graph holds 16 pairs on disjoint slots and distinct weight copies
 (16.8 / 63 MB each, so the weights come from HBM), each kernel a programmatic dependent of the one before
 as in the engine; time per pair.
+
+--conv: the GDN layer's decode step from its input, B = 1, 2, 4, 8 (35B-A3B; --workers compile in parallel
+first, --wait-for as above): norm + in_proj GEMV + gdn_decode + out_proj as the layer runs it ("old": the
+conv in gdn_decode) against the conv of the q|k|v channels in the in_proj GEMV's epilogue
+(rms_norm_linear_conv + gdn_decode(conv_applied=True)); gdn_decode alone both ways (at B = 1 the bare
+recurrence: issue #3's 3.5 us), the in_proj alone both ways, launch shapes of gdn_decode(conv_applied) at
+B = 1, and the GEMV's window_prefetch form at B = 1 (added after the session-6 run). A graph holds 16 calls on disjoint slots and distinct weight copies (50.6 MB in_proj + 16.8 MB
+out_proj each); time per call.
 """
 
 from __future__ import annotations
@@ -311,6 +319,156 @@ def fold_shape(args, log, shape: str) -> None:
         json.dump(dict(copy_TBps=copy / 1e12, results=rows), f, indent=1)
 
 
+# ---- --conv: the conv of the q|k|v channels in the input projection's epilogue (session 6) -----------
+
+CONV_BATCHES = (1, 2, 4, 8)
+CONV_CALLS = 16
+# gdn_decode(conv_applied=True) launch shapes timed beside the default at B = 1 (bv16/w1, PDL + prefetch)
+CONV_DECODE_VARIANTS = {"bv16/w2": dataclasses.replace(ONE, num_warps=2), "bv32/w2": dataclasses.replace(ONE, bv=32,
+                                                                                                       num_warps=2),
+                        "bv8/w1": dataclasses.replace(ONE, bv=8), "no pdl": dataclasses.replace(ONE, pdl=False)}
+
+
+def conv_inputs(shape: str, B: int, calls: int) -> dict:
+    """inputs() plus a pre-norm layer's operands: x, the residual and the norm weight [B, H], `calls` distinct
+    in_proj [D + HV*V + 2 HV, H] and out_proj [H, HV*V] weights (the weights of a call come from HBM)."""
+    hv, H = SHAPES[shape], HIDDEN[shape]
+    d = inputs(hv, B, calls)
+    g = torch.Generator(device=DEV).manual_seed(5)
+    bf = torch.bfloat16
+    N = 2 * HK * DK + 2 * hv * DV + 2 * hv
+    d["w_in"] = [(torch.randn(N, H, device=DEV, generator=g) * H ** -0.5).to(bf) for _ in range(calls)]
+    d["w_out"] = [(torch.randn(H, hv * DV, device=DEV, generator=g) * (hv * DV) ** -0.5).to(bf) for _ in range(calls)]
+    d["x"], d["res"] = (torch.randn(2, B, H, device=DEV, generator=g) * 2).to(bf).unbind(0)
+    d["ln"] = (torch.randn(H, device=DEV, generator=g) * 0.3).to(bf)
+    d["norm_w"] = (torch.rand(DV, device=DEV, generator=g) + 0.5).to(bf)
+    return d
+
+
+def conv_layer(d: dict, i: int, B: int, hv: int, fold: bool, cfg: tr.RecurrentConfig | None = None,
+               window_prefetch: bool = False):
+    """The GDN layer's decode step from its input as the layer runs it: norm + in_proj (rms_norm_linear, or
+    with the conv: rms_norm_linear_conv), gdn_decode (gated_norm=False at B = 1, conv_applied with the fold),
+    out_proj (gated_linear with the norm folded at B = 1, else linear)."""
+    from deltaserve.ops.linear import triton as lin_t
+
+    dc = 2 * HK * DK + hv * DV
+    idx = d["idx"][i]
+    if fold:
+        y = lin_t.rms_norm_linear_conv(d["x"], d["res"], d["ln"], 1e-6, d["w_in"][i], conv_weight=d["conv_w"],
+                                       conv_state=d["conv_pool"], state_indices=idx,
+                                       window_prefetch=window_prefetch)[0]
+    else:
+        y = lin_t.rms_norm_linear(d["x"], d["res"], d["ln"], 1e-6, d["w_in"][i])[0]
+    mixed, z2, b, a = y.split([dc, hv * DV, hv, hv], dim=-1)
+    o = tr.gdn_decode(mixed, z2.view(B, hv, DV), a, b, conv_weight=d["conv_w"], A_log=d["A_log"],
+                      dt_bias=d["dt_bias"], norm_weight=d["norm_w"], eps=1e-6, scale=DK ** -0.5,
+                      conv_state=d["conv_pool"], ssm_state=d["pool"], state_indices=idx, gated_norm=B > 1,
+                      conv_applied=fold, **({} if cfg is None else {"config": cfg}))
+    if B == 1:
+        return lin_t.gated_linear(o.view(1, -1), z2, d["w_out"][i], norm_weight=d["norm_w"], activation="silu")
+    return lin_t.linear(o.view(B, -1), d["w_out"][i])
+
+
+def conv_cases(shape: str) -> list[tuple[int, str, Callable[[dict], Callable[[int], object]]]]:
+    """(B, name, inputs -> per-call function) for the --conv timings."""
+    from deltaserve.ops.linear import triton as lin_t
+
+    hv = SHAPES[shape]
+
+    def decode(d, i, B, conv_applied, gated_norm, cfg=None):
+        return tr.gdn_decode(d["mixed"], d["z"], d["a"], d["b"], state_indices=d["idx"][i], conv_weight=d["conv_w"],
+                             A_log=d["A_log"], dt_bias=d["dt_bias"], norm_weight=d["norm_w"], eps=1e-6,
+                             scale=DK ** -0.5, conv_state=d["conv_pool"], ssm_state=d["pool"], gated_norm=gated_norm,
+                             conv_applied=conv_applied, **({} if cfg is None else {"config": cfg}))
+
+    out = []
+    for B in CONV_BATCHES:
+        out += [(B, "layer, old", lambda d, B=B: lambda i: conv_layer(d, i, B, hv, False)),
+                (B, "layer, conv in in_proj", lambda d, B=B: lambda i: conv_layer(d, i, B, hv, True)),
+                (B, "gdn_decode, old", lambda d, B=B: lambda i: decode(d, i, B, False, B > 1)),
+                (B, "gdn_decode, conv_applied", lambda d, B=B: lambda i: decode(d, i, B, True, B > 1))]
+    out += [(1, "in_proj alone: rms_norm_linear", lambda d: lambda i: lin_t.rms_norm_linear(
+                d["x"], d["res"], d["ln"], 1e-6, d["w_in"][i])),
+            (1, "in_proj + conv: rms_norm_linear_conv", lambda d: lambda i: lin_t.rms_norm_linear_conv(
+                d["x"], d["res"], d["ln"], 1e-6, d["w_in"][i], conv_weight=d["conv_w"], conv_state=d["conv_pool"],
+                state_indices=d["idx"][i]))]
+    # the GEMV's window loads after its weight stream, prefetched to L2 before its wait (no registers held)
+    out += [(1, "in_proj + conv, window prefetch", lambda d: lambda i: lin_t.rms_norm_linear_conv(
+                d["x"], d["res"], d["ln"], 1e-6, d["w_in"][i], conv_weight=d["conv_w"], conv_state=d["conv_pool"],
+                state_indices=d["idx"][i], window_prefetch=True)),
+            (1, "layer, conv in in_proj, window prefetch",
+             lambda d: lambda i: conv_layer(d, i, 1, hv, True, window_prefetch=True)),
+            (1, "layer, conv in in_proj, window prefetch, decode bv32/w2",
+             lambda d: lambda i: conv_layer(d, i, 1, hv, True, CONV_DECODE_VARIANTS["bv32/w2"], True))]
+    for name, cfg in CONV_DECODE_VARIANTS.items():
+        out += [(1, f"gdn_decode, conv_applied, {name}",
+                 lambda d, cfg=cfg: lambda i: decode(d, i, 1, True, False, cfg)),
+                (1, f"layer, conv in in_proj, decode {name}",
+                 lambda d, cfg=cfg: lambda i: conv_layer(d, i, 1, hv, True, cfg))]
+    return out
+
+
+def conv_main(args) -> int:
+    shape = args.shapes.split(",")[0]
+    hv = SHAPES[shape]
+    if args.worker is not None:   # warm-up: compile this worker's share of the cases once
+        for B, name, make in conv_cases(shape)[args.worker::args.workers]:
+            try:
+                make(conv_inputs(shape, B, 1))(0)
+                torch.cuda.synchronize()
+            except Exception as exc:  # reported again by the timed phase
+                print(f"[warm {args.worker}] B={B} {name}: {type(exc).__name__}: {exc}", flush=True)
+        return 0
+    t0 = time.time()
+    log = RunLog(args.out, "gdn_conv.log")
+    log(json.dumps(device_env()))
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--conv", "--worker", str(i), "--workers",
+                               str(args.workers), "--shapes", shape]) for i in range(args.workers)]
+    for p in procs:
+        p.wait()
+    log(f"warm-up (parallel compile) {time.time() - t0:.0f} s")
+    deadline = time.time() + 300
+    while args.wait_for and not os.path.exists(args.wait_for) and time.time() < deadline:
+        time.sleep(0.5)
+    log(f"timed phase starts at {time.time() - t0:.0f} s")
+    copy = ceilings(matmul=False, warmup=25)["copy_TBps"] * 1e12
+    log(f"copy {copy / 1e12:.3f} TB/s")
+    rows, inputs_of = [], {}
+    for B, name, make in conv_cases(shape):
+        if B not in inputs_of:
+            inputs_of.clear()
+            torch.cuda.empty_cache()
+            inputs_of[B] = conv_inputs(shape, B, CONV_CALLS)
+        try:
+            sec = graph_seconds(make(inputs_of[B]), CONV_CALLS, rep=args.rep_ms)
+        except Exception as exc:
+            log(f"FAILED B={B} {name}: {type(exc).__name__}: {str(exc)[:300]}")
+            continue
+        rows.append(dict(shape=shape, B=B, case=name, us=sec * 1e6))
+        log(json.dumps(rows[-1]))
+    by = {(r["B"], r["case"]): r["us"] for r in rows}
+    N = 2 * HK * DK + 2 * hv * DV + 2 * hv
+    w_bytes = (N + hv * DV) * HIDDEN[shape] * 2
+    lines = ["", f"{shape}, bf16, graph of {CONV_CALLS} calls on disjoint slots and weight copies, L2 flushed, PDL "
+             f"chain; layer weights in_proj + out_proj {w_bytes / 1e6:.1f} MB = {w_bytes / copy * 1e6:.2f} us at "
+             f"{copy / 1e12:.2f} TB/s; us per call", "", "| B | case | us |", "|---|---|---|"]
+    lines += [f"| {r['B']} | {r['case']} | {r['us']:.2f} |" for r in rows]
+    for B in CONV_BATCHES:
+        for old, new in (("layer, old", "layer, conv in in_proj"), ("gdn_decode, old", "gdn_decode, conv_applied"),
+                         ("layer, old", "layer, conv in in_proj, window prefetch")):
+            if (B, old) in by and (B, new) in by:
+                lines.append(f"B={B} {new}: {by[B, old] - by[B, new]:+.2f} us saved against {old} "
+                             f"({by[B, old] / by[B, new]:.3f}x)")
+    if (1, "gdn_decode, conv_applied") in by:
+        lines.append(f"issue #3 (gdn_decode <= 3.5 us at B = 1): {by[1, 'gdn_decode, conv_applied']:.2f} us")
+    log("\n".join(lines))
+    with open(os.path.join(args.out, f"gdn_conv_{shape}.json"), "w") as f:
+        json.dump(dict(copy_TBps=copy / 1e12, results=rows), f, indent=1)
+    log(f"total {time.time() - t0:.0f} s")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -322,7 +480,10 @@ def main() -> int:
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--worker", type=int, default=None)
     ap.add_argument("--fold", action="store_true", help="time the B = 1 output-projection folds (module docstring)")
+    ap.add_argument("--conv", action="store_true", help="time the conv in the input projection (module docstring)")
     args = ap.parse_args()
+    if args.conv:
+        return conv_main(args)
     if args.fold:
         log = RunLog(args.out, "gdn_fold.log")
         log(json.dumps(device_env()))

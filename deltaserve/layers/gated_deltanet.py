@@ -1,6 +1,9 @@
 """Gated DeltaNet layer (model_spec.md §3): projections, causal conv + SiLU, gates, L2-norm, delta rule,
 gated RMSNorm, output projection. At a one-token decode step the gated RMSNorm moves into the output
-projection's kernel (kernels.gated_linear; gdn_decode then returns o before the norm).
+projection's kernel (kernels.gated_linear; gdn_decode then returns o before the norm). At decode steps of
+CONV_FOLD_ROWS sequences, where the Triton op runs, the causal conv update of the q|k|v channels moves into
+the input projection's GEMV (kernels.rms_norm_linear_conv, asked for by the caller through `conv_fold`;
+gdn_decode then gets post-conv q|k|v, conv_applied=True, and no program of it touches a conv window).
 
 The recurrent state and conv window of each sequence live outside the layer, in the CacheBuffers pools
 indexed by the batch's state slots: prefill chunks continue from a saved state, decode tokens update
@@ -19,6 +22,13 @@ from ..config import ModelConfig
 from ..ops import Kernels
 from .linear import Linear, folds_gate, gated_projection
 from .weights import Target, WeightMap, rows, whole
+
+# Decode batches (one token per sequence, no prefill) of CONV_FOLD_ROWS[0] to [1] sequences run the conv in the
+# input projection's epilogue (kernels.rms_norm_linear_conv) where that op is the Triton kernel. Measured on
+# the H200 at the 35B-A3B shape, the layer's step (docs/PERFORMANCE.md, "gdn_decode at B = 1: the conv in the
+# input projection"): faster at 4 (35.55 vs 36.98 us) and 8 (41.16 vs 47.74), a tie at 2, slower at 1
+# (28.88 vs 28.64: the epilogue's registers cost the GEMV its single wave of programs).
+CONV_FOLD_ROWS = (4, 8)
 
 
 class GatedDeltaNet(nn.Module):
@@ -44,6 +54,19 @@ class GatedDeltaNet(nn.Module):
         self.norm_weight = nn.Parameter(torch.empty(self.dv, dtype=dtype, device=device), requires_grad=False)
         self.out_proj = Linear(self.value_dim, h, kernels, dtype=dtype, device=device)
         self.scale = self.dk ** -0.5
+        # chosen once (token counts lo..hi, inclusive): the reference backend (and so the CPU decode twin) keeps
+        # gdn_decode's own conv
+        triton_conv = kernels.backend.get("rms_norm_linear_conv") == "triton"
+        self.conv_fold_rows: tuple[int, int] = CONV_FOLD_ROWS if triton_conv else (0, 0)
+
+    def conv_fold(self, batch: ForwardBatch, conv_state: torch.Tensor) -> dict | None:
+        """The conv arguments of kernels.rms_norm_linear_conv when this step's input projection applies the
+        conv (a decode-only batch of conv_fold_rows tokens, a dense in_proj), else None. The caller then passes
+        conv_applied=True to forward_projected."""
+        T, (lo, hi) = batch.num_tokens, self.conv_fold_rows
+        if batch.num_prefill_tokens or not 0 < lo <= T <= hi or type(self.in_proj) is not Linear:
+            return None
+        return {"conv_weight": self.conv_weight, "conv_state": conv_state, "state_indices": batch.decode_slots()}
 
     @property
     def input_proj(self) -> Linear:
@@ -56,12 +79,15 @@ class GatedDeltaNet(nn.Module):
         return self.forward_projected(self.in_proj(x), batch, ssm_state, conv_state)
 
     def forward_projected(self, projected: torch.Tensor, batch: ForwardBatch, ssm_state: torch.Tensor,
-                          conv_state: torch.Tensor) -> torch.Tensor:
-        """forward from in_proj(x) [T, in_proj.out_features], computed by the caller."""
+                          conv_state: torch.Tensor, conv_applied: bool = False) -> torch.Tensor:
+        """forward from in_proj(x) [T, in_proj.out_features], computed by the caller; conv_applied: its q|k|v
+        columns are the conv's output already (kernels.rms_norm_linear_conv with `conv_fold`'s arguments)."""
         T = projected.shape[0]
         mixed, z2, b, a = projected.split(self.split_sizes, dim=-1)
         z = z2.view(T, self.nv, self.dv)
         P, n_pre = batch.num_prefill_tokens, batch.num_prefills
+        if conv_applied and P:
+            raise ValueError("GatedDeltaNet: conv_applied needs a decode-only batch (the prefill conv runs here)")
         k = self.kernels
         if P == 0 and folds_gate(self.out_proj, T):
             # one decode token: the gated norm goes into out_proj's GEMV, gdn_decode returns o before it
@@ -69,7 +95,7 @@ class GatedDeltaNet(nn.Module):
                 mixed, z, a, b, conv_weight=self.conv_weight, A_log=self.A_log, dt_bias=self.dt_bias,
                 norm_weight=self.norm_weight, eps=self.eps, scale=self.scale, conv_state=conv_state,
                 ssm_state=ssm_state, state_indices=batch.decode_slots(), norm_activation=self.norm_activation,
-                gated_norm=False)
+                gated_norm=False, conv_applied=conv_applied)
             return gated_projection(self.out_proj, k, o.view(T, self.value_dim), z2, norm_weight=self.norm_weight,
                                     eps=self.eps, activation=self.norm_activation)
         outs = []
@@ -91,7 +117,7 @@ class GatedDeltaNet(nn.Module):
                 mixed[P:], z[P:], a[P:], b[P:], conv_weight=self.conv_weight, A_log=self.A_log,
                 dt_bias=self.dt_bias, norm_weight=self.norm_weight, eps=self.eps, scale=self.scale,
                 conv_state=conv_state, ssm_state=ssm_state, state_indices=batch.decode_slots(),
-                norm_activation=self.norm_activation))
+                norm_activation=self.norm_activation, conv_applied=conv_applied))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.out_proj(o.reshape(T, self.value_dim))
 

@@ -54,9 +54,10 @@ class DecoderLayer(nn.Module):
         if self.layer_type == FULL_ATTENTION:
             projected, _, residual = self.input_layernorm.project(x, residual, self.self_attn.input_proj)
             h = self.self_attn.forward_projected(projected, batch, state[0], cos_sin)
-        else:
-            projected, _, residual = self.input_layernorm.project(x, residual, self.linear_attn.input_proj)
-            h = self.linear_attn.forward_projected(projected, batch, state[0], state[1])
+        else:   # at a small decode step the projection also does the conv (GatedDeltaNet.conv_fold)
+            conv = self.linear_attn.conv_fold(batch, state[1])
+            projected, _, residual = self.input_layernorm.project(x, residual, self.linear_attn.input_proj, conv=conv)
+            h = self.linear_attn.forward_projected(projected, batch, state[0], state[1], conv_applied=conv is not None)
         projected, h, residual = self.post_attention_layernorm.project(h, residual, self.mlp.input_proj)
         return self.mlp.forward_projected(h, projected), residual
 

@@ -55,6 +55,7 @@ class Kernels:
     sigmoid_mul: Callable            # x * sigmoid(gate): the attention output gate
     linear: Callable                 # y = x W^T: every projection and the logits
     rms_norm_linear: Callable        # (normed @ W^T, normed, x + residual): a pre-norm sublayer's input projection
+    rms_norm_linear_conv: Callable   # rms_norm_linear + the one-token conv of a GDN layer's q|k|v columns (decode)
     gated_linear: Callable           # (gate [after a per-head norm] * x) @ W^T: a gated sublayer's output projection
     embed_rope: Callable             # token embeddings (pending ids resolved on device) + the positions' RoPE tables
 
@@ -82,6 +83,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "sigmoid_mul": activation_ref.sigmoid_mul,
     "linear": linear_ref.linear,
     "rms_norm_linear": linear_ref.rms_norm_linear,
+    "rms_norm_linear_conv": linear_ref.rms_norm_linear_conv,
     "gated_linear": linear_ref.gated_linear,
     "embed_rope": embedding_ref.embed_rope,
 }

@@ -78,6 +78,7 @@ def _all_ops() -> dict[str, Callable]:
         "fused_moe_routed": moe_triton.fused_moe_routed,
         "linear": linear_triton.linear,
         "rms_norm_linear": linear_triton.rms_norm_linear,
+        "rms_norm_linear_conv": linear_triton.rms_norm_linear_conv,
         "gated_linear": linear_triton.gated_linear,
         "silu_and_mul": activation_triton.silu_and_mul,
         "sigmoid_mul": activation_triton.sigmoid_mul,

@@ -46,7 +46,7 @@ MiB = 1 << 20
 # folds it into out_proj, the gated norm).
 DECODE_PATH_OPS = ("linear", "rms_norm", "rms_norm_linear", "gated_linear", "gdn_decode", "attention_prologue",
                    "paged_attention", "fused_paged_attention", "topk_softmax", "fused_moe", "fused_moe_routed",
-                   "silu_and_mul", "sigmoid_mul", "embed_rope")
+                   "silu_and_mul", "sigmoid_mul", "embed_rope", "rms_norm_linear_conv")
 MAX_CAPTURE_SIZE = 512
 
 

@@ -246,6 +246,7 @@ def gdn_decode(
     conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
     eps: float, scale: float, conv_state: torch.Tensor, ssm_state: torch.Tensor,
     state_indices: torch.Tensor, norm_activation: str = "silu", gated_norm: bool = True,
+    conv_applied: bool = False,
 ) -> torch.Tensor:
     """One decode token for each of N sequences, the whole recurrent part of the layer: conv update +
     SiLU, split, gates, q/k L2 norm, delta rule on the slot state, gated RMSNorm. Returns [N, HV, V] in
@@ -253,10 +254,12 @@ def gdn_decode(
     output, no state touched). Equal to the layer's unfused decode path op by op (o is rounded to the
     activation dtype before the norm, as there). gated_norm=False returns that o before the gated
     RMSNorm (the layer then folds the norm into its output projection: linear.gated_linear); z and
-    norm_weight are then not used."""
+    norm_weight are then not used. conv_applied=True: mixed_qkv is already the conv's output (SiLU
+    applied, in the activation dtype) and the window already shifted (the input projection did both:
+    linear.rms_norm_linear_conv); conv_weight and conv_state are then not used."""
     kw = {"conv_weight": conv_weight, "A_log": A_log, "dt_bias": dt_bias, "norm_weight": norm_weight, "eps": eps,
           "scale": scale, "conv_state": conv_state, "ssm_state": ssm_state, "norm_activation": norm_activation,
-          "gated_norm": gated_norm}
+          "gated_norm": gated_norm, "conv_applied": conv_applied}
     if min(state_indices.tolist(), default=0) < 0:  # padded rows: compute the live ones, zeros elsewhere
         N, (HV, _, V) = mixed_qkv.shape[0], ssm_state.shape[1:]
         out = torch.zeros((N, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
@@ -273,14 +276,15 @@ def gdn_decode_unpadded(
     conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
     eps: float, scale: float, conv_state: torch.Tensor, ssm_state: torch.Tensor,
     state_indices: torch.Tensor, norm_activation: str = "silu", gated_norm: bool = True,
+    conv_applied: bool = False,
 ) -> torch.Tensor:
     """gdn_decode for a batch without padded rows (every slot >= 0): no host read, so it can be traced
     into a compiled graph."""
     N = mixed_qkv.shape[0]
     HV, K, V = ssm_state.shape[1:]
     HK = num_key_heads(mixed_qkv.shape[1], HV, K, V)
-    x = _conv.causal_conv1d_update_unpadded(mixed_qkv, conv_weight, conv_state=conv_state,
-                                            state_indices=state_indices)
+    x = mixed_qkv if conv_applied else _conv.causal_conv1d_update_unpadded(
+        mixed_qkv, conv_weight, conv_state=conv_state, state_indices=state_indices)
     qk = l2norm(x[:, : 2 * HK * K].reshape(N, 2 * HK, K))     # q and k heads normalised together
     v = x[:, 2 * HK * K :].reshape(N, HV, V)
     g, beta = gdn_gating(A_log, a, dt_bias, b)

@@ -23,6 +23,11 @@ With gated_norm=False (the layer's batch-1 decode, whose out_proj applies the no
 the one-launch kernel has no norm tail: each program stores its own slice of o, and the counter only
 tells the group's last program that every program has read the q/k window, which it then rewrites from
 the conv inputs it holds (stores only); the two launches skip the norm blocks of (2).
+With conv_applied=True the input projection has done the conv and the window shift in its GEMV's epilogue
+(linear.rms_norm_linear_conv: the program that produces a channel's projection row holds everything the
+depthwise conv of that channel needs), and mixed_qkv holds the conv's output: no program reads or writes a
+window, and without a norm of split rows nothing is left for the counter (the bare recurrence: gates, q/k
+L2 norm, delta rule).
 Verify is three: a token-parallel pre-pass (conv + SiLU, q/k L2 norms, gates of every token, once per
 head instead of once per V-slice), the recurrence over the T_n tokens (state math only), and (2) with
 the copy of the inputs into the stash instead of the window update.
@@ -325,8 +330,10 @@ def fused_recurrent_gated_delta_rule(
 @triton.jit
 def _tokens_kernel(x, s_x_t, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, conv_state, ssm, idx,
                    o_tmp, scale, HK, HV, D,
-                   R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, W: tl.constexpr):
-    """Fused decode, launch 1: one token per sequence, conv + norms + gates + delta rule per program."""
+                   R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
+                   CONV: tl.constexpr = True):
+    """Fused decode, launch 1: one token per sequence, conv + norms + gates + delta rule per program
+    (without CONV x holds the conv's output already: norms + gates + delta rule)."""
     j = tl.program_id(0)
     nh = tl.program_id(1)
     n = nh // HV
@@ -344,9 +351,14 @@ def _tokens_kernel(x, s_x_t, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, conv_st
     smask = (ok[:, None] >= 0) & live
     S = tl.load(sp, mask=smask, other=0.0)
     t = n.to(tl.int64)
-    qh = _l2norm(_conv_token(x, s_x_t, win, D, conv_w, cq, t, n, live, K, W)) * scale
-    kh = _l2norm(_conv_token(x, s_x_t, win, D, conv_w, ck, t, n, live, K, W))
-    vv = _conv_token(x, s_x_t, win, D, conv_w, cv, t, n, live, BV, W)
+    if CONV:
+        qh = _l2norm(_conv_token(x, s_x_t, win, D, conv_w, cq, t, n, live, K, W)) * scale
+        kh = _l2norm(_conv_token(x, s_x_t, win, D, conv_w, ck, t, n, live, K, W))
+        vv = _conv_token(x, s_x_t, win, D, conv_w, cv, t, n, live, BV, W)
+    else:
+        qh = _l2norm(tl.load(x + t * s_x_t + cq).to(tl.float32)) * scale
+        kh = _l2norm(tl.load(x + t * s_x_t + ck).to(tl.float32))
+        vv = tl.load(x + t * s_x_t + cv).to(tl.float32)
     gt = -tl.exp(tl.load(A_log + hv).to(tl.float32)) * softplus(
         tl.load(a + t * s_a_t + hv).to(tl.float32) + tl.load(dt_bias + hv).to(tl.float32))
     bt = sigmoid(tl.load(b + t * s_b_t + hv).to(tl.float32))
@@ -362,9 +374,13 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                          BV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
                          SIGMOID: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
                          STATE_AFTER_RELEASE: tl.constexpr, TRIGGER: tl.constexpr = False,
-                         NORM: tl.constexpr = True):
+                         NORM: tl.constexpr = True, CONV: tl.constexpr = True):
     """Fused decode in one launch (small batches): _tokens_kernel's math, then the gated norm and the
     window update, coordinated per (sequence, key head) by a counter (module docstring).
+
+    Without CONV (conv_applied: the input projection's epilogue did the conv and the window shift) x holds
+    the post-conv q|k|v: no window is read or written, and the counter remains only for the gated norm of
+    rows split over several programs (NORM with BV < V); the layer's batch-1 decode (no NORM) has none.
 
     Without NORM (gated_norm=False: the output projection applies the norm) each program stores its
     slice of the un-normalised o itself, and the group's last program only writes the q/k window rows,
@@ -392,11 +408,12 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
             pm = guess >= 0
             for c in tl.static_range(0, BV, 8):  # one pointer per 32-byte sector of each row of the slice
                 prefetch_l2(ssm + gslot * (HV * K * V) + hv * (K * V) + ok * V + j * BV + c, (ok >= 0) & pm)
-            gwin = conv_state + gslot * ((W - 1) * D)
-            for r in tl.static_range(W - 1):
-                prefetch_l2(gwin + r * D + hk * K + ok, (ok >= 0) & pm)
-                prefetch_l2(gwin + r * D + HK * K + hk * K + ok, (ok >= 0) & pm)
-                prefetch_l2(gwin + r * D + 2 * HK * K + hv * V + ov, (ov >= 0) & pm)
+            if CONV:
+                gwin = conv_state + gslot * ((W - 1) * D)
+                for r in tl.static_range(W - 1):
+                    prefetch_l2(gwin + r * D + hk * K + ok, (ok >= 0) & pm)
+                    prefetch_l2(gwin + r * D + HK * K + hk * K + ok, (ok >= 0) & pm)
+                    prefetch_l2(gwin + r * D + 2 * HK * K + hv * V + ov, (ov >= 0) & pm)
         gdc_wait()
     if TRIGGER:
         gdc_launch_dependents()      # the output projection may become resident; it waits for us itself
@@ -414,10 +431,15 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
     win = conv_state + slot * ((W - 1) * D)
     t = n.to(tl.int64)
     xrow = x + t * s_x_t
-    q_in, q_taps = _conv_inputs(xrow, win, D, conv_w, cq, live, W)
-    k_in, k_taps = _conv_inputs(xrow, win, D, conv_w, ck, live, W)
-    v_in, v_taps = _conv_inputs(xrow, win, D, conv_w, cv, live, W)
-    new_v = _shifted_window(win, D, cv, ov >= 0, xrow, live, W, WP)  # written back after the math
+    if CONV:
+        q_in, q_taps = _conv_inputs(xrow, win, D, conv_w, cq, live, W)
+        k_in, k_taps = _conv_inputs(xrow, win, D, conv_w, ck, live, W)
+        v_in, v_taps = _conv_inputs(xrow, win, D, conv_w, cv, live, W)
+        new_v = _shifted_window(win, D, cv, ov >= 0, xrow, live, W, WP)  # written back after the math
+    else:  # the conv's output, as _conv_of returns it (rounded to x's dtype)
+        q_c = tl.load(xrow + cq)
+        k_c = tl.load(xrow + ck)
+        v_c = tl.load(xrow + cv)
     av = tl.load(a + t * s_a_t + hv).to(tl.float32)
     bv = tl.load(b + t * s_b_t + hv).to(tl.float32)
     A = tl.load(A_log + hv).to(tl.float32)
@@ -426,14 +448,21 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
     if NORM:
         w = tl.load(norm_w + of).to(tl.float32)  # a weight: likely a DRAM miss, unlike z (just written)
     # ---- phase 2: the math ----
-    qh = _l2norm(_conv_of(q_in, q_taps, x.dtype.element_ty, W)) * scale
-    kh = _l2norm(_conv_of(k_in, k_taps, x.dtype.element_ty, W))
-    vv = _conv_of(v_in, v_taps, x.dtype.element_ty, W)
+    if CONV:
+        qh = _l2norm(_conv_of(q_in, q_taps, x.dtype.element_ty, W)) * scale
+        kh = _l2norm(_conv_of(k_in, k_taps, x.dtype.element_ty, W))
+        vv = _conv_of(v_in, v_taps, x.dtype.element_ty, W)
+    else:
+        qh = _l2norm(q_c.to(tl.float32)) * scale
+        kh = _l2norm(k_c.to(tl.float32))
+        vv = v_c.to(tl.float32)
     gt = -tl.exp(A) * softplus(av + dtb)
     bt = sigmoid(bv)
     S, o, _ = _delta_step(S, kh, qh, vv, gt, bt)
     group_of_one: tl.constexpr = R * (V // BV) == 1
-    if group_of_one or not STATE_AFTER_RELEASE:
+    # the group's programs meet on the counter for the q/k window (CONV) or a norm of split rows
+    counted: tl.constexpr = (not group_of_one) and (CONV or (NORM and BV < V))
+    if not counted or not STATE_AFTER_RELEASE:
         tl.store(sp, S, mask=smask)
     o = tl.where(live, o, 0.0).to(out.dtype.element_ty)  # rounded to the activation dtype, as unfused
     if not NORM:
@@ -445,16 +474,17 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
     else:
         tl.store(o_tmp + (t * HV + hv) * V + ov, o)
         tl.store(out + (t * HV + hv) * V + ov, tl.zeros([BV], dtype=out.dtype.element_ty), mask=(ov >= 0) & (slot < 0))
-    # the value channels of this slice are read by this program alone
-    _store_window(win, D, cv, ov >= 0, new_v, live, W, WP)
     i2 = tl.arange(0, 2 * K)
     cqk = tl.where(i2 < K, hk * K + i2, HK * K + hk * K + i2 - K)  # the key head's q and k channels
-    if group_of_one:  # the only program of its (sequence, key head)
-        if NORM:
-            _shift_window(win, D, cqk, i2 >= 0, xrow, live, W, WP)
-        else:
-            _store_qk_window(win, D, cq, ck, q_in, k_in, live, W)
-    else:
+    if CONV:
+        # the value channels of this slice are read by this program alone
+        _store_window(win, D, cv, ov >= 0, new_v, live, W, WP)
+        if group_of_one:  # the only program of its (sequence, key head)
+            if NORM:
+                _shift_window(win, D, cqk, i2 >= 0, xrow, live, W, WP)
+            else:
+                _store_qk_window(win, D, cq, ck, q_in, k_in, live, W)
+    if counted:
         if live:
             tl.debug_barrier()  # every thread's o_tmp stores and window reads precede the release below
             cnt = counters + n * HK + hk
@@ -467,7 +497,8 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                     _store_qk_window(win, D, cq, ck, q_in, k_in, live, W)
                 else:
                     # all loads of this tail in flight together (L2 hits: o_tmp, z and x were just written)
-                    new_qk = _shifted_window(win, D, cqk, i2 >= 0, xrow, live, W, WP)
+                    if CONV:
+                        new_qk = _shifted_window(win, D, cqk, i2 >= 0, xrow, live, W, WP)
                     if BV < V:
                         hr = tl.arange(0, RP)
                         heads = hk * R + hr
@@ -479,7 +510,8 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                         y = _gated_rms(ot, zt, w, eps, V, SIGMOID)
                         tl.store(out + (t * HV + heads[:, None]) * V + of[None, :], y.to(out.dtype.element_ty),
                                  mask=hm)
-                    _store_window(win, D, cqk, i2 >= 0, new_qk, live, W, WP)
+                    if CONV:
+                        _store_window(win, D, cqk, i2 >= 0, new_qk, live, W, WP)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -625,7 +657,8 @@ def _norm_activation(op: str, name: str) -> bool:
 
 
 def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, eps, scale, conv_state,
-                  ssm_state, state_indices, cu_seqlens, stash, norm_activation, config, op, gated_norm=True):
+                  ssm_state, state_indices, cu_seqlens, stash, norm_activation, config, op, gated_norm=True,
+                  conv_applied=False):
     T, D, HK, HV, K, V, W, z3 = _check_layer_inputs(
         op, mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, conv_state, ssm_state)
     sigmoid_gate = _norm_activation(op, norm_activation)
@@ -658,7 +691,7 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
             R=HV // HK, RP=next_pow2(HV // HK), K=K, V=V, BV=cfg.bv, W=W, WP=next_pow2(W - 1),
             SIGMOID=sigmoid_gate, PDL=cfg.pdl, PREFETCH=cfg.prefetch,
             STATE_AFTER_RELEASE=cfg.state_after_release, TRIGGER=has_pdl(mixed_qkv.device), NORM=gated_norm,
-            num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}))
+            CONV=not conv_applied, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}))
         return out
     dummy = o_tmp  # pointer arguments that the decode variant never touches
     if verify:
@@ -677,14 +710,16 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
         _tokens_kernel[(V // cfg.bv, N * HV)](
             mixed_qkv, mixed_qkv.stride(0), a, a.stride(0), b, b.stride(0), conv_weight, A_log, dt_bias,
             conv_state, ssm_state, state_indices, o_tmp, float(scale), HK, HV, D, R=HV // HK, K=K, V=V,
-            BV=cfg.bv, W=W, num_warps=cfg.num_warps)
+            BV=cfg.bv, W=W, CONV=not conv_applied, num_warps=cfg.num_warps)
     HB = max(1, min(next_pow2(HV), 4096 // V))
     BD = 1024
     norm_blocks = triton.cdiv(HV, HB) if gated_norm else 0  # without the norm: the window update only
-    _finish_kernel[(T, norm_blocks + triton.cdiv(D, BD))](
-        o_tmp, z3, z3.stride(0), z3.stride(1), norm_weight, out, mixed_qkv, mixed_qkv.stride(0), conv_state,
-        state_indices, stash.x if verify else dummy, float(eps), HV, D, norm_blocks, V=V, HB=HB, BD=BD, W=W,
-        WP=next_pow2(W - 1), VERIFY=verify, SIGMOID=sigmoid_gate, num_warps=4)
+    window_blocks = 0 if conv_applied else triton.cdiv(D, BD)  # conv applied: the window is shifted already
+    if norm_blocks + window_blocks:
+        _finish_kernel[(T, norm_blocks + window_blocks)](
+            o_tmp, z3, z3.stride(0), z3.stride(1), norm_weight, out, mixed_qkv, mixed_qkv.stride(0), conv_state,
+            state_indices, stash.x if verify else dummy, float(eps), HV, D, norm_blocks, V=V, HB=HB, BD=BD, W=W,
+            WP=next_pow2(W - 1), VERIFY=verify, SIGMOID=sigmoid_gate, num_warps=4)
     return out  # (o_tmp itself without the gated norm)
 
 
@@ -693,13 +728,16 @@ def gdn_decode(
     conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
     eps: float, scale: float, conv_state: torch.Tensor, ssm_state: torch.Tensor,
     state_indices: torch.Tensor, norm_activation: str = "silu", gated_norm: bool = True,
-    config: RecurrentConfig | None = None,
+    conv_applied: bool = False, config: RecurrentConfig | None = None,
 ) -> torch.Tensor:
     """See reference.gdn_decode. With gated_norm=False the one-launch kernel's programs store their own
-    slices of o and the group counter only orders the q/k window update (no o_tmp, no norm tail)."""
+    slices of o and the group counter only orders the q/k window update (no o_tmp, no norm tail). With
+    conv_applied=True (mixed_qkv from linear.rms_norm_linear_conv) no window is read or written: with
+    gated_norm=False, or rows whole in one program, the one-launch kernel is the bare recurrence with no
+    counter; the two launches skip the window blocks of the second (no second launch without the norm)."""
     return _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, eps, scale, conv_state,
                          ssm_state, state_indices, None, None, norm_activation, config, "gdn_decode",
-                         gated_norm=bool(gated_norm))
+                         gated_norm=bool(gated_norm), conv_applied=bool(conv_applied))
 
 
 def gdn_verify(

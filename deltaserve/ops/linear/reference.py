@@ -1,4 +1,5 @@
-"""Dense projection y = x W^T (no bias), the pre-norm projection (RMSNorm folded in front of it) and the
+"""Dense projection y = x W^T (no bias), the pre-norm projection (RMSNorm folded in front of it; for a GDN
+layer's decode step also with the conv of its q|k|v channels behind it) and the
 gated output projection (a gate, optionally after a per-head RMSNorm, in front of it): the references,
 and the ops every Linear layer, the pre-norm sublayers, the sublayers' output projections and the logits
 call."""
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..activation.reference import sigmoid_mul
+from ..conv1d.reference import causal_conv1d_update
 from ..norm.reference import rms_norm, rms_norm_gated
 
 GATE_ACTIVATIONS = ("silu", "swish", "sigmoid")
@@ -31,6 +33,23 @@ def rms_norm_linear(
     else:
         normed, total = rms_norm(x, norm_weight, eps, zero_centered=zero_centered, residual=residual)
     return linear(normed, weight), normed, total
+
+
+def rms_norm_linear_conv(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    *, conv_weight: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor, zero_centered: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GDN layer's input projection at a one-token decode step, with the causal conv of its q|k|v channels:
+    rms_norm_linear, then its first D = conv_weight.shape[0] output columns through the one-token conv update
+    + SiLU (conv1d causal_conv1d_update: each row of x one token of the sequence in slot state_indices[m],
+    its window conv_state[slot] [W-1, D] shifted in place; rows of slot -1 give zeros there and touch no
+    window). Returns (y, normed, sum) as rms_norm_linear, y's first D columns post-conv (in x's dtype, the
+    projection rounded to it before the conv as the unfused layer rounds it)."""
+    y, normed, total = rms_norm_linear(x, residual, norm_weight, eps, weight, zero_centered=zero_centered)
+    D, N = conv_weight.shape[0], weight.shape[0]
+    y2 = y.reshape(-1, N)
+    conv = causal_conv1d_update(y2[:, :D], conv_weight, conv_state=conv_state, state_indices=state_indices)
+    return torch.cat([conv, y2[:, D:]], dim=-1).reshape(y.shape), normed, total
 
 
 def gated_linear(

@@ -33,6 +33,13 @@ residual add and the norm folded into the same kernels (their NORM variant) wher
 than a norm launch before the GEMV: at M = 1 (`default_prenorm_config`), i.e. every decoder layer of a
 batch-1 decode step launches no norm.
 
+`rms_norm_linear_conv` is a GDN layer's input projection at a decode step with the causal conv update of
+its q|k|v channels in the GEMV's epilogue (the program that produces a channel's projection holds all the
+depthwise conv of that channel needs): SiLU(conv) stored instead of the projection, the window shifted;
+gdn_decode(conv_applied=True) then touches no window. The layer uses it at decode steps of 4-8 sequences
+(measured faster there; slower at one: docs/PERFORMANCE.md, "gdn_decode at B = 1: the conv in the input
+projection").
+
 `rms_norm_route` is an MoE block's router at one token: rms_norm_linear's kernel whose last program to
 finish (an arrival counter) also does the routing (moe/triton_routing.py's math), so no routing kernel
 follows the GEMV. Selectable, not a default (docs/PERFORMANCE.md, "MoE").
@@ -58,6 +65,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..activation import triton as activation_triton
+from ..conv1d import triton as conv_triton
 from ..moe import triton_routing as route_ops
 from ..norm import triton as norm_triton
 from ..triton_common import ACTIVATION_DTYPES, check, check_same_device, pdl_launch, prefetch_l2, sigmoid, silu
@@ -166,12 +174,71 @@ def _prefetch_weights(w, rows, row_ok, k_lo, k_hi, s_wn, BN: tl.constexpr, PF: t
         prefetch_l2(ptrs, row_ok[:, None] & (cols < k_hi)[None, :])
 
 
+@triton.jit
+def _conv_prefetch(cst, cw, cidx, ch, tok, ok, CD, SLOTS, W: tl.constexpr):
+    """Ask L2 for the window rows and taps the conv epilogue will load (a hint, no registers kept): issued
+    before griddepcontrol.wait, from the slots found then (read at L2, clamped to the pool: a stale slot
+    costs bandwidth, never a wrong value; the real slots are read after the wait)."""
+    guess = tl.load(cidx + tok, mask=ok, other=-1, cache_modifier=".cg").to(tl.int64)
+    cm = ok & (ch < CD)
+    live = cm & (guess >= 0)
+    win = cst + tl.minimum(tl.maximum(guess, 0), SLOTS - 1) * ((W - 1) * CD) + ch
+    for i in tl.static_range(W - 1):
+        prefetch_l2(win + i * CD, live)
+    prefetch_l2(cw + ch * W, cm)
+
+
+@triton.jit
+def _conv_loads(cst, cw, slot, ch, ok, CD, W: tl.constexpr):
+    """Loads of the conv epilogue (rms_norm_linear_conv) for output channels ch of tokens whose slots are
+    `slot` (tensors that broadcast to the output tile; ok: the tile's valid entries): the conv-channel mask
+    (ch < CD), the live mask (a conv channel of a token whose slot is not -1), the window pointers of row 0,
+    the slot window's W-1 rows oldest first (zeros where not live) and the W taps (conv weight [CD, W])."""
+    cm = ok & (ch < CD)
+    slot = slot.to(tl.int64)
+    live = cm & (slot >= 0)
+    win = cst + slot * ((W - 1) * CD) + ch
+    olds = ()
+    for i in tl.static_range(W - 1):
+        olds = olds + (tl.load(win + i * CD, mask=live, other=0.0),)
+    taps = ()
+    for i in tl.static_range(W):
+        taps = taps + (tl.load(cw + ch * W + i, mask=cm, other=0.0),)
+    return cm, live, win, olds, taps
+
+
+@triton.jit
+def _conv_epilogue(out, cm, live, win, olds, taps, CD, dtype: tl.constexpr, W: tl.constexpr):
+    """The projection tile out (fp32) with its conv channels replaced by SiLU(depthwise causal conv) over
+    [window rows, the projection rounded to dtype], and the window shifted to [rows 1.., that projection].
+    The conv is gdn_decode's (triton_recurrent._conv_of): fp32 products of the inputs and taps added in tap
+    order from zero, SiLU, one rounding to dtype, so its bits are the ones gdn_decode computes from the
+    stored projection. Conv channels of padded tokens (slot -1) give zeros and leave the pool alone; the
+    other channels (z, b, a) keep the projection."""
+    xt = out.to(dtype)           # the stored projection: the conv's newest input and the window's new row
+    acc = tl.zeros(out.shape, dtype=tl.float32)
+    for i in tl.static_range(W):
+        if i < W - 1:
+            acc += olds[i].to(tl.float32) * taps[i].to(tl.float32)
+        else:
+            acc += xt.to(tl.float32) * taps[i].to(tl.float32)
+    conv = silu(acc).to(dtype).to(tl.float32)
+    tl.debug_barrier()           # every thread has read the old rows before any is overwritten
+    for i in tl.static_range(W - 1):
+        if i < W - 2:
+            tl.store(win + i * CD, olds[i + 1], mask=live)
+        else:
+            tl.store(win + i * CD, xt.to(win.dtype.element_ty), mask=live)
+    return tl.where(live, conv, tl.where(cm, 0.0, out))
+
+
 @triton.jit(do_not_specialize=["M", "s_ys"])
 def _gemv_fma_kernel(x, w, y, M, N, K, k_per_split, s_xm, s_wn, s_ym, s_ys,
-                     r, nw, h, s, s_rm, eps,
+                     r, nw, h, s, s_rm, eps, cw, cst, cidx, CD, CSLOTS,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      NORM: tl.constexpr, HAS_RES: tl.constexpr, ZC: tl.constexpr, PK: tl.constexpr,
-                     PDL: tl.constexpr = False, PF: tl.constexpr = 0):
+                     PDL: tl.constexpr = False, PF: tl.constexpr = 0, CONV: tl.constexpr = False,
+                     CW: tl.constexpr = 4, CONV_PF: tl.constexpr = False):
     """y[s, m, n] = sum over this program's K range of x[m, k] w[n, k] (fp32); s = program_id(1).
 
     NORM (rms_norm_linear; no split K): x is RMSNorm(x + r) with weight nw. The main loop multiplies the
@@ -179,22 +246,40 @@ def _gemv_fma_kernel(x, w, y, M, N, K, k_per_split, s_xm, s_wn, s_ym, s_ys,
     by rstd at the end: nothing stands between a program's start and its weight stream (a prologue
     computing rstd first measured 0.6-2 us slower per call on an H200). The normed operand is thus not
     rounded to x's dtype as the two-launch path's is (a difference within one rounding of y). Program 0
-    then writes the normed rows and the sum to h and s."""
+    then writes the normed rows and the sum to h and s.
+
+    CONV (rms_norm_linear_conv; no split K): output rows < CD are a GDN layer's conv channels, one token per
+    row of x with its window in slot cidx[m] of the pool cst [S, CW-1, CD]; the epilogue (_conv_epilogue)
+    stores their SiLU(conv) and shifts their window. The window and taps are loaded after the wait, before
+    the weight stream, and held in registers through it (+24 registers at the 35B in_proj tiles: 96, 5
+    programs per SM instead of 7, so the 772 programs no longer fit in one wave: docs/PERFORMANCE.md). With
+    CONV_PF they are only asked of L2 before the wait (_conv_prefetch; with PDL) and loaded after the stream
+    (the slots read right after the wait): the main loop keeps its registers, the tail gains an L2 round
+    trip."""
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
     row_ok = rows < N
     k_lo = pid_s * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    ms = tl.arange(0, BM)
+    m_ok = ms < M
+    c_ok = m_ok[:, None] & row_ok[None, :]
     if PDL:
+        if CONV and CONV_PF:
+            _conv_prefetch(cst, cw, cidx, rows[None, :], ms[:, None], c_ok, CD, CSLOTS, CW)
         _prefetch_weights(w, rows, row_ok, k_lo, k_hi, s_wn, BN, PF)
         gdc_wait()                   # x, r and the outputs' memory belong to the kernels before us
         gdc_launch_dependents()      # the next kernel may become resident; it waits for us itself
     kk = tl.arange(0, BK)
     wp = w + rows[:, None].to(tl.int64) * s_wn + kk[None, :]
-    ms = tl.arange(0, BM)
-    m_ok = ms < M
     x_off = ms[:, None].to(tl.int64) * s_xm + kk[None, :]
     r_off = ms[:, None].to(tl.int64) * s_rm + kk[None, :]
+    if CONV:
+        if CONV_PF:   # read now, used after the stream
+            c_slot = tl.load(cidx + ms[:, None], mask=m_ok[:, None], other=-1)
+        else:
+            c_slot = tl.load(cidx + ms[:, None], mask=c_ok, other=-1)
+            c_cm, c_live, c_win, c_olds, c_taps = _conv_loads(cst, cw, c_slot, rows[None, :], c_ok, CD, CW)
     if BM == 1:
         acc = tl.zeros([BN, BK], dtype=tl.float32)
         ss = tl.zeros([BK], dtype=tl.float32)
@@ -231,20 +316,26 @@ def _gemv_fma_kernel(x, w, y, M, N, K, k_per_split, s_xm, s_wn, s_ym, s_ys,
         out = out * rstd[:, None]
         if pid_n + pid_s == 0:
             _prenorm_store(x, r, nw, h, s, rstd, M, K, s_xm, s_rm, BM, PK, HAS_RES, ZC)
+    if CONV:
+        if CONV_PF:
+            c_cm, c_live, c_win, c_olds, c_taps = _conv_loads(cst, cw, c_slot, rows[None, :], c_ok, CD, CW)
+        out = _conv_epilogue(out, c_cm, c_live, c_win, c_olds, c_taps, CD, y.dtype.element_ty, CW)
     yp = y + pid_s.to(tl.int64) * s_ys + ms[:, None].to(tl.int64) * s_ym + rows[None, :]
     tl.store(yp, out.to(y.dtype.element_ty), mask=m_ok[:, None] & row_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["M", "s_ys"])
 def _gemv_dot_kernel(x, w, y, M, N, K, k_per_split, s_xm, s_wn, s_ym, s_ys,
-                     r, nw, h, s, s_rm, eps,
+                     r, nw, h, s, s_rm, eps, cw, cst, cidx, CD, CSLOTS,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
                      NORM: tl.constexpr, HAS_RES: tl.constexpr, ZC: tl.constexpr, PK: tl.constexpr,
-                     PDL: tl.constexpr = False, PF: tl.constexpr = 0):
+                     PDL: tl.constexpr = False, PF: tl.constexpr = 0, CONV: tl.constexpr = False,
+                     CW: tl.constexpr = 4):
     """As _gemv_fma_kernel, as acc[BN, BM] += W tile [BN, BK] @ x^T tile [BK, BM] on tensor cores (with
     NORM the dot's operand is (x + r) w' rounded to x's dtype). NORM here measured ~2x slower than the
     two launches at M = 8 (the x tile, computed in registers, is not pipelined with the weight stream):
-    only an explicit config selects it."""
+    only an explicit config selects it. CONV: as _gemv_fma_kernel's (without CONV_PF), on the transposed
+    tile."""
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
     row_ok = rows < N
@@ -260,6 +351,10 @@ def _gemv_dot_kernel(x, w, y, M, N, K, k_per_split, s_xm, s_wn, s_ym, s_ys,
     wp = w + rows[:, None].to(tl.int64) * s_wn + kk[None, :]
     x_off = ms[None, :].to(tl.int64) * s_xm + kk[:, None]
     r_off = ms[None, :].to(tl.int64) * s_rm + kk[:, None]
+    if CONV:
+        c_ok = row_ok[:, None] & m_ok[None, :]
+        c_slot = tl.load(cidx + ms[None, :], mask=c_ok, other=-1)
+        c_cm, c_live, c_win, c_olds, c_taps = _conv_loads(cst, cw, c_slot, rows[:, None], c_ok, CD, CW)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     ss = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
@@ -282,6 +377,8 @@ def _gemv_dot_kernel(x, w, y, M, N, K, k_per_split, s_xm, s_wn, s_ym, s_ys,
         acc = acc * rstd[None, :]
         if pid_n + pid_s == 0:
             _prenorm_store(x, r, nw, h, s, rstd, M, K, s_xm, s_rm, BM, PK, HAS_RES, ZC)
+    if CONV:
+        acc = _conv_epilogue(acc, c_cm, c_live, c_win, c_olds, c_taps, CD, y.dtype.element_ty, CW)
     yp = y + pid_s.to(tl.int64) * s_ys + ms[None, :].to(tl.int64) * s_ym + rows[:, None]
     tl.store(yp, acc.to(y.dtype.element_ty), mask=row_ok[:, None] & m_ok[None, :])
 
@@ -328,10 +425,13 @@ def _check_operands(op: str, x: torch.Tensor, weight: torch.Tensor) -> None:
           f"weight must be contiguous in its last dim (strides {tuple(weight.stride())})")
 
 
-def _gemv(x2: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig, prenorm: tuple | None = None) -> torch.Tensor:
+def _gemv(x2: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig, prenorm: tuple | None = None,
+          conv: tuple | None = None, window_prefetch: bool = False) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ weight^T by our kernels with tiles `cfg` (M, N, K >= 1). prenorm =
     (r2 or None, norm_weight, eps, zero_centered, h, s): the product is of RMSNorm(x2 + r2) (the kernels'
-    NORM), and the normed rows and the sum are written to h and s ([M, K])."""
+    NORM), and the normed rows and the sum are written to h and s ([M, K]). conv = (conv_weight [D, W],
+    conv_state [S, W-1, D], state_indices [M]): y's first D columns get the one-token conv (the kernels'
+    CONV epilogue, checked by the caller; window_prefetch: its CONV_PF form, CUDA-core kernel only)."""
     (M, K), N = x2.shape, weight.shape[0]
     _check_config(cfg, M)
     y = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
@@ -352,7 +452,17 @@ def _gemv(x2: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig, prenorm: tu
         # program 0's store pass over the rows takes ~2048 values at a time
         pk = min(triton.next_power_of_2(K), max(16, 2048 // bm))
         norm_kw = dict(NORM=True, HAS_RES=r2 is not None, ZC=bool(zc), PK=pk)
-    args = (x2, weight, out, M, N, K, k_per_split, x2.stride(0), weight.stride(0), N, s_ys, *norm_args)
+    if conv is None:
+        conv_args = (y, y, y, 0, 1)              # never touched without CONV
+    else:
+        check(split == 1, "rms_norm_linear_conv", f"config split_k={cfg.split_k}: the conv epilogue needs one "
+              "program per row block over the whole of K")
+        check(not (window_prefetch and cfg.dot), "rms_norm_linear_conv", "window_prefetch applies to the "
+              "CUDA-core kernel only (config dot=False)")
+        cw, cst, cidx = conv
+        conv_args = (cw, cst, cidx, cw.shape[0], max(cst.shape[0], 1))
+        norm_kw = dict(norm_kw, CONV=True, CW=cw.shape[1], **({"CONV_PF": True} if window_prefetch else {}))
+    args = (x2, weight, out, M, N, K, k_per_split, x2.stride(0), weight.stride(0), N, s_ys, *norm_args, *conv_args)
     pf = 0 if cfg.prefetch <= 0 else max(64, triton.next_power_of_2(min(cfg.prefetch, k_per_split)))
     pdl = dict(PDL=True, PF=pf, launch_pdl=True) if cfg.pdl and pdl_launch(x2.device) else {}
     if cfg.dot:
@@ -443,6 +553,81 @@ def rms_norm_linear(
     y = _gemv(x2, weight, cfg, (r2, norm_weight, eps, zero_centered, h, h if s is None else s))
     return y.reshape(*lead, N), h.view(*lead, K), x if s is None else s.view(*lead, K)
 
+
+
+def _check_conv(op: str, M: int, N: int, x: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
+                state_indices: torch.Tensor) -> None:
+    check(conv_weight.dim() == 2 and conv_weight.is_contiguous() and 2 <= conv_weight.shape[1] <= 8, op,
+          f"conv_weight must be contiguous [D, W] with W in 2..8, got {tuple(conv_weight.shape)}")
+    D, W = conv_weight.shape
+    check(1 <= D <= N, op, f"conv_weight's D = {D} channels must be among the N = {N} output columns")
+    check(tuple(conv_state.shape[1:]) == (W - 1, D) and conv_state.dim() == 3 and conv_state.is_contiguous(), op,
+          f"conv_state must be a contiguous pool [S, {W - 1}, {D}], got {tuple(conv_state.shape)}")
+    check(conv_weight.dtype == conv_state.dtype == x.dtype, op, f"conv_weight and conv_state must be in x's dtype "
+          f"{x.dtype}, got {conv_weight.dtype}, {conv_state.dtype}")
+    check(state_indices.dim() == 1 and state_indices.shape[0] == M and state_indices.is_contiguous()
+          and state_indices.dtype in (torch.int32, torch.int64), op,
+          f"state_indices must be contiguous int32/int64 [{M}] (one slot per row of x), got "
+          f"{tuple(state_indices.shape)} {state_indices.dtype}")
+    check_same_device(op, x, conv_weight, conv_state, state_indices)
+
+
+def default_conv_config(M: int, N: int, K: int) -> LinearConfig | None:
+    """Tiles for rms_norm_linear_conv: the plain GEMV's (default_linear_config) without split K (the conv
+    epilogue needs whole-K programs; the GDN input projections of the models have enough row blocks not to
+    split: 35B-A3B 12352 rows), or None where F.linear runs (then the conv is a launch of its own)."""
+    cfg = default_linear_config(M, N, K)
+    return None if cfg is None else dataclasses.replace(cfg, split_k=1)
+
+
+def rms_norm_linear_conv(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    *, conv_weight: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor, zero_centered: bool = True,
+    config: LinearConfig | None = None, window_prefetch: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See reference.rms_norm_linear_conv: a GDN layer's input projection at a one-token decode step with the
+    causal conv update of its q|k|v channels in the GEMV's epilogue. Each program's output rows below D are
+    conv channels: after its weight stream it convolves them with the slot's window rows (loaded before the
+    stream), stores SiLU(conv) instead of the projection and shifts the window (_conv_epilogue); gdn_decode
+    (conv_applied=True) is then the bare recurrence. The norm is folded as rms_norm_linear folds it (at
+    M = 1 by default, or with an explicit `config`); otherwise the norm kernel runs first. Without tiles
+    (default_conv_config None): rms_norm_linear, then the conv update kernel. `window_prefetch` (CUDA-core
+    tiles): the window rows and taps only asked of L2 before the stream and loaded after it (the kernel's
+    CONV_PF: no registers held through the weight stream; not measured yet, not a default)."""
+    op = "rms_norm_linear_conv"
+    _check_prenorm(op, x, residual, norm_weight, weight)
+    N, K = weight.shape
+    lead = x.shape[:-1]
+    M = lead.numel()
+    _check_conv(op, M, N, x, conv_weight, conv_state, state_indices)
+    D = conv_weight.shape[0]
+    cfg = config if config is not None else default_conv_config(M, N, K)
+    check(not window_prefetch or (cfg is not None and not cfg.dot), op,
+          f"window_prefetch applies to the CUDA-core tiles (config dot=False) only, got {cfg}")
+    if cfg is None or M == 0:
+        y, h, s = rms_norm_linear(x, residual, norm_weight, eps, weight, zero_centered=zero_centered)
+        y2 = y.reshape(M, N)
+        if M:
+            y2[:, :D] = conv_triton.causal_conv1d_update(y2[:, :D], conv_weight, conv_state=conv_state,
+                                                         state_indices=state_indices)
+        return y, h, s
+    _check_config(cfg, M)
+    check(cfg.split_k == 1, op, f"config split_k={cfg.split_k}: the conv epilogue needs one program per row block "
+          "over the whole of K")
+    x2, r2 = x.reshape(M, K), None if residual is None else residual.reshape(M, K)
+    conv = (conv_weight, conv_state, state_indices)
+    if config is not None or default_prenorm_config(M, N, K) is not None:   # the norm folded in
+        h = torch.empty((M, K), dtype=x.dtype, device=x.device)
+        s = None if residual is None else torch.empty((M, K), dtype=x.dtype, device=x.device)
+        y = _gemv(x2, weight, cfg, (r2, norm_weight, eps, zero_centered, h, h if s is None else s), conv,
+                  window_prefetch)
+        return y.reshape(*lead, N), h.view(*lead, K), x if s is None else s.view(*lead, K)
+    if residual is None:
+        h, s = norm_triton.rms_norm(x2, norm_weight, eps, zero_centered=zero_centered), x
+    else:
+        h, s = norm_triton.rms_norm(x2, norm_weight, eps, zero_centered=zero_centered, residual=r2)
+        s = s.view(*lead, K)
+    return _gemv(h, weight, cfg, conv=conv, window_prefetch=window_prefetch).reshape(*lead, N), h.view(*lead, K), s
 
 # ---- the MoE router with the routing in its tail -------------------------------------------------
 
