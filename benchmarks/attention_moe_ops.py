@@ -19,7 +19,9 @@ timings against peers run in the same process on the same GPU and inputs.
              routing launched programmatically or the ordinary way, fused_moe; checked against the fp32
              reference on the same router output; and fused_moe_routed with the routing inside the w13
              kernel, session 5: slower; and rms_norm_route + fused_moe at T = 1, the routing done by the
-             router GEMV's last program, with the router-only rows beside it), and the
+             router GEMV's last program, with the router-only rows beside it; session 6: fused_moe_routed
+             as the layer calls it, by default and with each shared-slot variant, GemvMoeConfig.shared_*,
+             the session-5 default repeated at the end), and the
              torch._grouped_mm pipeline as the peer. Each
              call in a graph has its own weight copy and the L2 is flushed by a 256 MB read before each
              replay (as in a decode step, every layer reads its own experts). Bytes = distinct experts x
@@ -560,14 +562,18 @@ SHARED_TN = {
         replace(_TN, shared_in_route=True, shared_w2=True, all_experts=True, pdl=True, block_n2=1, warps2=4),
 }
 SHARED_LABEL = "layer: norm + router GEMV + fused_moe_routed, "
-DEFAULT_LAYER = "layer: norm + router GEMV + route + fused_moe, default"
+# the block with the routing kernel and fused_moe's GEMV tiles (the default before session 6; its label said
+# "default" until then) and the block as the layer calls it now (fused_moe_routed, default config: at T <= 2
+# the shared slots set apart, GEMV_T1_SHARED at T = 1)
+DEFAULT_LAYER = "layer: norm + router GEMV + route + fused_moe, session-5 default"
+ROUTED_DEFAULT = SHARED_LABEL + "default"
 
 
 # rows also profiled per kernel (the profiler costs ~1 s a row)
 ROUTED_IN_W13 = "layer: norm + router GEMV + fused_moe_routed (routing inside w13)"
 ROUTED_IN_ROUTER = "layer: norm + router GEMV with the routing tail (rms_norm_route) + fused_moe"
 PROFILED = {"default: route + fused_moe", "default: fused_moe only",
-            "layer: norm + router GEMV + route + fused_moe, default", ROUTED_IN_W13, ROUTED_IN_ROUTER,
+            DEFAULT_LAYER, ROUTED_DEFAULT, ROUTED_IN_W13, ROUTED_IN_ROUTER,
             "layer: norm + router GEMV + route + fused_moe, routing launched the ordinary way",
             DEFAULT_LAYER + " (repeat)", *(SHARED_LABEL + k for k in (*SHARED_T1, *SHARED_TN))}
 # rms_norm_route's variants, label suffix -> (config, route_keys) (T = 1 only: other batches run
@@ -614,7 +620,7 @@ def decode_impls(T: int, d: DecodeInputs, one_pass: bool = False) -> dict:
         fn.want = want
         return fn
 
-    impls["layer: norm + router GEMV + route + fused_moe, default"] = layer()
+    impls[DEFAULT_LAYER] = layer()
 
     def layer_routed(i):
         """The block with the routing inside the w13 kernel (fused_moe_routed, fuse_routing=True)."""
@@ -622,7 +628,7 @@ def decode_impls(T: int, d: DecodeInputs, one_pass: bool = False) -> dict:
         return moe_t.fused_moe_routed(normed, d.w13[i], d.w2[i], logits, TOP_K, True, shared_slices=1,
                                       fuse_routing=True)
 
-    layer_routed.want = impls["layer: norm + router GEMV + route + fused_moe, default"].want
+    layer_routed.want = impls[DEFAULT_LAYER].want
     impls[ROUTED_IN_W13] = layer_routed
     impls["layer: norm + router GEMV + route + fused_moe, routing launched the ordinary way"] = layer(None, False)
     impls["layer: norm + router GEMV + route + fused_moe, routing launched programmatically"] = layer(None, True)
@@ -637,7 +643,7 @@ def decode_impls(T: int, d: DecodeInputs, one_pass: bool = False) -> dict:
                                                         True, shared_slices=1, config=cfg, route_keys=keys)
             return moe_t.fused_moe(normed, d.w13[i], d.w2[i], w, ids) if experts else w
         if experts:
-            fn.want = impls["layer: norm + router GEMV + route + fused_moe, default"].want
+            fn.want = impls[DEFAULT_LAYER].want
         return fn
 
     if T == 1:
@@ -656,6 +662,7 @@ def decode_impls(T: int, d: DecodeInputs, one_pass: bool = False) -> dict:
         fn.want = impls[DEFAULT_LAYER].want
         return fn
 
+    impls[ROUTED_DEFAULT] = layer_shared(None)
     for label, cfg in (SHARED_T1 if T == 1 else SHARED_TN).items():
         impls[SHARED_LABEL + label] = layer_shared(cfg)
     impls[DEFAULT_LAYER + " (repeat)"] = layer()

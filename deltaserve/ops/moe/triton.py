@@ -33,6 +33,16 @@ and no alignment: the weights are the whole cost there, and the grouped path's f
 fused_moe_routed (routing + experts, what the layer calls) can do the routing inside the w13 GEMV kernel
 (each program takes its slot's choice from the logits itself) instead of a routing kernel before it; not
 by default: slower on an H200 (FUSED_ROUTING_MAX_TOKENS).
+The shared expert's slots (the last M of every token, experts E .. E+M-1) do not depend on the routing;
+fused_moe_routed can start their work before the routing is known (GemvMoeConfig.shared_*, session 6):
+shared_first (the w13 kernel's shared-slot programs first, their first tiles loaded before the wait),
+shared_in_route (the shared slots' w13 rows computed by extra programs of the routing kernel, weights
+loaded before its wait, so they stream during the router GEMV; triton_routing.route_and_shared_w13), and
+shared_w2 on top (the shared slots' w2 rows by extra programs at the front of the w13 kernel, into an fp32
+partial the w2 kernel adds). Every kernel waits (griddepcontrol.wait) before reading anything a kernel
+before it wrote; only constant weights are read before the wait. On Hopper fused_moe_routed's default at
+T = 1 is GEMV_T1_SHARED and at T = 2 shared_in_route (H200: 23.3 against 25.8 us per layer at T = 1,
+39.7 against 41.6 at T = 2; docs/PERFORMANCE.md).
 
 One-pass path (OnePassMoeConfig; selectable, not a default: on an H200 its main kernel read the ~57 MB of
 a decode step's experts at 2.7 TB/s, slower than the GEMV path, see docs/PERFORMANCE.md): w2 split along
@@ -244,6 +254,13 @@ class GemvMoeConfig:
 GEMV_T1 = GemvMoeConfig(block_n1=8, block_k1=1024, block_n2=1, block_k2=512, warps1=4, warps2=4, stages=3,
                         all_experts=True, pdl=True, pdl_w13=True)
 GEMV_T1_NO_PDL = dataclasses.replace(GEMV_T1, block_n1=4, pdl=False, pdl_w13=False)
+# With the shared expert folded in (fused_moe_routed, shared_slices >= 1) on Hopper, session 6 (H200, the block
+# as the layer runs it, docs/PERFORMANCE.md): T = 1 runs the shared slots' w13 in the routing kernel and their
+# w2 at the front of the w13 kernel, the w2 kernel 2 rows per program (23.3 us against 25.8 / 25.9 for
+# GEMV_T1); T = 2 up to SHARED_IN_ROUTE_MAX_TOKENS the shared slots' w13 in the routing kernel (39.7 against
+# 41.5 / 41.6 us; T = 4 even at 67.4 against 67.6 / 67.8, T = 8 slower at 111.3 against 108.7 / 109.0).
+GEMV_T1_SHARED = dataclasses.replace(GEMV_T1, shared_in_route=True, shared_w2=True, block_n2=2)
+SHARED_IN_ROUTE_MAX_TOKENS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,17 +291,21 @@ ONE_PASS_T1 = OnePassMoeConfig(pdl=True)
 MoeConfigs = MoeConfig | GemvMoeConfig | OnePassMoeConfig
 
 
-def default_moe_config(T: int, top_k: int, E: int, H: int, inter: int, *, pdl: bool = False) -> MoeConfigs:
+def default_moe_config(T: int, top_k: int, E: int, H: int, inter: int, *, pdl: bool = False,
+                       shared_slices: int = 0) -> MoeConfigs:
     """Small batches (up to GEMV_MAX_ASSIGNMENTS assignments): GEMV tiles (T = 1: GEMV_T1 where `pdl` says
     the device has programmatic dependent launch, else GEMV_T1_NO_PDL; T >= 2: the w13 kernel launched
-    programmatically where it can be). The one-pass path is not a default: it was slower on an H200
-    (docs/PERFORMANCE.md). Larger batches: grouped-GEMM tiles by the mean rows per expert; the small and large grouped
-    choices were measured on an H200 at the Qwen3.5-35B-A3B shape (benchmarks/attention_moe_ops.py
-    --sweep), the middle one was not."""
+    programmatically where it can be). With `shared_slices` (fused_moe_routed with the shared expert folded
+    in; top_k counts its slots) and `pdl`: the shared slots set apart from the routing up to
+    SHARED_IN_ROUTE_MAX_TOKENS tokens (T = 1: GEMV_T1_SHARED; T = 2: shared_in_route). The one-pass path is
+    not a default: it was slower on an H200 (docs/PERFORMANCE.md). Larger batches: grouped-GEMM tiles by the
+    mean rows per expert; the small and large grouped choices were measured on an H200 at the
+    Qwen3.5-35B-A3B shape (benchmarks/attention_moe_ops.py --sweep), the middle one was not."""
+    shared = pdl and shared_slices >= 1 and T <= SHARED_IN_ROUTE_MAX_TOKENS
     if T == 1 and top_k <= GEMV_MAX_ASSIGNMENTS:
-        return GEMV_T1 if pdl else GEMV_T1_NO_PDL
+        return GEMV_T1_SHARED if shared else GEMV_T1 if pdl else GEMV_T1_NO_PDL
     if T * top_k <= GEMV_MAX_ASSIGNMENTS:
-        return GemvMoeConfig(pdl_w13=pdl)
+        return GemvMoeConfig(pdl_w13=pdl, shared_in_route=shared)
     rows_per_expert = T * top_k / E
     if rows_per_expert <= 16:      # decode: weight-bandwidth bound, small row blocks
         return MoeConfig(block_m=16, block_n1=32, block_k1=256, block_n2=64, block_k2=256, warps1=4, warps2=4,
@@ -824,8 +845,8 @@ def _shared_variant(cfg: MoeConfigs | None) -> bool:
 
 def _fused_moe_gemv_shared(x, w13, w2, topk_weights, topk_ids, cfg: GemvMoeConfig, sh: _Shared) -> torch.Tensor:
     """The GEMV path with the shared slots set apart (GemvMoeConfig.shared_first / shared_in_route /
-    shared_w2): routing (with the shared slots' w13 rows where shared_in_route), one w13 launch whose
-    shared-slot programs come first, the w2 + combine."""
+    shared_w2): routing with the shared slots' w13 rows where shared_in_route (else the routing has run
+    already), one w13 launch whose shared-slot programs come first, the w2 + combine."""
     T, H = x.shape
     inter = w2.shape[-1]
     K, M = sh.top_k, sh.slices
@@ -834,9 +855,7 @@ def _fused_moe_gemv_shared(x, w13, w2, topk_weights, topk_ids, cfg: GemvMoeConfi
     if cfg.shared_in_route:
         route_ops.route_and_shared_w13(sh.logits, K, sh.renormalize, M, x, w13, h, rows=cfg.shared_rows,
                                        out=(topk_weights, topk_ids))
-    else:
-        w, i = route_ops.topk_softmax(sh.logits, K, sh.renormalize, shared_slices=M)
-        topk_weights.copy_(w), topk_ids.copy_(i)
+    # else: fused_moe_routed has routed into topk_weights / topk_ids already
     nb = triton.cdiv(inter, cfg.block_n1)
     nsh = 0 if cfg.shared_in_route else T * M * nb
     nw2 = triton.cdiv(M * H, cfg.shared_w2_rows) if cfg.shared_w2 else 0
@@ -886,7 +905,10 @@ def fused_moe_routed(
     output leave the chain (router GEMV -> w13 -> w2 instead of -> route -> w13 -> w2). The choice and the
     weights are triton_routing's (same math, module docstring there), bit for bit with renormalisation.
     Elsewhere: triton_routing.topk_softmax, then fused_moe. (Measured slower on an H200 at T = 1..8: each
-    wave of w13 programs pays the routing before its first weight load, see FUSED_ROUTING_MAX_TOKENS.)"""
+    wave of w13 programs pays the routing before its first weight load, see FUSED_ROUTING_MAX_TOKENS.)
+    With shared_slices the default config (default_moe_config) may set the shared slots apart from the
+    routing (GemvMoeConfig.shared_*, module docstring): the routing kernel then also computes their w13
+    rows."""
     op = "fused_moe_routed"
     E = route_ops.check_routing(op, router_logits, top_k, shared_slices)
     check(x.dim() == 2 and router_logits.shape[0] == x.shape[0], op,
@@ -896,8 +918,10 @@ def fused_moe_routed(
     check_same_device(op, x, router_logits)
     T, width = x.shape[0], top_k + shared_slices
     if config is None and T >= 1 and T * width <= GEMV_MAX_ASSIGNMENTS:
+        # the shared-slot defaults route in their own kernel: not where the routing is asked inside w13
         config = default_moe_config(T, width, w13.shape[0], x.shape[1], w2.shape[-1],
-                                    pdl=x.is_cuda and _has_pdl(x.device))
+                                    pdl=x.is_cuda and _has_pdl(x.device),
+                                    shared_slices=0 if fuse_routing else shared_slices)
     gemv = isinstance(config, GemvMoeConfig)
     split = _shared_variant(config)
     if fuse_routing is None:
@@ -907,8 +931,11 @@ def fused_moe_routed(
           "shared_w2 (the routing is its own kernel there)")
     if split:
         check(shared_slices >= 1, op, "the config's shared_first / shared_in_route / shared_w2 need shared_slices >= 1")
-        weights = torch.empty((T, width), dtype=torch.float32, device=x.device)
-        ids = torch.empty((T, width), dtype=torch.int64, device=x.device)
+        if config.shared_in_route:     # written by the routing kernel
+            weights = torch.empty((T, width), dtype=torch.float32, device=x.device)
+            ids = torch.empty((T, width), dtype=torch.int64, device=x.device)
+        else:
+            weights, ids = route_ops.topk_softmax(router_logits, top_k, renormalize, shared_slices=shared_slices)
         return _fused_moe(op, x, w13, w2, weights, ids, config,
                           shared=_Shared(router_logits, E, top_k, shared_slices, bool(renormalize)))
     if not fuse_routing:
