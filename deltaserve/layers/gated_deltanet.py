@@ -27,7 +27,7 @@ from .weights import Target, WeightMap, rows, whole
 # input projection's epilogue (kernels.rms_norm_linear_conv) where that op is the Triton kernel. Measured on
 # the H200 at the 35B-A3B shape, the layer's step (docs/PERFORMANCE.md, "gdn_decode at B = 1: the conv in the
 # input projection"): faster at 4 (35.55 vs 36.98 us) and 8 (41.16 vs 47.74), a tie at 2, slower at 1
-# (28.88 vs 28.64: the epilogue's registers cost the GEMV its single wave of programs).
+# (28.88 vs 28.64; by the compile check, the epilogue's registers cost the M = 1 GEMV its single wave).
 CONV_FOLD_ROWS = (4, 8)
 
 
