@@ -26,9 +26,10 @@ from .weights import Target, WeightMap, rows, whole
 # Decode batches (one token per sequence, no prefill) of CONV_FOLD_ROWS[0] to [1] sequences run the conv in the
 # input projection's epilogue (kernels.rms_norm_linear_conv) where that op is the Triton kernel. Measured on
 # the H200 at the 35B-A3B shape, the layer's step (docs/PERFORMANCE.md, "gdn_decode at B = 1: the conv in the
-# input projection"): faster at 4 (35.55 vs 36.98 us) and 8 (41.16 vs 47.74), a tie at 2, slower at 1
-# (28.88 vs 28.64; by the compile check, the epilogue's registers cost the M = 1 GEMV its single wave).
-CONV_FOLD_ROWS = (4, 8)
+# input projection"): faster at 1 (27.28 vs 28.74 us, with the op's window prefetch at M = 1: without it the
+# epilogue's registers cost the M = 1 GEMV its single wave, 28.93), 4 (35.55 vs 36.98) and 8 (41.16 vs 47.74),
+# a tie at 2 (33.54 vs 33.73). Not measured above 8.
+CONV_FOLD_ROWS = (1, 8)
 
 
 class GatedDeltaNet(nn.Module):
