@@ -308,7 +308,8 @@ def run_requests(engine, prompts: list[list[int]], params, tag: str) -> dict:
 
 KERNEL_FAMILIES = [   # first match wins: our MoE GEMV kernels contain "gemv", the GDN gated norm "norm"
     ("MoE (routing + experts)",
-     r"moe|topk_softmax|_route_kernel|gemv_w13|gemv_w2|_w13_kernel|_w2_kernel|_combine_kernel"),
+     r"moe|topk_softmax|_route_|gemv_w13|gemv_w2|_w13_kernel|_w2_kernel|_combine_kernel"),
+    ("embedding (+ the RoPE tables)", r"embed"),
     ("GDN (conv, gates, delta rule, gated norm)",
      r"gdn|recurrent|delta|conv1d|_conv_|chunk|gating|l2norm|recompute_w_u|_tokens_kernel|_finish_kernel|_decode_fused|"
      r"_verify|_commit|rms_norm_gated"),

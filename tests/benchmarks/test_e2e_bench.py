@@ -66,7 +66,8 @@ def test_limits(e2e):
 
 @pytest.mark.parametrize("name,fam", [
     ("_gemv_w13_kernel", "MoE"), ("_gemv_w2_combine_kernel", "MoE"), ("_topk_softmax_kernel", "MoE"),
-    ("_route_kernel", "MoE"),
+    ("_route_kernel", "MoE"), ("_route_shared_kernel", "MoE"), ("_gemv_w13_split_kernel", "MoE"),
+    ("_embed_rope_kernel", "embedding"),
     ("_tokens_kernel", "GDN"), ("_finish_kernel", "GDN"), ("_rms_norm_gated_kernel", "GDN"),
     ("_conv_update_kernel", "GDN"), ("fused_recurrent_gated_delta_rule_fwd_kernel", "GDN"),
     ("_decode_fused_kernel", "GDN"), ("_gemv_fma_kernel", "linears"), ("_gemv_dot_kernel", "linears"),
