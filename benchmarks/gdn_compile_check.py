@@ -86,9 +86,10 @@ def main() -> int:
     # chunked prefill: the tensor-core prep (default and the benchmark's variants), the state kernels
     prep_types = dict(q=bf, k=bf, v=bf, g=f32, beta=f32, A_log=f32, dt_bias=f32, coff=i32, cu=i32, Wb=bf, Ub=f32,
                       Pb=bf, Gb=f32, Tb=f32, Bb=f32, rq_b=f32, rk_b=f32, scale="fp32")
-    preps = [(128, "ieee", 0), (64, "ieee", 168), (64, "tf32", 168), (64, "ieee", 128)]
+    # (wu_cols, diag_prec, maxnreg): the default, then the prep of each triton_chunk.PREP_ON_DEFAULT_STATE pair
+    preps = [(128, "ieee", 0), (128, "ieee", 168), (64, "ieee", 168), (64, "tf32", 168), (64, "ieee", 128)]
     if args.sweep:
-        preps += [(128, "ieee", 168), (64, "ieee", 0)]
+        preps += [(64, "ieee", 0)]
     for cols, diag, maxnreg in preps:
         results.append(compile_one(
             f"chunk_prep_tc cols={cols} diag={diag} maxnreg={maxnreg or '-'}", chunk_t._chunk_prep_tc_kernel,

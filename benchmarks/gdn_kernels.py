@@ -23,10 +23,13 @@ seconds, --budget-s bounds the timed phase (a timed case takes ~1 s). Session 4:
 with 18 test processes and 44 cases. Session 5 (run S5-1, 108 s of command, 142 s with the start): the
 real-shape tests took < 10 s in 3 processes, the 8k test of 7 configurations (serial compiles, then FLA's
 import and autotune) did not finish in 58 s, and FLA's import + autotune then took ~30 s of the timed phase.
-Next (docs/PERFORMANCE.md "Chunked prefill"; keep the FLA worker, the 8k test on the default alone):
-  --sweep prefill --only prefill --skip "gates,cand-t-bv32,cand-t-bv16" --workers 6 --gpu-tests
-  --gpu-tests-groups 2 --gpu-tests-files tests/ops/test_gdn_chunk.py --gpu-tests-k "(real_shape_gpu and
-  (default or bv32-w8)) or (8k and default) or (prep_buffers and r128)" --warmup-s 70 --budget-s 60
+Session 6 (run S6-1, 82 s of command, 116 s with the start): with the FLA worker on and the 8k test on
+the default alone, the warm-up (6 compile workers, FLA's autotune, 18 GPU tests in 4 processes, the 8k
+one 45 s) took 57 s and the 21 timed cases ~15 s:
+  --sweep prefill --only "1x32768,4x8192" --skip "gates,cand-t-,t-bv" --workers 6 --gpu-tests
+  --gpu-tests-groups 3 --gpu-tests-files tests/ops/test_gdn_chunk.py --gpu-tests-k "(real_shape_gpu and
+  (default or cand-r168 or cand-cols64 or cand-bv64) and not gates) or (8k and default) or prep_variant_vs"
+  --warmup-s 62 --budget-s 40
 """
 
 from __future__ import annotations
@@ -156,7 +159,8 @@ class Case:
 # --sweep prefill: prep and state kernel variants, each timed alone (the op is the sum of its two launches;
 # session 3: 55.3 + 39.0 = 94.3 vs 93.9 ns/token timed whole), on top of the default. Each is a configuration
 # of the GPU tests (tests/ops/test_gdn_chunk.py GPU_CONFIGS, same names).
-PREP_SWEEP = {"tc-cols64-r168": dict(wu_cols=64, maxnreg_tc=168),
+PREP_SWEEP = {"tc-r168": dict(maxnreg_tc=168),
+              "tc-cols64-r168": dict(wu_cols=64, maxnreg_tc=168),
               "tc-cols64-r168-diag-tf32": dict(wu_cols=64, maxnreg_tc=168, diag_prec="tf32"),
               "tc-cols64-r128": dict(wu_cols=64, maxnreg_tc=128)}
 STATE_SWEEP_ONE = {"bv32-w8": dict(bv=32, warps_state=8, stages_state=3),
@@ -167,8 +171,10 @@ STATE_SWEEP_ONE = {"bv32-w8": dict(bv=32, warps_state=8, stages_state=3),
 STATE_SWEEP_MANY = {"t-bv64": dict(state_t=True, bv=64, stages_state=2),
                     "t-bv64-w8": dict(state_t=True, bv=64, warps_state=8, stages_state=2),
                     "t-bv128-w8": dict(state_t=True, bv=128, warps_state=8, stages_state=2)}
-CANDIDATES_ONE = ("cand-t-bv32", "cand-t-bv32-w8", "cand-t-bv16")
-CANDIDATES_MANY = ("cand-t-bv64", "cand-t-bv128-w8", "cand-bv64-cols64")
+# the session-6 prep variants on the default state kernel first (`--skip cand-t-` leaves the transposed ones out)
+CANDIDATES_ONE = tuple(one for one, _ in tc.PREP_ON_DEFAULT_STATE.values()) + ("cand-t-bv32", "cand-t-bv32-w8",
+                                                                              "cand-t-bv16")
+CANDIDATES_MANY = tuple(many for _, many in tc.PREP_ON_DEFAULT_STATE.values()) + ("cand-t-bv64", "cand-t-bv128-w8")
 
 
 def one_sequence_class(num_seqs: int) -> bool:
@@ -192,9 +198,9 @@ def candidate_configs(num_seqs: int) -> list[tuple[str, "tc.ChunkConfig"]]:
 
 def prefill_cases(sweep: bool) -> list[Case]:
     """Per shape ours (default) and FLA first, then our two launches alone (where the time goes), then the
-    whole-op candidates (the many-sequence ones first: the one-sequence ones were timed in session 5),
-    then the single-kernel variants, so a run cut short by its time budget loses variants, not the main
-    table."""
+    whole-op candidates (one-sequence, then batch; the prep variants on the default state kernel before
+    the transposed ones), then the single-kernel variants, so a run cut short by its time budget loses
+    variants, not the main table."""
     first, parts, cands_many, cands_one, later, gates = [], [], [], [], [], []
     for name, lengths in PREFILL.items():
         T, N = sum(lengths), len(lengths)
@@ -243,7 +249,7 @@ def prefill_cases(sweep: bool) -> list[Case]:
             later.append(Case("prefill", name, f"{which} alone: {vname}", 3,
                               lambda c, cfg=cfg, w=which, f=part: f(c, which=w, cfg=cfg), tokens=T, sweep=True))
         gates.append(Case("prefill", name, "ours gdn_prefill (gates fused)", 3, ours_gates, tokens=T))
-    return first + parts + cands_many + cands_one + later + gates
+    return first + parts + cands_one + cands_many + later + gates
 
 
 def _calls_for(B):

@@ -235,6 +235,21 @@ def test_chunk_wide_state_slices(device):
     assert_close(p_tri, p_ref, TOL[torch.bfloat16], "state pool")
 
 
+@pytest.mark.parametrize("name", [n for pair in tc.PREP_ON_DEFAULT_STATE.values() for n in pair])
+def test_prep_variants_on_default_state_match_reference(name, device):
+    """The session-6 candidates (each verified prep variant with the default state kernel, 32 or 64 columns)
+    == the reference (K = V = 64: the 64-column W / U slices are one slice of each; the register caps are
+    the device's, so the interpreter checks the slicing, the tf32 diagonal blocks and the state widths)."""
+    cfg = tc.CANDIDATES[name]
+    assert not cfg.state_t and cfg.stages_state == 0 and cfg.warps_state == 4, "default state kernel"
+    d = _batch([65, 1, 70], 2, torch.bfloat16, device, seed=19, dk=64, dv=64)
+    p_ref, p_tri = d["pool"].clone(), d["pool"].clone()
+    o_ref = _run(ref.chunk_gated_delta_rule, d, p_ref)
+    o_tri = _run(tc.chunk_gated_delta_rule, d, p_tri, config=cfg)
+    assert_close(o_tri, o_ref, TOL[torch.bfloat16], "output")
+    assert_close(p_tri, p_ref, TOL[torch.bfloat16], "state pool")
+
+
 @triton.jit
 def _inverse_kernel(A_ptr, T_ptr, BT: tl.constexpr):
     r = tl.arange(0, BT)
@@ -336,6 +351,33 @@ def test_chunk_configs_real_shape_gpu(name):
     assert_close(o_tri, o_ref, TOL_BF16, "output")
     assert_close(p_tri, p_ref, TOL_BF16, "state")
     assert (o_tri[64:128] == 0).all(), "padded sequence gives zeros"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [n for pair in tc.PREP_ON_DEFAULT_STATE.values() for n in pair])
+def test_prep_variant_vs_default_state_config_gpu(name):
+    """A session-6 candidate against the configuration with the same state kernel and the default prep, on
+    the real-shape mixed batch: the register caps and the 64-column W / U slices change no arithmetic, so
+    their results should equal it (reported: then the default's 8k errors are theirs); the tf32 diagonal
+    blocks round differently and must stay within the bf16 tolerance."""
+    from .test_gpu import HK, HV, TOL_BF16, D, _inputs, _report
+
+    lengths = [1, 63, 64, 65, 1000]
+    q, k, v, g, beta = _inputs(lengths, HK, HV, seed=21)
+    pool = torch.randn(len(lengths) + 2, HV, D, D, generator=gen(1)).mul(0.1).cuda()
+    kw = dict(scale=D ** -0.5, cu_seqlens=cu_seqlens(lengths, "cuda"),
+              state_indices=torch.tensor([5, 0, -1, 3, 1], dtype=torch.int32, device="cuda"),
+              has_initial_state=torch.tensor([True, False, True, True, False], device="cuda"))
+    cand = tc.CANDIDATES[name]
+    p_base, p_cand = pool.clone(), pool.clone()
+    o_base = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_base, config=tc.ChunkConfig(bv=cand.bv), **kw)
+    o_cand = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_cand, config=cand, **kw)
+    _report(test="prep_variant_vs_default_prep", config=name, identical=bool(torch.equal(o_cand, o_base)
+                                                                             and torch.equal(p_cand, p_base)),
+            out_max_abs=(o_cand.float() - o_base.float()).abs().max().item(), out_rel=rel_err(o_cand, o_base),
+            state_rel=rel_err(p_cand, p_base))
+    assert_close(o_cand, o_base, TOL_BF16, "output")
+    assert_close(p_cand, p_base, TOL_BF16, "state")
 
 
 @pytest.mark.gpu

@@ -108,8 +108,8 @@ class ChunkConfig:
         return self.stages_state or (3 if self.prec.startswith("bf16") and self.bv <= 32 else 2)
 
 
-# Whole-op candidates for the bf16 default, named as the benchmark and the GPU tests report them. All but
-# the last take the prep with W / U in 64-column slices under a 168-register cap (3 programs per SM
+# Whole-op candidates for the bf16 default, named as the benchmark and the GPU tests report them. The first
+# five take the prep with W / U in 64-column slices under a 168-register cap (3 programs per SM
 # instead of 2) and the transposed state kernel (S^T and V_new^T as register operands); the bv32 / bv16
 # ones are for one long sequence (narrow slices are what fills the SMs), bv64 / bv128 for batches with
 # >= 128 (sequence, value head) pairs; "cand-bv64-cols64" is that prep with the untransposed bv64 kernel.
@@ -124,6 +124,28 @@ CANDIDATES = types.MappingProxyType({
     "cand-t-bv128-w8": ChunkConfig(wu_cols=64, maxnreg_tc=168, state_t=True, bv=128, warps_state=8,
                                    stages_state=2),
     "cand-bv64-cols64": ChunkConfig(wu_cols=64, maxnreg_tc=168, bv=64),
+    # Session 6: each verified prep variant with the DEFAULT state kernel of the shape's class (untransposed;
+    # bv32 with 3 stages for one sequence, bv64 with 2 for batches; "cand-bv64-cols64" above is the batch
+    # form of cols64-r168): the register cap alone, the 64-column W / U slices under 168 or 128 registers,
+    # and the slices with the tf32 diagonal blocks. Session 6 (H200, same run; default 77.3 / 72.8 ns/token at
+    # 1 x 32768 / 4 x 8192): all slower, the capped preps' spills cost more than the third or fourth program
+    # per SM gains (prep alone 38.4 default, r168 45.0, cols64-r168 41.6, +diag tf32 39.6, cols64-r128 49.2);
+    # whole op cand-cols64-r168-dtf32 78.3 / 74.3, the closest. r168 and the slices change no arithmetic
+    # (results bitwise equal to the default prep's on the device).
+    "cand-r168": ChunkConfig(maxnreg_tc=168),
+    "cand-cols64-r168": ChunkConfig(wu_cols=64, maxnreg_tc=168),
+    "cand-cols64-r128": ChunkConfig(wu_cols=64, maxnreg_tc=128),
+    "cand-cols64-r168-dtf32": ChunkConfig(wu_cols=64, maxnreg_tc=168, diag_prec="tf32"),
+    "cand-bv64-r168": ChunkConfig(maxnreg_tc=168, bv=64),
+    "cand-bv64-cols64-r128": ChunkConfig(wu_cols=64, maxnreg_tc=128, bv=64),
+    "cand-bv64-cols64-r168-dtf32": ChunkConfig(wu_cols=64, maxnreg_tc=168, diag_prec="tf32", bv=64),
+})
+# The session-6 prep variants on the default state kernel, as (one-sequence, batch) CANDIDATES names.
+PREP_ON_DEFAULT_STATE = types.MappingProxyType({
+    "r168": ("cand-r168", "cand-bv64-r168"),
+    "cols64-r168": ("cand-cols64-r168", "cand-bv64-cols64"),
+    "cols64-r128": ("cand-cols64-r128", "cand-bv64-cols64-r128"),
+    "cols64-r168-dtf32": ("cand-cols64-r168-dtf32", "cand-bv64-cols64-r168-dtf32"),
 })
 
 
@@ -132,7 +154,7 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     one-kernel tensor-core prep; 64-column state slices (2 stages) once there are >= 128 (sequence,
     value head) pairs to fill the SMs (5 % faster at 4 x 8192 and 32 x 1024), else 32 columns
     (3 stages; 64 columns leave half the SMs idle at 1 x 32768 and are 25 % slower there). Every
-    CANDIDATES entry timed so far is slower (session 5), so none replaces it."""
+    CANDIDATES entry timed so far is slower (sessions 5 and 6), so none replaces it."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
     bv = 64 if num_seqs * num_v_heads >= 128 and v >= 64 else min(32, v)
     return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2")
