@@ -128,6 +128,20 @@ def main() -> int:
             f"chunk_state{'_t' if transposed else ''} bv={bv} prec={prec} w{warps} s{stages}", fn, t,
             dict(R=R, K=K, V=V, BV=bv, BT=64, PREC=prec, STAGES=stages), warps, stages))
 
+    # the split-output path (ChunkConfig.split_output, triton_chunk.SPLIT_OUTPUT): the chain kernel storing
+    # h_c and V_new in bf16, and the parallel output kernel per (chunk, value head, bv_out columns)
+    split_types = dict(k=bf, Wb=bf, Ub=f32, Gb=f32, rk_b=f32, Hb=bf, Vb=bf, ssm=f32, cu=i32, coff=i32, idx=i32,
+                       has_init="*u8")
+    for bv, warps, stages in ((32, 4, 3), (16, 4, 2), (64, 4, 2), (64, 8, 3), (32, 4, 2)):
+        results.append(compile_one(
+            f"chunk_state_split bv={bv} prec=bf16x2 w{warps} s{stages}", chunk_t._chunk_state_split_kernel,
+            split_types, dict(R=R, K=K, V=V, BV=bv, BT=64, PREC="bf16x2", STAGES=stages), warps, stages))
+    out_types = dict(q=bf, o=bf, Pb=bf, Gb=f32, rq_b=f32, Hb=bf, Vb=bf, coff=i32, cu=i32, idx=i32)
+    for bvo, warps in ((64, 4), (128, 4)) + (((64, 8), (128, 8)) if args.sweep else ()):
+        results.append(compile_one(
+            f"chunk_out bv_out={bvo} prec=bf16x2 w{warps}", chunk_t._chunk_out_kernel, out_types,
+            dict(R=R, K=K, V=V, BV=bvo, BT=64, BLOCK_N=16, PREC="bf16x2"), warps))
+
     # token kernels
     for bv, warps in ([(8, 1), (16, 2), (32, 4), (64, 4)] if args.sweep else [(16, 2), (32, 4)]):
         results.append(compile_one(

@@ -30,6 +30,13 @@ one 45 s) took 57 s and the 21 timed cases ~15 s:
   --gpu-tests-groups 3 --gpu-tests-files tests/ops/test_gdn_chunk.py --gpu-tests-k "(real_shape_gpu and
   (default or cand-r168 or cand-cols64 or cand-bv64) and not gates) or (8k and default) or prep_variant_vs"
   --warmup-s 62 --budget-s 40
+Session 7 (prepared in session 6 by chunk7, not run yet): the split-output candidates (triton_chunk.SPLIT_OUTPUT,
+timed first, plus their chain and output kernels alone) beside the default and FLA; the exact command is in
+docs/PERFORMANCE.md ("Prepared in session 6 (chunk7)"):
+  --only "1x32768,4x8192" --skip "gates,cand-t-,t-bv,cand-r168,cand-cols64,cand-bv64-r168,cand-bv64-cols64"
+  --workers 6 --gpu-tests --gpu-tests-groups 3 --gpu-tests-files tests/ops/test_gdn_chunk.py --gpu-tests-k
+  "(real_shape_gpu and (default or split) and not gates) or split_output_vs or (8k and split)"
+  --warmup-s 85 --budget-s 40
 """
 
 from __future__ import annotations
@@ -172,9 +179,12 @@ STATE_SWEEP_MANY = {"t-bv64": dict(state_t=True, bv=64, stages_state=2),
                     "t-bv64-w8": dict(state_t=True, bv=64, warps_state=8, stages_state=2),
                     "t-bv128-w8": dict(state_t=True, bv=128, warps_state=8, stages_state=2)}
 # the session-6 prep variants on the default state kernel first (`--skip cand-t-` leaves the transposed ones out)
-CANDIDATES_ONE = tuple(one for one, _ in tc.PREP_ON_DEFAULT_STATE.values()) + ("cand-t-bv32", "cand-t-bv32-w8",
-                                                                              "cand-t-bv16")
-CANDIDATES_MANY = tuple(many for _, many in tc.PREP_ON_DEFAULT_STATE.values()) + ("cand-t-bv64", "cand-t-bv128-w8")
+# (session 7: the split-output candidates of session 6 (chunk7) before them, untimed so far; `--only split`
+# keeps just them, with their split parts timed alone)
+CANDIDATES_ONE = tc.SPLIT_OUTPUT["one"] + tuple(one for one, _ in tc.PREP_ON_DEFAULT_STATE.values()) + (
+    "cand-t-bv32", "cand-t-bv32-w8", "cand-t-bv16")
+CANDIDATES_MANY = tc.SPLIT_OUTPUT["many"] + tuple(many for _, many in tc.PREP_ON_DEFAULT_STATE.values()) + (
+    "cand-t-bv64", "cand-t-bv128-w8")
 
 
 def one_sequence_class(num_seqs: int) -> bool:
@@ -226,6 +236,15 @@ def prefill_cases(sweep: bool) -> list[Case]:
             if which == "prep":
                 return lambda i: tc._launch_prep(d["q"], d["k"], d["v"], d["g"], d["beta"], False, None, None, SCALE,
                                                  d["cu"], N, True, cfg)
+            if which in ("split-state", "split-out"):  # the split path's two kernels alone (scratch made once)
+                split = tc.split_scratch(d["q"], d["v"], N, cfg)
+                has_init = d["has_init"].view(torch.uint8) if d["has_init"].dtype == torch.bool else d["has_init"]
+                tc._launch_state_split(d["q"], d["k"], d["v"], bufs, split, d["cu"], d["pool"], d["idx"], has_init,
+                                       cfg)
+                if which == "split-state":
+                    return lambda i: tc._launch_state_split(d["q"], d["k"], d["v"], bufs, split, d["cu"], d["pool"],
+                                                            d["idx"], has_init, cfg)
+                return lambda i: tc._launch_out(d["q"], d["v"], o, bufs, split, d["cu"], d["idx"], cfg)
             return lambda i: tc._launch_state(d["q"], d["k"], d["v"], o, bufs, d["cu"], d["pool"], d["idx"],
                                               d["has_init"], cfg)
 
@@ -244,6 +263,11 @@ def prefill_cases(sweep: bool) -> list[Case]:
                               tokens=T))
         parts.append(Case("prefill", name, "ours: prep kernel", 3, lambda c, f=part: f(c, which="prep"), tokens=T))
         parts.append(Case("prefill", name, "ours: state kernel", 3, lambda c, f=part: f(c, which="state"), tokens=T))
+        split_name = tc.SPLIT_OUTPUT["one" if one_sequence_class(N) else "many"][0]
+        for which in ("split-state", "split-out"):
+            parts.append(Case("prefill", name, f"ours {split_name}: {which} kernel alone", 3,
+                              lambda c, f=part, w=which, cfg=tc.CANDIDATES[split_name]: f(c, which=w, cfg=cfg),
+                              tokens=T))
         for which, vname, ch in sweep_changes(N) if sweep else ():
             cfg = dataclasses.replace(base, **ch)
             later.append(Case("prefill", name, f"{which} alone: {vname}", 3,

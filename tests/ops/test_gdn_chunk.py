@@ -4,6 +4,8 @@ tests at the end run every launch configuration the benchmark times at the real 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -250,6 +252,90 @@ def test_prep_variants_on_default_state_match_reference(name, device):
     assert_close(p_tri, p_ref, TOL[torch.bfloat16], "state pool")
 
 
+def _check_split_against(d, p_pool, o_ref, p_ref, o_def, p_def, o_spl, p_spl, dtype, lengths, exact):
+    """The split-output path == the reference (the default path's tolerance) and == the default path (same
+    products of the same operands: bitwise under the interpreter at the same state slices, close on a GPU);
+    padded sequences give zeros, only live slots change."""
+    assert_close(o_spl, o_ref, TOL[dtype], "output vs reference")
+    assert_close(p_spl, p_ref, TOL[dtype], "state pool vs reference")
+    if exact:
+        assert torch.equal(o_spl, o_def), f"output differs from the default path by {rel_err(o_spl, o_def):.3g}"
+        assert torch.equal(p_spl, p_def), f"state differs from the default path by {rel_err(p_spl, p_def):.3g}"
+    else:
+        assert_close(o_spl, o_def, 1e-5 if dtype == torch.float32 else 1e-2, "output vs default path")
+        assert_close(p_spl, p_def, 1e-5, "state pool vs default path")
+    padded = d["cu"][len(lengths) // 2].item(), d["cu"][len(lengths) // 2 + 1].item()
+    assert (o_spl[padded[0]:padded[1]] == 0).all(), "padded sequence must produce zeros"
+    untouched = torch.ones(p_pool.shape[0], dtype=torch.bool)
+    untouched[d["idx"][d["idx"] >= 0].long().cpu()] = False
+    untouched = untouched.to(p_pool.device)
+    assert torch.equal(p_spl[untouched], p_pool[untouched]), "only live slots may change"
+
+
+@pytest.mark.parametrize("ratio,dtype,bv,bv_out", [(1, torch.bfloat16, 32, 64), (2, torch.bfloat16, 16, 16),
+                                                   (2, torch.float32, 32, 16)])
+def test_split_output_matches_reference_and_default(ratio, dtype, bv, bv_out, device):
+    """ChunkConfig.split_output (the chain kernel storing h_c and V_new, then the parallel output kernel) on
+    lengths 1, 63, 64, 65, 130 in one batch, half of them from an initial state, one padded row: the
+    reference's results and the default path's (same state slices, same precision)."""
+    lengths = [1, 63, 64, 65, 130]
+    d = _batch(lengths, ratio, dtype, device, seed=30 + ratio)
+    base = dataclasses.replace(tc.default_chunk_config(len(lengths), ratio, 32, dtype), bv=bv)
+    p_ref, p_def, p_spl = d["pool"].clone(), d["pool"].clone(), d["pool"].clone()
+    o_ref = _run(ref.chunk_gated_delta_rule, d, p_ref)
+    o_def = _run(tc.chunk_gated_delta_rule, d, p_def, config=base)
+    o_spl = _run(tc.chunk_gated_delta_rule, d, p_spl,
+                 config=dataclasses.replace(base, split_output=True, bv_out=bv_out))
+    # interpreter: bitwise (numpy's fp32 product of the same operands; bv_out != bv changes the product
+    # shape and so, in fp32, numpy's summation order)
+    exact = device.type == "cpu" and (dtype != torch.float32 or bv_out == bv)
+    _check_split_against(d, d["pool"], o_ref, p_ref, o_def, p_def, o_spl, p_spl, dtype, lengths, exact)
+
+
+def test_split_output_fused_gates(device):
+    """gdn_prefill (gates from their pre-activations) through the split path == the default path."""
+    d = _batch([70, 1, 64], 2, torch.bfloat16, device, seed=3)
+    kw = dict(A_log=d["A_log"], dt_bias=d["dt_bias"], scale=d["scale"], cu_seqlens=d["cu"],
+              state_indices=d["idx"], has_initial_state=d["has_init"])
+    p_def, p_spl = d["pool"].clone(), d["pool"].clone()
+    o_def = tc.gdn_prefill(d["q"], d["k"], d["v"], d["a"], d["b"], ssm_state=p_def, **kw)
+    o_spl = tc.gdn_prefill(d["q"], d["k"], d["v"], d["a"], d["b"], ssm_state=p_spl,
+                           config=tc.ChunkConfig(split_output=True), **kw)
+    assert_close(o_spl, o_def, TOL[torch.bfloat16] / 2, "output")
+    assert_close(p_spl, p_def, 1e-5, "state pool")
+
+
+@pytest.mark.parametrize("name", [n for names in tc.SPLIT_OUTPUT.values() for n in names])
+def test_split_output_candidates_match_reference(name, device):
+    """Each split-output candidate at K = V = 64 (its state slices and output slices, capped at V)."""
+    cfg = tc.CANDIDATES[name]
+    assert cfg.split_output and not cfg.state_t
+    d = _batch([65, 1, 7], 2, torch.bfloat16, device, seed=23, dk=64, dv=64)
+    p_ref, p_tri = d["pool"].clone(), d["pool"].clone()
+    o_ref = _run(ref.chunk_gated_delta_rule, d, p_ref)
+    o_tri = _run(tc.chunk_gated_delta_rule, d, p_tri, config=cfg)
+    assert_close(o_tri, o_ref, TOL[torch.bfloat16], "output")
+    assert_close(p_tri, p_ref, TOL[torch.bfloat16], "state pool")
+
+
+def test_split_output_rejects_transposed_state_and_narrow_slices(device):
+    d = _batch([10], 1, torch.bfloat16, device, seed=1)
+    for cfg in (tc.ChunkConfig(split_output=True, state_t=True), tc.ChunkConfig(split_output=True, bv_out=8)):
+        with pytest.raises(ValueError, match="split_output"):
+            _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=cfg)
+
+
+def test_split_scratch_is_sized_from_shapes():
+    """h_c for the chunk-count bound cdiv(T, 64) + N (no host sync), V_new per token, in the output products'
+    operand dtype."""
+    q = torch.empty(130, 2, 16)
+    v = torch.empty(130, 4, 32)
+    s = tc.split_scratch(q, v, 3, tc.ChunkConfig(split_output=True))
+    assert s["Hb"].shape == (3 + 3, 4, 16, 32) and s["Hb"].dtype == torch.bfloat16
+    assert s["Vb"].shape == (130, 4, 32) and s["Vb"].dtype == torch.bfloat16
+    assert tc.split_scratch(q, v, 3, tc.ChunkConfig(split_output=True, prec="ieee"))["Hb"].dtype == torch.float32
+
+
 @triton.jit
 def _inverse_kernel(A_ptr, T_ptr, BT: tl.constexpr):
     r = tl.arange(0, BT)
@@ -381,10 +467,39 @@ def test_prep_variant_vs_default_state_config_gpu(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", [n for names in tc.SPLIT_OUTPUT.values() for n in names])
+def test_split_output_vs_default_state_gpu(name):
+    """A split-output candidate against the default path with the same state slices, on the real-shape mixed
+    batch: the outputs are the same products of the same bf16 operands and the chain the same arithmetic,
+    so they should be equal (reported) and must be within a tight tolerance."""
+    from .test_gpu import HK, HV, D, _inputs, _report
+
+    lengths = [1, 63, 64, 65, 1000]
+    q, k, v, g, beta = _inputs(lengths, HK, HV, seed=21)
+    pool = torch.randn(len(lengths) + 2, HV, D, D, generator=gen(1)).mul(0.1).cuda()
+    kw = dict(scale=D ** -0.5, cu_seqlens=cu_seqlens(lengths, "cuda"),
+              state_indices=torch.tensor([5, 0, -1, 3, 1], dtype=torch.int32, device="cuda"),
+              has_initial_state=torch.tensor([True, False, True, True, False], device="cuda"))
+    cand = tc.CANDIDATES[name]
+    p_base, p_cand = pool.clone(), pool.clone()
+    o_base = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_base, config=tc.ChunkConfig(bv=cand.bv), **kw)
+    o_cand = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_cand, config=cand, **kw)
+    _report(test="split_output_vs_default", config=name, identical_out=bool(torch.equal(o_cand, o_base)),
+            identical_state=bool(torch.equal(p_cand, p_base)),
+            out_max_abs=(o_cand.float() - o_base.float()).abs().max().item(), out_rel=rel_err(o_cand, o_base),
+            state_rel=rel_err(p_cand, p_base))
+    assert_close(o_cand, o_base, 1e-2, "output")
+    assert_close(p_cand, p_base, 1e-5, "state")
+    assert (o_cand[64:128] == 0).all(), "padded sequence gives zeros"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("names", [pytest.param(",".join(GPU_CONFIGS), id="all"),
                                    pytest.param("default", id="default"),
                                    pytest.param("default,tc-wu-tf32", id="wu-tf32"),
-                                   pytest.param(",".join(["default", *tc.CANDIDATES]), id="candidates")])
+                                   pytest.param(",".join(["default", *tc.CANDIDATES]), id="candidates"),
+                                   pytest.param(",".join(["default", *(n for names in tc.SPLIT_OUTPUT.values()
+                                                                       for n in names)]), id="split")])
 def test_chunk_configs_8k_not_less_accurate_than_fla_gpu(names):
     """One 8192-token sequence with slow decay against the fp32 token-by-token recurrence: each
     configuration's output and final-state errors must not exceed FLA's on the same inputs."""

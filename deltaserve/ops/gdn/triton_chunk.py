@@ -24,6 +24,13 @@ in two launches (FLA: five + fills):
    pool slot (or zero) and the final state written back in place. ChunkConfig.state_t runs the same
    recurrence on S^T (`_chunk_state_t_kernel`): the state-dependent operands become register A operands.
 
+3. Optional (ChunkConfig.split_output, FLA's chunk_fwd_h / chunk_fwd_o split; not the default): the state
+   kernel keeps only the chain (`_chunk_state_split_kernel`) and stores, per chunk, the state it started
+   the chunk with (h_c, [cdiv(T, 64) + N, HV, K, V], indexed by the chunk's global index) and V_new
+   ([T, HV, V]), both in the dtype the output products round them to (bf16 for bf16 / bf16x2), and
+   `_chunk_out_kernel`, one program per (chunk, value head, ChunkConfig.bv_out columns), computes
+   O = exp(G) * rq * (Q h_c) + P V_new from them: the same products of the same operands as kernel 2.
+
 Operand precision of kernel 2 (ChunkConfig.prec), always with fp32 accumulation and an fp32 state:
 "bf16x2" (default for bf16 activations) splits the fp32 operands of the state chain (S in W S, V_new in
 K^T V_new) into two bf16 limbs (hi + lo, ~16 mantissa bits) against the bf16 W / K, on bf16 tensor cores
@@ -81,6 +88,12 @@ class ChunkConfig:
     memory, so a register cap of 168 spills less); diag_prec: precision of the batched 16 x 16
     diagonal-block doubling of the inverse ("ieee" exact fp32 FMA, or "tf32" tensor cores, as the joins);
     state_t: the transposed state kernel (`_chunk_state_t_kernel`: S^T and V_new^T as register A operands).
+    split_output (FLA's chunk_fwd_h / chunk_fwd_o split; untransposed state kernel only): the state kernel
+    (`_chunk_state_split_kernel`) keeps only the chain V_new = U - W S, S <- ... and stores, per chunk, the
+    state it started the chunk with (h_c) and V_new, in the dtype the default kernel's output products round
+    them to (bf16 for the bf16 / bf16x2 precisions, else fp32), so the outputs are the same products of the
+    same operands; `_chunk_out_kernel`, one program per (chunk, value head, bv_out columns; warps_out
+    warps), then forms O = e^G rq (Q h_c) + P V_new fully in parallel.
     """
 
     bv: int = 32
@@ -99,6 +112,9 @@ class ChunkConfig:
     wu_cols: int = 0
     diag_prec: str = "ieee"
     state_t: bool = False
+    split_output: bool = False
+    bv_out: int = 64
+    warps_out: int = 4
 
     def state_stages(self) -> int:
         """Pipeline depth of the state kernel; 0 means 3 with bf16 operand tiles and slices of <= 32
@@ -139,6 +155,26 @@ CANDIDATES = types.MappingProxyType({
     "cand-bv64-r168": ChunkConfig(maxnreg_tc=168, bv=64),
     "cand-bv64-cols64-r128": ChunkConfig(wu_cols=64, maxnreg_tc=128, bv=64),
     "cand-bv64-cols64-r168-dtf32": ChunkConfig(wu_cols=64, maxnreg_tc=168, diag_prec="tf32", bv=64),
+    # Session 6 (chunk7), not timed yet: the default prep with FLA's split of the state kernel
+    # (split_output): the chain alone (h_c and V_new stored in bf16, the operands the default's output
+    # products round to, so the outputs are the same products) plus the parallel output kernel, with
+    # bv_out columns per output program (64: 2 programs per (chunk, head); 128: one, q and P read once).
+    # sm_90 compile (benchmarks/gdn_compile_check.py, 4 warps unless named): chain bv32 s3 220 regs / 129 KiB
+    # smem (1 program per SM, 128 programs at 1 x 32768, as the default's 255 regs / 202 KiB), bv16 s2 160 /
+    # 77 KiB (2 per SM: 256 programs in one wave), bv64 s2 255 + 34 spill stores / 113 KiB, bv64 w8 s3 243 /
+    # 161 KiB no spills, bv32 s2 210 / 89 KiB (2 per SM); output kernel bv_out 64: 62 regs / 48 KiB, 128: 114 /
+    # 72 KiB; all wgmma.
+    "cand-bv32-split": ChunkConfig(split_output=True, bv=32),
+    "cand-bv16-split": ChunkConfig(split_output=True, bv=16, stages_state=2),
+    "cand-bv32-split-o128": ChunkConfig(split_output=True, bv=32, bv_out=128),
+    "cand-bv64-split": ChunkConfig(split_output=True, bv=64),
+    "cand-bv64-split-w8": ChunkConfig(split_output=True, bv=64, warps_state=8, stages_state=3),
+    "cand-bv32s2-split": ChunkConfig(split_output=True, bv=32, stages_state=2),
+})
+# The split-output candidates, as (one-sequence, batch) CANDIDATES names.
+SPLIT_OUTPUT = types.MappingProxyType({
+    "one": ("cand-bv32-split", "cand-bv16-split", "cand-bv32-split-o128"),
+    "many": ("cand-bv64-split", "cand-bv64-split-w8", "cand-bv32s2-split"),
 })
 # The session-6 prep variants on the default state kernel, as (one-sequence, batch) CANDIDATES names.
 PREP_ON_DEFAULT_STATE = types.MappingProxyType({
@@ -650,6 +686,87 @@ def _chunk_state_kernel(
 
 
 @triton.jit
+def _chunk_state_split_kernel(
+    k, s_k_t, s_k_h, Wb, Ub, Gb, rk_b, Hb, Vb, ssm, cu, coff, idx, has_init, HK, HV,
+    R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    PREC: tl.constexpr, STAGES: tl.constexpr,
+):
+    """`_chunk_state_kernel` with the output products moved out (ChunkConfig.split_output): per chunk it
+    stores the state it starts the chunk with (h_c, [chunks, HV, K, V], at the chunk's index coff[n] + c)
+    and V_new ([T, HV, V]), both in the output products' operand dtype (Hb / Vb), and carries on with the
+    chain alone. Padded sequences (slot < 0) store nothing; `_chunk_out_kernel` writes their zeros."""
+    j = tl.program_id(0)
+    nh = tl.program_id(1)
+    n = nh // HV
+    hv = nh % HV
+    hk = hv // R
+    bos = tl.load(cu + n).to(tl.int32)
+    L = tl.load(cu + n + 1).to(tl.int32) - bos
+    c0 = tl.load(coff + n).to(tl.int64)
+    slot = tl.load(idx + n).to(tl.int64)
+    live = slot >= 0
+    init = tl.load(has_init + n) != 0
+    ok = tl.arange(0, K)
+    ov = j * BV + tl.arange(0, BV)
+    rows = tl.arange(0, BT)
+    sp = ssm + slot * (HV * K * V) + hv * (K * V) + ok[:, None] * V + ov[None, :]
+    S = tl.load(sp, mask=(ok[:, None] >= 0) & live & init, other=0.0)
+    for c in tl.range(0, tl.cdiv(L, BT), num_stages=STAGES):
+        left = L - c * BT
+        rm = rows < left
+        tok = (bos + c * BT + rows).to(tl.int64)
+        w = tl.load(Wb + (tok[:, None] * HV + hv) * K + ok[None, :], mask=rm[:, None], other=0.0)
+        u = tl.load(Ub + (tok[:, None] * HV + hv) * V + ov[None, :], mask=rm[:, None], other=0.0)
+        kT = tl.load(k + tok[None, :] * s_k_t + hk * s_k_h + ok[:, None], mask=rm[None, :], other=0.0)
+        G = tl.load(Gb + tok * HV + hv, mask=rm, other=0.0)
+        rk = tl.load(rk_b + tok * HK + hk, mask=rm, other=0.0)
+        g_last = tl.load(Gb + (bos + c * BT + tl.minimum(left, BT) - 1).to(tl.int64) * HV + hv)
+        tl.store(Hb + ((c0 + c) * HV + hv) * (K * V) + ok[:, None] * V + ov[None, :], S.to(Hb.dtype.element_ty),
+                 mask=(ok[:, None] >= 0) & live)
+        Vn = u - _mmx(w, S, PREC)
+        tl.store(Vb + (tok[:, None] * HV + hv) * V + ov[None, :], Vn.to(Vb.dtype.element_ty),
+                 mask=rm[:, None] & live)
+        d = tl.where(rm, tl.exp(g_last - G) * rk, 0.0)
+        S = S * tl.exp(g_last) + _mmx(kT, Vn * d[:, None], PREC)
+    tl.store(sp, S, mask=(ok[:, None] >= 0) & live & (L > 0))
+
+
+@triton.jit(do_not_specialize=["N"])
+def _chunk_out_kernel(
+    q, s_q_t, s_q_h, o, Pb, Gb, rq_b, Hb, Vb, coff, cu, idx, N, HK, HV,
+    R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+):
+    """The outputs of one (chunk, value head, BV columns) from the split state kernel's h_c and V_new, with
+    `_chunk_state_kernel`'s output math: O = (Q h_c) * e^G rq + P V_new, both products at the output
+    precision (one bf16 limb for bf16x2) and fp32 accumulation; zeros for padded sequences."""
+    OUT_PREC: tl.constexpr = "bf16" if PREC == "bf16x2" else PREC
+    p = tl.program_id(0)
+    hv = tl.program_id(1)
+    j = tl.program_id(2)
+    hk = hv // R
+    n, c, bos, eos = locate_chunk(coff, cu, N, p, BLOCK_N)
+    slot = tl.load(idx + n, mask=n < N, other=-1)
+    live = slot >= 0
+    t0 = bos + c * BT
+    rows = tl.arange(0, BT)
+    rm = rows < eos - t0
+    tok = (t0 + rows).to(tl.int64)
+    ok = tl.arange(0, K)
+    ov = j * BV + tl.arange(0, BV)
+    qq = tl.load(q + tok[:, None] * s_q_t + hk * s_q_h + ok[None, :], mask=rm[:, None], other=0.0)
+    pm = tl.load(Pb + (tok[:, None] * HV + hv) * BT + rows[None, :], mask=rm[:, None], other=0.0)
+    G = tl.load(Gb + tok * HV + hv, mask=rm, other=0.0)
+    rq = tl.load(rq_b + tok * HK + hk, mask=rm, other=0.0)
+    h = tl.load(Hb + (p.to(tl.int64) * HV + hv) * (K * V) + ok[:, None] * V + ov[None, :],
+                mask=(ok[:, None] >= 0) & live, other=0.0)
+    vn = tl.load(Vb + (tok[:, None] * HV + hv) * V + ov[None, :], mask=rm[:, None] & live, other=0.0)
+    O = _mmx(qq, h, OUT_PREC) * (rq * tl.exp(G))[:, None] + _mmx(pm, vn, OUT_PREC)
+    tl.store(o + tok[:, None] * (HV * V) + hv * V + ov[None, :],
+             tl.where(live, O, 0.0).to(o.dtype.element_ty), mask=rm[:, None])
+
+
+@triton.jit
 def _mma(a, b, PREC: tl.constexpr):
     """a @ b with fp32 accumulation; a is fp32 (S^T or V_new^T, in registers), b a loaded W, Q, P or K
     tile (already in its operand dtype). "bf16x2": a as two bf16 limbs against the bf16 b."""
@@ -753,6 +870,8 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     check(cfg.diag_prec in DIAG_PRECISIONS, op, f"config diag_prec={cfg.diag_prec!r} is not one of {DIAG_PRECISIONS}")
     check(cfg.wu_cols == 0 or (cfg.wu_cols >= 16 and K % cfg.wu_cols == 0 and V % cfg.wu_cols == 0), op,
           f"config wu_cols={cfg.wu_cols} must be 0 or a divisor >= 16 of K={K} and V={V}")
+    check(not cfg.split_output or (not cfg.state_t and cfg.bv_out >= 16 and V % min(cfg.bv_out, V) == 0), op,
+          f"config split_output needs the untransposed state kernel and bv_out={cfg.bv_out} >= 16 dividing V={V}")
     o = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)
     if T == 0 or N == 0:
         return o
@@ -783,6 +902,7 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
     qk_prec = "ieee" if exact else "native"
     merge_prec = "ieee" if exact else cfg.merge_prec
     coff = chunk_offsets(cu_seqlens, CHUNK)
+    bufs["coff"] = coff  # the split state / output kernels index h_c by chunk
     grid = (triton.cdiv(T, CHUNK) + N, HV)
     block_n = max(16, next_pow2(N))
     if cfg.solve == "tc":
@@ -825,6 +945,11 @@ def _launch_state(q, k, v, o, bufs, cu_seqlens, ssm_state, state_indices, has_in
     HV, V = v.shape[1:]
     N = state_indices.shape[0]
     has_init = has_initial_state if has_initial_state.dtype != torch.bool else has_initial_state.view(torch.uint8)
+    if cfg.split_output:
+        split = split_scratch(q, v, N, cfg)
+        _launch_state_split(q, k, v, bufs, split, cu_seqlens, ssm_state, state_indices, has_init, cfg)
+        _launch_out(q, v, o, bufs, split, cu_seqlens, state_indices, cfg)
+        return
     kernel = _chunk_state_t_kernel if cfg.state_t else _chunk_state_kernel
     kernel[(V // cfg.bv, N * HV)](
         q, k, q.stride(0), q.stride(1), k.stride(0), k.stride(1), o,
@@ -832,6 +957,42 @@ def _launch_state(q, k, v, o, bufs, cu_seqlens, ssm_state, state_indices, has_in
         state_indices, has_init, HK, HV,
         R=HV // HK, K=K, V=V, BV=cfg.bv, BT=CHUNK, PREC=cfg.prec, STAGES=cfg.state_stages(),
         num_warps=cfg.warps_state)
+
+
+def split_scratch(q, v, N, cfg):
+    """The split path's scratch, sized from shapes only: h_c for every chunk ([cdiv(T, 64) + N, HV, K, V], the
+    bound on the chunk count without a host sync) and V_new ([T, HV, V]), in the output products' operand
+    dtype (bf16 for the bf16 / bf16x2 precisions: what the default kernel's output products round to)."""
+    T, _, K = q.shape
+    HV, V = v.shape[1:]
+    dt = _operand_dtype(cfg.prec)
+    return dict(Hb=torch.empty((triton.cdiv(T, CHUNK) + N, HV, K, V), dtype=dt, device=q.device),
+                Vb=torch.empty((T, HV, V), dtype=dt, device=q.device))
+
+
+def _launch_state_split(q, k, v, bufs, split, cu_seqlens, ssm_state, state_indices, has_init, cfg):
+    """The split state kernel alone: the chain, h_c and V_new per chunk, the final state."""
+    HK, K = q.shape[1:]
+    HV, V = v.shape[1:]
+    N = state_indices.shape[0]
+    _chunk_state_split_kernel[(V // cfg.bv, N * HV)](
+        k, k.stride(0), k.stride(1), bufs["Wb"], bufs["Ub"], bufs["Gb"], bufs["rk"], split["Hb"], split["Vb"],
+        ssm_state, cu_seqlens, bufs["coff"], state_indices, has_init, HK, HV,
+        R=HV // HK, K=K, V=V, BV=cfg.bv, BT=CHUNK, PREC=cfg.prec, STAGES=cfg.state_stages(),
+        num_warps=cfg.warps_state)
+
+
+def _launch_out(q, v, o, bufs, split, cu_seqlens, state_indices, cfg):
+    """The parallel output kernel: one program per (chunk, value head, bv_out columns)."""
+    T, HK, K = q.shape
+    HV, V = v.shape[1:]
+    N = state_indices.shape[0]
+    bvo = min(cfg.bv_out, V)
+    _chunk_out_kernel[(triton.cdiv(T, CHUNK) + N, HV, V // bvo)](
+        q, q.stride(0), q.stride(1), o, bufs["Pb"], bufs["Gb"], bufs["rq"], split["Hb"], split["Vb"],
+        bufs["coff"], cu_seqlens, state_indices, N, HK, HV,
+        R=HV // HK, K=K, V=V, BV=bvo, BT=CHUNK, BLOCK_N=max(16, next_pow2(N)), PREC=cfg.prec,
+        num_warps=cfg.warps_out)
 
 
 def chunk_gated_delta_rule(
