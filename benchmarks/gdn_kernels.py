@@ -181,10 +181,11 @@ STATE_SWEEP_MANY = {"t-bv64": dict(state_t=True, bv=64, stages_state=2),
 # the session-6 prep variants on the default state kernel first (`--skip cand-t-` leaves the transposed ones out)
 # (session 7: the split-output candidates of session 6 (chunk7) before them, untimed so far; `--only split`
 # keeps just them, with their split parts timed alone)
-CANDIDATES_ONE = tc.SPLIT_OUTPUT["one"] + tuple(one for one, _ in tc.PREP_ON_DEFAULT_STATE.values()) + (
-    "cand-t-bv32", "cand-t-bv32-w8", "cand-t-bv16")
-CANDIDATES_MANY = tc.SPLIT_OUTPUT["many"] + tuple(many for _, many in tc.PREP_ON_DEFAULT_STATE.values()) + (
-    "cand-t-bv64", "cand-t-bv128-w8")
+# (session 7: the chunk-layout candidates first; `--only chunk` keeps just them, with their kernels timed alone)
+CANDIDATES_ONE = tc.CHUNK_LAYOUT["one"] + tc.SPLIT_OUTPUT["one"] + tuple(
+    one for one, _ in tc.PREP_ON_DEFAULT_STATE.values()) + ("cand-t-bv32", "cand-t-bv32-w8", "cand-t-bv16")
+CANDIDATES_MANY = tc.CHUNK_LAYOUT["many"] + tc.SPLIT_OUTPUT["many"] + tuple(
+    many for _, many in tc.PREP_ON_DEFAULT_STATE.values()) + ("cand-t-bv64", "cand-t-bv128-w8")
 
 
 def one_sequence_class(num_seqs: int) -> bool:
@@ -263,6 +264,11 @@ def prefill_cases(sweep: bool) -> list[Case]:
                               tokens=T))
         parts.append(Case("prefill", name, "ours: prep kernel", 3, lambda c, f=part: f(c, which="prep"), tokens=T))
         parts.append(Case("prefill", name, "ours: state kernel", 3, lambda c, f=part: f(c, which="state"), tokens=T))
+        for cname in tc.CHUNK_LAYOUT["one" if one_sequence_class(N) else "many"]:
+            for which in ("prep", "state"):
+                parts.append(Case("prefill", name, f"ours {cname}: {which} kernel alone", 3,
+                                  lambda c, f=part, w=which, cfg=tc.CANDIDATES[cname]: f(c, which=w, cfg=cfg),
+                                  tokens=T))
         split_name = tc.SPLIT_OUTPUT["one" if one_sequence_class(N) else "many"][0]
         for which in ("split-state", "split-out"):
             parts.append(Case("prefill", name, f"ours {split_name}: {which} kernel alone", 3,

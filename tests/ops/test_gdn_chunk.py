@@ -336,6 +336,81 @@ def test_split_scratch_is_sized_from_shapes():
     assert tc.split_scratch(q, v, 3, tc.ChunkConfig(split_output=True, prec="ieee"))["Hb"].dtype == torch.float32
 
 
+@pytest.mark.parametrize("ratio,bv", [(1, 32), (2, 16), (4, 32)])
+def test_chunk_layout_matches_token_layout_and_reference(ratio, bv, device):
+    """ChunkConfig(layout="chunk") (per-chunk zero-padded prep buffers, the TMA-descriptor state kernel) on
+    lengths 1, 63, 64, 65, 130 in one batch, half from an initial state, one padded row: the reference's
+    results, and the token layout's bit for bit under the interpreter (the same products of the same
+    operands; only where they are stored and how they are loaded differ)."""
+    lengths = [1, 63, 64, 65, 130]
+    d = _batch(lengths, ratio, torch.bfloat16, device, seed=40 + ratio)
+    p_ref, p_tok, p_chk = d["pool"].clone(), d["pool"].clone(), d["pool"].clone()
+    o_ref = _run(ref.chunk_gated_delta_rule, d, p_ref)
+    o_tok = _run(tc.chunk_gated_delta_rule, d, p_tok, config=tc.ChunkConfig(bv=bv))
+    o_chk = _run(tc.chunk_gated_delta_rule, d, p_chk, config=tc.ChunkConfig(bv=bv, layout="chunk"))
+    assert_close(o_chk, o_ref, TOL[torch.bfloat16], "output")
+    assert_close(p_chk, p_ref, TOL[torch.bfloat16], "state pool")
+    if device.type == "cpu":
+        assert torch.equal(o_chk, o_tok) and torch.equal(p_chk, p_tok)
+    else:
+        assert_close(o_chk, o_tok, 1e-2, "output vs token layout")
+        assert_close(p_chk, p_tok, 1e-5, "state vs token layout")
+    assert (o_chk[64:128] == 0).all(), "padded sequence gives zeros"
+    untouched = torch.ones(d["pool"].shape[0], dtype=torch.bool)
+    untouched[d["idx"][d["idx"] >= 0].long().cpu()] = False
+    assert torch.equal(p_chk[untouched.to(p_chk.device)], d["pool"][untouched.to(p_chk.device)])
+
+
+def test_chunk_layout_fused_gates_and_strided_q(device):
+    """gdn_prefill (gates from their pre-activations) on the chunk layout == the token layout, with q, k, v
+    as strided views of one projection row (q's rows are read through a TMA descriptor over that row)."""
+    lengths = [70, 1, 64]
+    d = _batch(lengths, 2, torch.bfloat16, device, seed=5)
+    T, hk, dk = d["q"].shape
+    hv, dv = d["v"].shape[1:]
+    row = torch.randn(T, 2 * hk * dk + hv * dv + 8, generator=gen(9)).to(device, torch.bfloat16)
+    q = row[:, :hk * dk].view(T, hk, dk)
+    k = row[:, hk * dk:2 * hk * dk].view(T, hk, dk)
+    v = row[:, 2 * hk * dk:2 * hk * dk + hv * dv].view(T, hv, dv)
+    kw = dict(A_log=d["A_log"], dt_bias=d["dt_bias"], scale=d["scale"], cu_seqlens=d["cu"],
+              state_indices=d["idx"], has_initial_state=d["has_init"])
+    p_tok, p_chk = d["pool"].clone(), d["pool"].clone()
+    o_tok = tc.gdn_prefill(q, k, v, d["a"], d["b"], ssm_state=p_tok, **kw)
+    o_chk = tc.gdn_prefill(q, k, v, d["a"], d["b"], ssm_state=p_chk, config=tc.ChunkConfig(layout="chunk"), **kw)
+    assert_close(o_chk, o_tok, TOL[torch.bfloat16] / 2, "output")
+    assert_close(p_chk, p_tok, 1e-5, "state pool")
+
+
+def test_chunk_layout_prep_buffers_are_padded_per_chunk(device):
+    """The chunk layout's prep buffers: each sequence's chunks at its chunk offsets, rows past a sequence's
+    end exactly zero (W, U, P, the K copy and the decay factors d), e^G_last the last row's decay."""
+    lengths = [70, 1]
+    d = _batch(lengths, 2, torch.bfloat16, device, seed=6)
+    g, beta = ref.gdn_gating(d["A_log"], d["a"], d["dt_bias"], d["b"])
+    cfg = tc.ChunkConfig(layout="chunk")
+    bufs = tc._launch_prep(d["q"], d["k"], d["v"], g, beta, False, None, None, d["scale"], d["cu"], 2, True, cfg)
+    HV, HK, C = 2, 1, 71 // 64 + 1 + 2
+    W = bufs["Wb"].view(C, HV, 64, -1)
+    U = bufs["Ub"].view(C, HV, 64, -1)
+    Kc = bufs["Kb"].view(C, HK, 64, -1)
+    # chunks: sequence 0 -> 0 (tokens 0-63), 1 (64-69); sequence 1 -> 2 (token 70)
+    for ch, start, rows in ((1, 64, 6), (2, 70, 1)):
+        for buf in (W[ch], U[ch], Kc[ch]):
+            assert (buf[:, rows:] == 0).all()
+        assert (bufs["Cb"][ch, :, 0, rows:] == 0).all()
+        assert torch.equal(Kc[ch, 0, :rows], d["k"][start:start + rows, 0])
+    G = torch.cumsum(g[64:70].float(), 0)
+    assert_close(bufs["Lb"][1], torch.exp(G[-1]), 1e-6, "e^G_last")
+
+
+def test_chunk_layout_rejects_unsupported_combinations(device):
+    d = _batch([10], 1, torch.bfloat16, device, seed=1)
+    for cfg in (tc.ChunkConfig(layout="chunk", state_t=True), tc.ChunkConfig(layout="chunk", split_output=True),
+                tc.ChunkConfig(layout="chunk", prec="tf32"), tc.ChunkConfig(layout="rows")):
+        with pytest.raises(ValueError, match="layout"):
+            _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=cfg)
+
+
 @triton.jit
 def _inverse_kernel(A_ptr, T_ptr, BT: tl.constexpr):
     r = tl.arange(0, BT)
@@ -494,12 +569,42 @@ def test_split_output_vs_default_state_gpu(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted({n for names in tc.CHUNK_LAYOUT.values() for n in names}))
+def test_chunk_layout_vs_token_layout_gpu(name):
+    """A chunk-layout candidate against the token layout with the same state slices and stages, on the
+    real-shape mixed batch: the same products of the same operands, so equal (reported) within a tight
+    tolerance; zeros for the padded sequence."""
+    from .test_gpu import HK, HV, D, _inputs, _report
+
+    lengths = [1, 63, 64, 65, 1000]
+    q, k, v, g, beta = _inputs(lengths, HK, HV, seed=21)
+    pool = torch.randn(len(lengths) + 2, HV, D, D, generator=gen(1)).mul(0.1).cuda()
+    kw = dict(scale=D ** -0.5, cu_seqlens=cu_seqlens(lengths, "cuda"),
+              state_indices=torch.tensor([5, 0, -1, 3, 1], dtype=torch.int32, device="cuda"),
+              has_initial_state=torch.tensor([True, False, True, True, False], device="cuda"))
+    cand = tc.CANDIDATES[name]
+    base = dataclasses.replace(cand, layout="token")
+    p_base, p_cand = pool.clone(), pool.clone()
+    o_base = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_base, config=base, **kw)
+    o_cand = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_cand, config=cand, **kw)
+    _report(test="chunk_layout_vs_token", config=name, identical_out=bool(torch.equal(o_cand, o_base)),
+            identical_state=bool(torch.equal(p_cand, p_base)),
+            out_max_abs=(o_cand.float() - o_base.float()).abs().max().item(), out_rel=rel_err(o_cand, o_base),
+            state_rel=rel_err(p_cand, p_base))
+    assert_close(o_cand, o_base, 1e-2, "output")
+    assert_close(p_cand, p_base, 1e-5, "state")
+    assert (o_cand[64:128] == 0).all(), "padded sequence gives zeros"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("names", [pytest.param(",".join(GPU_CONFIGS), id="all"),
                                    pytest.param("default", id="default"),
                                    pytest.param("default,tc-wu-tf32", id="wu-tf32"),
                                    pytest.param(",".join(["default", *tc.CANDIDATES]), id="candidates"),
                                    pytest.param(",".join(["default", *(n for names in tc.SPLIT_OUTPUT.values()
-                                                                       for n in names)]), id="split")])
+                                                                       for n in names)]), id="split"),
+                                   pytest.param(",".join(["default", *sorted({n for names in tc.CHUNK_LAYOUT.values()
+                                                                              for n in names})]), id="chunk")])
 def test_chunk_configs_8k_not_less_accurate_than_fla_gpu(names):
     """One 8192-token sequence with slow decay against the fp32 token-by-token recurrence: each
     configuration's output and final-state errors must not exceed FLA's on the same inputs."""

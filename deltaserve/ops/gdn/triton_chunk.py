@@ -56,6 +56,7 @@ import types
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..triton_common import (
     check, check_head_dim, check_index, check_last_contiguous, check_pool, check_same_device, chunk_offsets,
@@ -67,6 +68,7 @@ PRECISIONS = ("bf16x2", "bf16", "tf32", "ieee")
 MERGE_PRECISIONS = ("tf32x3", "tf32", "ieee")
 SOLVES = ("tc", "subst")
 DIAG_PRECISIONS = ("ieee", "tf32")
+LAYOUTS = ("token", "chunk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +96,10 @@ class ChunkConfig:
     them to (bf16 for the bf16 / bf16x2 precisions, else fp32), so the outputs are the same products of the
     same operands; `_chunk_out_kernel`, one program per (chunk, value head, bv_out columns; warps_out
     warps), then forms O = e^G rq (Q h_c) + P V_new fully in parallel.
+    layout (LAYOUTS): "token" stores the prep's products per token ([T, HV, ...], read with row masks by the
+    state kernel); "chunk" stores them per chunk, zero-padded to 64 rows ([chunks, HV, 64, ...], plus a
+    zero-padded copy of K and the per-row decay factors), so that `_chunk_state_tma_kernel` reads whole
+    tiles through TMA descriptors: no masks, no per-element address arithmetic in the chain.
     """
 
     bv: int = 32
@@ -115,6 +121,7 @@ class ChunkConfig:
     split_output: bool = False
     bv_out: int = 64
     warps_out: int = 4
+    layout: str = "token"
 
     def state_stages(self) -> int:
         """Pipeline depth of the state kernel; 0 means 3 with bf16 operand tiles and slices of <= 32
@@ -170,6 +177,19 @@ CANDIDATES = types.MappingProxyType({
     "cand-bv64-split": ChunkConfig(split_output=True, bv=64),
     "cand-bv64-split-w8": ChunkConfig(split_output=True, bv=64, warps_state=8, stages_state=3),
     "cand-bv32s2-split": ChunkConfig(split_output=True, bv=32, stages_state=2),
+    # Session 7: the chunk layout (W, U, P, K per chunk, zero-padded, read by the state kernel through TMA
+    # descriptors; the same products as the default). sm_90 compile: bv32 s3 182 regs / 206 KiB smem, 986
+    # SASS instructions in the chunk loop against the default kernel's 1187 (ncu, session 7: the default's
+    # loop is issue-bound at one warp per scheduler, 21 % of it IMAD, mostly load addressing); bv64 s2 255
+    # regs + 5 spill stores / 164 KiB; bv32 s2 186 / 140 KiB.
+    "cand-chunk-bv32": ChunkConfig(layout="chunk", bv=32),
+    "cand-chunk-bv32s2": ChunkConfig(layout="chunk", bv=32, stages_state=2),
+    "cand-chunk-bv64": ChunkConfig(layout="chunk", bv=64),
+})
+# The chunk-layout candidates, as (one-sequence, batch) CANDIDATES names.
+CHUNK_LAYOUT = types.MappingProxyType({
+    "one": ("cand-chunk-bv32", "cand-chunk-bv32s2"),
+    "many": ("cand-chunk-bv64", "cand-chunk-bv32"),
 })
 # The split-output candidates, as (one-sequence, batch) CANDIDATES names.
 SPLIT_OUTPUT = types.MappingProxyType({
@@ -587,14 +607,20 @@ def _dot_raw(a, b, PREC: tl.constexpr):
 def _chunk_prep_tc_kernel(
     q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h,
     g, beta, s_g_t, s_b_t, A_log, dt_bias,
-    coff, cu, N, Wb, Ub, Pb, Gb, rq_b, rk_b, scale, HK, HV,
+    coff, cu, N, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV,
     R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
     L2NORM: tl.constexpr, GATES: tl.constexpr, QK_PREC: tl.constexpr, DIAG_PREC: tl.constexpr,
     MERGE_PREC: tl.constexpr, WU_PREC: tl.constexpr, WU_COLS_K: tl.constexpr, WU_COLS_V: tl.constexpr,
+    CHUNKED: tl.constexpr,
 ):
     """The whole prep in one program per (chunk, value head), on whole-chunk tiles: norms, gates, G,
     P, A, the tensor-core UT inverse T (never stored), W = (T diag(beta e^G rk)) K, U = (T diag(beta)) V.
-    The diagonal factors scale T's columns, so the raw bf16 rows of K and V stay exact operands."""
+    The diagonal factors scale T's columns, so the raw bf16 rows of K and V stay exact operands.
+    CHUNKED (ChunkConfig.layout "chunk"): W, U, P at rows (p * HV + hv) * 64 + i of [chunks * HV * 64, ...]
+    buffers, all 64 rows stored (rows past the sequence are exact zeros: their k, q, v and gates load as
+    zeros), plus the zero-padded K rows (Kb, per key head), the decay factors d = e^(G_last - G) rk (zero past
+    the sequence) and e^G rq (Cb, [chunks, HV, 2, 64]) and e^G_last (Lb, [chunks, HV]) in place of G and the
+    norms."""
     p = tl.program_id(0)
     hv = tl.program_id(1)
     hk = hv // R
@@ -603,20 +629,29 @@ def _chunk_prep_tc_kernel(
     rows = tl.arange(0, BT)
     m = rows < eos - t0
     tok = (t0 + rows).to(tl.int64)
+    if CHUNKED:  # store rows of the W / U / P buffers, and their mask (every row of the padded chunk)
+        srow = (p.to(tl.int64) * HV + hv) * BT + rows
+        sm = rows >= 0
+    else:
+        srow = tok * HV + hv
+        sm = m
     kraw = _load_rows(k, tok, m, s_k_t, hk * s_k_h, K)
     rk = _rstd(kraw, L2NORM)
     gv, bt = _gates(g, beta, s_g_t, s_b_t, A_log, dt_bias, tok, m, hv, GATES)
     G = _cumsum(gv, BT)
-    tl.store(Gb + tok * HV + hv, G, mask=m)
+    if not CHUNKED:
+        tl.store(Gb + tok * HV + hv, G, mask=m)
     # exp(G_i - G_j) on and below the diagonal, masked before the exp (no exp(+x) overflow)
     E = tl.exp(tl.where(rows[:, None] >= rows[None, :], G[:, None] - G[None, :], float("-inf")))
     qraw = _load_rows(q, tok, m, s_q_t, hk * s_q_h, K)
     rq = _rstd(qraw, L2NORM) * scale
-    if hv % R == 0:  # the norms are per key head: one of its value heads stores them
+    if CHUNKED:
+        _store_chunk_factors(Kb, Cb, Lb, kraw, G, rk, rq, m, p, hv, hk, HK, HV, R, K, BT)
+    elif hv % R == 0:  # the norms are per key head: one of its value heads stores them
         tl.store(rq_b + tok * HK + hk, rq, mask=m)
         tl.store(rk_b + tok * HK + hk, rk, mask=m)
     Pm = _gram(qraw, kraw, QK_PREC) * (rq[:, None] * rk[None, :]) * E
-    tl.store(Pb + (tok[:, None] * HV + hv) * BT + rows[None, :], Pm.to(Pb.dtype.element_ty), mask=m[:, None])
+    tl.store(Pb + srow[:, None] * BT + rows[None, :], Pm.to(Pb.dtype.element_ty), mask=sm[:, None])
     KK = _gram(kraw, kraw, QK_PREC)
     A = tl.where(rows[:, None] > rows[None, :], KK * ((bt * rk)[:, None] * rk[None, :]) * E, 0.0)
     T = _ut_inverse(A, BT, DIAG_PREC, MERGE_PREC)
@@ -630,12 +665,28 @@ def _chunk_prep_tc_kernel(
         else:
             kc = tl.load(k + tok[:, None] * s_k_t + hk * s_k_h + oc[None, :], mask=m[:, None], other=0.0)
         W = _dot_raw(Tw, kc, WU_PREC)
-        tl.store(Wb + (tok[:, None] * HV + hv) * K + oc[None, :], W.to(Wb.dtype.element_ty), mask=m[:, None])
+        tl.store(Wb + srow[:, None] * K + oc[None, :], W.to(Wb.dtype.element_ty), mask=sm[:, None])
     Tu = T * bt[None, :]
     for h in tl.static_range(V // WU_COLS_V):
         oc = h * WU_COLS_V + tl.arange(0, WU_COLS_V)
         vc = tl.load(v + tok[:, None] * s_v_t + hv * s_v_h + oc[None, :], mask=m[:, None], other=0.0)
-        tl.store(Ub + (tok[:, None] * HV + hv) * V + oc[None, :], _dot_raw(Tu, vc, WU_PREC), mask=m[:, None])
+        tl.store(Ub + srow[:, None] * V + oc[None, :], _dot_raw(Tu, vc, WU_PREC), mask=sm[:, None])
+
+
+@triton.jit
+def _store_chunk_factors(Kb, Cb, Lb, kraw, G, rk, rq, m, p, hv, hk, HK, HV, R: tl.constexpr, K: tl.constexpr,
+                         BT: tl.constexpr):
+    """The chunk layout's per-chunk factors (`_chunk_prep_tc_kernel`, CHUNKED): G_last is G's last row (the
+    gates past the sequence are zero, so the cumulative sum stays at the last token's value)."""
+    rows = tl.arange(0, BT)
+    ch = p.to(tl.int64) * HV + hv
+    g_last = tl.sum(tl.where(rows == BT - 1, G, 0.0), 0)
+    tl.store(Cb + ch * (2 * BT) + rows, tl.where(m, tl.exp(g_last - G) * rk, 0.0))
+    tl.store(Cb + ch * (2 * BT) + BT + rows, tl.exp(G) * rq)
+    tl.store(Lb + ch, tl.exp(g_last))
+    if hv % R == 0:  # K is per key head: one of its value heads stores the padded rows
+        ok = tl.arange(0, K)
+        tl.store(Kb + ((p.to(tl.int64) * HK + hk) * BT + rows)[:, None] * K + ok[None, :], kraw)
 
 
 @triton.jit
@@ -682,6 +733,55 @@ def _chunk_state_kernel(
                  tl.where(live, O, 0.0).to(o.dtype.element_ty), mask=rm[:, None])
         d = tl.where(rm, tl.exp(g_last - G) * rk, 0.0)
         S = S * tl.exp(g_last) + _mmx(kT, Vn * d[:, None], PREC)
+    tl.store(sp, S, mask=(ok[:, None] >= 0) & live & (L > 0))
+
+
+@triton.jit
+def _chunk_state_tma_kernel(
+    w_desc, u_desc, k_desc, q_desc, p_desc, Cb, Lb, o, ssm, cu, coff, idx, has_init, HK, HV,
+    R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    PREC: tl.constexpr, STAGES: tl.constexpr,
+):
+    """`_chunk_state_kernel` on the chunk layout (ChunkConfig.layout "chunk"): W, U, K, P arrive as whole
+    zero-padded chunk tiles and Q as the chunk's rows of q, all through TMA descriptors (one async copy per
+    tile, no masks, no per-element addresses), and the decay factors come precomputed. The products and
+    their operand precisions are `_chunk_state_kernel`'s. Q rows past the sequence belong to the next one
+    (or are TMA's zero fill past T); they only reach output rows that are not stored."""
+    OUT_PREC: tl.constexpr = "bf16" if PREC == "bf16x2" else PREC
+    j = tl.program_id(0)
+    nh = tl.program_id(1)
+    n = nh // HV
+    hv = nh % HV
+    hk = hv // R
+    bos = tl.load(cu + n).to(tl.int32)
+    L = tl.load(cu + n + 1).to(tl.int32) - bos
+    c0 = tl.load(coff + n).to(tl.int32)
+    slot = tl.load(idx + n).to(tl.int64)
+    live = slot >= 0
+    init = tl.load(has_init + n) != 0
+    ok = tl.arange(0, K)
+    ov = j * BV + tl.arange(0, BV)
+    rows = tl.arange(0, BT)
+    sp = ssm + slot * (HV * K * V) + hv * (K * V) + ok[:, None] * V + ov[None, :]
+    S = tl.load(sp, mask=(ok[:, None] >= 0) & live & init, other=0.0)
+    for c in tl.range(0, tl.cdiv(L, BT), num_stages=STAGES):
+        ch = c0 + c
+        row = (ch * HV + hv) * BT
+        w = w_desc.load([row, 0])
+        u = u_desc.load([row, j * BV])
+        kk = k_desc.load([(ch * HK + hk) * BT, 0])
+        qq = q_desc.load([bos + c * BT, hk * K])
+        pm = p_desc.load([row, 0])
+        f = Cb + (ch * HV + hv).to(tl.int64) * (2 * BT) + rows
+        d = tl.load(f)
+        eq = tl.load(f + BT)
+        decay = tl.load(Lb + (ch * HV + hv))
+        Vn = u - _mmx(w, S, PREC)
+        O = _mmx(qq, S, OUT_PREC) * eq[:, None] + _mmx(pm, Vn, OUT_PREC)
+        tok = (bos + c * BT + rows).to(tl.int64)
+        tl.store(o + tok[:, None] * (HV * V) + hv * V + ov[None, :],
+                 tl.where(live, O, 0.0).to(o.dtype.element_ty), mask=(rows < L - c * BT)[:, None])
+        S = S * decay + _mmx(tl.trans(kk), Vn * d[:, None], PREC)
     tl.store(sp, S, mask=(ok[:, None] >= 0) & live & (L > 0))
 
 
@@ -870,6 +970,12 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     check(cfg.diag_prec in DIAG_PRECISIONS, op, f"config diag_prec={cfg.diag_prec!r} is not one of {DIAG_PRECISIONS}")
     check(cfg.wu_cols == 0 or (cfg.wu_cols >= 16 and K % cfg.wu_cols == 0 and V % cfg.wu_cols == 0), op,
           f"config wu_cols={cfg.wu_cols} must be 0 or a divisor >= 16 of K={K} and V={V}")
+    check(cfg.layout in LAYOUTS, op, f"config layout={cfg.layout!r} is not one of {LAYOUTS}")
+    check(cfg.layout == "token" or (cfg.solve == "tc" and not cfg.state_t and not cfg.split_output
+                                    and cfg.prec.startswith("bf16") and q.dtype == torch.bfloat16), op,
+          f"config layout='chunk' needs the tc prep, the untransposed fused state kernel and bf16 operands, "
+          f"got solve={cfg.solve!r}, state_t={cfg.state_t}, split_output={cfg.split_output}, prec={cfg.prec!r}, "
+          f"dtype {q.dtype}")
     check(not cfg.split_output or (not cfg.state_t and cfg.bv_out >= 16 and V % min(cfg.bv_out, V) == 0), op,
           f"config split_output needs the untransposed state kernel and bv_out={cfg.bv_out} >= 16 dividing V={V}")
     o = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)
@@ -888,15 +994,29 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
     dev = q.device
     f32 = torch.float32
     op_dtype = _operand_dtype(cfg.prec)
-    bufs = dict(
-        Wb=torch.empty((T, HV, K), dtype=op_dtype, device=dev),
-        Ub=torch.empty((T, HV, V), dtype=f32, device=dev),
-        Pb=torch.empty((T, HV, CHUNK), dtype=op_dtype, device=dev),
-        Gb=torch.empty((T, HV), dtype=f32, device=dev),
-        rq=torch.empty((T, HK), dtype=f32, device=dev),
-        rk=torch.empty((T, HK), dtype=f32, device=dev),
-    )
-    dummy = bufs["Gb"]
+    if cfg.layout == "chunk":  # per chunk, zero-padded to CHUNK rows; cdiv(T, CHUNK) + N bounds the chunk count
+        C = triton.cdiv(T, CHUNK) + N
+        bufs = dict(
+            Wb=torch.empty((C * HV * CHUNK, K), dtype=op_dtype, device=dev),
+            Ub=torch.empty((C * HV * CHUNK, V), dtype=f32, device=dev),
+            Pb=torch.empty((C * HV * CHUNK, CHUNK), dtype=op_dtype, device=dev),
+            Kb=torch.empty((C * HK * CHUNK, K), dtype=k.dtype, device=dev),
+            Cb=torch.empty((C, HV, 2, CHUNK), dtype=f32, device=dev),
+            Lb=torch.empty((C, HV), dtype=f32, device=dev),
+        )
+        dummy = bufs["Lb"]
+        bufs.update(Gb=dummy, rq=dummy, rk=dummy)
+    else:
+        bufs = dict(
+            Wb=torch.empty((T, HV, K), dtype=op_dtype, device=dev),
+            Ub=torch.empty((T, HV, V), dtype=f32, device=dev),
+            Pb=torch.empty((T, HV, CHUNK), dtype=op_dtype, device=dev),
+            Gb=torch.empty((T, HV), dtype=f32, device=dev),
+            rq=torch.empty((T, HK), dtype=f32, device=dev),
+            rk=torch.empty((T, HK), dtype=f32, device=dev),
+        )
+        dummy = bufs["Gb"]
+        bufs.update(Kb=dummy, Cb=dummy, Lb=dummy)
     exact = q.dtype == torch.float32
     wu_prec = "ieee" if exact else "tf32"
     qk_prec = "ieee" if exact else "native"
@@ -910,11 +1030,13 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
             q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             g, beta, g.stride(0), beta.stride(0), A_log if gates_in_kernel else dummy,
             dt_bias if gates_in_kernel else dummy, coff, cu_seqlens, N,
-            bufs["Wb"], bufs["Ub"], bufs["Pb"], bufs["Gb"], bufs["rq"], bufs["rk"], float(scale), HK, HV,
+            bufs["Wb"], bufs["Ub"], bufs["Pb"], bufs["Gb"], bufs["rq"], bufs["rk"], bufs["Kb"], bufs["Cb"],
+            bufs["Lb"], float(scale), HK, HV,
             R=HV // HK, K=K, V=V, BT=CHUNK, BLOCK_N=block_n, L2NORM=bool(l2norm), GATES=bool(gates_in_kernel),
             QK_PREC=qk_prec, DIAG_PREC="ieee" if exact else cfg.diag_prec, MERGE_PREC=merge_prec,
             WU_PREC=cfg.wu_prec if q.dtype == torch.bfloat16 else wu_prec,
-            WU_COLS_K=cfg.wu_cols or K, WU_COLS_V=cfg.wu_cols or V, num_warps=cfg.warps_tc,
+            WU_COLS_K=cfg.wu_cols or K, WU_COLS_V=cfg.wu_cols or V, CHUNKED=cfg.layout == "chunk",
+            num_warps=cfg.warps_tc,
             **({"maxnreg": cfg.maxnreg_tc} if cfg.maxnreg_tc else {}))
         return bufs
     if cfg.split_prep:
@@ -950,11 +1072,34 @@ def _launch_state(q, k, v, o, bufs, cu_seqlens, ssm_state, state_indices, has_in
         _launch_state_split(q, k, v, bufs, split, cu_seqlens, ssm_state, state_indices, has_init, cfg)
         _launch_out(q, v, o, bufs, split, cu_seqlens, state_indices, cfg)
         return
+    if cfg.layout == "chunk":
+        _launch_state_tma(q, o, bufs, cu_seqlens, ssm_state, state_indices, has_init, cfg)
+        return
     kernel = _chunk_state_t_kernel if cfg.state_t else _chunk_state_kernel
     kernel[(V // cfg.bv, N * HV)](
         q, k, q.stride(0), q.stride(1), k.stride(0), k.stride(1), o,
         bufs["Wb"], bufs["Ub"], bufs["Pb"], bufs["Gb"], bufs["rq"], bufs["rk"], ssm_state, cu_seqlens,
         state_indices, has_init, HK, HV,
+        R=HV // HK, K=K, V=V, BV=cfg.bv, BT=CHUNK, PREC=cfg.prec, STAGES=cfg.state_stages(),
+        num_warps=cfg.warps_state)
+
+
+def _launch_state_tma(q, o, bufs, cu_seqlens, ssm_state, state_indices, has_init, cfg):
+    """The state kernel on the chunk layout, its tiles read through host-built TMA descriptors (a descriptor
+    holds only addresses and shapes, so the launch stays CUDA-graph capturable)."""
+    T, HK, K = q.shape
+    HV, V = o.shape[1:]
+    N = state_indices.shape[0]
+    aligned = q.data_ptr() % 16 == 0 and q.stride(0) * q.element_size() % 16 == 0
+    # TMA reads a row's heads as one [HK * K] row: they must be contiguous, the rows 16-byte aligned
+    q2 = q if aligned and q.stride(1) == K and q.stride(2) == 1 else q.contiguous()
+    _chunk_state_tma_kernel[(V // cfg.bv, N * HV)](
+        TensorDescriptor.from_tensor(bufs["Wb"], [CHUNK, K]),
+        TensorDescriptor.from_tensor(bufs["Ub"], [CHUNK, cfg.bv]),
+        TensorDescriptor.from_tensor(bufs["Kb"], [CHUNK, K]),
+        TensorDescriptor(q2, [T, HK * K], [q2.stride(0), 1], [CHUNK, K]),
+        TensorDescriptor.from_tensor(bufs["Pb"], [CHUNK, CHUNK]),
+        bufs["Cb"], bufs["Lb"], o, ssm_state, cu_seqlens, bufs["coff"], state_indices, has_init, HK, HV,
         R=HV // HK, K=K, V=V, BV=cfg.bv, BT=CHUNK, PREC=cfg.prec, STAGES=cfg.state_stages(),
         num_warps=cfg.warps_state)
 
