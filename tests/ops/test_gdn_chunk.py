@@ -225,6 +225,11 @@ def test_default_config_follows_the_shape():
     assert tc.default_chunk_config(4, 32, 32, torch.bfloat16).bv == 32
     assert tc.default_chunk_config(4, 32, 128, torch.float32).prec == "ieee"
     assert tc.default_chunk_config(1, 32, 128, torch.bfloat16).solve == "tc"
+    # the chunk layout where it is verified on the device (bf16, head dims 128), the token layout elsewhere
+    assert tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128).layout == "chunk"
+    assert tc.default_chunk_config(1, 32, 128, torch.bfloat16).layout == "chunk"
+    assert tc.default_chunk_config(1, 32, 64, torch.bfloat16, k=64).layout == "token"
+    assert tc.default_chunk_config(1, 32, 128, torch.float32, k=128).layout == "token"
 
 
 def test_chunk_wide_state_slices(device):
@@ -342,6 +347,9 @@ def test_chunk_layout_matches_token_layout_and_reference(ratio, bv, device):
     lengths 1, 63, 64, 65, 130 in one batch, half from an initial state, one padded row: the reference's
     results, and the token layout's bit for bit under the interpreter (the same products of the same
     operands; only where they are stored and how they are loaded differ)."""
+    if device.type == "cuda":
+        pytest.skip("the GPU refuses the chunk layout at these head dims (test_chunk_layout_rejects_...); "
+                    "test_chunk_layout_vs_token_layout_gpu covers it at the real shape")
     lengths = [1, 63, 64, 65, 130]
     d = _batch(lengths, ratio, torch.bfloat16, device, seed=40 + ratio)
     p_ref, p_tok, p_chk = d["pool"].clone(), d["pool"].clone(), d["pool"].clone()
@@ -364,6 +372,8 @@ def test_chunk_layout_matches_token_layout_and_reference(ratio, bv, device):
 def test_chunk_layout_fused_gates_and_strided_q(device):
     """gdn_prefill (gates from their pre-activations) on the chunk layout == the token layout, with q, k, v
     as strided views of one projection row (q's rows are read through a TMA descriptor over that row)."""
+    if device.type == "cuda":
+        pytest.skip("the GPU refuses the chunk layout at these head dims")
     lengths = [70, 1, 64]
     d = _batch(lengths, 2, torch.bfloat16, device, seed=5)
     T, hk, dk = d["q"].shape
@@ -384,6 +394,8 @@ def test_chunk_layout_fused_gates_and_strided_q(device):
 def test_chunk_layout_prep_buffers_are_padded_per_chunk(device):
     """The chunk layout's prep buffers: each sequence's chunks at its chunk offsets, rows past a sequence's
     end exactly zero (W, U, P, the K copy and the decay factors d), e^G_last the last row's decay."""
+    if device.type == "cuda":
+        pytest.skip("the GPU refuses the chunk layout at these head dims")
     lengths = [70, 1]
     d = _batch(lengths, 2, torch.bfloat16, device, seed=6)
     g, beta = ref.gdn_gating(d["A_log"], d["a"], d["dt_bias"], d["b"])
@@ -409,6 +421,9 @@ def test_chunk_layout_rejects_unsupported_combinations(device):
                 tc.ChunkConfig(layout="chunk", prec="tf32"), tc.ChunkConfig(layout="rows")):
         with pytest.raises(ValueError, match="layout"):
             _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=cfg)
+    if device.type == "cuda":  # head dims 16 / 32: not verified on the device, so refused there
+        with pytest.raises(ValueError, match="verified on the GPU only"):
+            _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=tc.ChunkConfig(layout="chunk"))
 
 
 @triton.jit
@@ -476,6 +491,7 @@ def test_tc_prep_buffers_match_torch_gpu(name):
     lengths = [1, 63, 64, 65, 300]
     q, k, v, g, beta = _inputs(lengths, HK, HV, seed=12)
     cfg = GPU_CONFIGS[name] or tc.default_chunk_config(len(lengths), HV, D, torch.bfloat16)
+    cfg = dataclasses.replace(cfg, layout="token")  # the reference buffers are per token
     bufs = tc._launch_prep(q, k, v, g, beta, False, None, None, D ** -0.5, cu_seqlens(lengths, "cuda"),
                            len(lengths), True, cfg)
     want = _prep_reference(q, k, v, g, beta, lengths, D ** -0.5, HV)

@@ -5,6 +5,7 @@ appended to that JSON-lines file."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -90,7 +91,7 @@ def test_chunk_prep_buffers_match_torch():
 
     lengths = [1, 63, 64, 65, 300]
     q, k, v, g, beta = _inputs(lengths, HK, HV, seed=12)
-    cfg = tc.default_chunk_config(len(lengths), HV, D, torch.bfloat16)
+    cfg = dataclasses.replace(tc.default_chunk_config(len(lengths), HV, D, torch.bfloat16), layout="token")
     bufs = tc._launch_prep(q, k, v, g, beta, False, None, None, D ** -0.5, cu_seqlens(lengths, "cuda"), len(lengths),
                            True, cfg)
     want = _prep_reference(q, k, v, g, beta, lengths, D ** -0.5, HV)

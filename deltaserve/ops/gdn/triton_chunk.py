@@ -69,6 +69,10 @@ MERGE_PRECISIONS = ("tf32x3", "tf32", "ieee")
 SOLVES = ("tc", "subst")
 DIAG_PRECISIONS = ("ieee", "tf32")
 LAYOUTS = ("token", "chunk")
+# (K, V) head dims at which the chunk layout's TMA state kernel is verified on the H200 (session 7: bitwise
+# equal to the token layout at 128; at K = 16 / V = 32 its compiled products were wrong there, while exact
+# under the interpreter), so CUDA devices refuse the others.
+CHUNK_LAYOUT_DIMS = ((128, 128),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,15 +209,19 @@ PREP_ON_DEFAULT_STATE = types.MappingProxyType({
 })
 
 
-def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.dtype) -> ChunkConfig:
+def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.dtype, k: int | None = None
+                         ) -> ChunkConfig:
     """The fastest configuration measured on the H200 and verified there (docs/PERFORMANCE.md): the
     one-kernel tensor-core prep; 64-column state slices (2 stages) once there are >= 128 (sequence,
     value head) pairs to fill the SMs (5 % faster at 4 x 8192 and 32 x 1024), else 32 columns
-    (3 stages; 64 columns leave half the SMs idle at 1 x 32768 and are 25 % slower there). Every
-    CANDIDATES entry timed so far is slower (sessions 5 and 6), so none replaces it."""
+    (3 stages; 64 columns leave half the SMs idle at 1 x 32768 and are 25 % slower there); and, for bf16
+    at head dims 128 (CHUNK_LAYOUT_DIMS, the shapes verified on the device), the chunk layout with the
+    TMA state kernel (session 7: 69.3 / 66.4 ns/token against 77.9 / 73.8 at 1 x 32768 / 4 x 8192, the
+    same products bit for bit)."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
     bv = 64 if num_seqs * num_v_heads >= 128 and v >= 64 else min(32, v)
-    return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2")
+    chunk = dtype == torch.bfloat16 and (k or v, v) in CHUNK_LAYOUT_DIMS
+    return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2", layout="chunk" if chunk else "token")
 
 
 def _operand_dtype(prec: str) -> torch.dtype:
@@ -957,7 +965,7 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     check_same_device(op, q, k, v, g, beta, cu_seqlens, ssm_state, state_indices, has_initial_state)
     if gates_in_kernel:
         check(A_log.shape == (HV,) and dt_bias.shape == (HV,), op, f"A_log and dt_bias must be [{HV}]")
-    cfg = config or default_chunk_config(N, HV, V, q.dtype)
+    cfg = config or default_chunk_config(N, HV, V, q.dtype, k=K)
     check(V % cfg.bv == 0, op, f"config bv={cfg.bv} must divide V={V}")
     check(cfg.prec in PRECISIONS, op, f"config prec={cfg.prec!r} is not one of {PRECISIONS}")
     check(cfg.merge_prec in MERGE_PRECISIONS, op,
@@ -971,6 +979,9 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     check(cfg.wu_cols == 0 or (cfg.wu_cols >= 16 and K % cfg.wu_cols == 0 and V % cfg.wu_cols == 0), op,
           f"config wu_cols={cfg.wu_cols} must be 0 or a divisor >= 16 of K={K} and V={V}")
     check(cfg.layout in LAYOUTS, op, f"config layout={cfg.layout!r} is not one of {LAYOUTS}")
+    check(cfg.layout == "token" or q.device.type != "cuda" or (K, V) in CHUNK_LAYOUT_DIMS, op,
+          f"config layout='chunk' is verified on the GPU only at head dims (K, V) in {CHUNK_LAYOUT_DIMS}, "
+          f"got ({K}, {V}); use layout='token'")
     check(cfg.layout == "token" or (cfg.solve == "tc" and not cfg.state_t and not cfg.split_output
                                     and cfg.prec.startswith("bf16") and q.dtype == torch.bfloat16), op,
           f"config layout='chunk' needs the tc prep, the untransposed fused state kernel and bf16 operands, "
