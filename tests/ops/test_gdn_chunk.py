@@ -415,10 +415,28 @@ def test_chunk_layout_prep_buffers_are_padded_per_chunk(device):
     assert_close(bufs["Lb"][1], torch.exp(G[-1]), 1e-6, "e^G_last")
 
 
+def test_chunk_layout_limbs_side_by_side(device):
+    """ChunkConfig(limbs_cat=True): each two-limb chain product as one product against [hi | lo] equals the
+    chained products up to fp32 summation order, and the reference."""
+    if device.type == "cuda":
+        pytest.skip("the GPU refuses the chunk layout at these head dims")
+    lengths = [1, 65, 130]
+    d = _batch(lengths, 2, torch.bfloat16, device, seed=44, dv=64)
+    p_ref, p_chk, p_cat = d["pool"].clone(), d["pool"].clone(), d["pool"].clone()
+    o_ref = _run(ref.chunk_gated_delta_rule, d, p_ref)
+    o_chk = _run(tc.chunk_gated_delta_rule, d, p_chk, config=tc.ChunkConfig(bv=32, layout="chunk"))
+    o_cat = _run(tc.chunk_gated_delta_rule, d, p_cat, config=tc.ChunkConfig(bv=32, layout="chunk", limbs_cat=True))
+    assert_close(o_cat, o_ref, TOL[torch.bfloat16], "output")
+    assert_close(p_cat, p_ref, TOL[torch.bfloat16], "state pool")
+    assert_close(o_cat, o_chk, 1e-2, "output vs chained limbs")
+    assert_close(p_cat, p_chk, 1e-5, "state vs chained limbs")
+
+
 def test_chunk_layout_rejects_unsupported_combinations(device):
     d = _batch([10], 1, torch.bfloat16, device, seed=1)
     for cfg in (tc.ChunkConfig(layout="chunk", state_t=True), tc.ChunkConfig(layout="chunk", split_output=True),
-                tc.ChunkConfig(layout="chunk", prec="tf32"), tc.ChunkConfig(layout="rows")):
+                tc.ChunkConfig(layout="chunk", prec="tf32"), tc.ChunkConfig(layout="rows"),
+                tc.ChunkConfig(limbs_cat=True)):
         with pytest.raises(ValueError, match="layout"):
             _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=cfg)
     if device.type == "cuda":  # head dims 16 / 32: not verified on the device, so refused there

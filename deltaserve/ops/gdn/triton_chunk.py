@@ -62,12 +62,15 @@ from ..triton_common import (
     check, check_head_dim, check_index, check_last_contiguous, check_pool, check_same_device, chunk_offsets,
     locate_chunk, next_pow2, sigmoid, softplus,
 )
+from .triton_ut import decay_tile, rstd_from_gram, ut_inverse_wide
 
 CHUNK = 64
 PRECISIONS = ("bf16x2", "bf16", "tf32", "ieee")
 MERGE_PRECISIONS = ("tf32x3", "tf32", "ieee")
 SOLVES = ("tc", "subst")
 DIAG_PRECISIONS = ("ieee", "tf32")
+UT_FORMS = ("blocks", "wide")
+UT_PRECISIONS = ("fp16", "tf32")
 LAYOUTS = ("token", "chunk")
 # (K, V) head dims at which the chunk layout's TMA state kernel is verified on the H200 (session 7: bitwise
 # equal to the token layout at 128; at K = 16 / V = 32 its compiled products were wrong there, while exact
@@ -94,6 +97,14 @@ class ChunkConfig:
     memory, so a register cap of 168 spills less); diag_prec: precision of the batched 16 x 16
     diagonal-block doubling of the inverse ("ieee" exact fp32 FMA, or "tf32" tensor cores, as the joins);
     state_t: the transposed state kernel (`_chunk_state_t_kernel`: S^T and V_new^T as register A operands).
+    ut (tc prep, UT_FORMS): "blocks" forms the inverse as above (batched 16 x 16 diagonal blocks, then
+    the joins); "wide" runs every doubling level on the whole 64 x 64 tile (`triton_ut.ut_inverse_wide`:
+    one layout, no block extraction or reassembly) with ut_prec products (UT_PRECISIONS: "fp16"
+    operands, exact-range with the in-kernel key norms, else "tf32"; exact fp32 for fp32 activations).
+    lean (tc prep): the k norms from the diagonal of the K K^T product, G by a scan, the decays by exp2
+    (`triton_ut`), instead of row sums, a masked 64 x 64 row sum and exp.
+    limbs_cat (chunk layout, bf16x2): each two-limb chain product as one product against the limbs side by
+    side (a @ [hi | lo], then the two column halves added) instead of two chained ones.
     split_output (FLA's chunk_fwd_h / chunk_fwd_o split; untransposed state kernel only): the state kernel
     (`_chunk_state_split_kernel`) keeps only the chain V_new = U - W S, S <- ... and stores, per chunk, the
     state it started the chunk with (h_c) and V_new, in the dtype the default kernel's output products round
@@ -121,11 +132,15 @@ class ChunkConfig:
     maxnreg_tc: int = 0
     wu_cols: int = 0
     diag_prec: str = "ieee"
+    ut: str = "blocks"
+    ut_prec: str = "fp16"
+    lean: bool = False
     state_t: bool = False
     split_output: bool = False
     bv_out: int = 64
     warps_out: int = 4
     layout: str = "token"
+    limbs_cat: bool = False
 
     def state_stages(self) -> int:
         """Pipeline depth of the state kernel; 0 means 3 with bf16 operand tiles and slices of <= 32
@@ -189,11 +204,29 @@ CANDIDATES = types.MappingProxyType({
     "cand-chunk-bv32": ChunkConfig(layout="chunk", bv=32),
     "cand-chunk-bv32s2": ChunkConfig(layout="chunk", bv=32, stages_state=2),
     "cand-chunk-bv64": ChunkConfig(layout="chunk", bv=64),
+    # ... and with the two limbs of each chain product side by side in one product (limbs_cat: a @ [hi | lo],
+    # N doubled, the halves added): 4 tensor-core waits per chunk instead of 6, 940 loop instructions
+    # (bv32 s3: 184 regs, 209 KiB; bv64 s2: 255 regs + 33 spill stores).
+    "cand-chunk-bv32-cat": ChunkConfig(layout="chunk", bv=32, limbs_cat=True),
+    "cand-chunk-bv64-cat": ChunkConfig(layout="chunk", bv=64, limbs_cat=True),
 })
+# Session 7 (prep7): the prep's arithmetic in fewer instructions, each on the default state kernel of the shape
+# (the benchmark times "prep7 <name>: prep kernel" alone and "ours prep7 <name>" whole, with the shape's default
+# config and these prep fields, PREP7_FIELDS). sm_90 SASS per warp (benchmarks/gdn_compile_check.py): default
+# prep 6009 instructions (1200 FFMA), 239 registers.
+PREP7 = types.MappingProxyType({
+    "wide-fp16-lean": ChunkConfig(ut="wide", ut_prec="fp16", lean=True),
+    "wide-tf32-lean": ChunkConfig(ut="wide", ut_prec="tf32", lean=True),
+    "wide-fp16": ChunkConfig(ut="wide", ut_prec="fp16"),
+    "lean": ChunkConfig(lean=True),
+    "wide-fp16-lean-cols64-r168": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, wu_cols=64, maxnreg_tc=168),
+})
+# The ChunkConfig fields a PREP7 entry sets (the rest comes from the shape's default configuration).
+PREP7_FIELDS = ("ut", "ut_prec", "lean", "wu_cols", "maxnreg_tc")
 # The chunk-layout candidates, as (one-sequence, batch) CANDIDATES names.
 CHUNK_LAYOUT = types.MappingProxyType({
-    "one": ("cand-chunk-bv32", "cand-chunk-bv32s2"),
-    "many": ("cand-chunk-bv64", "cand-chunk-bv32"),
+    "one": ("cand-chunk-bv32", "cand-chunk-bv32-cat", "cand-chunk-bv32s2"),
+    "many": ("cand-chunk-bv64", "cand-chunk-bv64-cat", "cand-chunk-bv32-cat", "cand-chunk-bv32"),
 })
 # The split-output candidates, as (one-sequence, batch) CANDIDATES names.
 SPLIT_OUTPUT = types.MappingProxyType({
@@ -241,6 +274,24 @@ def _mmx(a, b, PREC: tl.constexpr):
         return tl.dot(a16, lo, tl.dot(a16, hi))
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def _mmx_cat(a, b, PREC: tl.constexpr, CAT: tl.constexpr):
+    """_mmx; with CAT and PREC "bf16x2" the two limbs of b side by side in ONE product, a @ [hi | lo]
+    (N doubled), whose two column halves are then added: one tensor-core group and one wait instead of two
+    chained ones."""
+    if CAT and PREC == "bf16x2":
+        hi = b.to(tl.bfloat16)
+        lo = (b - hi.to(tl.float32)).to(tl.bfloat16)
+        KB: tl.constexpr = b.shape[0]
+        NB: tl.constexpr = b.shape[1]
+        bb = tl.reshape(tl.permute(tl.join(hi, lo), (0, 2, 1)), (KB, 2 * NB))
+        acc = tl.dot(a.to(tl.bfloat16), bb)
+        x, y = tl.split(tl.permute(tl.reshape(acc, (a.shape[0], 2, NB)), (0, 2, 1)))
+        return x + y
+    else:
+        return _mmx(a, b, PREC)
 
 
 @triton.jit
@@ -619,7 +670,7 @@ def _chunk_prep_tc_kernel(
     R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
     L2NORM: tl.constexpr, GATES: tl.constexpr, QK_PREC: tl.constexpr, DIAG_PREC: tl.constexpr,
     MERGE_PREC: tl.constexpr, WU_PREC: tl.constexpr, WU_COLS_K: tl.constexpr, WU_COLS_V: tl.constexpr,
-    CHUNKED: tl.constexpr,
+    CHUNKED: tl.constexpr, UT: tl.constexpr, UT_PREC: tl.constexpr, LEAN: tl.constexpr,
 ):
     """The whole prep in one program per (chunk, value head), on whole-chunk tiles: norms, gates, G,
     P, A, the tensor-core UT inverse T (never stored), W = (T diag(beta e^G rk)) K, U = (T diag(beta)) V.
@@ -644,13 +695,24 @@ def _chunk_prep_tc_kernel(
         srow = tok * HV + hv
         sm = m
     kraw = _load_rows(k, tok, m, s_k_t, hk * s_k_h, K)
-    rk = _rstd(kraw, L2NORM)
+    if LEAN:  # the k norms from the Gram product's diagonal, in the layout of the products they scale
+        KK = _gram(kraw, kraw, QK_PREC)
+        rk = rstd_from_gram(KK, L2NORM, BT)
+    else:
+        KK = kraw  # formed after P below
+        rk = _rstd(kraw, L2NORM)
     gv, bt = _gates(g, beta, s_g_t, s_b_t, A_log, dt_bias, tok, m, hv, GATES)
-    G = _cumsum(gv, BT)
+    if LEAN:
+        G = tl.cumsum(gv, 0)
+    else:
+        G = _cumsum(gv, BT)
     if not CHUNKED:
         tl.store(Gb + tok * HV + hv, G, mask=m)
     # exp(G_i - G_j) on and below the diagonal, masked before the exp (no exp(+x) overflow)
-    E = tl.exp(tl.where(rows[:, None] >= rows[None, :], G[:, None] - G[None, :], float("-inf")))
+    if LEAN:
+        E = decay_tile(G, BT)
+    else:
+        E = tl.exp(tl.where(rows[:, None] >= rows[None, :], G[:, None] - G[None, :], float("-inf")))
     qraw = _load_rows(q, tok, m, s_q_t, hk * s_q_h, K)
     rq = _rstd(qraw, L2NORM) * scale
     if CHUNKED:
@@ -660,9 +722,13 @@ def _chunk_prep_tc_kernel(
         tl.store(rk_b + tok * HK + hk, rk, mask=m)
     Pm = _gram(qraw, kraw, QK_PREC) * (rq[:, None] * rk[None, :]) * E
     tl.store(Pb + srow[:, None] * BT + rows[None, :], Pm.to(Pb.dtype.element_ty), mask=sm[:, None])
-    KK = _gram(kraw, kraw, QK_PREC)
+    if not LEAN:
+        KK = _gram(kraw, kraw, QK_PREC)
     A = tl.where(rows[:, None] > rows[None, :], KK * ((bt * rk)[:, None] * rk[None, :]) * E, 0.0)
-    T = _ut_inverse(A, BT, DIAG_PREC, MERGE_PREC)
+    if UT == "wide":
+        T = ut_inverse_wide(A, BT, UT_PREC)
+    else:
+        T = _ut_inverse(A, BT, DIAG_PREC, MERGE_PREC)
     # W and U in column slices of WU_COLS (K and V rows reloaded per slice, cache hits): smaller accumulators
     # and shared-memory operands, and no whole K tile live across the inverse
     Tw = T * (bt * tl.exp(G) * rk)[None, :]
@@ -748,7 +814,7 @@ def _chunk_state_kernel(
 def _chunk_state_tma_kernel(
     w_desc, u_desc, k_desc, q_desc, p_desc, Cb, Lb, o, ssm, cu, coff, idx, has_init, HK, HV,
     R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    PREC: tl.constexpr, STAGES: tl.constexpr,
+    PREC: tl.constexpr, STAGES: tl.constexpr, CAT: tl.constexpr,
 ):
     """`_chunk_state_kernel` on the chunk layout (ChunkConfig.layout "chunk"): W, U, K, P arrive as whole
     zero-padded chunk tiles and Q as the chunk's rows of q, all through TMA descriptors (one async copy per
@@ -784,12 +850,12 @@ def _chunk_state_tma_kernel(
         d = tl.load(f)
         eq = tl.load(f + BT)
         decay = tl.load(Lb + (ch * HV + hv))
-        Vn = u - _mmx(w, S, PREC)
+        Vn = u - _mmx_cat(w, S, PREC, CAT)
         O = _mmx(qq, S, OUT_PREC) * eq[:, None] + _mmx(pm, Vn, OUT_PREC)
         tok = (bos + c * BT + rows).to(tl.int64)
         tl.store(o + tok[:, None] * (HV * V) + hv * V + ov[None, :],
                  tl.where(live, O, 0.0).to(o.dtype.element_ty), mask=(rows < L - c * BT)[:, None])
-        S = S * decay + _mmx(tl.trans(kk), Vn * d[:, None], PREC)
+        S = S * decay + _mmx_cat(tl.trans(kk), Vn * d[:, None], PREC, CAT)
     tl.store(sp, S, mask=(ok[:, None] >= 0) & live & (L > 0))
 
 
@@ -976,9 +1042,14 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
           f"config stages_state={cfg.stages_state}: the untransposed state kernel needs >= 2 stages "
           "(one stage computed wrong values on the H200); use state_t=True for one stage")
     check(cfg.diag_prec in DIAG_PRECISIONS, op, f"config diag_prec={cfg.diag_prec!r} is not one of {DIAG_PRECISIONS}")
+    check(cfg.ut in UT_FORMS and cfg.ut_prec in UT_PRECISIONS, op,
+          f"config ut={cfg.ut!r} / ut_prec={cfg.ut_prec!r} must be one of {UT_FORMS} / {UT_PRECISIONS}")
+    check(cfg.solve == "tc" or (cfg.ut == "blocks" and not cfg.lean), op,
+          f"config ut={cfg.ut!r} and lean={cfg.lean} are choices of the tc prep, not of solve={cfg.solve!r}")
     check(cfg.wu_cols == 0 or (cfg.wu_cols >= 16 and K % cfg.wu_cols == 0 and V % cfg.wu_cols == 0), op,
           f"config wu_cols={cfg.wu_cols} must be 0 or a divisor >= 16 of K={K} and V={V}")
     check(cfg.layout in LAYOUTS, op, f"config layout={cfg.layout!r} is not one of {LAYOUTS}")
+    check(not cfg.limbs_cat or cfg.layout == "chunk", op, "config limbs_cat needs layout='chunk'")
     check(cfg.layout == "token" or q.device.type != "cuda" or (K, V) in CHUNK_LAYOUT_DIMS, op,
           f"config layout='chunk' is verified on the GPU only at head dims (K, V) in {CHUNK_LAYOUT_DIMS}, "
           f"got ({K}, {V}); use layout='token'")
@@ -1047,6 +1118,7 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
             QK_PREC=qk_prec, DIAG_PREC="ieee" if exact else cfg.diag_prec, MERGE_PREC=merge_prec,
             WU_PREC=cfg.wu_prec if q.dtype == torch.bfloat16 else wu_prec,
             WU_COLS_K=cfg.wu_cols or K, WU_COLS_V=cfg.wu_cols or V, CHUNKED=cfg.layout == "chunk",
+            UT=cfg.ut, UT_PREC="ieee" if exact else cfg.ut_prec if l2norm else "tf32", LEAN=cfg.lean,
             num_warps=cfg.warps_tc,
             **({"maxnreg": cfg.maxnreg_tc} if cfg.maxnreg_tc else {}))
         return bufs
@@ -1111,7 +1183,7 @@ def _launch_state_tma(q, o, bufs, cu_seqlens, ssm_state, state_indices, has_init
         TensorDescriptor(q2, [T, HK * K], [q2.stride(0), 1], [CHUNK, K]),
         TensorDescriptor.from_tensor(bufs["Pb"], [CHUNK, CHUNK]),
         bufs["Cb"], bufs["Lb"], o, ssm_state, cu_seqlens, bufs["coff"], state_indices, has_init, HK, HV,
-        R=HV // HK, K=K, V=V, BV=cfg.bv, BT=CHUNK, PREC=cfg.prec, STAGES=cfg.state_stages(),
+        R=HV // HK, K=K, V=V, BV=cfg.bv, BT=CHUNK, PREC=cfg.prec, STAGES=cfg.state_stages(), CAT=cfg.limbs_cat,
         num_warps=cfg.warps_state)
 
 
