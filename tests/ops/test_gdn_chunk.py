@@ -606,8 +606,8 @@ def test_split_output_vs_default_state_gpu(name):
 @pytest.mark.parametrize("name", sorted({n for names in tc.CHUNK_LAYOUT.values() for n in names}))
 def test_chunk_layout_vs_token_layout_gpu(name):
     """A chunk-layout candidate against the token layout with the same state slices and stages, on the
-    real-shape mixed batch: the same products of the same operands, so equal (reported) within a tight
-    tolerance; zeros for the padded sequence."""
+    real-shape mixed batch: the same products of the same operands (limbs_cat: Q S with both limbs), so
+    equal (reported) within a tight tolerance; zeros for the padded sequence."""
     from .test_gpu import HK, HV, D, _inputs, _report
 
     lengths = [1, 63, 64, 65, 1000]
@@ -617,7 +617,7 @@ def test_chunk_layout_vs_token_layout_gpu(name):
               state_indices=torch.tensor([5, 0, -1, 3, 1], dtype=torch.int32, device="cuda"),
               has_initial_state=torch.tensor([True, False, True, True, False], device="cuda"))
     cand = tc.CANDIDATES[name]
-    base = dataclasses.replace(cand, layout="token")
+    base = dataclasses.replace(cand, layout="token", limbs_cat=False)
     p_base, p_cand = pool.clone(), pool.clone()
     o_base = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_base, config=base, **kw)
     o_cand = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_cand, config=cand, **kw)

@@ -104,7 +104,8 @@ class ChunkConfig:
     lean (tc prep): the k norms from the diagonal of the K K^T product, G by a scan, the decays by exp2
     (`triton_ut`), instead of row sums, a masked 64 x 64 row sum and exp.
     limbs_cat (chunk layout, bf16x2): each two-limb chain product as one product against the limbs side by
-    side (a @ [hi | lo], then the two column halves added) instead of two chained ones.
+    side (a @ [hi | lo], then the two column halves added) instead of two chained ones; Q S then reads
+    the same [S_hi | S_lo] tile (both limbs, so slightly more precise outputs than the default).
     split_output (FLA's chunk_fwd_h / chunk_fwd_o split; untransposed state kernel only): the state kernel
     (`_chunk_state_split_kernel`) keeps only the chain V_new = U - W S, S <- ... and stores, per chunk, the
     state it started the chunk with (h_c) and V_new, in the dtype the default kernel's output products round
@@ -277,21 +278,19 @@ def _mmx(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _mmx_cat(a, b, PREC: tl.constexpr, CAT: tl.constexpr):
-    """_mmx; with CAT and PREC "bf16x2" the two limbs of b side by side in ONE product, a @ [hi | lo]
-    (N doubled), whose two column halves are then added: one tensor-core group and one wait instead of two
-    chained ones."""
-    if CAT and PREC == "bf16x2":
-        hi = b.to(tl.bfloat16)
-        lo = (b - hi.to(tl.float32)).to(tl.bfloat16)
-        KB: tl.constexpr = b.shape[0]
-        NB: tl.constexpr = b.shape[1]
-        bb = tl.reshape(tl.permute(tl.join(hi, lo), (0, 2, 1)), (KB, 2 * NB))
-        acc = tl.dot(a.to(tl.bfloat16), bb)
-        x, y = tl.split(tl.permute(tl.reshape(acc, (a.shape[0], 2, NB)), (0, 2, 1)))
-        return x + y
-    else:
-        return _mmx(a, b, PREC)
+def _limbs_cat(b):
+    """The two bf16 limbs of an fp32 [K, N] tile side by side, [hi | lo] ([K, 2N]): one B operand whose
+    product a @ [hi | lo] holds both limb products (ChunkConfig.limbs_cat; `_halves_sum` adds them)."""
+    hi = b.to(tl.bfloat16)
+    lo = (b - hi.to(tl.float32)).to(tl.bfloat16)
+    return tl.reshape(tl.permute(tl.join(hi, lo), (0, 2, 1)), (b.shape[0], 2 * b.shape[1]))
+
+
+@triton.jit
+def _halves_sum(acc, N: tl.constexpr):
+    """acc[:, :N] + acc[:, N:] of an [M, 2N] product against `_limbs_cat` limbs."""
+    x, y = tl.split(tl.permute(tl.reshape(acc, (acc.shape[0], 2, N)), (0, 2, 1)))
+    return x + y
 
 
 @triton.jit
@@ -850,12 +849,21 @@ def _chunk_state_tma_kernel(
         d = tl.load(f)
         eq = tl.load(f + BT)
         decay = tl.load(Lb + (ch * HV + hv))
-        Vn = u - _mmx_cat(w, S, PREC, CAT)
-        O = _mmx(qq, S, OUT_PREC) * eq[:, None] + _mmx(pm, Vn, OUT_PREC)
+        if CAT:  # one operand tile [S_hi | S_lo] for W S and Q S (Q S then also with both limbs)
+            sb = _limbs_cat(S)
+            Vn = u - _halves_sum(tl.dot(w, sb), BV)
+            QS = _halves_sum(tl.dot(qq, sb), BV)
+        else:
+            Vn = u - _mmx(w, S, PREC)
+            QS = _mmx(qq, S, OUT_PREC)
+        O = QS * eq[:, None] + _mmx(pm, Vn, OUT_PREC)
         tok = (bos + c * BT + rows).to(tl.int64)
         tl.store(o + tok[:, None] * (HV * V) + hv * V + ov[None, :],
                  tl.where(live, O, 0.0).to(o.dtype.element_ty), mask=(rows < L - c * BT)[:, None])
-        S = S * decay + _mmx_cat(tl.trans(kk), Vn * d[:, None], PREC, CAT)
+        if CAT:
+            S = S * decay + _halves_sum(tl.dot(tl.trans(kk), _limbs_cat(Vn * d[:, None])), BV)
+        else:
+            S = S * decay + _mmx(tl.trans(kk), Vn * d[:, None], PREC)
     tl.store(sp, S, mask=(ok[:, None] >= 0) & live & (L > 0))
 
 
@@ -1049,7 +1057,8 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     check(cfg.wu_cols == 0 or (cfg.wu_cols >= 16 and K % cfg.wu_cols == 0 and V % cfg.wu_cols == 0), op,
           f"config wu_cols={cfg.wu_cols} must be 0 or a divisor >= 16 of K={K} and V={V}")
     check(cfg.layout in LAYOUTS, op, f"config layout={cfg.layout!r} is not one of {LAYOUTS}")
-    check(not cfg.limbs_cat or cfg.layout == "chunk", op, "config limbs_cat needs layout='chunk'")
+    check(not cfg.limbs_cat or (cfg.layout == "chunk" and cfg.prec == "bf16x2"), op,
+          "config limbs_cat needs layout='chunk' and prec='bf16x2'")
     check(cfg.layout == "token" or q.device.type != "cuda" or (K, V) in CHUNK_LAYOUT_DIMS, op,
           f"config layout='chunk' is verified on the GPU only at head dims (K, V) in {CHUNK_LAYOUT_DIMS}, "
           f"got ({K}, {V}); use layout='token'")
