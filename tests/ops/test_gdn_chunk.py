@@ -14,6 +14,7 @@ import triton.language as tl
 from deltaserve.ops.gdn import reference as ref
 from deltaserve.ops.gdn import triton_chunk as tc
 from deltaserve.ops.gdn.triton_chunk import _ut_inverse
+from deltaserve.ops.gdn.triton_ut import ut_inverse_wide
 
 from .helpers import assert_close, cu_seqlens, gdn_inputs, gen, rel_err
 
@@ -444,6 +445,93 @@ def test_chunk_layout_rejects_unsupported_combinations(device):
             _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=tc.ChunkConfig(layout="chunk"))
 
 
+@pytest.mark.parametrize("layout", ["token", "chunk"])
+@pytest.mark.parametrize("name", list(tc.PREP7))
+def test_prep7_variants_match_reference_and_default_prep(name, layout, device):
+    """The session-7 prep variants (triton_chunk.PREP7: the whole-tile inverse, the lean factors, with slices
+    and a register cap) in both store layouts on the default state kernel: the reference's results, and the
+    default prep's final state closely (K = V = 64: a 64-column slice is all of K / V)."""
+    if layout == "chunk" and device.type == "cuda":
+        pytest.skip("the GPU refuses the chunk layout at these head dims; the real-shape GPU tests cover it")
+    d = _batch([65, 1, 70], 2, torch.bfloat16, device, seed=19, dk=64, dv=64)
+    base = dataclasses.replace(tc.default_chunk_config(3, 2, 64, torch.bfloat16, k=64), layout=layout)
+    p_ref, p_def, p_var = d["pool"].clone(), d["pool"].clone(), d["pool"].clone()
+    o_ref = _run(ref.chunk_gated_delta_rule, d, p_ref)
+    _run(tc.chunk_gated_delta_rule, d, p_def, config=base)
+    o_var = _run(tc.chunk_gated_delta_rule, d, p_var, config=tc.prep7_config(name, base))
+    assert_close(o_var, o_ref, TOL[torch.bfloat16], "output")
+    assert_close(p_var, p_ref, TOL[torch.bfloat16], "state pool")
+    assert_close(p_var, p_def, 1e-3, "state pool vs the default prep")
+
+
+@pytest.mark.parametrize("dtype,l2norm", [(torch.float32, True), (torch.bfloat16, False)])
+def test_prep7_wide_inverse_exact_and_without_key_norms(dtype, l2norm, device):
+    """The whole-tile inverse with fp32 activations (exact fp32 products: the fp32 tolerance) and without the
+    in-kernel key norms (tf32 products: fp16's range bound needs unit keys), against the reference."""
+    d = _batch([65, 1, 70], 2, dtype, device, seed=20)
+    if not l2norm:
+        d["q"], d["k"] = (torch.nn.functional.normalize(x.float(), dim=-1).to(dtype) for x in (d["q"], d["k"]))
+    p_ref, p_var = d["pool"].clone(), d["pool"].clone()
+    o_ref = _run(ref.chunk_gated_delta_rule, d, p_ref, use_qk_l2norm_in_kernel=l2norm)
+    cfg = tc.prep7_config("wide-fp16-lean", tc.default_chunk_config(3, 2, 32, dtype, k=16))
+    o_var = _run(tc.chunk_gated_delta_rule, d, p_var, config=cfg, use_qk_l2norm_in_kernel=l2norm)
+    assert_close(o_var, o_ref, TOL[dtype], "output")
+    assert_close(p_var, p_ref, TOL[dtype], "state pool")
+
+
+def test_prep7_rejects_unknown_inverse_choices(device):
+    d = _batch([10], 1, torch.bfloat16, device, seed=1)
+    for cfg, word in ((tc.ChunkConfig(ut="lu"), "ut='lu'"), (tc.ChunkConfig(ut_prec="bf16"), "ut_prec='bf16'"),
+                      (tc.ChunkConfig(solve="subst", ut="wide"), "choices of the tc prep")):
+        with pytest.raises(ValueError, match=word):
+            _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=cfg)
+
+
+def test_ut_inverse_entries_are_bounded():
+    """The range argument of the fp16 inverse (triton_ut): with unit keys, 0 <= beta <= 2 and decays <= 1,
+    |(I + A)^-1|_ij <= max(1, max beta), also for identical or opposite keys and beta = 2 (float64 solve)."""
+    g = gen(3)
+    worst = 0.0
+    for t in range(60):
+        k = torch.randn(64, 16, generator=g, dtype=torch.float64)
+        if t % 3 == 1:  # one key, signs flipped at random
+            k = k[:1] * torch.where(torch.rand(64, 1, generator=g) < 0.5, -1.0, 1.0).double()
+        k = torch.nn.functional.normalize(k, dim=-1)
+        beta = torch.rand(64, generator=g, dtype=torch.float64) * 2 if t % 2 else torch.full((64,), 2.0).double()
+        G = (-torch.rand(64, generator=g, dtype=torch.float64) * (t % 4) * 0.1).cumsum(0)
+        A = (beta[:, None] * (k @ k.T) * torch.exp((G[:, None] - G[None, :]).tril())).tril(-1)
+        T = torch.linalg.solve_triangular(torch.eye(64).double() + A, torch.eye(64).double(), upper=False)
+        worst = max(worst, (T.abs().max() / beta.max().clamp(min=1.0)).item())
+    assert worst <= 1.0 + 1e-9, f"max |T| / max(1, beta) = {worst}"
+
+
+@triton.jit
+def _wide_inverse_kernel(A_ptr, T_ptr, BT: tl.constexpr, PREC: tl.constexpr):
+    r = tl.arange(0, BT)
+    A = tl.load(A_ptr + r[:, None] * BT + r[None, :])
+    tl.store(T_ptr + r[:, None] * BT + r[None, :], ut_inverse_wide(A, BT, PREC))
+
+
+@pytest.mark.parametrize("prec,tol", [("ieee", 1e-6), ("tf32", 4e-3), ("fp16", 4e-3)])
+@pytest.mark.parametrize("kind", ["random keys", "identical keys"])
+@pytest.mark.parametrize("bt", [16, 32, 64])
+def test_ut_inverse_wide(bt, kind, prec, tol, device):
+    """The whole-tile UT inverse (every doubling level on the whole tile) against a float64 triangular solve:
+    exact fp32 products to fp32 accuracy, tf32 / fp16 operands (11-bit significands) to ~1e-3 of max |T| = 1;
+    identical keys with beta = 1 (binomial powers of A: no power series is formed)."""
+    g = gen(18)
+    if kind == "random keys":
+        k = torch.nn.functional.normalize(torch.randn(bt, 128, generator=g), dim=-1)
+        A = (torch.rand(bt, 1, generator=g) * (k @ k.T)).tril(-1)
+    else:
+        A = torch.ones(bt, bt).tril(-1)
+    T = torch.empty(bt, bt, device=device)
+    _wide_inverse_kernel[(1,)](A.to(device), T, BT=bt, PREC=prec)
+    eye = torch.eye(bt, dtype=torch.float64)
+    want = torch.linalg.solve_triangular(eye + A.double(), eye, upper=False)
+    assert_close(T.cpu().double(), want, tol, "inverse")
+
+
 @triton.jit
 def _inverse_kernel(A_ptr, T_ptr, BT: tl.constexpr):
     r = tl.arange(0, BT)
@@ -497,6 +585,9 @@ GPU_CONFIGS = {
     "t-bv128-w8": tc.ChunkConfig(state_t=True, bv=128, warps_state=8, stages_state=2),
 }
 GPU_CONFIGS.update(tc.CANDIDATES)  # the whole-op candidates the benchmark times beside the default
+# session 7 (prep7): each PREP7 prep on the one-sequence default (chunk layout, bv32), as "prep7-<name>"
+GPU_CONFIGS.update({f"prep7-{n}": tc.prep7_config(n, tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128))
+                    for n in tc.PREP7})
 
 
 @pytest.mark.gpu
@@ -638,7 +729,8 @@ def test_chunk_layout_vs_token_layout_gpu(name):
                                    pytest.param(",".join(["default", *(n for names in tc.SPLIT_OUTPUT.values()
                                                                        for n in names)]), id="split"),
                                    pytest.param(",".join(["default", *sorted({n for names in tc.CHUNK_LAYOUT.values()
-                                                                              for n in names})]), id="chunk")])
+                                                                              for n in names})]), id="chunk"),
+                                   pytest.param(",".join(["default", *(f"prep7-{n}" for n in tc.PREP7)]), id="prep7")])
 def test_chunk_configs_8k_not_less_accurate_than_fla_gpu(names):
     """One 8192-token sequence with slow decay against the fp32 token-by-token recurrence: each
     configuration's output and final-state errors must not exceed FLA's on the same inputs."""
@@ -667,3 +759,25 @@ def test_chunk_configs_8k_not_less_accurate_than_fla_gpu(names):
     _report(test="chunk_8k_configs", impl="fla", out_rel=fla[0], state_rel=fla[1])
     worse = {name: r for name, r in rows.items() if r[0] > fla[0] or r[1] > fla[1]}
     assert not worse, f"less accurate than FLA {fla}: {worse}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(tc.PREP7))
+def test_prep7_buffers_match_torch_gpu(name):
+    """A session-7 prep alone (token layout): W, U, P, G and the norms against torch, U (fp32, where the inverse's
+    rounding shows) within 1e-3; the default prep's errors reported beside them."""
+    from .test_gpu import HK, HV, D, _inputs, _prep_reference, _report
+
+    lengths = [1, 63, 64, 65, 300]
+    q, k, v, g, beta = _inputs(lengths, HK, HV, seed=12)
+    base = dataclasses.replace(tc.default_chunk_config(len(lengths), HV, D, torch.bfloat16, k=D), layout="token")
+    want = _prep_reference(q, k, v, g, beta, lengths, D ** -0.5, HV)
+    errs = {}
+    for label, cfg in (("default", base), (name, tc.prep7_config(name, base))):
+        bufs = tc._launch_prep(q, k, v, g, beta, False, None, None, D ** -0.5, cu_seqlens(lengths, "cuda"),
+                               len(lengths), True, cfg)
+        errs[label] = {b: rel_err(bufs[b], want[b]) for b in ("Wb", "Ub", "Pb", "Gb", "rq", "rk")}
+        _report(test="prep7_buffers", config=label, **errs[label])
+    for b, err in errs[name].items():
+        assert err < 2e-2, f"{name} {b}: relative error {err:.3g}"
+    assert errs[name]["Ub"] < 1e-3, f"{name} U: relative error {errs[name]['Ub']:.3g}"

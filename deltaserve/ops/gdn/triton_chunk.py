@@ -224,6 +224,13 @@ PREP7 = types.MappingProxyType({
 })
 # The ChunkConfig fields a PREP7 entry sets (the rest comes from the shape's default configuration).
 PREP7_FIELDS = ("ut", "ut_prec", "lean", "wu_cols", "maxnreg_tc")
+
+
+def prep7_config(name: str, base: ChunkConfig) -> ChunkConfig:
+    """`base` (the shape's configuration) with the prep fields of PREP7[name]."""
+    return dataclasses.replace(base, **{f: getattr(PREP7[name], f) for f in PREP7_FIELDS})
+
+
 # The chunk-layout candidates, as (one-sequence, batch) CANDIDATES names.
 CHUNK_LAYOUT = types.MappingProxyType({
     "one": ("cand-chunk-bv32", "cand-chunk-bv32-cat", "cand-chunk-bv32s2"),

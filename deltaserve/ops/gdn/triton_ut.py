@@ -14,11 +14,12 @@ so nothing grows and cancels (no power series).
 Precision of the products (UT_PREC), always with fp32 accumulation:
 - "fp16": operands rounded to fp16 (11-bit significand, round to nearest; tf32 keeps 11 bits too, truncated
   by the tensor cores). 16-bit operands pass from one product's accumulator to the next product's register
-  operand without shuffles, at twice tf32's tensor-core rate. Range: with L2-normalised keys, decays
-  e^(G_i - G_j) <= 1 (gates g <= 0) and 0 <= beta <= 2, every entry of T (and of each X) is at most 1 in
-  magnitude: column j of T is the response of the chunk's delta rule to a unit input at step j, and each
-  step's (I - beta k k^T) is a contraction; so X C has entries <= s and nothing approaches fp16's 65504.
-  The launcher uses it only with the in-kernel key norms (otherwise "tf32").
+  operand without shuffles, at twice tf32's tensor-core rate. Range: with unit keys, decays e^(G_i - G_j) <= 1
+  (gates g <= 0) and 0 <= beta <= 2, |T_ij| <= max(1, beta_i) <= 2, and so for every X (each is the T of a
+  sub-chunk): column j of T is x with x_i = delta_ij - beta_i k_i . s_i, where s_{i+1} = e^(g_{i+1})
+  ((I - beta_i k_i k_i^T) s_i + delta_ij k_i), s_0 = 0, and (I - beta k k^T) is a contraction, so |s_i| <= 1.
+  Then X C has entries <= 4 s <= 128, far from fp16's 65504 (test_ut_inverse_entries_are_bounded). The
+  launcher uses fp16 only with the in-kernel key norms (otherwise "tf32").
 - "tf32": fp32 operands as tf32 (the 32- and 64-wide joins' precision in the "blocks" inverse); the register
   operand of each product is re-laid out by warp shuffles.
 - "ieee": exact fp32 products (fp32 activations).
