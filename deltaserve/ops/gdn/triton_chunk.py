@@ -62,7 +62,7 @@ from ..triton_common import (
     check, check_head_dim, check_index, check_last_contiguous, check_pool, check_same_device, chunk_offsets,
     locate_chunk, next_pow2, sigmoid, softplus,
 )
-from .triton_ut import decay_tile, rstd_from_gram, ut_inverse_wide
+from .triton_ut import LOG2E, decay_tile, load_chunk_rows, rstd_from_gram, ut_inverse_wide
 
 CHUNK = 64
 PRECISIONS = ("bf16x2", "bf16", "tf32", "ieee")
@@ -101,8 +101,9 @@ class ChunkConfig:
     the joins); "wide" runs every doubling level on the whole 64 x 64 tile (`triton_ut.ut_inverse_wide`:
     one layout, no block extraction or reassembly) with ut_prec products (UT_PRECISIONS: "fp16"
     operands, exact-range with the in-kernel key norms, else "tf32"; exact fp32 for fp32 activations).
-    lean (tc prep): the k norms from the diagonal of the K K^T product, G by a scan, the decays by exp2
-    (`triton_ut`), instead of row sums, a masked 64 x 64 row sum and exp.
+    lean (tc prep): the q and k norms from the diagonals of the Q Q^T and K K^T products (in the products'
+    layout; the key norms folded into the decay tile's exponent), G by a scan, the decays by exp2, int32
+    row offsets for the loads (`triton_ut`), instead of row sums, a masked 64 x 64 row sum and exp.
     limbs_cat (chunk layout, bf16x2): each two-limb chain product as one product against the limbs side by
     side (a @ [hi | lo], then the two column halves added) instead of two chained ones; Q S then reads
     the same [S_hi | S_lo] tile (both limbs, so slightly more precise outputs than the default).
@@ -700,11 +701,12 @@ def _chunk_prep_tc_kernel(
     else:
         srow = tok * HV + hv
         sm = m
-    kraw = _load_rows(k, tok, m, s_k_t, hk * s_k_h, K)
     if LEAN:  # the k norms from the Gram product's diagonal, in the layout of the products they scale
+        kraw = load_chunk_rows(k, t0, m, s_k_t, hk * s_k_h, 0, K, BT)
         KK = _gram(kraw, kraw, QK_PREC)
         rk = rstd_from_gram(KK, L2NORM, BT)
     else:
+        kraw = _load_rows(k, tok, m, s_k_t, hk * s_k_h, K)
         KK = kraw  # formed after P below
         rk = _rstd(kraw, L2NORM)
     gv, bt = _gates(g, beta, s_g_t, s_b_t, A_log, dt_bias, tok, m, hv, GATES)
@@ -715,33 +717,45 @@ def _chunk_prep_tc_kernel(
     if not CHUNKED:
         tl.store(Gb + tok * HV + hv, G, mask=m)
     # exp(G_i - G_j) on and below the diagonal, masked before the exp (no exp(+x) overflow)
-    if LEAN:
-        E = decay_tile(G, BT)
+    if LEAN:  # with the column norms folded in: exp(G_i - G_j) rk_j; the q norms from Q Q^T's diagonal
+        E = decay_tile(G, tl.log2(rk), BT)
+        qraw = load_chunk_rows(q, t0, m, s_q_t, hk * s_q_h, 0, K, BT)
+        rq = rstd_from_gram(_gram(qraw, qraw, QK_PREC), L2NORM, BT) * scale
     else:
         E = tl.exp(tl.where(rows[:, None] >= rows[None, :], G[:, None] - G[None, :], float("-inf")))
-    qraw = _load_rows(q, tok, m, s_q_t, hk * s_q_h, K)
-    rq = _rstd(qraw, L2NORM) * scale
+        qraw = _load_rows(q, tok, m, s_q_t, hk * s_q_h, K)
+        rq = _rstd(qraw, L2NORM) * scale
     if CHUNKED:
         _store_chunk_factors(Kb, Cb, Lb, kraw, G, rk, rq, m, p, hv, hk, HK, HV, R, K, BT)
     elif hv % R == 0:  # the norms are per key head: one of its value heads stores them
         tl.store(rq_b + tok * HK + hk, rq, mask=m)
         tl.store(rk_b + tok * HK + hk, rk, mask=m)
-    Pm = _gram(qraw, kraw, QK_PREC) * (rq[:, None] * rk[None, :]) * E
+    if LEAN:
+        Pm = _gram(qraw, kraw, QK_PREC) * rq[:, None] * E
+    else:
+        Pm = _gram(qraw, kraw, QK_PREC) * (rq[:, None] * rk[None, :]) * E
     tl.store(Pb + srow[:, None] * BT + rows[None, :], Pm.to(Pb.dtype.element_ty), mask=sm[:, None])
-    if not LEAN:
+    if LEAN:
+        A = tl.where(rows[:, None] > rows[None, :], KK * (bt * rk)[:, None] * E, 0.0)
+    else:
         KK = _gram(kraw, kraw, QK_PREC)
-    A = tl.where(rows[:, None] > rows[None, :], KK * ((bt * rk)[:, None] * rk[None, :]) * E, 0.0)
+        A = tl.where(rows[:, None] > rows[None, :], KK * ((bt * rk)[:, None] * rk[None, :]) * E, 0.0)
     if UT == "wide":
         T = ut_inverse_wide(A, BT, UT_PREC)
     else:
         T = _ut_inverse(A, BT, DIAG_PREC, MERGE_PREC)
     # W and U in column slices of WU_COLS (K and V rows reloaded per slice, cache hits): smaller accumulators
     # and shared-memory operands, and no whole K tile live across the inverse
-    Tw = T * (bt * tl.exp(G) * rk)[None, :]
+    if LEAN:
+        Tw = T * (bt * tl.exp2(G * LOG2E) * rk)[None, :]
+    else:
+        Tw = T * (bt * tl.exp(G) * rk)[None, :]
     for h in tl.static_range(K // WU_COLS_K):
         oc = h * WU_COLS_K + tl.arange(0, WU_COLS_K)
         if WU_COLS_K == K:
             kc = kraw
+        elif LEAN:
+            kc = load_chunk_rows(k, t0, m, s_k_t, hk * s_k_h, h * WU_COLS_K, WU_COLS_K, BT)
         else:
             kc = tl.load(k + tok[:, None] * s_k_t + hk * s_k_h + oc[None, :], mask=m[:, None], other=0.0)
         W = _dot_raw(Tw, kc, WU_PREC)
@@ -749,7 +763,10 @@ def _chunk_prep_tc_kernel(
     Tu = T * bt[None, :]
     for h in tl.static_range(V // WU_COLS_V):
         oc = h * WU_COLS_V + tl.arange(0, WU_COLS_V)
-        vc = tl.load(v + tok[:, None] * s_v_t + hv * s_v_h + oc[None, :], mask=m[:, None], other=0.0)
+        if LEAN:
+            vc = load_chunk_rows(v, t0, m, s_v_t, hv * s_v_h, h * WU_COLS_V, WU_COLS_V, BT)
+        else:
+            vc = tl.load(v + tok[:, None] * s_v_t + hv * s_v_h + oc[None, :], mask=m[:, None], other=0.0)
         tl.store(Ub + srow[:, None] * V + oc[None, :], _dot_raw(Tu, vc, WU_PREC), mask=sm[:, None])
 
 

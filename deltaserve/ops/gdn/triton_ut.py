@@ -1,6 +1,8 @@
 """Arithmetic of the chunked prefill's prep (`triton_chunk._chunk_prep_tc_kernel`) in one register layout:
 the UT transform's inverse T = (I + A)^-1 with every doubling level on the whole [BT, BT] tile
-(ChunkConfig.ut = "wide"), and the lean forms of the factors around it (ChunkConfig.lean).
+(ChunkConfig.ut = "wide"), and the lean forms of the factors around it (ChunkConfig.lean: the q and k norms
+from the diagonals of Gram products, the key norms folded into the decay tile's exponent, exp2, int32 row
+offsets).
 
 A is strictly lower triangular. Recursive doubling joins the inverses of neighbouring diagonal blocks of size
 s into inverses of blocks of size 2s: with X = diag(X1, X2) and C the block of A below them,
@@ -88,9 +90,20 @@ def rstd_from_gram(KK, L2NORM: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def decay_tile(G, BT: tl.constexpr):
-    """exp(G_i - G_j) on and below the diagonal, zeros above, as exp2 of log2-scaled differences; masked
-    before the exponential, so no exp(+x) can overflow."""
+def decay_tile(G, lcol, BT: tl.constexpr):
+    """exp(G_i - G_j) * 2^lcol_j on and below the diagonal, zeros above: a column scale (the key norms,
+    lcol = log2 rk) folded into the exponent, as exp2 of log2-scaled differences; masked before the
+    exponential, so no exp(+x) can overflow (lcol is at most log2(1e3), the norms' epsilon)."""
     r = tl.arange(0, BT)
     G2 = G * LOG2E
-    return tl.exp2(tl.where(r[:, None] >= r[None, :], G2[:, None] - G2[None, :], float("-inf")))
+    return tl.exp2(tl.where(r[:, None] >= r[None, :], G2[:, None] - (G2 - lcol)[None, :], float("-inf")))
+
+
+@triton.jit
+def load_chunk_rows(ptr, t0, m, s_t, off, col0, COLS: tl.constexpr, BT: tl.constexpr):
+    """Rows t0 .. t0 + BT of columns col0 .. col0 + COLS (row mask m, zeros elsewhere), addressed from the
+    chunk's int64 base with int32 offsets inside it (BT rows of one projection row stride fit int32)."""
+    rows = tl.arange(0, BT)
+    cols = col0 + tl.arange(0, COLS)
+    base = ptr + t0.to(tl.int64) * s_t + off
+    return tl.load(base + rows[:, None] * s_t + cols[None, :], mask=m[:, None], other=0.0)
