@@ -213,7 +213,8 @@ def prefill_cases(sweep: bool) -> list[Case]:
     the transposed ones), then the single-kernel variants, so a run cut short by its time budget loses
     variants, not the main table."""
     first, parts, cands_many, cands_one, later, gates = [], [], [], [], [], []
-    prep7 = []  # session 7 (prep7): triton_chunk.PREP7, each prep alone and whole on the shape's default config
+    # session 7 (prep7): triton_chunk.PREP7, each prep alone and whole on the shape's default config, by variant
+    prep7 = {n: [] for n in tc.PREP7}
     for name, lengths in PREFILL.items():
         T, N = sum(lengths), len(lengths)
         base = tc.default_chunk_config(N, HV, DV, torch.bfloat16)
@@ -281,12 +282,12 @@ def prefill_cases(sweep: bool) -> list[Case]:
                               lambda c, cfg=cfg, w=which, f=part: f(c, which=w, cfg=cfg), tokens=T, sweep=True))
         for pname in tc.PREP7:
             cfg = tc.prep7_config(pname, base)
-            prep7.append(Case("prefill", name, f"prep7 {pname}: prep kernel", 3,
-                              lambda c, f=part, cfg=cfg: f(c, which="prep", cfg=cfg), tokens=T))
-            prep7.append(Case("prefill", name, f"ours prep7 {pname}", 3, lambda c, cfg=cfg, f=ours: f(c, cfg=cfg),
-                              tokens=T))
+            prep7[pname].append(Case("prefill", name, f"prep7 {pname}: prep kernel", 3,
+                                     lambda c, f=part, cfg=cfg: f(c, which="prep", cfg=cfg), tokens=T))
+            prep7[pname].append(Case("prefill", name, f"ours prep7 {pname}", 3,
+                                     lambda c, cfg=cfg, f=ours: f(c, cfg=cfg), tokens=T))
         gates.append(Case("prefill", name, "ours gdn_prefill (gates fused)", 3, ours_gates, tokens=T))
-    return first + parts + prep7 + cands_one + cands_many + later + gates
+    return first + parts + [c for cs in prep7.values() for c in cs] + cands_one + cands_many + later + gates
 
 
 def _calls_for(B):

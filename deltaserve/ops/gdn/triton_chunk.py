@@ -214,13 +214,17 @@ CANDIDATES = types.MappingProxyType({
 })
 # Session 7 (prep7): the prep's arithmetic in fewer instructions, each on the default state kernel of the shape
 # (the benchmark times "prep7 <name>: prep kernel" alone and "ours prep7 <name>" whole, with the shape's default
-# config and these prep fields, PREP7_FIELDS). sm_90 SASS per warp (benchmarks/gdn_compile_check.py): default
-# prep 6009 instructions (1200 FFMA), 239 registers.
+# config and these prep fields, PREP7_FIELDS). sm_90 SASS per warp, chunk layout (benchmarks/gdn_compile_check.py):
+# default prep 5969 instructions, 250 registers (2 programs per SM), 1200 FFMA; wide-fp16-lean 3065 / 243;
+# wide-tf32-lean 4107 / 231 (its register operands re-laid out by shuffles); wide-fp16-nolean 4654 / 237;
+# lean-blocks 4642 / 240; under 168 registers (3 per SM): wide-fp16-lean 3288 with 17 spill stores (the beta
+# column held across the inverse, stored and loaded once), with 64-column W / U slices 3262 with 30.
 PREP7 = types.MappingProxyType({
     "wide-fp16-lean": ChunkConfig(ut="wide", ut_prec="fp16", lean=True),
     "wide-tf32-lean": ChunkConfig(ut="wide", ut_prec="tf32", lean=True),
-    "wide-fp16": ChunkConfig(ut="wide", ut_prec="fp16"),
-    "lean": ChunkConfig(lean=True),
+    "wide-fp16-nolean": ChunkConfig(ut="wide", ut_prec="fp16"),
+    "lean-blocks": ChunkConfig(lean=True),
+    "wide-fp16-lean-r168": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, maxnreg_tc=168),
     "wide-fp16-lean-cols64-r168": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, wu_cols=64, maxnreg_tc=168),
 })
 # The ChunkConfig fields a PREP7 entry sets (the rest comes from the shape's default configuration).
