@@ -459,7 +459,7 @@ def warm_up(args, log, stop_at: float) -> None:
         env = dict(os.environ, DELTASERVE_GPU_REPORT=os.path.join(args.out, "gpu_tests.jsonl"))
         tests = subprocess.run([sys.executable, "-m", "pytest", *args.gpu_tests_files.split(","), "--co", "-q",
                                 "-p", "no:cacheprovider", "-k", args.gpu_tests_k], capture_output=True, text=True,
-                               env=env).stdout.split()
+                               env=env).stdout.splitlines()  # one id per line (ids may hold spaces)
         log_path = os.path.join(args.out, "gpu_tests.log")
         for group in _test_groups([t for t in tests if "::" in t], args.gpu_tests_groups):
             f = open(log_path + "." + str(len(logs)), "w")

@@ -513,14 +513,14 @@ def _wide_inverse_kernel(A_ptr, T_ptr, BT: tl.constexpr, PREC: tl.constexpr):
 
 
 @pytest.mark.parametrize("prec,tol", [("ieee", 1e-6), ("tf32", 4e-3), ("fp16", 4e-3)])
-@pytest.mark.parametrize("kind", ["random keys", "identical keys"])
+@pytest.mark.parametrize("kind", ["random-keys", "identical-keys"])  # ids without spaces
 @pytest.mark.parametrize("bt", [16, 32, 64])
 def test_ut_inverse_wide(bt, kind, prec, tol, device):
     """The whole-tile UT inverse (every doubling level on the whole tile) against a float64 triangular solve:
     exact fp32 products to fp32 accuracy, tf32 / fp16 operands (11-bit significands) to ~1e-3 of max |T| = 1;
     identical keys with beta = 1 (binomial powers of A: no power series is formed)."""
     g = gen(18)
-    if kind == "random keys":
+    if kind == "random-keys":
         k = torch.nn.functional.normalize(torch.randn(bt, 128, generator=g), dim=-1)
         A = (torch.rand(bt, 1, generator=g) * (k @ k.T)).tril(-1)
     else:
