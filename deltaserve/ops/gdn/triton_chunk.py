@@ -218,7 +218,9 @@ CANDIDATES = types.MappingProxyType({
 # default prep 5969 instructions, 250 registers (2 programs per SM), 1200 FFMA; wide-fp16-lean 3065 / 243;
 # wide-tf32-lean 4107 / 231 (its register operands re-laid out by shuffles); wide-fp16-nolean 4654 / 237;
 # lean-blocks 4642 / 240; under 168 registers (3 per SM): wide-fp16-lean 3288 with 17 spill stores (the beta
-# column held across the inverse, stored and loaded once), with 64-column W / U slices 3262 with 30.
+# column held across the inverse, stored and loaded once), with 64-column W / U slices 3262 with 30. H200 (run
+# prep7-1, docs/PERFORMANCE.md), prep alone at 1 x 32768: default 39.7 ns/token, wide-fp16-lean 26.3,
+# wide-tf32-lean 30.8, wide-fp16-nolean 30.5, lean-blocks 34.5, -r168 27.6, -cols64-r168 27.9.
 PREP7 = types.MappingProxyType({
     "wide-fp16-lean": ChunkConfig(ut="wide", ut_prec="fp16", lean=True),
     "wide-tf32-lean": ChunkConfig(ut="wide", ut_prec="tf32", lean=True),
@@ -226,6 +228,8 @@ PREP7 = types.MappingProxyType({
     "lean-blocks": ChunkConfig(lean=True),
     "wide-fp16-lean-r168": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, maxnreg_tc=168),
     "wide-fp16-lean-cols64-r168": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, wu_cols=64, maxnreg_tc=168),
+    # not timed yet: the 64-column W / U slices without a cap (3007 instructions, 235 registers, no spills)
+    "wide-fp16-lean-cols64": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, wu_cols=64),
 })
 # The ChunkConfig fields a PREP7 entry sets (the rest comes from the shape's default configuration).
 PREP7_FIELDS = ("ut", "ut_prec", "lean", "wu_cols", "maxnreg_tc")
