@@ -231,6 +231,11 @@ def test_default_config_follows_the_shape():
     assert tc.default_chunk_config(1, 32, 128, torch.bfloat16).layout == "chunk"
     assert tc.default_chunk_config(1, 32, 64, torch.bfloat16, k=64).layout == "token"
     assert tc.default_chunk_config(1, 32, 128, torch.float32, k=128).layout == "token"
+    # ... and there the whole-tile fp16 inverse with the lean factors; the block inverse elsewhere
+    fast = tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128)
+    assert (fast.ut, fast.ut_prec, fast.lean) == ("wide", "fp16", True)
+    assert tc.default_chunk_config(4, 32, 128, torch.float32, k=128).ut == "blocks"
+    assert tc.default_chunk_config(4, 32, 64, torch.bfloat16, k=64).ut == "blocks"
 
 
 def test_chunk_wide_state_slices(device):

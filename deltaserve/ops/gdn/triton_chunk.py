@@ -267,11 +267,15 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     (3 stages; 64 columns leave half the SMs idle at 1 x 32768 and are 25 % slower there); and, for bf16
     at head dims 128 (CHUNK_LAYOUT_DIMS, the shapes verified on the device), the chunk layout with the
     TMA state kernel (session 7: 69.3 / 66.4 ns/token against 77.9 / 73.8 at 1 x 32768 / 4 x 8192, the
-    same products bit for bit)."""
+    same products bit for bit) and the prep with the whole-tile fp16 inverse and the lean factors
+    (PREP7 "wide-fp16-lean", session 7: prep 39.7 -> 26.3 ns/token, whole op 56.7 / 53.2, 8k final-state
+    error 6.3e-5 against 1.2e-4). fp32 activations keep the exact block inverse (the wide one's fp32
+    products spill)."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
     bv = 64 if num_seqs * num_v_heads >= 128 and v >= 64 else min(32, v)
-    chunk = dtype == torch.bfloat16 and (k or v, v) in CHUNK_LAYOUT_DIMS
-    return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2", layout="chunk" if chunk else "token")
+    fast = dtype == torch.bfloat16 and (k or v, v) in CHUNK_LAYOUT_DIMS
+    return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2", layout="chunk" if fast else "token",
+                       **({"ut": "wide", "ut_prec": "fp16", "lean": True} if fast else {}))
 
 
 def _operand_dtype(prec: str) -> torch.dtype:
@@ -1270,6 +1274,10 @@ def chunk_gated_delta_rule(
     state_indices: torch.Tensor, has_initial_state: torch.Tensor,
     use_qk_l2norm_in_kernel: bool = True, chunk_size: int = CHUNK, config: ChunkConfig | None = None,
 ) -> torch.Tensor:
+    """reference.chunk_gated_delta_rule on the GPU. Domain of the default bf16 configuration's fp16 inverse
+    (ChunkConfig.ut_prec): g <= 0 and 0 <= beta <= 2 with the in-kernel q/k norms, where every entry of the
+    UT inverse is bounded by max(1, beta) (triton_ut); the layer's gates (g = -exp(A_log) softplus(.),
+    beta = sigmoid(.)) always are. Outside it the recurrence itself grows geometrically."""
     check(chunk_size == CHUNK, "chunk_gated_delta_rule", f"only chunk_size={CHUNK} is implemented, got {chunk_size}")
     return _chunk_forward(q, k, v, g, beta, gates_in_kernel=False, A_log=None, dt_bias=None, scale=scale,
                           cu_seqlens=cu_seqlens, ssm_state=ssm_state, state_indices=state_indices,
