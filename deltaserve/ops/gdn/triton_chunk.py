@@ -209,8 +209,9 @@ CANDIDATES = types.MappingProxyType({
     # ... and with the two limbs of each chain product side by side in one product (limbs_cat: a @ [hi | lo],
     # N doubled, the halves added): 4 tensor-core waits per chunk instead of 6, 940 loop instructions
     # (bv32 s3: 184 regs, 209 KiB; bv64 s2: 255 regs + 33 spill stores).
-    "cand-chunk-bv32-cat": ChunkConfig(layout="chunk", bv=32, limbs_cat=True),
-    "cand-chunk-bv64-cat": ChunkConfig(layout="chunk", bv=64, limbs_cat=True),
+    # (with the session-7 default prep, PREP7 "wide-fp16-lean", so that they differ from the default only there)
+    "cand-chunk-bv32-cat": ChunkConfig(layout="chunk", bv=32, limbs_cat=True, ut="wide", ut_prec="fp16", lean=True),
+    "cand-chunk-bv64-cat": ChunkConfig(layout="chunk", bv=64, limbs_cat=True, ut="wide", ut_prec="fp16", lean=True),
 })
 # Session 7 (prep7): the prep's arithmetic in fewer instructions, each on the default state kernel of the shape
 # (the benchmark times "prep7 <name>: prep kernel" alone and "ours prep7 <name>" whole, with the shape's default
