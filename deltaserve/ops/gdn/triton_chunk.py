@@ -72,8 +72,9 @@ DIAG_PRECISIONS = ("ieee", "tf32")
 UT_FORMS = ("blocks", "wide")
 UT_PRECISIONS = ("fp16", "tf32")
 LAYOUTS = ("token", "chunk")
-# (K, V) head dims at which the chunk layout's TMA state kernel is verified on the H200 (session 7: bitwise
-# equal to the token layout at 128; at K = 16 / V = 32 its compiled products were wrong there, while exact
+# (K, V) head dims at which the chunk layout's TMA state kernel and the prep's whole-tile inverse / lean
+# factors are verified on the H200 (session 7: bitwise equal to the token layout at 128; at K = 16 / V = 32
+# the TMA kernel's compiled products were wrong there and a wide-inverse prep faulted, while both are exact
 # under the interpreter), so CUDA devices refuse the others.
 CHUNK_LAYOUT_DIMS = ((128, 128),)
 
@@ -104,9 +105,6 @@ class ChunkConfig:
     lean (tc prep): the q and k norms from the diagonals of the Q Q^T and K K^T products (in the products'
     layout; the key norms folded into the decay tile's exponent), G by a scan, the decays by exp2, int32
     row offsets for the loads (`triton_ut`), instead of row sums, a masked 64 x 64 row sum and exp.
-    limbs_cat (chunk layout, bf16x2): each two-limb chain product as one product against the limbs side by
-    side (a @ [hi | lo], then the two column halves added) instead of two chained ones; Q S then reads
-    the same [S_hi | S_lo] tile (both limbs, so slightly more precise outputs than the default).
     split_output (FLA's chunk_fwd_h / chunk_fwd_o split; untransposed state kernel only): the state kernel
     (`_chunk_state_split_kernel`) keeps only the chain V_new = U - W S, S <- ... and stores, per chunk, the
     state it started the chunk with (h_c) and V_new, in the dtype the default kernel's output products round
@@ -142,7 +140,6 @@ class ChunkConfig:
     bv_out: int = 64
     warps_out: int = 4
     layout: str = "token"
-    limbs_cat: bool = False
 
     def state_stages(self) -> int:
         """Pipeline depth of the state kernel; 0 means 3 with bf16 operand tiles and slices of <= 32
@@ -206,12 +203,6 @@ CANDIDATES = types.MappingProxyType({
     "cand-chunk-bv32": ChunkConfig(layout="chunk", bv=32),
     "cand-chunk-bv32s2": ChunkConfig(layout="chunk", bv=32, stages_state=2),
     "cand-chunk-bv64": ChunkConfig(layout="chunk", bv=64),
-    # ... and with the two limbs of each chain product side by side in one product (limbs_cat: a @ [hi | lo],
-    # N doubled, the halves added): 4 tensor-core waits per chunk instead of 6, 940 loop instructions
-    # (bv32 s3: 184 regs, 209 KiB; bv64 s2: 255 regs + 33 spill stores).
-    # (with the session-7 default prep, PREP7 "wide-fp16-lean", so that they differ from the default only there)
-    "cand-chunk-bv32-cat": ChunkConfig(layout="chunk", bv=32, limbs_cat=True, ut="wide", ut_prec="fp16", lean=True),
-    "cand-chunk-bv64-cat": ChunkConfig(layout="chunk", bv=64, limbs_cat=True, ut="wide", ut_prec="fp16", lean=True),
 })
 # Session 7 (prep7): the prep's arithmetic in fewer instructions, each on the default state kernel of the shape
 # (the benchmark times "prep7 <name>: prep kernel" alone and "ours prep7 <name>" whole, with the shape's default
@@ -243,8 +234,8 @@ def prep7_config(name: str, base: ChunkConfig) -> ChunkConfig:
 
 # The chunk-layout candidates, as (one-sequence, batch) CANDIDATES names.
 CHUNK_LAYOUT = types.MappingProxyType({
-    "one": ("cand-chunk-bv32", "cand-chunk-bv32-cat", "cand-chunk-bv32s2"),
-    "many": ("cand-chunk-bv64", "cand-chunk-bv64-cat", "cand-chunk-bv32-cat", "cand-chunk-bv32"),
+    "one": ("cand-chunk-bv32", "cand-chunk-bv32s2"),
+    "many": ("cand-chunk-bv64", "cand-chunk-bv32"),
 })
 # The split-output candidates, as (one-sequence, batch) CANDIDATES names.
 SPLIT_OUTPUT = types.MappingProxyType({
@@ -296,22 +287,6 @@ def _mmx(a, b, PREC: tl.constexpr):
         return tl.dot(a16, lo, tl.dot(a16, hi))
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
-
-
-@triton.jit
-def _limbs_cat(b):
-    """The two bf16 limbs of an fp32 [K, N] tile side by side, [hi | lo] ([K, 2N]): one B operand whose
-    product a @ [hi | lo] holds both limb products (ChunkConfig.limbs_cat; `_halves_sum` adds them)."""
-    hi = b.to(tl.bfloat16)
-    lo = (b - hi.to(tl.float32)).to(tl.bfloat16)
-    return tl.reshape(tl.permute(tl.join(hi, lo), (0, 2, 1)), (b.shape[0], 2 * b.shape[1]))
-
-
-@triton.jit
-def _halves_sum(acc, N: tl.constexpr):
-    """acc[:, :N] + acc[:, N:] of an [M, 2N] product against `_limbs_cat` limbs."""
-    x, y = tl.split(tl.permute(tl.reshape(acc, (acc.shape[0], 2, N)), (0, 2, 1)))
-    return x + y
 
 
 @triton.jit
@@ -850,7 +825,7 @@ def _chunk_state_kernel(
 def _chunk_state_tma_kernel(
     w_desc, u_desc, k_desc, q_desc, p_desc, Cb, Lb, o, ssm, cu, coff, idx, has_init, HK, HV,
     R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    PREC: tl.constexpr, STAGES: tl.constexpr, CAT: tl.constexpr,
+    PREC: tl.constexpr, STAGES: tl.constexpr,
 ):
     """`_chunk_state_kernel` on the chunk layout (ChunkConfig.layout "chunk"): W, U, K, P arrive as whole
     zero-padded chunk tiles and Q as the chunk's rows of q, all through TMA descriptors (one async copy per
@@ -886,21 +861,12 @@ def _chunk_state_tma_kernel(
         d = tl.load(f)
         eq = tl.load(f + BT)
         decay = tl.load(Lb + (ch * HV + hv))
-        if CAT:  # one operand tile [S_hi | S_lo] for W S and Q S (Q S then also with both limbs)
-            sb = _limbs_cat(S)
-            Vn = u - _halves_sum(tl.dot(w, sb), BV)
-            QS = _halves_sum(tl.dot(qq, sb), BV)
-        else:
-            Vn = u - _mmx(w, S, PREC)
-            QS = _mmx(qq, S, OUT_PREC)
-        O = QS * eq[:, None] + _mmx(pm, Vn, OUT_PREC)
+        Vn = u - _mmx(w, S, PREC)
+        O = _mmx(qq, S, OUT_PREC) * eq[:, None] + _mmx(pm, Vn, OUT_PREC)
         tok = (bos + c * BT + rows).to(tl.int64)
         tl.store(o + tok[:, None] * (HV * V) + hv * V + ov[None, :],
                  tl.where(live, O, 0.0).to(o.dtype.element_ty), mask=(rows < L - c * BT)[:, None])
-        if CAT:
-            S = S * decay + _halves_sum(tl.dot(tl.trans(kk), _limbs_cat(Vn * d[:, None])), BV)
-        else:
-            S = S * decay + _mmx(tl.trans(kk), Vn * d[:, None], PREC)
+        S = S * decay + _mmx(tl.trans(kk), Vn * d[:, None], PREC)
     tl.store(sp, S, mask=(ok[:, None] >= 0) & live & (L > 0))
 
 
@@ -1089,13 +1055,14 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     check(cfg.diag_prec in DIAG_PRECISIONS, op, f"config diag_prec={cfg.diag_prec!r} is not one of {DIAG_PRECISIONS}")
     check(cfg.ut in UT_FORMS and cfg.ut_prec in UT_PRECISIONS, op,
           f"config ut={cfg.ut!r} / ut_prec={cfg.ut_prec!r} must be one of {UT_FORMS} / {UT_PRECISIONS}")
+    check((cfg.ut == "blocks" and not cfg.lean) or q.device.type != "cuda" or (K, V) in CHUNK_LAYOUT_DIMS, op,
+          f"config ut={cfg.ut!r} / lean={cfg.lean} is verified on the GPU only at head dims (K, V) in "
+          f"{CHUNK_LAYOUT_DIMS}, got ({K}, {V}); use ut='blocks', lean=False")
     check(cfg.solve == "tc" or (cfg.ut == "blocks" and not cfg.lean), op,
           f"config ut={cfg.ut!r} and lean={cfg.lean} are choices of the tc prep, not of solve={cfg.solve!r}")
     check(cfg.wu_cols == 0 or (cfg.wu_cols >= 16 and K % cfg.wu_cols == 0 and V % cfg.wu_cols == 0), op,
           f"config wu_cols={cfg.wu_cols} must be 0 or a divisor >= 16 of K={K} and V={V}")
     check(cfg.layout in LAYOUTS, op, f"config layout={cfg.layout!r} is not one of {LAYOUTS}")
-    check(not cfg.limbs_cat or (cfg.layout == "chunk" and cfg.prec == "bf16x2"), op,
-          "config limbs_cat needs layout='chunk' and prec='bf16x2'")
     check(cfg.layout == "token" or q.device.type != "cuda" or (K, V) in CHUNK_LAYOUT_DIMS, op,
           f"config layout='chunk' is verified on the GPU only at head dims (K, V) in {CHUNK_LAYOUT_DIMS}, "
           f"got ({K}, {V}); use layout='token'")
@@ -1229,7 +1196,7 @@ def _launch_state_tma(q, o, bufs, cu_seqlens, ssm_state, state_indices, has_init
         TensorDescriptor(q2, [T, HK * K], [q2.stride(0), 1], [CHUNK, K]),
         TensorDescriptor.from_tensor(bufs["Pb"], [CHUNK, CHUNK]),
         bufs["Cb"], bufs["Lb"], o, ssm_state, cu_seqlens, bufs["coff"], state_indices, has_init, HK, HV,
-        R=HV // HK, K=K, V=V, BV=cfg.bv, BT=CHUNK, PREC=cfg.prec, STAGES=cfg.state_stages(), CAT=cfg.limbs_cat,
+        R=HV // HK, K=K, V=V, BV=cfg.bv, BT=CHUNK, PREC=cfg.prec, STAGES=cfg.state_stages(),
         num_warps=cfg.warps_state)
 
 
