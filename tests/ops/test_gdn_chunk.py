@@ -23,6 +23,9 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
 def _batch(lengths, ratio, dtype, device, seed, dk=16, dv=32, hk=1):
+    if device.type == "cuda" and dtype != torch.float32 and not (
+            dk in tc.DEVICE_VERIFIED_DIMS and dv in tc.DEVICE_VERIFIED_DIMS):
+        pytest.skip(f"head dims {dk} / {dv} in {dtype}: refused on the GPU (test_unverified_dims_are_refused_on_gpu)")
     hv = hk * ratio
     g = gen(seed)
     T = sum(lengths)
@@ -419,6 +422,24 @@ def test_chunk_layout_prep_buffers_are_padded_per_chunk(device):
         assert torch.equal(Kc[ch, 0, :rows], d["k"][start:start + rows, 0])
     G = torch.cumsum(g[64:70].float(), 0)
     assert_close(bufs["Lb"][1], torch.exp(G[-1]), 1e-6, "e^G_last")
+
+
+@pytest.mark.gpu
+def test_unverified_dims_are_refused_on_gpu():
+    """bf16 head dims 16 / 32 gave non-finite outputs on the H200 (session 7; exact under the interpreter):
+    the GPU refuses them loudly; fp32 activations (fp32 FMA products, which passed there) are accepted."""
+    from .test_gpu import _inputs
+
+    q, k, v, g, beta = _inputs([70], 1, 2, seed=3)
+    kw = dict(scale=0.25, cu_seqlens=cu_seqlens([70], "cuda"), state_indices=torch.zeros(1, dtype=torch.int32,
+              device="cuda"), has_initial_state=torch.zeros(1, dtype=torch.bool, device="cuda"))
+    q, k, v = q[..., :32], k[..., :32], v[..., :32]
+    pool = torch.zeros(1, 2, 32, 32, device="cuda")
+    with pytest.raises(ValueError, match="not verified on the GPU"):
+        tc.chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g, beta, ssm_state=pool, **kw)
+    o = tc.chunk_gated_delta_rule(q.float().contiguous(), k.float().contiguous(), v.float().contiguous(), g, beta,
+                                  ssm_state=pool, **kw)
+    assert torch.isfinite(o).all()
 
 
 def test_chunk_layout_rejects_unsupported_combinations(device):

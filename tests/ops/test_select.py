@@ -54,3 +54,10 @@ def test_shapes_a_triton_kernel_cannot_take_keep_the_reference():
     assert "96" in triton_registry._refusal("paged_attention", shapes)
     assert triton_registry._refusal("causal_conv1d_fn", shapes) is None
     assert triton_registry._refusal("gdn_decode", {"gdn_head_k": 128, "gdn_head_v": 128}) is None
+    # the chunked prefill only at the head dims verified on the device (64, 128): its bf16 kernels gave
+    # non-finite outputs on the H200 at 16 / 32, so such a model prefills with the reference op
+    small = {"gdn_head_k": 32, "gdn_head_v": 32}
+    assert triton_registry._refusal("gdn_decode", small) is None
+    for op in ("chunk_gated_delta_rule", "gdn_prefill"):
+        assert "32" in triton_registry._refusal(op, small)
+        assert triton_registry._refusal(op, {"gdn_head_k": 64, "gdn_head_v": 128}) is None
