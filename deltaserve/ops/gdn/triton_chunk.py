@@ -24,6 +24,12 @@ in two launches (FLA: five + fills):
    pool slot (or zero) and the final state written back in place. ChunkConfig.state_t runs the same
    recurrence on S^T (`_chunk_state_t_kernel`): the state-dependent operands become register A operands.
 
+Default for bf16 at head dims 128 (session 7, `default_chunk_config`): the prep forms T by the whole-tile
+inverse in fp16 products with the lean factors (`triton_ut`; ChunkConfig ut / ut_prec / lean) and stores its
+products per chunk, zero-padded (ChunkConfig.layout "chunk"), and `_chunk_state_tma_kernel` reads them through
+TMA descriptors. Elsewhere the block inverse and the token layout above. The GPU refuses bf16 / fp16 at head
+dims outside DEVICE_VERIFIED_DIMS (non-finite outputs on the H200 at 16 / 32).
+
 3. Optional (ChunkConfig.split_output, FLA's chunk_fwd_h / chunk_fwd_o split; not the default): the state
    kernel keeps only the chain (`_chunk_state_split_kernel`) and stores, per chunk, the state it started
    the chunk with (h_c, [cdiv(T, 64) + N, HV, K, V], indexed by the chunk's global index) and V_new
