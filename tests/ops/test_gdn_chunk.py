@@ -623,23 +623,49 @@ def test_tc_prep_buffers_match_torch_gpu(name):
         assert err < 2e-2, f"{name} {b}: relative error {err:.3g}"
 
 
+def _real_shape_mixed_batch():
+    """The real-shape mixed batch of the GPU configuration tests: lengths 1, 63, 64, 65, 1000, slots out of
+    order, a padded row (slot -1), half the sequences without an initial state."""
+    from .test_gpu import HK, HV, D, _inputs
+
+    lengths = [1, 63, 64, 65, 1000]
+    q, k, v, g, beta = _inputs(lengths, HK, HV, seed=21)
+    pool = torch.randn(len(lengths) + 2, HV, D, D, generator=gen(1)).mul(0.1).cuda()
+    kw = dict(scale=D ** -0.5, cu_seqlens=cu_seqlens(lengths, "cuda"),
+              state_indices=torch.tensor([5, 0, -1, 3, 1], dtype=torch.int32, device="cuda"),
+              has_initial_state=torch.tensor([True, False, True, True, False], device="cuda"))
+    return q, k, v, g, beta, pool, kw
+
+
+def _same_products(name, test, cand, base):
+    """`cand` against `base`, a configuration forming the same products of the same operands, on the
+    real-shape mixed batch: equal (reported) within a tight tolerance; zeros for the padded sequence."""
+    from .test_gpu import _report
+
+    q, k, v, g, beta, pool, kw = _real_shape_mixed_batch()
+    p_base, p_cand = pool.clone(), pool.clone()
+    o_base = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_base, config=base, **kw)
+    o_cand = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_cand, config=cand, **kw)
+    _report(test=test, config=name, identical_out=bool(torch.equal(o_cand, o_base)),
+            identical_state=bool(torch.equal(p_cand, p_base)),
+            out_max_abs=(o_cand.float() - o_base.float()).abs().max().item(), out_rel=rel_err(o_cand, o_base),
+            state_rel=rel_err(p_cand, p_base))
+    assert_close(o_cand, o_base, 1e-2, "output")
+    assert_close(p_cand, p_base, 1e-5, "state")
+    assert (o_cand[64:128] == 0).all(), "padded sequence gives zeros"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(GPU_CONFIGS) + ["default-gates-fused"])
 def test_chunk_configs_real_shape_gpu(name):
     """Mixed lengths around the chunk size, a padded row, slots out of order, half without initial state."""
-    from .test_gpu import HK, HV, TOL_BF16, D, _inputs, _report
+    from .test_gpu import HV, TOL_BF16, _report
 
-    lengths = [1, 63, 64, 65, 1000]
-    q, k, v, g, beta = _inputs(lengths, HK, HV, seed=21)
-    N = len(lengths)
-    pool = torch.randn(N + 2, HV, D, D, generator=gen(1)).mul(0.1).cuda()
-    kw = dict(scale=D ** -0.5, cu_seqlens=cu_seqlens(lengths, "cuda"),
-              state_indices=torch.tensor([5, 0, -1, 3, 1], dtype=torch.int32, device="cuda"),
-              has_initial_state=torch.tensor([True, False, True, True, False], device="cuda"))
+    q, k, v, g, beta, pool, kw = _real_shape_mixed_batch()
     p_ref, p_tri = pool.clone(), pool.clone()
     if name.endswith("gates-fused"):
-        a = torch.randn(sum(lengths), HV, generator=gen(2)).to("cuda", torch.bfloat16)
-        b = torch.randn(sum(lengths), HV, generator=gen(3)).to("cuda", torch.bfloat16)
+        a = torch.randn(q.shape[0], HV, generator=gen(2)).to("cuda", torch.bfloat16)
+        b = torch.randn(q.shape[0], HV, generator=gen(3)).to("cuda", torch.bfloat16)
         gk = dict(A_log=torch.linspace(-3.0, 1.0, HV, device="cuda"), dt_bias=torch.zeros(HV, device="cuda"))
         o_ref = ref.gdn_prefill(q, k, v, a, b, ssm_state=p_ref, **gk, **kw)
         o_tri = tc.gdn_prefill(q, k, v, a, b, ssm_state=p_tri, **gk, **kw)
@@ -659,14 +685,9 @@ def test_prep_variant_vs_default_state_config_gpu(name):
     the real-shape mixed batch: the register caps and the 64-column W / U slices change no arithmetic, so
     their results should equal it (reported: then the default's 8k errors are theirs); the tf32 diagonal
     blocks round differently and must stay within the bf16 tolerance."""
-    from .test_gpu import HK, HV, TOL_BF16, D, _inputs, _report
+    from .test_gpu import TOL_BF16, _report
 
-    lengths = [1, 63, 64, 65, 1000]
-    q, k, v, g, beta = _inputs(lengths, HK, HV, seed=21)
-    pool = torch.randn(len(lengths) + 2, HV, D, D, generator=gen(1)).mul(0.1).cuda()
-    kw = dict(scale=D ** -0.5, cu_seqlens=cu_seqlens(lengths, "cuda"),
-              state_indices=torch.tensor([5, 0, -1, 3, 1], dtype=torch.int32, device="cuda"),
-              has_initial_state=torch.tensor([True, False, True, True, False], device="cuda"))
+    q, k, v, g, beta, pool, kw = _real_shape_mixed_batch()
     cand = tc.CANDIDATES[name]
     p_base, p_cand = pool.clone(), pool.clone()
     o_base = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_base, config=tc.ChunkConfig(bv=cand.bv), **kw)
@@ -685,25 +706,8 @@ def test_split_output_vs_default_state_gpu(name):
     """A split-output candidate against the default path with the same state slices, on the real-shape mixed
     batch: the outputs are the same products of the same bf16 operands and the chain the same arithmetic,
     so they should be equal (reported) and must be within a tight tolerance."""
-    from .test_gpu import HK, HV, D, _inputs, _report
-
-    lengths = [1, 63, 64, 65, 1000]
-    q, k, v, g, beta = _inputs(lengths, HK, HV, seed=21)
-    pool = torch.randn(len(lengths) + 2, HV, D, D, generator=gen(1)).mul(0.1).cuda()
-    kw = dict(scale=D ** -0.5, cu_seqlens=cu_seqlens(lengths, "cuda"),
-              state_indices=torch.tensor([5, 0, -1, 3, 1], dtype=torch.int32, device="cuda"),
-              has_initial_state=torch.tensor([True, False, True, True, False], device="cuda"))
     cand = tc.CANDIDATES[name]
-    p_base, p_cand = pool.clone(), pool.clone()
-    o_base = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_base, config=tc.ChunkConfig(bv=cand.bv), **kw)
-    o_cand = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_cand, config=cand, **kw)
-    _report(test="split_output_vs_default", config=name, identical_out=bool(torch.equal(o_cand, o_base)),
-            identical_state=bool(torch.equal(p_cand, p_base)),
-            out_max_abs=(o_cand.float() - o_base.float()).abs().max().item(), out_rel=rel_err(o_cand, o_base),
-            state_rel=rel_err(p_cand, p_base))
-    assert_close(o_cand, o_base, 1e-2, "output")
-    assert_close(p_cand, p_base, 1e-5, "state")
-    assert (o_cand[64:128] == 0).all(), "padded sequence gives zeros"
+    _same_products(name, "split_output_vs_default", cand, tc.ChunkConfig(bv=cand.bv))
 
 
 @pytest.mark.gpu
@@ -712,26 +716,8 @@ def test_chunk_layout_vs_token_layout_gpu(name):
     """A chunk-layout candidate against the token layout with the same state slices and stages, on the
     real-shape mixed batch: the same products of the same operands, so equal (reported) within a tight
     tolerance; zeros for the padded sequence."""
-    from .test_gpu import HK, HV, D, _inputs, _report
-
-    lengths = [1, 63, 64, 65, 1000]
-    q, k, v, g, beta = _inputs(lengths, HK, HV, seed=21)
-    pool = torch.randn(len(lengths) + 2, HV, D, D, generator=gen(1)).mul(0.1).cuda()
-    kw = dict(scale=D ** -0.5, cu_seqlens=cu_seqlens(lengths, "cuda"),
-              state_indices=torch.tensor([5, 0, -1, 3, 1], dtype=torch.int32, device="cuda"),
-              has_initial_state=torch.tensor([True, False, True, True, False], device="cuda"))
     cand = tc.CANDIDATES[name]
-    base = dataclasses.replace(cand, layout="token")
-    p_base, p_cand = pool.clone(), pool.clone()
-    o_base = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_base, config=base, **kw)
-    o_cand = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_cand, config=cand, **kw)
-    _report(test="chunk_layout_vs_token", config=name, identical_out=bool(torch.equal(o_cand, o_base)),
-            identical_state=bool(torch.equal(p_cand, p_base)),
-            out_max_abs=(o_cand.float() - o_base.float()).abs().max().item(), out_rel=rel_err(o_cand, o_base),
-            state_rel=rel_err(p_cand, p_base))
-    assert_close(o_cand, o_base, 1e-2, "output")
-    assert_close(p_cand, p_base, 1e-5, "state")
-    assert (o_cand[64:128] == 0).all(), "padded sequence gives zeros"
+    _same_products(name, "chunk_layout_vs_token", cand, dataclasses.replace(cand, layout="token"))
 
 
 @pytest.mark.gpu

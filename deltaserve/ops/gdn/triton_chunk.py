@@ -786,18 +786,14 @@ def _store_chunk_factors(Kb, Cb, Lb, kraw, G, rk, rq, m, p, hv, hk, HK, HV, R: t
 
 
 @triton.jit
-def _chunk_state_kernel(
-    q, k, s_q_t, s_q_h, s_k_t, s_k_h, o,
-    Wb, Ub, Pb, Gb, rq_b, rk_b, ssm, cu, idx, has_init, HK, HV,
-    R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    PREC: tl.constexpr, STAGES: tl.constexpr,
-):
-    OUT_PREC: tl.constexpr = "bf16" if PREC == "bf16x2" else PREC
+def _state_slice(cu, idx, has_init, ssm, HV, R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """A state kernel program's (sequence n, value head hv, key head hk) from its grid position, the
+    sequence's bounds, whether its slot is live, and its [K, BV] state slice (pointers and the initial
+    values: zero without an initial state or for a padded row)."""
     j = tl.program_id(0)
     nh = tl.program_id(1)
     n = nh // HV
     hv = nh % HV
-    hk = hv // R
     bos = tl.load(cu + n).to(tl.int32)
     L = tl.load(cu + n + 1).to(tl.int32) - bos
     slot = tl.load(idx + n).to(tl.int64)
@@ -805,9 +801,21 @@ def _chunk_state_kernel(
     init = tl.load(has_init + n) != 0
     ok = tl.arange(0, K)
     ov = j * BV + tl.arange(0, BV)
-    rows = tl.arange(0, BT)
     sp = ssm + slot * (HV * K * V) + hv * (K * V) + ok[:, None] * V + ov[None, :]
     S = tl.load(sp, mask=(ok[:, None] >= 0) & live & init, other=0.0)
+    return n, hv, hv // R, bos, L, live, ok, ov, sp, S
+
+
+@triton.jit
+def _chunk_state_kernel(
+    q, k, s_q_t, s_q_h, s_k_t, s_k_h, o,
+    Wb, Ub, Pb, Gb, rq_b, rk_b, ssm, cu, idx, has_init, HK, HV,
+    R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    PREC: tl.constexpr, STAGES: tl.constexpr,
+):
+    OUT_PREC: tl.constexpr = "bf16" if PREC == "bf16x2" else PREC
+    n, hv, hk, bos, L, live, ok, ov, sp, S = _state_slice(cu, idx, has_init, ssm, HV, R, K, V, BV)
+    rows = tl.arange(0, BT)
     for c in tl.range(0, tl.cdiv(L, BT), num_stages=STAGES):
         left = L - c * BT
         rm = rows < left
@@ -844,27 +852,14 @@ def _chunk_state_tma_kernel(
     their operand precisions are `_chunk_state_kernel`'s. Q rows past the sequence belong to the next one
     (or are TMA's zero fill past T); they only reach output rows that are not stored."""
     OUT_PREC: tl.constexpr = "bf16" if PREC == "bf16x2" else PREC
-    j = tl.program_id(0)
-    nh = tl.program_id(1)
-    n = nh // HV
-    hv = nh % HV
-    hk = hv // R
-    bos = tl.load(cu + n).to(tl.int32)
-    L = tl.load(cu + n + 1).to(tl.int32) - bos
+    n, hv, hk, bos, L, live, ok, ov, sp, S = _state_slice(cu, idx, has_init, ssm, HV, R, K, V, BV)
     c0 = tl.load(coff + n).to(tl.int32)
-    slot = tl.load(idx + n).to(tl.int64)
-    live = slot >= 0
-    init = tl.load(has_init + n) != 0
-    ok = tl.arange(0, K)
-    ov = j * BV + tl.arange(0, BV)
     rows = tl.arange(0, BT)
-    sp = ssm + slot * (HV * K * V) + hv * (K * V) + ok[:, None] * V + ov[None, :]
-    S = tl.load(sp, mask=(ok[:, None] >= 0) & live & init, other=0.0)
     for c in tl.range(0, tl.cdiv(L, BT), num_stages=STAGES):
         ch = c0 + c
         row = (ch * HV + hv) * BT
         w = w_desc.load([row, 0])
-        u = u_desc.load([row, j * BV])
+        u = u_desc.load([row, tl.program_id(0) * BV])
         kk = k_desc.load([(ch * HK + hk) * BT, 0])
         qq = q_desc.load([bos + c * BT, hk * K])
         pm = p_desc.load([row, 0])
@@ -891,22 +886,9 @@ def _chunk_state_split_kernel(
     stores the state it starts the chunk with (h_c, [chunks, HV, K, V], at the chunk's index coff[n] + c)
     and V_new ([T, HV, V]), both in the output products' operand dtype (Hb / Vb), and carries on with the
     chain alone. Padded sequences (slot < 0) store nothing; `_chunk_out_kernel` writes their zeros."""
-    j = tl.program_id(0)
-    nh = tl.program_id(1)
-    n = nh // HV
-    hv = nh % HV
-    hk = hv // R
-    bos = tl.load(cu + n).to(tl.int32)
-    L = tl.load(cu + n + 1).to(tl.int32) - bos
+    n, hv, hk, bos, L, live, ok, ov, sp, S = _state_slice(cu, idx, has_init, ssm, HV, R, K, V, BV)
     c0 = tl.load(coff + n).to(tl.int64)
-    slot = tl.load(idx + n).to(tl.int64)
-    live = slot >= 0
-    init = tl.load(has_init + n) != 0
-    ok = tl.arange(0, K)
-    ov = j * BV + tl.arange(0, BV)
     rows = tl.arange(0, BT)
-    sp = ssm + slot * (HV * K * V) + hv * (K * V) + ok[:, None] * V + ov[None, :]
-    S = tl.load(sp, mask=(ok[:, None] >= 0) & live & init, other=0.0)
     for c in tl.range(0, tl.cdiv(L, BT), num_stages=STAGES):
         left = L - c * BT
         rm = rows < left
