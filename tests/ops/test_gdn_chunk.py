@@ -239,6 +239,11 @@ def test_default_config_follows_the_shape():
     assert (fast.ut, fast.ut_prec, fast.lean) == ("wide", "fp16", True)
     assert tc.default_chunk_config(4, 32, 128, torch.float32, k=128).ut == "blocks"
     assert tc.default_chunk_config(4, 32, 64, torch.bfloat16, k=64).ut == "blocks"
+    # many short sequences: the chunk layout's padded rows would exceed 1.25 T, so the token layout
+    assert tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, tokens=32768).layout == "chunk"
+    assert tc.default_chunk_config(32, 32, 128, torch.bfloat16, k=128, tokens=32 * 1024).layout == "chunk"
+    many = tc.default_chunk_config(256, 32, 128, torch.bfloat16, k=128, tokens=256 * 30)
+    assert many.layout == "token" and many.ut == "wide"
 
 
 def test_chunk_wide_state_slices(device):

@@ -262,8 +262,8 @@ PREP_ON_DEFAULT_STATE = types.MappingProxyType({
 })
 
 
-def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.dtype, k: int | None = None
-                         ) -> ChunkConfig:
+def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.dtype, k: int | None = None,
+                         tokens: int | None = None) -> ChunkConfig:
     """The fastest configuration measured on the H200 and verified there (docs/PERFORMANCE.md): the
     one-kernel tensor-core prep; 64-column state slices (2 stages) once there are >= 128 (sequence,
     value head) pairs to fill the SMs (5 % faster at 4 x 8192 and 32 x 1024), else 32 columns
@@ -273,11 +273,15 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     same products bit for bit) and the prep with the whole-tile fp16 inverse and the lean factors
     (PREP7 "wide-fp16-lean", session 7: prep 39.7 -> 26.3 ns/token, whole op 56.7 / 53.2, 8k final-state
     error 6.3e-5 against 1.2e-4). fp32 activations keep the exact block inverse (the wide one's fp32
-    products spill)."""
+    products spill). The chunk layout's buffers have (cdiv(T, 64) + N) x 64 rows against the token layout's
+    T: with many short sequences (`tokens` given and that bound over 1.25 T) the token layout keeps the
+    prep's scratch near what the engine's memory profile (one long sequence) measured."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
     bv = 64 if num_seqs * num_v_heads >= 128 and v >= 64 else min(32, v)
     fast = dtype == torch.bfloat16 and (k or v, v) in CHUNK_LAYOUT_DIMS
-    return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2", layout="chunk" if fast else "token",
+    padded_rows = None if tokens is None else (triton.cdiv(tokens, CHUNK) + num_seqs) * CHUNK
+    chunk = fast and (padded_rows is None or padded_rows <= tokens + tokens // 4 + CHUNK)
+    return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2", layout="chunk" if chunk else "token",
                        **({"ut": "wide", "ut_prec": "fp16", "lean": True} if fast else {}))
 
 
@@ -1035,7 +1039,7 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     check_same_device(op, q, k, v, g, beta, cu_seqlens, ssm_state, state_indices, has_initial_state)
     if gates_in_kernel:
         check(A_log.shape == (HV,) and dt_bias.shape == (HV,), op, f"A_log and dt_bias must be [{HV}]")
-    cfg = config or default_chunk_config(N, HV, V, q.dtype, k=K)
+    cfg = config or default_chunk_config(N, HV, V, q.dtype, k=K, tokens=T)
     check(V % cfg.bv == 0, op, f"config bv={cfg.bv} must divide V={V}")
     check(cfg.prec in PRECISIONS, op, f"config prec={cfg.prec!r} is not one of {PRECISIONS}")
     check(cfg.merge_prec in MERGE_PRECISIONS, op,
