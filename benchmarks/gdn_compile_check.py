@@ -188,6 +188,14 @@ def main() -> int:
             f"decode one launch conv={int(conv)} norm={int(norm)} bv={bv} w{warps} pdl", rec_t._decode_fused_kernel,
             dec_types, dict(R=R, RP=R, K=K, V=V, BV=bv, W=4, WP=4, SIGMOID=False, PDL=True, PREFETCH=True,
                             STATE_AFTER_RELEASE=False, TRIGGER=True, NORM=norm, CONV=conv), warps))
+    # the one-launch verify (T = 2 / 4 / 8 per sequence: TB = 2 / 4 / 8), the benchmark's variants
+    ver_types = dict(x=bf, z=bf, a=bf, b=bf, conv_w=bf, A_log=f32, dt_bias=f32, norm_w=bf, conv_state=bf, ssm=f32,
+                     idx=i32, cu=i32, o_tmp=bf, out=bf, st_x=bf, st_k=f32, st_g=f32, st_d=f32, counters=i32,
+                     scale="fp32", eps="fp32", SLOTS="i32")
+    for tb, bv, warps in [(4, 16, 1), (2, 16, 1), (8, 16, 1), (4, 8, 1), (4, 16, 2), (4, 32, 2), (4, 128, 4)]:
+        results.append(compile_one(
+            f"verify one launch TB={tb} bv={bv} w{warps} pdl", rec_t._verify_fused_kernel, ver_types,
+            dict(R=R, K=K, V=V, BV=bv, W=4, TB=tb, SIGMOID=False, PDL=True, PREFETCH=True, TRIGGER=True), warps))
     # the input projection with the conv epilogue (rms_norm_linear_conv): 35B-A3B in_proj 2048 -> 12352 at
     # M = 1 (the norm folded, default tiles 16 x 256, 4 stages) and M = 8 (tensor cores, 64 x 128, 4 stages)
     from deltaserve.ops.linear import triton as lin_t

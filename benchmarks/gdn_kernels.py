@@ -357,6 +357,19 @@ VERIFY_CONFIGS = [(f"bv{bv}/w{w}", tr.RecurrentConfig(bv=bv, num_warps=w))
                   for bv, w in [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4)]]
 
 
+def verify_path_variants(B: int) -> list[tuple[str, "tr.RecurrentConfig"]]:
+    """Labelled gdn_verify paths timed beside the default where the default is the one launch (small B):
+    the three-launch path it replaced and one-launch launch shapes other than the default's."""
+    if not tr.default_verify_config(B, 4 * B, HK, HV, DV).one_launch:
+        return []
+    default = tr.default_verify_config(B, 4 * B, HK, HV, DV, pdl=True)
+    one = [(f"1-launch bv{bv}/w{w} pdl", tr.RecurrentConfig(bv=bv, num_warps=w, one_launch=True, pdl=True))
+           for bv, w in [(16, 1), (8, 1), (16, 2), (32, 2), (16, 4), (32, 4)]]
+    return [("3 launches (pre-session-7 path)", tr.default_tokens_config(B * HV * max(DV // 32, 1), DV))] + [
+        (label, cfg) for label, cfg in one if cfg != default] + [
+        ("1-launch default no pdl", dataclasses.replace(default, pdl=False))]
+
+
 def verify_cases(sweep: bool = False) -> list[Case]:
     cases = []
     for T, B in VERIFY:
@@ -385,6 +398,9 @@ def verify_cases(sweep: bool = False) -> list[Case]:
 
         name = f"T={T} B={B}"
         cases.append(Case("verify", name, "ours gdn_verify", calls, verify, state_bytes=B * STATE_BYTES))
+        for label, cfg in verify_path_variants(B):  # session 7 (verify7): the one-launch verify vs the old path
+            cases.append(Case("verify", name, f"gdn_verify {label}", calls, lambda c, cfg=cfg, f=verify: f(c, cfg=cfg),
+                              state_bytes=B * STATE_BYTES))
         for label, cfg in VERIFY_CONFIGS if sweep else []:
             cases.append(Case("verify", name, f"gdn_verify {label}", calls, lambda c, cfg=cfg, f=verify: f(c, cfg=cfg),
                               state_bytes=B * STATE_BYTES, sweep=True))

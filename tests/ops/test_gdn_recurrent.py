@@ -177,7 +177,7 @@ def test_decode_pdl_rule_and_checks(device):
     mixed, z, a, b = layer.tokens(2)
     idx = torch.tensor([0, 1], dtype=torch.int32, device=device)
     c, s = layer.pools()
-    with pytest.raises(ValueError, match="apply to the one-launch decode only"):
+    with pytest.raises(ValueError, match="apply to the one-launch paths only"):
         tr.gdn_decode(mixed, z, a, b, conv_state=c, ssm_state=s, state_indices=idx,
                       config=tr.RecurrentConfig(bv=16, num_warps=1, pdl=True), **layer.kw())
     if not tr.has_pdl(torch.device(device)):
@@ -186,13 +186,71 @@ def test_decode_pdl_rule_and_checks(device):
                           config=tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True, pdl=True), **layer.kw())
 
 
-def test_one_launch_config_rejected_for_verify(device):
+def test_decode_only_config_rejected_for_verify(device):
     layer = Layer(device, torch.float32, seed=2)
     cu, idx, mixed, z, a, b = _verify_case(layer, [2], [1])
-    with pytest.raises(ValueError, match="one_launch applies to gdn_decode only"):
+    with pytest.raises(ValueError, match="state_after_release applies to gdn_decode only"):
         tr.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=layer.conv_state.clone(),
                       ssm_state=layer.ssm_state.clone(), state_indices=idx, stash=layer.stash(2),
-                      config=tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True), **layer.kw())
+                      config=tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True, state_after_release=True),
+                      **layer.kw())
+
+
+def test_verify_path_rule():
+    """One launch for small batches (rows and mean tokens per sequence bounded), from the shapes alone."""
+    for n, t in ((1, 2), (1, 4), (2, 8), (2, 16)):
+        cfg = tr.default_verify_config(n, t, 16, 32, 128)
+        assert cfg.one_launch and 128 % cfg.bv == 0 and not cfg.state_after_release, (n, t, cfg)
+    assert tr.default_verify_config(1, 4, 16, 32, 128, pdl=True).pdl
+    assert not tr.default_verify_config(1, 4, 16, 32, 128).pdl
+    assert not tr.default_verify_config(1, 9, 16, 32, 128).one_launch, "more than VERIFY_MAX_CHUNK tokens"
+    assert not tr.default_verify_config(3, 12, 16, 32, 128).one_launch, "more rows than the bound"
+    assert not tr.default_verify_config(64, 256, 16, 32, 128).one_launch
+    assert [tr.verify_chunk(t, n) for t, n in ((1, 1), (2, 1), (3, 1), (4, 1), (8, 2), (9, 2), (40, 1))] == \
+        [1, 2, 4, 4, 4, 8, 8]
+
+
+# (ratio, dv, bv, dtype, activation, lengths, slots): one-launch verify configurations
+ONE_LAUNCH_VERIFY_CASES = [
+    (2, 32, 16, torch.float32, "silu", [2, 8, 4, 5], [6, 1, -1, 3]),     # split rows (counter), ragged, padded
+    (2, 16, 16, torch.bfloat16, "silu", [3, 1, 6], [0, -1, 4]),          # whole rows: the norm is local
+    (1, 32, 8, torch.float32, "sigmoid", [1, 11], [5, 2]),              # 4 slices; 11 tokens: several chunks
+    (4, 16, 8, torch.bfloat16, "silu", [4, 4], [7, 0]),                 # 4 heads share a key head
+]
+
+
+@pytest.mark.parametrize("ratio,dv,bv,dtype,activation,lengths,slots", ONE_LAUNCH_VERIFY_CASES)
+def test_one_launch_verify_matches_three_launches(ratio, dv, bv, dtype, activation, lengths, slots, device):
+    """The one-launch verify == the three-launch verify: outputs within fp32 rounding, the stash's live
+    rows (k, g within fp32 rounding, delta, x bit for bit), pools untouched; twice (counters reset)."""
+    layer = Layer(device, dtype, ratio=ratio, dv=dv, seed=40 + ratio + bv, activation=activation)
+    cu, idx, mixed, z, a, b = _verify_case(layer, lengths, slots)
+    T = sum(lengths)
+    one = tr.RecurrentConfig(bv=bv, num_warps=1, one_launch=True)
+    three = tr.RecurrentConfig(bv=bv, num_warps=1)
+    live = torch.cat([torch.full((n,), s >= 0) for n, s in zip(lengths, slots)]).to(device)
+    for step in range(2):
+        got = []
+        for cfg in (one, three):
+            c, s = layer.pools()
+            st = layer.stash(T)
+            for t in (st.x, st.k, st.g, st.delta):
+                t.fill_(7.0)
+            o = tr.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=c, ssm_state=s, state_indices=idx, stash=st,
+                              config=cfg, **layer.kw())
+            assert torch.equal(c, layer.conv_state) and torch.equal(s, layer.ssm_state), "verify must not touch pools"
+            got.append((o, st))
+        (o1, s1), (o3, s3) = got
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: an fp32 rounding may flip a bf16 output's last bit
+        assert_close(o1, o3, tol, f"output, step {step}")
+        assert (o1[~live] == 0).all(), "padded rows give zeros"
+        assert torch.equal(s1.x, s3.x), "stash.x"
+        assert_close(s1.k[live], s3.k[live], 1e-6, "stash.k")
+        assert_close(s1.g, s3.g, 1e-6, "stash.g")
+        assert_close(s1.delta[live], s3.delta[live], 1e-5, "stash.delta")
+        assert (s1.k[~live] == 0).all(), "padded rows' keys are zero, as the pre-pass writes them"
+        counters = tr._group_counters(torch.device(device), len(lengths) * layer.hv)
+        assert not counters.any(), "every launch leaves the group counters at zero"
 
 
 def test_decode_reference_equals_unfused(device):
@@ -216,7 +274,7 @@ def _verify_case(layer: Layer, lengths, idx_list):
     return cu, idx, mixed, z, a, b
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("impl", ["reference", "triton", "triton-one-launch"])
 def test_verify_then_commit_equals_sequential_decode(impl, device):
     """verify(T_n tokens) outputs == T_n decode steps; commit(a_n) leaves pools == after a_n decode steps;
     verify itself leaves the pools untouched. Ragged T_n = K_n + 1, K_n in 1..7, a padded row."""
@@ -227,10 +285,12 @@ def test_verify_then_commit_equals_sequential_decode(impl, device):
     accepted = [1, 8, 2, 0]
     cu, idx, mixed, z, a, b = _verify_case(layer, lengths, idx_list)
     ops = ref if impl == "reference" else tr
+    cfg = {"triton": tr.RecurrentConfig(bv=16, num_warps=1),  # the three launches whatever the default
+           "triton-one-launch": tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True)}.get(impl)
     c_v, s_v = layer.pools()
     stash = layer.stash(sum(lengths))
     out = ops.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=c_v, ssm_state=s_v, state_indices=idx,
-                         stash=stash, **layer.kw())
+                         stash=stash, **layer.kw(), **({"config": cfg} if cfg else {}))
     assert torch.equal(c_v, layer.conv_state) and torch.equal(s_v, layer.ssm_state), "verify must not touch pools"
     ops.gdn_commit(torch.tensor(accepted, dtype=torch.int32, device=device), cu_seqlens=cu, state_indices=idx,
                    conv_state=c_v, ssm_state=s_v, stash=stash)
@@ -424,3 +484,99 @@ def test_one_launch_decode_graph_replays():
         torch.cuda.synchronize()
         assert torch.equal(out, eager[step]), f"replay {step}"
     assert torch.equal(ssm_g, ssm_e) and torch.equal(conv_g, conv_e)
+
+
+# One-launch verify configurations the benchmark times (benchmarks/gdn_kernels.py verify_path_variants).
+REAL_ONE_LAUNCH_VERIFY = [
+    tr.RecurrentConfig(bv=bv, num_warps=w, one_launch=True, pdl=True)
+    for bv, w in [(16, 1), (8, 1), (16, 2), (32, 2), (16, 4), (32, 4)]
+] + [tr.RecurrentConfig(bv=16, num_warps=2, one_launch=True),
+     tr.RecurrentConfig(bv=128, num_warps=4, one_launch=True)]  # whole rows: the local norm
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None] + REAL_ONE_LAUNCH_VERIFY,
+                         ids=lambda c: "default" if c is None else f"bv{c.bv}-w{c.num_warps}{'-pdl' * c.pdl}")
+def test_one_launch_verify_real_shape(config):
+    """Every one-launch verify configuration the benchmark times and the default rule (None), at B = 1
+    (T = 2, 4) and B = 2 (ragged 3 + 5, and a padded row): outputs == the three launches up to fp32
+    rounding (a bf16 ulp), == the reference; the stash's live rows equal; verify + commit (all but one
+    accepted) leaves the same pools as the three launches + commit."""
+    for lengths, slots in (([2], [1]), ([4], [2]), ([3, 5], [4, 0]), ([4, 4], [-1, 3])):
+        B, T = len(lengths), sum(lengths)
+        kw, (conv0, ssm0), tokens = _real_layer(32, 5, seed=T + B)
+        mixed, z, a, b = tokens(T)
+        cu = cu_seqlens(lengths, "cuda")
+        idx = torch.tensor(slots, dtype=torch.int32, device="cuda")
+        acc = torch.tensor([max(n - 1, 0) for n in lengths], dtype=torch.int32, device="cuda")
+        live = torch.cat([torch.full((n,), s >= 0) for n, s in zip(lengths, slots)]).to("cuda")
+        assert tr.default_verify_config(B, T, 16, 32, 128, pdl=True).one_launch
+        runs = {}
+        for name, cfg in [("reference", None), ("three", tr.default_tokens_config(B * 32 * 4, 128)),
+                          (str(config), config)]:
+            conv, ssm = conv0.clone(), ssm0.clone()
+            st = ref.VerifyStash.empty(T, conv_dim=mixed.shape[1], num_k_heads=16, head_k_dim=128, num_v_heads=32,
+                                       head_v_dim=128, dtype=torch.bfloat16, device="cuda")
+            ops = ref if name == "reference" else tr
+            out = ops.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=conv, ssm_state=ssm, state_indices=idx,
+                                 stash=st, **kw, **({} if cfg is None else {"config": cfg}))
+            assert torch.equal(conv, conv0) and torch.equal(ssm, ssm0), f"{name}: verify must not touch pools"
+            ops.gdn_commit(acc, cu_seqlens=cu, state_indices=idx, conv_state=conv, ssm_state=ssm, stash=st)
+            runs[name] = (out, st, conv, ssm)
+        want, three = runs.pop("reference"), runs.pop("three")
+        assert_close(three[0], want[0], 2e-2, f"{lengths} three launches output")
+        for name, (out, st, conv, ssm) in runs.items():
+            where = f"{lengths} {slots} {name}"
+            assert_close(out, want[0], 2e-2, f"{where} output")
+            assert_close(out, three[0], 8e-3, f"{where} output vs three launches")
+            assert (out[~live] == 0).all(), f"{where} padded rows"
+            assert torch.equal(st.x[:T], three[1].x[:T]), f"{where} stash.x"
+            assert_close(st.k[live], three[1].k[live], 1e-6, f"{where} stash.k")
+            assert_close(st.g, three[1].g, 1e-6, f"{where} stash.g")
+            assert_close(st.delta[live], three[1].delta[live], 1e-5, f"{where} stash.delta")
+            assert_close(ssm, three[3], 1e-5, f"{where} committed state")
+            assert torch.equal(conv, three[2]), f"{where} committed windows"
+        assert not tr._group_counters(torch.device("cuda", torch.cuda.current_device()), B * 32).any()
+
+
+@pytest.mark.gpu
+def test_one_launch_verify_pdl_chain_in_graph():
+    """verify, commit, verify, commit in one CUDA graph (the default one-launch verify, programmatic on the
+    H200, reading the pools the commit before it wrote) == the same steps through the reference ops."""
+    kw, (conv0, ssm0), tokens = _real_layer(32, 3, seed=12)
+    idx = torch.tensor([2], dtype=torch.int32, device="cuda")
+    cu = cu_seqlens([4], "cuda")
+    steps = [tokens(4) for _ in range(2)]
+    acc = torch.tensor([3], dtype=torch.int32, device="cuda")
+    cfg = tr.default_verify_config(1, 4, 16, 32, 128, pdl=True)
+    assert cfg.one_launch and cfg.pdl
+
+    def stash():
+        return ref.VerifyStash.empty(4, conv_dim=steps[0][0].shape[1], num_k_heads=16, head_k_dim=128,
+                                     num_v_heads=32, head_v_dim=128, dtype=torch.bfloat16, device="cuda")
+    conv_r, ssm_r = conv0.clone(), ssm0.clone()
+    want = []
+    for t in steps:
+        st = stash()
+        want.append(ref.gdn_verify(*t, cu_seqlens=cu, conv_state=conv_r, ssm_state=ssm_r, state_indices=idx,
+                                   stash=st, **kw))
+        ref.gdn_commit(acc, cu_seqlens=cu, state_indices=idx, conv_state=conv_r, ssm_state=ssm_r, stash=st)
+    conv_g, ssm_g = conv0.clone(), ssm0.clone()
+    stashes = [stash(), stash()]
+    tr.gdn_verify(*steps[0], cu_seqlens=cu, conv_state=conv_g.clone(), ssm_state=ssm_g.clone(), state_indices=idx,
+                  stash=stash(), config=cfg, **kw)  # compile outside the capture
+    tr.gdn_commit(acc, cu_seqlens=cu, state_indices=idx, conv_state=conv_g.clone(), ssm_state=ssm_g.clone(),
+                  stash=stashes[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = []
+        for t, st in zip(steps, stashes):
+            outs.append(tr.gdn_verify(*t, cu_seqlens=cu, conv_state=conv_g, ssm_state=ssm_g, state_indices=idx,
+                                      stash=st, config=cfg, **kw))
+            tr.gdn_commit(acc, cu_seqlens=cu, state_indices=idx, conv_state=conv_g, ssm_state=ssm_g, stash=st)
+    graph.replay()
+    torch.cuda.synchronize()
+    for i in range(2):
+        assert_close(outs[i], want[i], 2e-2, f"step {i}")
+    assert_close(ssm_g, ssm_r, 1e-4, "state")
+    assert torch.equal(conv_g, conv_r), "conv windows"

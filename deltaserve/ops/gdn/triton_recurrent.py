@@ -101,6 +101,22 @@ def default_decode_config(n: int, hk: int, hv: int, v: int, pdl: bool = False) -
     return default_tokens_config(n * hv * max(v // 32, 1), v)
 
 
+def default_verify_config(n: int, t: int, hk: int, hv: int, v: int, pdl: bool = False) -> RecurrentConfig:
+    """gdn_verify of t tokens over n sequences (host-side rule from shapes and PDL support only, so graph
+    capture sees one path): one launch (_verify_fused_kernel) up to VERIFY_ONE_LAUNCH_MAX_ROWS (sequence,
+    value head) rows at up to VERIFY_MAX_CHUNK tokens per sequence on average, where the three dependent
+    launches of the token-parallel path are the time; programmatic where the device has it."""
+    if n * hv <= VERIFY_ONE_LAUNCH_MAX_ROWS and t <= VERIFY_MAX_CHUNK * n:
+        return RecurrentConfig(bv=min(16, v), num_warps=2, one_launch=True, pdl=pdl)
+    return default_tokens_config(n * hv * max(v // 32, 1), v)
+
+
+def verify_chunk(t: int, n: int) -> int:
+    """Tokens per unrolled chunk of the one-launch verify: the mean tokens per sequence (power of two,
+    at most VERIFY_MAX_CHUNK); longer sequences take several chunks (any length is correct)."""
+    return min(next_pow2(max(1, -(-t // max(n, 1)))), VERIFY_MAX_CHUNK)
+
+
 def has_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch (griddepcontrol): CUDA devices of compute capability 9.0 and newer."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
@@ -111,6 +127,11 @@ ONE_LAUNCH_MAX_ROWS = 16
 # ... and up to this many (sequence, value head) rows it is launched programmatically (measured at 32
 # rows, B = 1, and 512, B = 16; nothing in between).
 PDL_MAX_ROWS = 64
+# gdn_verify takes the one-launch path up to this many (sequence, value head) rows (B = 2 at 32 value
+# heads: where the three launches of the token-parallel path dominate) ...
+VERIFY_ONE_LAUNCH_MAX_ROWS = 64
+# ... and up to this many tokens per sequence on average (the unrolled chunk of _verify_fused_kernel).
+VERIFY_MAX_CHUNK = 8
 
 
 # ---- shared device pieces -----------------------------------------------------------------------
@@ -579,6 +600,153 @@ def _verify_rec_kernel(qn, st_k, vn, st_g, bn, ssm, idx, cu, o_tmp, st_d, HK, HV
         tl.store(st_d + row * V + ov, delta, mask=(ov >= 0) & live)
 
 
+
+@triton.jit(do_not_specialize=["SLOTS"])
+def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, norm_w,
+                         conv_state, ssm, idx, cu, o_tmp, out, st_x, st_k, st_g, st_d, counters, scale, eps,
+                         HK, HV, D, SLOTS,
+                         R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
+                         TB: tl.constexpr, SIGMOID: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                         TRIGGER: tl.constexpr = False):
+    """Verify in one launch (small batches), per (sequence, value head, V-slice): the pre-pass, the
+    recurrence and the finish of the three-launch path in one program, the same math in the same order.
+
+    Tokens go in chunks of TB: the TB + W - 1 conv input rows of a chunk (old window rows for positions
+    before the sequence start, then x) are loaded once, every token's conv + SiLU, L2 norms and gates
+    come from them, then the TB delta steps run unrolled (each guarded by the token count). The pools are
+    only read (no window to coordinate), so the programs of a row meet only for the gated norm of rows
+    split over V-slices: each stores its rounded o slice in o_tmp and counts itself in on a per-(sequence,
+    value head) counter; the last one normalises the head's rows of every token and resets the counter.
+    With whole rows (BV = V) the norm is local. The stash is shared out: each program copies its own value
+    channels of x and writes its delta slice; the first V-slice writes g; the first V-slice of a key
+    head's first value head writes k and the key head's q/k channels of x. PDL and the L2 prefetch as in
+    _decode_fused_kernel (nothing is read before griddepcontrol.wait but the prefetch's hint)."""
+    j = tl.program_id(0)
+    nh = tl.program_id(1)
+    n = nh // HV
+    hv = nh % HV
+    hk = hv // R
+    ok = tl.arange(0, K)
+    ov = j * BV + tl.arange(0, BV)
+    if PDL:
+        if PREFETCH:
+            guess = tl.load(idx + n, cache_modifier=".cg").to(tl.int64)
+            gslot = tl.minimum(tl.maximum(guess, 0), SLOTS - 1)
+            pm = guess >= 0
+            for c8 in tl.static_range(0, BV, 8):
+                prefetch_l2(ssm + gslot * (HV * K * V) + hv * (K * V) + ok * V + j * BV + c8, (ok >= 0) & pm)
+        gdc_wait()
+    if TRIGGER:
+        gdc_launch_dependents()
+    slot = tl.load(idx + n, cache_modifier=".cg").to(tl.int64)
+    bos = tl.load(cu + n).to(tl.int32)
+    eos = tl.load(cu + n + 1).to(tl.int32)
+    live = slot >= 0
+    sp = ssm + slot * (HV * K * V) + hv * (K * V) + ok[:, None] * V + ov[None, :]
+    S = tl.load(sp, mask=(ok[:, None] >= 0) & live, other=0.0, cache_modifier=".cg")
+    tl.debug_barrier()  # keep the state loads ahead of the conv math (as in _decode_fused_kernel)
+    cq = hk * K + ok
+    ck = HK * K + hk * K + ok
+    cv = 2 * HK * K + hv * V + ov
+    win = conv_state + slot * ((W - 1) * D)
+    A = tl.load(A_log + hv).to(tl.float32)
+    dtb = tl.load(dt_bias + hv).to(tl.float32)
+    of = tl.arange(0, V)
+    w = tl.load(norm_w + of).to(tl.float32)
+    q_taps = ()
+    k_taps = ()
+    v_taps = ()
+    for i in tl.static_range(W):
+        q_taps = q_taps + (tl.load(conv_w + cq * W + i).to(tl.float32),)
+        k_taps = k_taps + (tl.load(conv_w + ck * W + i).to(tl.float32),)
+        v_taps = v_taps + (tl.load(conv_w + cv * W + i).to(tl.float32),)
+    lead_k = (j == 0) & (hv % R == 0)  # writes stash.k and the q/k channels of stash.x
+    Tn = eos - bos
+    bos64 = bos.to(tl.int64)
+    for c in range(0, Tn, TB):
+        # conv input rows: position p = c - (W - 1) + rr from the sequence start (old window when p < 0)
+        q_x = ()  # x rows (TB + W - 1), then the old window rows (W - 1); fp32, zero where not in range
+        k_x = ()
+        v_x = ()
+        q_w = ()
+        k_w = ()
+        v_w = ()
+        for rr in tl.static_range(TB + W - 1):
+            p = c - (W - 1) + rr
+            in_x = (p >= 0) & (p < Tn)
+            xr = x + (bos64 + p) * s_x_t
+            q_x = q_x + (tl.load(xr + cq, mask=(ok >= 0) & in_x, other=0.0).to(tl.float32),)
+            k_x = k_x + (tl.load(xr + ck, mask=(ok >= 0) & in_x, other=0.0).to(tl.float32),)
+            v_x = v_x + (tl.load(xr + cv, mask=(ov >= 0) & in_x, other=0.0).to(tl.float32),)
+            if rr < W - 1:  # only these rows can lie before the sequence start
+                in_w = (p < 0) & live
+                wr = win + (W - 1 + p) * D
+                q_w = q_w + (tl.load(wr + cq, mask=(ok >= 0) & in_w, other=0.0).to(tl.float32),)
+                k_w = k_w + (tl.load(wr + ck, mask=(ok >= 0) & in_w, other=0.0).to(tl.float32),)
+                v_w = v_w + (tl.load(wr + cv, mask=(ov >= 0) & in_w, other=0.0).to(tl.float32),)
+        for r in tl.static_range(TB):
+            t = bos64 + c + r
+            valid = c + r < Tn
+            av = tl.load(a + t * s_a_t + hv, mask=valid, other=0.0).to(tl.float32)
+            bv = tl.load(b + t * s_b_t + hv, mask=valid, other=0.0).to(tl.float32)
+            acc_q = tl.zeros([K], dtype=tl.float32)
+            acc_k = tl.zeros([K], dtype=tl.float32)
+            acc_v = tl.zeros([BV], dtype=tl.float32)
+            for i in tl.static_range(W):
+                if r + i < W - 1:  # (x + window) as _conv_token adds them: one of the two is zero
+                    acc_q += (q_x[r + i] + q_w[r + i]) * q_taps[i]
+                    acc_k += (k_x[r + i] + k_w[r + i]) * k_taps[i]
+                    acc_v += (v_x[r + i] + v_w[r + i]) * v_taps[i]
+                else:
+                    acc_q += q_x[r + i] * q_taps[i]
+                    acc_k += k_x[r + i] * k_taps[i]
+                    acc_v += v_x[r + i] * v_taps[i]
+            qh = _l2norm(silu(acc_q).to(x.dtype.element_ty).to(tl.float32)) * scale
+            kh = _l2norm(silu(acc_k).to(x.dtype.element_ty).to(tl.float32))
+            vv = silu(acc_v).to(x.dtype.element_ty).to(tl.float32)
+            gt = -tl.exp(A) * softplus(av + dtb)
+            bt = sigmoid(bv)
+            if valid:
+                S, o, delta = _delta_step(S, kh, qh, vv, gt, bt)
+                row = t * HV + hv
+                o = tl.where(live, o, 0.0).to(out.dtype.element_ty)  # rounded to the activation dtype, as o_tmp
+                if BV == V:
+                    zt = tl.load(z + t * s_z_t + hv * s_z_h + of).to(tl.float32)
+                    y = _gated_rms(o.to(tl.float32)[None, :], zt[None, :], w, eps, V, SIGMOID)
+                    tl.store(out + row * V + ov[None, :], y.to(out.dtype.element_ty))
+                else:
+                    tl.store(o_tmp + row * V + ov, o)
+                tl.store(st_d + row * V + ov, delta, mask=(ov >= 0) & live)
+                tl.store(st_x + t * D + cv, v_x[W - 1 + r].to(st_x.dtype.element_ty))
+                if j == 0:
+                    tl.store(st_g + row, gt)
+                if lead_k:
+                    tl.store(st_k + (t * HK + hk) * K + ok, tl.where(live, kh, 0.0))
+                    tl.store(st_x + t * D + cq, q_x[W - 1 + r].to(st_x.dtype.element_ty))
+                    tl.store(st_x + t * D + ck, k_x[W - 1 + r].to(st_x.dtype.element_ty))
+    if BV < V:
+        tr_ = tl.arange(0, TB)
+        if live:
+            tl.debug_barrier()  # every thread's o_tmp stores precede the release below
+            cnt = counters + n * HV + hv
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if arrived == V // BV - 1:  # the last slice of the head: its o_tmp rows are complete
+                tl.store(cnt, 0)
+                for c in range(0, Tn, TB):
+                    tt = bos64 + c + tr_
+                    m = ((c + tr_)[:, None] < Tn) & (of[None, :] >= 0)
+                    ot = tl.load(o_tmp + (tt[:, None] * HV + hv) * V + of[None, :], mask=m, other=0.0,
+                                 cache_modifier=".cg").to(tl.float32)
+                    zt = tl.load(z + tt[:, None] * s_z_t + hv * s_z_h + of[None, :], mask=m, other=0.0).to(tl.float32)
+                    y = _gated_rms(ot, zt, w, eps, V, SIGMOID)
+                    tl.store(out + (tt[:, None] * HV + hv) * V + of[None, :], y.to(out.dtype.element_ty), mask=m)
+        else:  # a padded row: zeros, no counter
+            for c in range(0, Tn, TB):
+                tt = bos64 + c + tr_
+                m = ((c + tr_)[:, None] < Tn) & (ov[None, :] >= 0)
+                tl.store(out + (tt[:, None] * HV + hv) * V + ov[None, :],
+                         tl.zeros([TB, BV], dtype=out.dtype.element_ty), mask=m)
+
 # ---- fused decode / verify: launch 2 (gated RMSNorm + conv window / stash) ----------------------
 
 @triton.jit
@@ -672,17 +840,26 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
     if T == 0 or N == 0:
         return out
     if verify:
-        cfg = config or default_tokens_config(N * HV * max(V // 32, 1), V)
-        check(not cfg.one_launch, op, "config one_launch applies to gdn_decode only")
+        cfg = config or default_verify_config(N, T, HK, HV, V, pdl=has_pdl(mixed_qkv.device))
+        check(not cfg.state_after_release, op, "config state_after_release applies to gdn_decode only")
     else:
         cfg = config or default_decode_config(N, HK, HV, V, pdl=has_pdl(mixed_qkv.device))
     check(V % cfg.bv == 0, op, f"config bv={cfg.bv} must divide V={V}")
     check(cfg.one_launch or not (cfg.pdl or cfg.state_after_release), op,
-          "config pdl / state_after_release apply to the one-launch decode only")
+          "config pdl / state_after_release apply to the one-launch paths only")
     check(not cfg.pdl or has_pdl(mixed_qkv.device), op,
           "config pdl needs a CUDA device of compute capability 9.0 or newer")
     # without the gated norm the one-launch kernel writes o straight to `out`, the two launches' o_tmp is it
     o_tmp = out if not gated_norm else torch.empty((T, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+    if cfg.one_launch and verify:
+        _verify_fused_kernel[(V // cfg.bv, N * HV)](
+            mixed_qkv, mixed_qkv.stride(0), z3, z3.stride(0), z3.stride(1), a, a.stride(0), b, b.stride(0),
+            conv_weight, A_log, dt_bias, norm_weight, conv_state, ssm_state, state_indices, cu_seqlens, o_tmp, out,
+            stash.x, stash.k, stash.g, stash.delta, _group_counters(mixed_qkv.device, N * HV), float(scale),
+            float(eps), HK, HV, D, ssm_state.shape[0], R=HV // HK, K=K, V=V, BV=cfg.bv, W=W,
+            TB=verify_chunk(T, N), SIGMOID=sigmoid_gate, PDL=cfg.pdl, PREFETCH=cfg.prefetch,
+            TRIGGER=has_pdl(mixed_qkv.device), num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}))
+        return out
     if cfg.one_launch:
         _decode_fused_kernel[(V // cfg.bv, N * HV)](
             mixed_qkv, mixed_qkv.stride(0), z3, z3.stride(0), z3.stride(1), a, a.stride(0), b, b.stride(0),
