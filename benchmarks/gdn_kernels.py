@@ -358,9 +358,9 @@ VERIFY_CONFIGS = [(f"bv{bv}/w{w}", tr.RecurrentConfig(bv=bv, num_warps=w))
 
 
 def verify_path_variants(B: int) -> list[tuple[str, "tr.RecurrentConfig"]]:
-    """Labelled gdn_verify paths timed beside the default where the default is the one launch (small B):
-    the three-launch path it replaced and one-launch launch shapes other than the default's."""
-    if not tr.default_verify_config(B, 4 * B, HK, HV, DV).one_launch:
+    """Labelled gdn_verify paths timed beside the default at small B (the one-launch regime, B * HV <= 64):
+    the three-launch path and one-launch launch shapes other than the default's."""
+    if B * HV > 64:
         return []
     default = tr.default_verify_config(B, 4 * B, HK, HV, DV, pdl=True)
     one = [(f"1-launch bv{bv}/w{w} pdl", tr.RecurrentConfig(bv=bv, num_warps=w, one_launch=True, pdl=True))

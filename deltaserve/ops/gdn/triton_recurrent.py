@@ -28,9 +28,17 @@ With conv_applied=True the input projection has done the conv and the window shi
 depthwise conv of that channel needs), and mixed_qkv holds the conv's output: no program reads or writes a
 window, and without a norm of split rows nothing is left for the counter (the bare recurrence: gates, q/k
 L2 norm, delta rule).
-Verify is three: a token-parallel pre-pass (conv + SiLU, q/k L2 norms, gates of every token, once per
-head instead of once per V-slice), the recurrence over the T_n tokens (state math only), and (2) with
-the copy of the inputs into the stash instead of the window update.
+Verify has two forms, picked on the host from the shapes (default_verify_config):
+- small batches (at most VERIFY_ONE_LAUNCH_MAX_ROWS (sequence, value head) rows), one launch
+  (_verify_fused_kernel, programmatic on 9.0+): per (sequence, value head, V-slice) the conv, norms and
+  gates of the sequence's tokens, the T_n delta steps and the stash, the gated norm of split rows by the
+  group's last program on a per-(sequence, value head) counter. The pools are only read, so nothing else
+  needs coordinating.
+- otherwise three: a token-parallel pre-pass (conv + SiLU, q/k L2 norms, gates of every token, once per
+  head instead of once per V-slice), the recurrence over the T_n tokens (state math only), and (2) with
+  the copy of the inputs into the stash instead of the window update.
+Both write the same outputs and stash (bit for bit under the interpreter; fp32 rounding of other
+reduction orders on the GPU).
 """
 
 from __future__ import annotations
@@ -105,7 +113,9 @@ def default_verify_config(n: int, t: int, hk: int, hv: int, v: int, pdl: bool = 
     """gdn_verify of t tokens over n sequences (host-side rule from shapes and PDL support only, so graph
     capture sees one path): one launch (_verify_fused_kernel) up to VERIFY_ONE_LAUNCH_MAX_ROWS (sequence,
     value head) rows at up to VERIFY_MAX_CHUNK tokens per sequence on average, where the three dependent
-    launches of the token-parallel path are the time; programmatic where the device has it."""
+    launches of the token-parallel path are the time; programmatic where the device has it. Measured on
+    the H200 (docs/PERFORMANCE.md, session 7): B = 1, T = 2 7.26 us vs 8.94 for the three launches, T = 4
+    10.39 vs 11.03; the launch shapes tried (8..32 columns, 1..4 warps) within 7 % of each other."""
     if n * hv <= VERIFY_ONE_LAUNCH_MAX_ROWS and t <= VERIFY_MAX_CHUNK * n:
         return RecurrentConfig(bv=min(16, v), num_warps=2, one_launch=True, pdl=pdl)
     return default_tokens_config(n * hv * max(v // 32, 1), v)
@@ -684,11 +694,24 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                 q_w = q_w + (tl.load(wr + cq, mask=(ok >= 0) & in_w, other=0.0).to(tl.float32),)
                 k_w = k_w + (tl.load(wr + ck, mask=(ok >= 0) & in_w, other=0.0).to(tl.float32),)
                 v_w = v_w + (tl.load(wr + cv, mask=(ov >= 0) & in_w, other=0.0).to(tl.float32),)
+        # every per-token input of the chunk is loaded before the first store: a load after a store it
+        # may alias stays behind it, which put a DRAM round trip on every token's chain (session 7)
+        a_c = ()
+        b_c = ()
+        z_c = ()
         for r in tl.static_range(TB):
             t = bos64 + c + r
             valid = c + r < Tn
-            av = tl.load(a + t * s_a_t + hv, mask=valid, other=0.0).to(tl.float32)
-            bv = tl.load(b + t * s_b_t + hv, mask=valid, other=0.0).to(tl.float32)
+            a_c = a_c + (tl.load(a + t * s_a_t + hv, mask=valid, other=0.0).to(tl.float32),)
+            b_c = b_c + (tl.load(b + t * s_b_t + hv, mask=valid, other=0.0).to(tl.float32),)
+            if BV == V:
+                z_c = z_c + (tl.load(z + t * s_z_t + hv * s_z_h + of, mask=(of >= 0) & valid, other=0.0)
+                             .to(tl.float32),)
+        for r in tl.static_range(TB):
+            t = bos64 + c + r
+            valid = c + r < Tn
+            av = a_c[r]
+            bv = b_c[r]
             acc_q = tl.zeros([K], dtype=tl.float32)
             acc_k = tl.zeros([K], dtype=tl.float32)
             acc_v = tl.zeros([BV], dtype=tl.float32)
@@ -711,8 +734,7 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                 row = t * HV + hv
                 o = tl.where(live, o, 0.0).to(out.dtype.element_ty)  # rounded to the activation dtype, as o_tmp
                 if BV == V:
-                    zt = tl.load(z + t * s_z_t + hv * s_z_h + of).to(tl.float32)
-                    y = _gated_rms(o.to(tl.float32)[None, :], zt[None, :], w, eps, V, SIGMOID)
+                    y = _gated_rms(o.to(tl.float32)[None, :], z_c[r][None, :], w, eps, V, SIGMOID)
                     tl.store(out + row * V + ov[None, :], y.to(out.dtype.element_ty))
                 else:
                     tl.store(o_tmp + row * V + ov, o)
