@@ -34,6 +34,9 @@ def runner(impl: str, d: dict, N: int):
         cfg = None
     elif impl == "split":
         cfg = tc.CANDIDATES[tc.SPLIT_OUTPUT["one" if gk.one_sequence_class(N) else "many"][0]]
+    elif impl.startswith("prep7-"):  # a PREP7 prep on the shape's default configuration
+        cfg = tc.prep7_config(impl.removeprefix("prep7-"), tc.default_chunk_config(N, gk.HV, gk.DV, torch.bfloat16,
+                                                                                   k=gk.DK))
     else:
         cfg = tc.CANDIDATES[impl]
     return lambda: tc.chunk_gated_delta_rule(
@@ -44,7 +47,8 @@ def runner(impl: str, d: dict, N: int):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="1x32768", choices=sorted(gk.PREFILL))
-    ap.add_argument("--impls", default="default,split,fla")
+    ap.add_argument("--impls", default="default,split,fla",
+                    help="comma list: default, split, fla, a CANDIDATES name, or prep7-<PREP7 name>")
     args = ap.parse_args()
     lengths = gk.PREFILL[args.shape]
     d = gk.prefill_inputs(lengths)
