@@ -37,6 +37,9 @@ def runner(impl: str, d: dict, N: int):
     elif impl.startswith("prep7-"):  # a PREP7 prep on the shape's default configuration
         cfg = tc.prep7_config(impl.removeprefix("prep7-"), tc.default_chunk_config(N, gk.HV, gk.DV, torch.bfloat16,
                                                                                    k=gk.DK))
+    elif impl.startswith("prep8-"):  # a PREP8 prep on the shape's default configuration
+        cfg = tc.prep8_config(impl.removeprefix("prep8-"), tc.default_chunk_config(N, gk.HV, gk.DV, torch.bfloat16,
+                                                                                   k=gk.DK))
     else:
         cfg = tc.CANDIDATES[impl]
     return lambda: tc.chunk_gated_delta_rule(
@@ -48,7 +51,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="1x32768", choices=sorted(gk.PREFILL))
     ap.add_argument("--impls", default="default,split,fla",
-                    help="comma list: default, split, fla, a CANDIDATES name, or prep7-<PREP7 name>")
+                    help="comma list: default, split, fla, a CANDIDATES name, prep7-<PREP7 name> or prep8-<PREP8 name>")
     args = ap.parse_args()
     lengths = gk.PREFILL[args.shape]
     d = gk.prefill_inputs(lengths)

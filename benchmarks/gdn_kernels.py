@@ -215,6 +215,8 @@ def prefill_cases(sweep: bool) -> list[Case]:
     first, parts, cands_many, cands_one, later, gates = [], [], [], [], [], []
     # session 7 (prep7): triton_chunk.PREP7, each prep alone and whole on the shape's default config, by variant
     prep7 = {n: [] for n in tc.PREP7}
+    # session 8 (prep8): triton_chunk.PREP8 likewise, timed before the prep7 rows
+    prep8 = {n: [] for n in tc.PREP8}
     for name, lengths in PREFILL.items():
         T, N = sum(lengths), len(lengths)
         base = tc.default_chunk_config(N, HV, DV, torch.bfloat16)
@@ -286,8 +288,15 @@ def prefill_cases(sweep: bool) -> list[Case]:
                                      lambda c, f=part, cfg=cfg: f(c, which="prep", cfg=cfg), tokens=T))
             prep7[pname].append(Case("prefill", name, f"ours prep7 {pname}", 3,
                                      lambda c, cfg=cfg, f=ours: f(c, cfg=cfg), tokens=T))
+        for pname in tc.PREP8:
+            cfg = tc.prep8_config(pname, base)
+            prep8[pname].append(Case("prefill", name, f"prep8 {pname}: prep kernel", 3,
+                                     lambda c, f=part, cfg=cfg: f(c, which="prep", cfg=cfg), tokens=T))
+            prep8[pname].append(Case("prefill", name, f"ours prep8 {pname}", 3,
+                                     lambda c, cfg=cfg, f=ours: f(c, cfg=cfg), tokens=T))
         gates.append(Case("prefill", name, "ours gdn_prefill (gates fused)", 3, ours_gates, tokens=T))
-    return first + parts + [c for cs in prep7.values() for c in cs] + cands_one + cands_many + later + gates
+    return (first + parts + [c for cs in prep8.values() for c in cs] + [c for cs in prep7.values() for c in cs]
+            + cands_one + cands_many + later + gates)
 
 
 def _calls_for(B):

@@ -68,7 +68,7 @@ from ..triton_common import (
     check, check_head_dim, check_index, check_last_contiguous, check_pool, check_same_device, chunk_offsets,
     locate_chunk, next_pow2, sigmoid, softplus,
 )
-from .triton_ut import LOG2E, decay_tile, load_chunk_rows, rstd_from_gram, ut_inverse_wide
+from .triton_ut import LOG2E, decay_tile, load_chunk_rows, rstd_from_gram, ut_inverse_wide, ut_inverse_wide_pre
 
 CHUNK = 64
 PRECISIONS = ("bf16x2", "bf16", "tf32", "ieee")
@@ -126,6 +126,13 @@ class ChunkConfig:
     state kernel); "chunk" stores them per chunk, zero-padded to 64 rows ([chunks, HV, 64, ...], plus a
     zero-padded copy of K and the per-row decay factors), so that `_chunk_state_tma_kernel` reads whole
     tiles through TMA descriptors: no masks, no per-element address arithmetic in the chain.
+    hoist (lean tc prep with the wide inverse and full-width W / U, PREP8): every global load of a prep program
+    (k, q, the gates, v) issued before its first product, instead of each before its use.
+    heads_first (tc prep, PREP8): the prep's grid is (value heads, chunks) instead of (chunks, value heads), so
+    the programs of one chunk run together and re-read its q / k rows and gate lines from L2; for at most
+    65535 chunks (the grid's second dimension), else the usual order.
+    ut_prejoin (with hoist, PREP8): the wide inverse's join blocks of every level formed and staged in shared
+    memory before its first product (`triton_ut.ut_inverse_wide_pre`), so a level waits only on X's staging.
     """
 
     bv: int = 32
@@ -151,6 +158,9 @@ class ChunkConfig:
     bv_out: int = 64
     warps_out: int = 4
     layout: str = "token"
+    hoist: bool = False
+    heads_first: bool = False
+    ut_prejoin: bool = False
 
     def state_stages(self) -> int:
         """Pipeline depth of the state kernel; 0 means 3 with bf16 operand tiles and slices of <= 32
@@ -241,6 +251,35 @@ PREP7_FIELDS = ("ut", "ut_prec", "lean", "wu_cols", "maxnreg_tc")
 def prep7_config(name: str, base: ChunkConfig) -> ChunkConfig:
     """`base` (the shape's configuration) with the prep fields of PREP7[name]."""
     return dataclasses.replace(base, **{f: getattr(PREP7[name], f) for f in PREP7_FIELDS})
+
+
+# Session 8 (prep8): the bf16 default prep (PREP7 "wide-fp16-lean") with its latency cut, each on the default state
+# kernel of the shape ("prep8 <name>: prep kernel" alone and "ours prep8 <name>" whole in the benchmark; fields
+# PREP8_FIELDS). The default issues its global loads where they are used, so a program waits on four memory round
+# trips in a row (k; the gates after K K^T; q; v after the inverse), and its grid runs the chunks of one value head
+# before the next head, so the two value heads of a key head re-read q / k (and each gate line, which holds all 32
+# heads of a token) from DRAM ~513 programs apart at 1 x 32768. hoist: every load first (k, q, gates, v; v staged in
+# shared memory at once); heads_first: the grid (HV, chunks), the 32 heads of a chunk side by side; ut_prejoin: the
+# inverse's five join operands staged before its first product. The same products of the same operands in the same
+# order: results equal to the default prep's. sm_90 SASS per warp (benchmarks/gdn_compile_check.py, chunk layout,
+# 4 warps): default 3080 instructions / 243 registers / 32 KiB smem (2 programs per SM); hoist 3000 / 209 / 49 KiB;
+# hoist-prejoin 3080 / 205 / 80 KiB; hoist under 168 registers (3 per SM) 3248 with 22 spill stores.
+PREP8 = types.MappingProxyType({
+    "heads": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, heads_first=True),
+    "hoist": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True),
+    "hoist-heads": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True),
+    "hoist-heads-prejoin": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True,
+                                       ut_prejoin=True),
+    "hoist-heads-r168": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True,
+                                    maxnreg_tc=168),
+})
+# The ChunkConfig fields a PREP8 entry sets (the rest comes from the shape's default configuration).
+PREP8_FIELDS = PREP7_FIELDS + ("hoist", "heads_first", "ut_prejoin")
+
+
+def prep8_config(name: str, base: ChunkConfig) -> ChunkConfig:
+    """`base` (the shape's configuration) with the prep fields of PREP8[name]."""
+    return dataclasses.replace(base, **{f: getattr(PREP8[name], f) for f in PREP8_FIELDS})
 
 
 # The chunk-layout candidates, as (one-sequence, batch) CANDIDATES names.
@@ -681,6 +720,7 @@ def _chunk_prep_tc_kernel(
     L2NORM: tl.constexpr, GATES: tl.constexpr, QK_PREC: tl.constexpr, DIAG_PREC: tl.constexpr,
     MERGE_PREC: tl.constexpr, WU_PREC: tl.constexpr, WU_COLS_K: tl.constexpr, WU_COLS_V: tl.constexpr,
     CHUNKED: tl.constexpr, UT: tl.constexpr, UT_PREC: tl.constexpr, LEAN: tl.constexpr,
+    HOIST: tl.constexpr, HEADS_FIRST: tl.constexpr, PRE_JOIN: tl.constexpr,
 ):
     """The whole prep in one program per (chunk, value head), on whole-chunk tiles: norms, gates, G,
     P, A, the tensor-core UT inverse T (never stored), W = (T diag(beta e^G rk)) K, U = (T diag(beta)) V.
@@ -690,8 +730,15 @@ def _chunk_prep_tc_kernel(
     zeros), plus the zero-padded K rows (Kb, per key head), the decay factors d = e^(G_last - G) rk (zero past
     the sequence) and e^G rq (Cb, [chunks, HV, 2, 64]) and e^G_last (Lb, [chunks, HV]) in place of G and the
     norms."""
-    p = tl.program_id(0)
-    hv = tl.program_id(1)
+    # HEADS_FIRST (PREP8): the grid is (HV, chunks), so the value heads of a chunk run side by side and share
+    # their q / k rows and gate lines in L2
+    p = tl.program_id(1 if HEADS_FIRST else 0)
+    hv = tl.program_id(0 if HEADS_FIRST else 1)
+    if HOIST:  # PREP8: the lean prep with every load first (_prep8_program)
+        _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log, dt_bias,
+                       coff, cu, N, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv, R, K, V, BT,
+                       BLOCK_N, L2NORM, GATES, QK_PREC, WU_PREC, CHUNKED, UT_PREC, PRE_JOIN)
+        return
     hk = hv // R
     n, c, bos, eos = locate_chunk(coff, cu, N, p, BLOCK_N)
     t0 = bos + c * BT
@@ -771,6 +818,60 @@ def _chunk_prep_tc_kernel(
         else:
             vc = tl.load(v + tok[:, None] * s_v_t + hv * s_v_h + oc[None, :], mask=m[:, None], other=0.0)
         tl.store(Ub + srow[:, None] * V + oc[None, :], _dot_raw(Tu, vc, WU_PREC), mask=sm[:, None])
+
+
+@triton.jit
+def _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log, dt_bias,
+                   coff, cu, N, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv, R: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr, L2NORM: tl.constexpr,
+                   GATES: tl.constexpr, QK_PREC: tl.constexpr, WU_PREC: tl.constexpr, CHUNKED: tl.constexpr,
+                   UT_PREC: tl.constexpr, PRE_JOIN: tl.constexpr):
+    """PREP8 (ChunkConfig.hoist): the lean prep of `_chunk_prep_tc_kernel` (wide inverse, full-width W / U, the
+    same products in the same order) with every global load of the program (k, q, the gates, v) issued before
+    its first product: one memory round trip instead of four (k; the gates after K K^T; q; v after the
+    inverse). v goes to shared memory at once (no registers held across the inverse)."""
+    hk = hv // R
+    n, c, bos, eos = locate_chunk(coff, cu, N, p, BLOCK_N)
+    t0 = bos + c * BT
+    rows = tl.arange(0, BT)
+    m = rows < eos - t0
+    tok = (t0 + rows).to(tl.int64)
+    kraw = load_chunk_rows(k, t0, m, s_k_t, hk * s_k_h, 0, K, BT)
+    qraw = load_chunk_rows(q, t0, m, s_q_t, hk * s_q_h, 0, K, BT)
+    gv, bt = _gates(g, beta, s_g_t, s_b_t, A_log, dt_bias, tok, m, hv, GATES)
+    vraw = load_chunk_rows(v, t0, m, s_v_t, hv * s_v_h, 0, V, BT)
+    KK = _gram(kraw, kraw, QK_PREC)
+    rk = rstd_from_gram(KK, L2NORM, BT)
+    rq = rstd_from_gram(_gram(qraw, qraw, QK_PREC), L2NORM, BT) * scale
+    if CHUNKED:
+        srow = (p.to(tl.int64) * HV + hv) * BT + rows
+        sm = rows >= 0
+    else:
+        srow = tok * HV + hv
+        sm = m
+    G = tl.cumsum(gv, 0)
+    if not CHUNKED:
+        tl.store(Gb + tok * HV + hv, G, mask=m)
+    E = decay_tile(G, tl.log2(rk), BT)
+    if CHUNKED:
+        _store_chunk_factors(Kb, Cb, Lb, kraw, G, rk, rq, m, p, hv, hk, HK, HV, R, K, BT)
+    elif hv % R == 0:
+        tl.store(rq_b + tok * HK + hk, rq, mask=m)
+        tl.store(rk_b + tok * HK + hk, rk, mask=m)
+    Pm = _gram(qraw, kraw, QK_PREC) * rq[:, None] * E
+    tl.store(Pb + srow[:, None] * BT + rows[None, :], Pm.to(Pb.dtype.element_ty), mask=sm[:, None])
+    A = tl.where(rows[:, None] > rows[None, :], KK * (bt * rk)[:, None] * E, 0.0)
+    if PRE_JOIN:
+        T = ut_inverse_wide_pre(A, BT, UT_PREC)
+    else:
+        T = ut_inverse_wide(A, BT, UT_PREC)
+    Tw = T * (bt * tl.exp2(G * LOG2E) * rk)[None, :]
+    ok = tl.arange(0, K)
+    W = _dot_raw(Tw, kraw, WU_PREC)
+    tl.store(Wb + srow[:, None] * K + ok[None, :], W.to(Wb.dtype.element_ty), mask=sm[:, None])
+    Tu = T * bt[None, :]
+    ov = tl.arange(0, V)
+    tl.store(Ub + srow[:, None] * V + ov[None, :], _dot_raw(Tu, vraw, WU_PREC), mask=sm[:, None])
 
 
 @triton.jit
@@ -1063,6 +1164,12 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     check(q.device.type != "cuda" or q.dtype == torch.float32 or verified, op,
           f"head dims K={K}, V={V} with {q.dtype} activations are not verified on the GPU (only "
           f"{DEVICE_VERIFIED_DIMS}; at 16 / 32 the kernels gave non-finite outputs on the H200): use the reference op")
+    check(not cfg.hoist or (cfg.solve == "tc" and cfg.ut == "wide" and cfg.lean and cfg.wu_cols == 0), op,
+          f"config hoist needs the lean tc prep with the wide inverse and full-width W / U (solve='tc', ut='wide', "
+          f"lean=True, wu_cols=0), got solve={cfg.solve!r}, ut={cfg.ut!r}, lean={cfg.lean}, wu_cols={cfg.wu_cols}")
+    check(not cfg.ut_prejoin or cfg.hoist, op, "config ut_prejoin is a choice of the hoisted prep: set hoist=True")
+    check(not cfg.heads_first or cfg.solve == "tc", op,
+          f"config heads_first is a choice of the tc prep, not of solve={cfg.solve!r}")
     check(cfg.layout in LAYOUTS, op, f"config layout={cfg.layout!r} is not one of {LAYOUTS}")
     check(cfg.layout == "token" or q.device.type != "cuda" or (K, V) in CHUNK_LAYOUT_DIMS, op,
           f"config layout='chunk' is verified on the GPU only at head dims (K, V) in {CHUNK_LAYOUT_DIMS}, "
@@ -1122,7 +1229,8 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
     grid = (triton.cdiv(T, CHUNK) + N, HV)
     block_n = max(16, next_pow2(N))
     if cfg.solve == "tc":
-        _chunk_prep_tc_kernel[grid](
+        heads_first = cfg.heads_first and grid[0] <= 65535
+        _chunk_prep_tc_kernel[grid[::-1] if heads_first else grid](
             q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             g, beta, g.stride(0), beta.stride(0), A_log if gates_in_kernel else dummy,
             dt_bias if gates_in_kernel else dummy, coff, cu_seqlens, N,
@@ -1133,7 +1241,7 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
             WU_PREC=cfg.wu_prec if q.dtype == torch.bfloat16 else wu_prec,
             WU_COLS_K=cfg.wu_cols or K, WU_COLS_V=cfg.wu_cols or V, CHUNKED=cfg.layout == "chunk",
             UT=cfg.ut, UT_PREC="ieee" if exact else cfg.ut_prec if l2norm else "tf32", LEAN=cfg.lean,
-            num_warps=cfg.warps_tc,
+            HOIST=cfg.hoist, HEADS_FIRST=heads_first, PRE_JOIN=cfg.ut_prejoin, num_warps=cfg.warps_tc,
             **({"maxnreg": cfg.maxnreg_tc} if cfg.maxnreg_tc else {}))
         return bufs
     if cfg.split_prep:

@@ -78,6 +78,44 @@ def ut_inverse_wide(A, BT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _level_pre(X, C, PREC: tl.constexpr):
+    """One doubling level with its join blocks C already in the product's operand form."""
+    return X - _mm(_mm(X, C, PREC), X, PREC)
+
+
+@triton.jit
+def _join_operand(A, s: tl.constexpr, n: tl.constexpr, PREC: tl.constexpr):
+    """Level s's join blocks of A in the products' operand precision."""
+    C = tl.where(join_mask(n, s), A, 0.0)
+    if PREC == "fp16":
+        return C.to(tl.float16)
+    else:
+        return C
+
+
+@triton.jit
+def ut_inverse_wide_pre(A, BT: tl.constexpr, PREC: tl.constexpr):
+    """`ut_inverse_wide` with every level's join blocks C formed and staged as product operands before the first
+    product, so that each level's critical path holds only X's own staging (PREP8, ChunkConfig.ut_prejoin). The
+    same products of the same values."""
+    r = tl.arange(0, BT)
+    C2 = _join_operand(A, 2, BT, PREC)
+    C4 = _join_operand(A, 4, BT, PREC)
+    C8 = _join_operand(A, 8, BT, PREC)
+    C16 = _join_operand(A, 16, BT, PREC)
+    C32 = _join_operand(A, 32, BT, PREC)
+    X = tl.where(r[:, None] == r[None, :], 1.0, -tl.where(join_mask(BT, 1), A, 0.0))
+    X = _level_pre(X, C2, PREC)
+    X = _level_pre(X, C4, PREC)
+    X = _level_pre(X, C8, PREC)
+    if BT > 16:
+        X = _level_pre(X, C16, PREC)
+    if BT > 32:
+        X = _level_pre(X, C32, PREC)
+    return X
+
+
+@triton.jit
 def rstd_from_gram(KK, L2NORM: tl.constexpr, BT: tl.constexpr):
     """1 / sqrt(|k_i|^2 + eps) from the diagonal of the Gram product K K^T of the raw rows (exact bf16
     products, fp32 accumulation, as the row sums they replace), in the products' row layout, so the norms

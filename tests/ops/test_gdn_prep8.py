@@ -1,0 +1,177 @@
+"""Session 8 (prep8): the latency-cut forms of the bf16 default prep (triton_chunk.PREP8: every load first, the
+heads-first grid, the inverse's join operands staged first, a register cap) form the same products of the same
+operands in the same order as the default prep (PREP7 "wide-fp16-lean"), so their buffers must equal its buffers
+(exactly under the interpreter), and the whole op must match the reference. The `gpu` tests run them at the real
+Qwen3-Next shape (mixed batch, and one 8192-token sequence against FLA)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from deltaserve.ops.gdn import reference as ref
+from deltaserve.ops.gdn import triton_chunk as tc
+
+from .helpers import assert_close, cu_seqlens, gen, rel_err
+from .test_gdn_chunk import TOL, _batch, _run
+
+BUFFERS = {"chunk": ("Wb", "Ub", "Pb", "Kb", "Cb", "Lb"), "token": ("Wb", "Ub", "Pb", "Gb", "rq", "rk")}
+
+
+def _base(layout, dims):
+    """The default bf16 prep (PREP7 wide-fp16-lean) in `layout`, on the default configuration at `dims`."""
+    base = tc.default_chunk_config(3, 2, dims, torch.bfloat16, k=dims)
+    return tc.prep7_config("wide-fp16-lean", dataclasses.replace(base, layout=layout))
+
+
+def _prep_buffers(d, g, beta, lengths, cfg):
+    bufs = tc._launch_prep(d["q"], d["k"], d["v"], g, beta, False, None, None, d["scale"], d["cu"], len(lengths),
+                           True, cfg)
+    return bufs
+
+
+@pytest.mark.parametrize("layout", ["chunk", "token"])
+@pytest.mark.parametrize("name", list(tc.PREP8))
+def test_prep8_buffers_equal_default_prep(name, layout, device):
+    """Each PREP8 prep's buffers against the default prep's (same products, same order): exactly equal under the
+    interpreter; with gates fused too (the gates load with the other inputs)."""
+    if device.type == "cuda":
+        pytest.skip("the GPU refuses the lean prep at these head dims; test_prep8_real_shape_gpu covers it")
+    lengths = [65, 1, 70]
+    d = _batch(lengths, 2, torch.bfloat16, device, seed=31, dk=32, dv=32)
+    g, beta = ref.gdn_gating(d["A_log"], d["a"], d["dt_bias"], d["b"])
+    base = _base(layout, 32)
+    want = _prep_buffers(d, g, beta, lengths, base)
+    got = _prep_buffers(d, g, beta, lengths, tc.prep8_config(name, base))
+    for b in BUFFERS[layout]:
+        assert torch.equal(got[b], want[b]), f"{name} {layout} {b}: max diff {(got[b].float() - want[b].float()).abs().max()}"
+
+
+@pytest.mark.parametrize("name", ["hoist-heads", "hoist-heads-prejoin"])
+def test_prep8_matches_reference_with_fused_gates(name, device):
+    """The whole op with a PREP8 prep and the gates from their pre-activations (gdn_prefill), both layouts,
+    against the reference and the default prep."""
+    if device.type == "cuda":
+        pytest.skip("the GPU refuses the lean prep at these head dims; test_prep8_real_shape_gpu covers it")
+    d = _batch([65, 1, 70], 2, torch.bfloat16, device, seed=32, dk=32, dv=32)
+    kw = dict(A_log=d["A_log"], dt_bias=d["dt_bias"], scale=d["scale"], cu_seqlens=d["cu"], state_indices=d["idx"],
+              has_initial_state=d["has_init"])
+    p_ref = d["pool"].clone()
+    o_ref = ref.gdn_prefill(d["q"], d["k"], d["v"], d["a"], d["b"], ssm_state=p_ref, **kw)
+    for layout in ("chunk", "token"):
+        base = _base(layout, 32)
+        p_def, p_var = d["pool"].clone(), d["pool"].clone()
+        o_def = tc.gdn_prefill(d["q"], d["k"], d["v"], d["a"], d["b"], ssm_state=p_def, config=base, **kw)
+        o_var = tc.gdn_prefill(d["q"], d["k"], d["v"], d["a"], d["b"], ssm_state=p_var,
+                               config=tc.prep8_config(name, base), **kw)
+        assert_close(o_var, o_ref, TOL[torch.bfloat16], f"{layout} output")
+        assert_close(p_var, p_ref, TOL[torch.bfloat16], f"{layout} state pool")
+        assert torch.equal(o_var, o_def) and torch.equal(p_var, p_def), f"{layout}: differs from the default prep"
+
+
+def test_prep8_rejects_unsupported_combinations(device):
+    d = _batch([10], 1, torch.bfloat16, device, seed=1)
+    for cfg, what in ((tc.ChunkConfig(hoist=True), "hoist"),
+                      (tc.ChunkConfig(ut="wide", lean=True, hoist=True, wu_cols=16), "hoist"),
+                      (tc.ChunkConfig(ut="wide", lean=True, ut_prejoin=True), "ut_prejoin"),
+                      (tc.ChunkConfig(solve="subst", heads_first=True), "heads_first")):
+        with pytest.raises(ValueError, match=what):
+            _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=cfg)
+
+
+def test_prep8_configs_keep_the_default_fields():
+    """A PREP8 entry changes only prep fields of the shape's configuration; the new fields default off."""
+    assert not any((tc.ChunkConfig().hoist, tc.ChunkConfig().heads_first, tc.ChunkConfig().ut_prejoin))
+    base = tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128)
+    for name in tc.PREP8:
+        cfg = tc.prep8_config(name, base)
+        assert (cfg.layout, cfg.bv, cfg.prec) == (base.layout, base.bv, base.prec)
+        assert (cfg.ut, cfg.ut_prec, cfg.lean) == ("wide", "fp16", True)
+
+
+# ---- GPU: the real Qwen3-Next shape ---------------------------------------------------------------------------
+
+def _real_base(N):
+    return tc.default_chunk_config(N, 32, 128, torch.bfloat16, k=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(tc.PREP8))
+def test_prep8_real_shape_gpu(name):
+    """The real-shape mixed batch (lengths 1 / 63 / 64 / 65 / 1000, a padded row, slots out of order, half without
+    initial state): the whole op against the reference, and against the default prep (the same products:
+    equality reported, a tight tolerance asserted); the prep's chunk-layout buffers against the default prep's."""
+    from .test_gdn_chunk import _real_shape_mixed_batch
+    from .test_gpu import TOL_BF16, _report
+
+    q, k, v, g, beta, pool, kw = _real_shape_mixed_batch()
+    base = _real_base(5)
+    cand = tc.prep8_config(name, base)
+    p_ref, p_def, p_var = pool.clone(), pool.clone(), pool.clone()
+    o_ref = ref.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_ref, **kw)
+    o_def = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_def, config=base, **kw)
+    o_var = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_var, config=cand, **kw)
+    bd = tc._launch_prep(q, k, v, g, beta, False, None, None, kw["scale"], kw["cu_seqlens"], 5, True, base)
+    bv = tc._launch_prep(q, k, v, g, beta, False, None, None, kw["scale"], kw["cu_seqlens"], 5, True, cand)
+    buf_err = {b: rel_err(bv[b], bd[b]) for b in BUFFERS["chunk"]}
+    _report(test="prep8_real_shape", config=name, out_rel=rel_err(o_var, o_ref), state_rel=rel_err(p_var, p_ref),
+            identical_out=bool(torch.equal(o_var, o_def)), identical_state=bool(torch.equal(p_var, p_def)),
+            identical_buffers=all(torch.equal(bv[b], bd[b]) for b in BUFFERS["chunk"]), **buf_err)
+    assert_close(o_var, o_ref, TOL_BF16, "output")
+    assert_close(p_var, p_ref, TOL_BF16, "state")
+    assert (o_var[64:128] == 0).all(), "padded sequence gives zeros"
+    assert_close(o_var, o_def, 1e-2, "output vs the default prep")
+    assert_close(p_var, p_def, 1e-5, "state vs the default prep")
+    for b, err in buf_err.items():
+        assert err < 1e-5, f"{name} {b}: relative error {err:.3g} against the default prep"
+
+
+@pytest.mark.gpu
+def test_prep8_token_layout_buffers_gpu():
+    """The PREP8 preps in the token layout at the real shape (the layout of batches of many short sequences):
+    buffers equal to the default prep's within a tight tolerance."""
+    from .test_gpu import HK, HV, D, _inputs, _report
+
+    lengths = [1, 63, 64, 65, 300]
+    q, k, v, g, beta = _inputs(lengths, HK, HV, seed=12)
+    base = dataclasses.replace(_real_base(len(lengths)), layout="token")
+    args = (q, k, v, g, beta, False, None, None, D ** -0.5, cu_seqlens(lengths, "cuda"), len(lengths), True)
+    want = tc._launch_prep(*args, base)
+    for name in tc.PREP8:
+        got = tc._launch_prep(*args, tc.prep8_config(name, base))
+        errs = {b: rel_err(got[b], want[b]) for b in BUFFERS["token"]}
+        _report(test="prep8_token_buffers", config=name, **errs)
+        for b, err in errs.items():
+            assert err < 1e-5, f"{name} {b}: relative error {err:.3g} against the default prep"
+
+
+@pytest.mark.gpu
+def test_prep8_8k_not_less_accurate_than_fla_gpu():
+    """One 8192-token sequence with slow decay against the fp32 token recurrence: every PREP8 prep's output and
+    final-state errors must not exceed FLA's (reported beside the default's)."""
+    from .test_gpu import HK, HV, D, _inputs, _report
+
+    T = 8192
+    q, k, v, g, beta = _inputs([T], HK, HV, seed=8, mild_decay=True)
+    pool = torch.randn(1, HV, D, D, generator=gen(2)).mul(0.1).cuda()
+    kw = dict(scale=D ** -0.5, cu_seqlens=cu_seqlens([T], "cuda"),
+              state_indices=torch.zeros(1, dtype=torch.int32, device="cuda"),
+              has_initial_state=torch.ones(1, dtype=torch.bool, device="cuda"))
+    p_rec = pool.clone()
+    o_rec = ref.recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state=p_rec, **kw)
+    rows = {}
+    for name in ["default", *tc.PREP8]:
+        cfg = None if name == "default" else tc.prep8_config(name, _real_base(1))
+        p = pool.clone()
+        o = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p, config=cfg, **kw)
+        rows[name] = (rel_err(o, o_rec), rel_err(p, p_rec))
+        _report(test="prep8_8k", impl=name, out_rel=rows[name][0], state_rel=rows[name][1])
+    fla_chunk = pytest.importorskip("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+    o, st = fla_chunk(q[None], k[None], v[None], g[None], beta[None], scale=D ** -0.5, initial_state=pool.clone(),
+                      output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=kw["cu_seqlens"].long())
+    fla = (rel_err(o[0], o_rec), rel_err(st, p_rec))
+    _report(test="prep8_8k", impl="fla", out_rel=fla[0], state_rel=fla[1])
+    worse = {name: r for name, r in rows.items() if r[0] > fla[0] or r[1] > fla[1]}
+    assert not worse, f"less accurate than FLA {fla}: {worse}"
