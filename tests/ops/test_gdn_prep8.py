@@ -76,14 +76,17 @@ def test_prep8_rejects_unsupported_combinations(device):
     for cfg, what in ((tc.ChunkConfig(hoist=True), "hoist"),
                       (tc.ChunkConfig(ut="wide", lean=True, hoist=True, wu_cols=16), "hoist"),
                       (tc.ChunkConfig(ut="wide", lean=True, ut_prejoin=True), "ut_prejoin"),
-                      (tc.ChunkConfig(solve="subst", heads_first=True), "heads_first")):
+                      (tc.ChunkConfig(solve="subst", heads_first=True), "heads_first"),
+                      (tc.ChunkConfig(ut="wide", lean=True, persist=2), "persist"),
+                      (tc.ChunkConfig(ut="wide", lean=True, hoist=True, persist=-1), "persist")):
         with pytest.raises(ValueError, match=what):
             _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=cfg)
 
 
 def test_prep8_configs_keep_the_default_fields():
     """A PREP8 entry changes only prep fields of the shape's configuration; the new fields default off."""
-    assert not any((tc.ChunkConfig().hoist, tc.ChunkConfig().heads_first, tc.ChunkConfig().ut_prejoin))
+    assert not any((tc.ChunkConfig().hoist, tc.ChunkConfig().heads_first, tc.ChunkConfig().ut_prejoin,
+                    tc.ChunkConfig().persist))
     base = tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128)
     for name in tc.PREP8:
         cfg = tc.prep8_config(name, base)
