@@ -606,6 +606,9 @@ GPU_CONFIGS.update(tc.CANDIDATES)  # the whole-op candidates the benchmark times
 # session 7 (prep7): each PREP7 prep on the one-sequence default (chunk layout, bv32), as "prep7-<name>"
 GPU_CONFIGS.update({f"prep7-{n}": tc.prep7_config(n, tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128))
                     for n in tc.PREP7})
+# session 8: the Gluon chain behind the chunk layout (the default on the H200), one-sequence and batch slices
+GPU_CONFIGS.update({f"gluon-bv{bv}": dataclasses.replace(
+    tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128, gluon=True), bv=bv) for bv in tc.gluon_chain.BVS})
 
 
 @pytest.mark.gpu
@@ -723,6 +726,15 @@ def test_chunk_layout_vs_token_layout_gpu(name):
     tolerance; zeros for the padded sequence."""
     cand = tc.CANDIDATES[name]
     _same_products(name, "chunk_layout_vs_token", cand, dataclasses.replace(cand, layout="token"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bv", tc.gluon_chain.BVS)
+def test_gluon_chain_vs_triton_chain_gpu(bv):
+    """The Gluon chain against the Triton TMA chain behind the same prep, on the real-shape mixed batch: the
+    same products of the same operands (the state bit for bit on the H200, session 8)."""
+    cand = GPU_CONFIGS[f"gluon-bv{bv}"]
+    _same_products(f"gluon-bv{bv}", "gluon_vs_triton_chain", cand, dataclasses.replace(cand, chain="triton"))
 
 
 @pytest.mark.gpu

@@ -68,6 +68,7 @@ from ..triton_common import (
     check, check_head_dim, check_index, check_last_contiguous, check_pool, check_same_device, chunk_offsets,
     locate_chunk, next_pow2, sigmoid, softplus,
 )
+from . import gluon_chain
 from .triton_ut import (
     LOG2E, decay_tile, decay_tile_at, load_chunk_rows, rstd_from_gram, rstd_from_gram_at, ut_inverse_wide,
     ut_inverse_wide_at,
@@ -81,6 +82,9 @@ DIAG_PRECISIONS = ("ieee", "tf32")
 UT_FORMS = ("blocks", "wide")
 UT_PRECISIONS = ("fp16", "tf32")
 LAYOUTS = ("token", "chunk")
+# The chain (state kernel) behind the chunk layout: "triton" (`_chunk_state_tma_kernel`) or "gluon"
+# (`gluon_chain`, Hopper only: asynchronous wgmma, warp-specialised, bf16 at head dims 128, bv 32 or 64).
+CHAINS = ("triton", "gluon")
 # (K, V) head dims at which the chunk layout's TMA state kernel and the prep's whole-tile inverse / lean
 # factors are verified on the H200 (session 7: bitwise equal to the token layout at 128; at K = 16 / V = 32
 # the TMA kernel's compiled products were wrong there and a wide-inverse prep faulted, while both are exact
@@ -136,6 +140,9 @@ class ChunkConfig:
     65535 chunks (the grid's second dimension), else the usual order.
     ut_prejoin (with hoist, PREP8): the wide inverse's join blocks of every level formed and staged in shared
     memory before its first product (`triton_ut.ut_inverse_wide_at`), so a level waits only on X's staging.
+    chain (layout "chunk", CHAINS): the state kernel behind the chunk layout: "triton" or "gluon"
+    (`gluon_chain.launch_chain`: the same products, the state bit for bit; bv / 2 columns per consumer
+    warpgroup; session 8: 23.4-24.3 / 18.2-19.9 ns/token at 1 x 32768 / 4 x 8192 against 30.9 / 26.8).
     persist (with hoist, PREP8): 0, or a grid of persist programs per SM, each walking (chunk, value head) tiles in
     heads-first order with 2 pipeline stages: Triton's software pipeliner copies the next tile's k, q, v and gates
     into shared memory (cp.async) while the current tile computes.
@@ -168,6 +175,7 @@ class ChunkConfig:
     heads_first: bool = False
     ut_prejoin: bool = False
     persist: int = 0
+    chain: str = "triton"
 
     def state_stages(self) -> int:
         """Pipeline depth of the state kernel; 0 means 3 with bf16 operand tiles and slices of <= 32
@@ -314,7 +322,7 @@ PREP_ON_DEFAULT_STATE = types.MappingProxyType({
 
 
 def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.dtype, k: int | None = None,
-                         tokens: int | None = None) -> ChunkConfig:
+                         tokens: int | None = None, gluon: bool = False) -> ChunkConfig:
     """The fastest configuration measured on the H200 and verified there (docs/PERFORMANCE.md): the
     one-kernel tensor-core prep; 64-column state slices (2 stages) once there are >= 128 (sequence,
     value head) pairs to fill the SMs (5 % faster at 4 x 8192 and 32 x 1024), else 32 columns
@@ -326,13 +334,16 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     error 6.3e-5 against 1.2e-4). fp32 activations keep the exact block inverse (the wide one's fp32
     products spill). The chunk layout's buffers have (cdiv(T, 64) + N) x 64 rows against the token layout's
     T: with many short sequences (`tokens` given and that bound over 1.25 T) the token layout keeps the
-    prep's scratch near what the engine's memory profile (one long sequence) measured."""
+    prep's scratch near what the engine's memory profile (one long sequence) measured. gluon (the device
+    runs `gluon_chain`: `gluon_chain.supported`): the chunk layout's chain is the Gluon kernel (session 8:
+    the whole op 50.5 / 44.9 ns/token at 1 x 32768 / 4 x 8192 against 57.1 / 53.7 with the Triton chain)."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
     bv = 64 if num_seqs * num_v_heads >= 128 and v >= 64 else min(32, v)
     fast = dtype == torch.bfloat16 and (k or v, v) in CHUNK_LAYOUT_DIMS
     padded_rows = None if tokens is None else (triton.cdiv(tokens, CHUNK) + num_seqs) * CHUNK
     chunk = fast and (padded_rows is None or padded_rows <= tokens + tokens // 4 + CHUNK)
     return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2", layout="chunk" if chunk else "token",
+                       chain="gluon" if chunk and gluon else "triton",
                        **({"ut": "wide", "ut_prec": "fp16", "lean": True} if fast else {}))
 
 
@@ -1156,7 +1167,7 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     check_same_device(op, q, k, v, g, beta, cu_seqlens, ssm_state, state_indices, has_initial_state)
     if gates_in_kernel:
         check(A_log.shape == (HV,) and dt_bias.shape == (HV,), op, f"A_log and dt_bias must be [{HV}]")
-    cfg = config or default_chunk_config(N, HV, V, q.dtype, k=K, tokens=T)
+    cfg = config or default_chunk_config(N, HV, V, q.dtype, k=K, tokens=T, gluon=gluon_chain.supported(q.device))
     check(V % cfg.bv == 0, op, f"config bv={cfg.bv} must divide V={V}")
     check(cfg.prec in PRECISIONS, op, f"config prec={cfg.prec!r} is not one of {PRECISIONS}")
     check(cfg.merge_prec in MERGE_PRECISIONS, op,
@@ -1197,6 +1208,12 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
           f"config layout='chunk' needs the tc prep, the untransposed fused state kernel and bf16 operands, "
           f"got solve={cfg.solve!r}, state_t={cfg.state_t}, split_output={cfg.split_output}, prec={cfg.prec!r}, "
           f"dtype {q.dtype}")
+    check(cfg.chain in CHAINS, op, f"config chain={cfg.chain!r} is not one of {CHAINS}")
+    check(cfg.chain == "triton" or (cfg.layout == "chunk" and gluon_chain.supported(q.device)
+                                     and (K, V) == gluon_chain.DIMS and cfg.bv in gluon_chain.BVS), op,
+          f"config chain='gluon' needs layout='chunk', a CUDA device of compute capability 9.0, head dims "
+          f"{gluon_chain.DIMS} and bv in {gluon_chain.BVS}, got layout={cfg.layout!r}, device {q.device}, "
+          f"({K}, {V}), bv={cfg.bv}")
     check(not cfg.split_output or (not cfg.state_t and cfg.bv_out >= 16 and V % min(cfg.bv_out, V) == 0), op,
           f"config split_output needs the untransposed state kernel and bv_out={cfg.bv_out} >= 16 dividing V={V}")
     o = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)
@@ -1301,6 +1318,9 @@ def _launch_state(q, k, v, o, bufs, cu_seqlens, ssm_state, state_indices, has_in
         split = split_scratch(q, v, N, cfg)
         _launch_state_split(q, k, v, bufs, split, cu_seqlens, ssm_state, state_indices, has_init, cfg)
         _launch_out(q, v, o, bufs, split, cu_seqlens, state_indices, cfg)
+        return
+    if cfg.layout == "chunk" and cfg.chain == "gluon":
+        gluon_chain.launch_chain(q, o, bufs, cu_seqlens, ssm_state, state_indices, has_init, cfg.bv)
         return
     if cfg.layout == "chunk":
         _launch_state_tma(q, o, bufs, cu_seqlens, ssm_state, state_indices, has_init, cfg)

@@ -1,0 +1,289 @@
+"""The chunked prefill's state kernel (the chain over a sequence's chunks) in Gluon, for Hopper (sm_90).
+
+Same inputs, products and outputs as `triton_chunk._chunk_state_tma_kernel` (the chunk layout: W, U, P per
+chunk zero-padded to 64 rows, the padded K copy, the decay factors Cb / Lb, q read in place), so it runs
+behind the same prep (ChunkConfig.chain = "gluon"). Per chunk, with S [K, BV] fp32 in registers:
+    V_new = U - W S              (two bf16 limbs of S: W S_hi + W S_lo, fp32 accumulation)
+    O     = (Q S_hi) e^G rq + P bf16(V_new)
+    S    <- e^{G_last} S + K^T (V_new d)   (two limbs of V_new d), d = e^{G_last - G} rk
+the "bf16x2" precision of the Triton kernels (every operand that carries the state is split into two bf16
+limbs); the state comes out bit for bit the Triton kernel's on the H200.
+
+What Gluon buys over `tl.dot` (docs/PERFORMANCE.md, session 8):
+- every warpgroup MMA is asynchronous and waited only where its result is needed, so the output products
+  (Q S, P V_new) run in the shadow of the chain's own;
+- warp specialisation: the columns of a state are independent recurrences, so a program's BV columns are
+  split over two consumer warpgroups (BV / 2 each) fed by one TMA warp through a two-stage ring of
+  ready / empty barriers, which also carries the decay factors (no global load on a consumer's path);
+- W and K^T, each the A operand of two products (one per limb), are read from shared memory into registers
+  once: the products wait on shared-memory bandwidth more than on the tensor cores;
+- a chunk's outputs are stored while the next chunk's first products run (a store in flight holds up the
+  next shared-memory fence).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+CHUNK = 64
+# (K, V) head dims and bf16 activations only: the layouts below are written for 128-wide tiles
+DIMS = (128, 128)
+BVS = (32, 64)
+
+
+def supported(device: torch.device) -> bool:
+    """Whether the Gluon chain can run here: a CUDA device of compute capability 9.0 (wgmma, TMA,
+    setmaxnreg), not the Triton interpreter."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+@gluon.jit
+def _load_stage(descs, bufs, bar, s, c, c0, bos, hv, hk, col, HK, HV, K: gl.constexpr, BT: gl.constexpr,
+                NU: gl.constexpr, pred):
+    """TMA copies of chunk c's tiles into ring stage s, signalling `bar`: W, K, Q, P, the NU column blocks of
+    U from `col`, the chunk's d / e^G rq rows and the row of e^{G_last} of its chunk (nothing when not pred)."""
+    w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc = descs
+    w_s, k_s, q_s, p_s, u_s, c_s, l_s = bufs
+    BVC: gl.constexpr = u_desc.block_type.shape[1]
+    NL: gl.constexpr = l_desc.block_type.shape[1]
+    nbytes: gl.constexpr = (3 * BT * K + BT * BT) * 2 + (NU * BT * BVC + 2 * BT + NL) * 4
+    ch = c0 + c
+    hrow = ch * HV + hv
+    mbarrier.expect(bar, nbytes, pred=pred)
+    tma.async_copy_global_to_shared(w_desc, [hrow * BT, 0], bar, w_s.index(s), pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [(ch * HK + hk) * BT, 0], bar, k_s.index(s), pred=pred)
+    tma.async_copy_global_to_shared(q_desc, [bos + c * BT, hk * K], bar, q_s.index(s), pred=pred)
+    tma.async_copy_global_to_shared(p_desc, [hrow * BT, 0], bar, p_s.index(s), pred=pred)
+    for h in gl.static_range(NU):
+        tma.async_copy_global_to_shared(u_desc, [hrow * BT, col + h * BVC], bar, u_s.index(s * NU + h), pred=pred)
+    tma.async_copy_global_to_shared(c_desc, [hrow * 2, 0], bar, c_s.index(s), pred=pred)
+    tma.async_copy_global_to_shared(l_desc, [ch, hv - hv % NL], bar, l_s.index(s), pred=pred)
+
+
+@gluon.jit
+def _store_rows(x, o, t0, left, hv, HV, rows, ov, V: gl.constexpr):
+    """x ([BT, BV], output dtype) into rows t0 + i (i < left) of o ([T, HV, V]), head hv, columns ov."""
+    tok = (t0 + rows).to(gl.int64)
+    gl.store(o + tok[:, None] * (HV * V) + hv * V + ov[None, :], x, mask=(rows < left)[:, None] & (ov[None, :] >= 0))
+
+
+@gluon.jit
+def _chunk_step(S, w_t, k_t, q_t, p_t, u, d, eq, decay, sh_s, sl_s, vn_s, dh_s, dl_s, prev, o, t0, left, hv, HV,
+                rows, ov, V: gl.constexpr, BT: gl.constexpr, K: gl.constexpr, BV: gl.constexpr, acc_l: gl.constexpr,
+                A_REGS: gl.constexpr = False):
+    """One chunk of one warpgroup's chain on its [K, BV] state columns (module docstring): returns the new
+    state and the chunk's [BT, BV] outputs. Every product it issues is waited for before it returns.
+    The previous chunk's outputs (`prev`, already in the output dtype, rows t0 .. t0 + left of the sequence,
+    nothing when left <= 0) are stored once this chunk's first products are issued: a store still in flight at
+    a shared-memory fence holds the fence up, and here it has the W products' time to drain.
+    A_REGS: W and K^T (each the A operand of two products, one per limb) are read from shared memory into
+    registers once, instead of once per product (shared-memory bandwidth is what the products wait on)."""
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    if A_REGS:
+        w_t = w_t.load(a_l)
+    zero_v = gl.zeros([BT, BV], gl.float32, acc_l)
+    zero_s = gl.zeros([K, BV], gl.float32, acc_l)
+    hi = S.to(gl.bfloat16)
+    sh_s.store(hi)
+    sl_s.store((S - hi.to(gl.float32)).to(gl.bfloat16))
+    fence_async_shared()
+    a_v = warpgroup_mma(w_t, sh_s, zero_v, is_async=True)
+    a_v = warpgroup_mma(w_t, sl_s, a_v, is_async=True)
+    a_o = warpgroup_mma(q_t, sh_s, zero_v, is_async=True)
+    _store_rows(prev, o, t0, left, hv, HV, rows, ov, V)
+    a_v = warpgroup_mma_wait(num_outstanding=1, deps=(a_v, ))  # W S done; Q S may still run
+
+    vn = u - a_v
+    vd = vn * d[:, None]
+    dh = vd.to(gl.bfloat16)
+    vn_s.store(vn.to(gl.bfloat16))
+    dh_s.store(dh)
+    dl_s.store((vd - dh.to(gl.float32)).to(gl.bfloat16))
+    fence_async_shared()
+    kt = k_t.permute((1, 0))
+    if A_REGS:
+        kt = kt.load(a_l)
+    a_s = warpgroup_mma(kt, dh_s, zero_s, is_async=True)
+    a_s = warpgroup_mma(kt, dl_s, a_s, is_async=True)
+    a_p = warpgroup_mma(p_t, vn_s, zero_v, is_async=True)
+    a_o, a_s = warpgroup_mma_wait(num_outstanding=1, deps=(a_o, a_s))  # the chain's product; P V_new may run
+    S = S * decay + a_s
+    a_p = warpgroup_mma_wait(num_outstanding=0, deps=(a_p, ))
+    return S, a_o * eq[:, None] + a_p
+
+
+@gluon.jit
+def _chain_columns(HALF: gl.constexpr, NU: gl.constexpr, STAGES: gl.constexpr, bufs, scratch, ready, empty, o,
+                   ssm, cu, idx, has_init, HV, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr,
+                   A_REGS: gl.constexpr, descs=None, coff=None, HK=None, R: gl.constexpr = 1,
+                   LOADS: gl.constexpr = False):
+    """One warpgroup's chain over its sequence's chunks on state columns [col + HALF * BVC, + BVC) of the
+    program's (sequence, value head): waits for each ring stage, runs `_chunk_step`, releases the stage (on
+    `empty`, when a producer partition refills the ring) and stores the chunk's outputs, then the final state.
+    LOADS: this warpgroup also issues the ring's copies itself, STAGES - 1 chunks ahead (no producer)."""
+    w_s, k_s, q_s, p_s, u_s, c_s, l_s = bufs
+    sh_s, sl_s, vn_s, dh_s, dl_s = scratch
+    BVC: gl.constexpr = u_s.type.shape[2]
+    NL: gl.constexpr = l_s.type.shape[2]
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BVC, 16])
+    rows_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+    cols_l: gl.constexpr = gl.SliceLayout(0, acc_l)
+    one_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    flat_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    j = gl.program_id(0)
+    nh = gl.program_id(1)
+    n = nh // HV
+    hv = nh % HV
+    bos = gl.load(cu + n)
+    L = gl.load(cu + n + 1) - bos
+    slot = gl.load(idx + n).to(gl.int64)
+    live = slot >= 0
+    init = gl.load(has_init + n) != 0
+    nch = gl.cdiv(L, BT)
+    col = j * (NU * BVC)
+    ok = gl.arange(0, K, layout=rows_l)
+    ov = col + HALF * BVC + gl.arange(0, BVC, layout=cols_l)
+    rows = gl.arange(0, BT, layout=rows_l)
+    mine = gl.arange(0, NL, layout=one_l) == hv % NL
+    sp = ssm + slot * (HV * K * V) + hv * (K * V) + ok[:, None] * V + ov[None, :]
+    S = gl.load(sp, mask=(ok[:, None] >= 0) & (ov[None, :] >= 0) & (live & init), other=0.0)
+    prev = gl.zeros([BT, BVC], o.dtype.element_ty, acc_l)  # the outputs not stored yet (none before chunk 0)
+    if LOADS:
+        c0 = gl.load(coff + n)
+        for i in gl.static_range(STAGES - 1):
+            _load_stage(descs, bufs, ready.index(i), i, i, c0, bos, hv, hv // R, col, HK, HV, K, BT, NU, i < nch)
+    for c in range(nch):
+        s = c % STAGES
+        if LOADS:  # the stage refilled here was read by chunk c - 1, whose products were all waited for
+            cn = c + STAGES - 1
+            _load_stage(descs, bufs, ready.index(cn % STAGES), cn % STAGES, cn, c0, bos, hv, hv // R, col, HK, HV,
+                        K, BT, NU, cn < nch)
+        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+        u = u_s.index(s * NU + HALF).load(acc_l)
+        cf = c_s.index(s)._reinterpret(gl.float32, [2 * BT], flat_l)  # unswizzled: plain row-major rows
+        d = cf.slice(0, BT).load(rows_l)
+        eq = cf.slice(BT, BT).load(rows_l)
+        decay = gl.sum(gl.where(mine, l_s.index(s)._reinterpret(gl.float32, [NL], flat_l).load(one_l), 0.0), axis=0)
+        S, out = _chunk_step(S, w_s.index(s), k_s.index(s), q_s.index(s), p_s.index(s), u, d, eq, decay,
+                             sh_s.index(HALF), sl_s.index(HALF), vn_s.index(HALF), dh_s.index(HALF),
+                             dl_s.index(HALF), prev, o, bos + (c - 1) * BT, L - (c - 1) * BT + (c == 0) * (-L - BT),
+                             hv, HV, rows, ov, V, BT, K, BVC, acc_l, A_REGS)
+        if not LOADS:
+            # the stage's generic reads (U, factors) were ordered by the step's first fence and its products
+            # are complete: release it to the producer
+            mbarrier.arrive(empty.index(s), count=1)
+        prev = gl.where(live, out, 0.0).to(o.dtype.element_ty)
+    _store_rows(prev, o, bos + (nch - 1) * BT, (nch > 0) * (L - (nch - 1) * BT), hv, HV, rows, ov, V)
+    gl.store(sp, S, mask=(ok[:, None] >= 0) & (ov[None, :] >= 0) & (live & (L > 0)))
+
+
+@gluon.jit
+def _ws_load(descs, bufs, ready, empty, cu, coff, HK, HV, R: gl.constexpr, K: gl.constexpr, BT: gl.constexpr,
+             STAGES: gl.constexpr):
+    """The producer warp: chunk after chunk, once both halves released a stage, its copies."""
+    j = gl.program_id(0)
+    nh = gl.program_id(1)
+    n = nh // HV
+    hv = nh % HV
+    bos = gl.load(cu + n)
+    nch = gl.cdiv(gl.load(cu + n + 1) - bos, BT)
+    c0 = gl.load(coff + n)
+    BVC: gl.constexpr = descs[1].block_type.shape[1]
+    for c in range(nch):
+        s = c % STAGES
+        mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
+        _load_stage(descs, bufs, ready.index(s), s, c, c0, bos, hv, hv // R, j * (2 * BVC), HK, HV, K, BT, 2, True)
+
+
+@gluon.jit
+def _chain_kernel(w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, o, ssm, cu, coff, idx, has_init, HK, HV,
+                  R: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
+                  WS: gl.constexpr, A_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """WS False: one warpgroup per program, its BVC = u_desc's block columns, issuing its own copies.
+    WS True: the program's 2 * BVC columns split over two consumer warpgroups (`_chain_columns`, HALF 0 / 1)
+    fed by a producer warp (`_ws_load`) through ready / empty barriers."""
+    NU: gl.constexpr = 2 if WS else 1
+    BVC: gl.constexpr = u_desc.block_type.shape[1]
+    s_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, BVC], gl.bfloat16)
+    v_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BVC], gl.bfloat16)
+    bufs = (gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, K], w_desc.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, K], k_desc.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, K], q_desc.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], p_desc.layout),
+            gl.allocate_shared_memory(gl.float32, [STAGES * NU, BT, BVC], u_desc.layout),
+            gl.allocate_shared_memory(gl.float32, [STAGES, 2, BT], c_desc.layout),
+            gl.allocate_shared_memory(gl.float32, [STAGES] + l_desc.block_type.shape, l_desc.layout))
+    # per consumer: the S limbs (B operand of W S and Q S), bf16(V_new) and the limbs of V_new d
+    scratch = (gl.allocate_shared_memory(gl.bfloat16, [NU, K, BVC], s_lay),
+               gl.allocate_shared_memory(gl.bfloat16, [NU, K, BVC], s_lay),
+               gl.allocate_shared_memory(gl.bfloat16, [NU, BT, BVC], v_lay),
+               gl.allocate_shared_memory(gl.bfloat16, [NU, BT, BVC], v_lay),
+               gl.allocate_shared_memory(gl.bfloat16, [NU, BT, BVC], v_lay))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    descs = (w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc)
+    if WS:
+        gl.warp_specialize([
+            (_chain_columns, (0, 2, STAGES, bufs, scratch, ready, empty, o, ssm, cu, idx, has_init, HV, K, V,
+                              BT, A_REGS)),
+            (_chain_columns, (1, 2, STAGES, bufs, scratch, ready, empty, o, ssm, cu, idx, has_init, HV, K, V,
+                              BT, A_REGS)),
+            (_ws_load, (descs, bufs, ready, empty, cu, coff, HK, HV, R, K, BT, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 40])
+    else:
+        _chain_columns(0, 1, STAGES, bufs, scratch, ready, empty, o, ssm, cu, idx, has_init, HV, K, V, BT,
+                       A_REGS, descs, coff, HK, R, True)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+def _desc(t: torch.Tensor, block: list[int], dtype) -> TensorDescriptor:
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+
+def chain_descriptors(q: torch.Tensor, bufs: dict, bvc: int) -> tuple:
+    """Host TMA descriptors of the chain's inputs (addresses and shapes only: CUDA-graph safe)."""
+    T, HK, K = q.shape
+    HV = bufs["Lb"].shape[1]
+    q2 = q.reshape(T, HK * K)
+    return (_desc(bufs["Wb"], [CHUNK, K], gl.bfloat16),
+            _desc(bufs["Ub"], [CHUNK, bvc], gl.float32),
+            _desc(bufs["Kb"], [CHUNK, K], gl.bfloat16),
+            TensorDescriptor(q2, [T, HK * K], [q2.stride(0), 1], [CHUNK, K],
+                             gl.NVMMASharedLayout.get_default_for([CHUNK, K], gl.bfloat16)),
+            _desc(bufs["Pb"], [CHUNK, CHUNK], gl.bfloat16),
+            _desc(bufs["Cb"].reshape(-1, CHUNK), [2, CHUNK], gl.float32),
+            _desc(bufs["Lb"], [1, min(HV, 32)], gl.float32))
+
+
+def launch_chain(q: torch.Tensor, o: torch.Tensor, bufs: dict, cu_seqlens: torch.Tensor, ssm_state: torch.Tensor,
+                 state_indices: torch.Tensor, has_init: torch.Tensor, bv: int, stages: int = 2, ws: bool = False,
+                 a_regs: bool = True, consumer_regs: int = 232) -> None:
+    """The chain on the chunk layout's prep buffers (`triton_chunk._launch_prep` with layout "chunk"): bv
+    state columns per program; ws: split over two consumer warpgroups fed by a producer warp."""
+    T, HK, K = q.shape
+    HV, V = o.shape[1:]
+    N = state_indices.shape[0]
+    _chain_kernel[(V // bv, N * HV)](
+        *chain_descriptors(q, bufs, bv // 2 if ws else bv),
+        o, ssm_state, cu_seqlens, bufs["coff"], state_indices, has_init, HK, HV,
+        R=HV // HK, K=K, V=V, BT=CHUNK, STAGES=stages, WS=ws, A_REGS=a_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
+        **({"maxnreg": 168} if ws else {}))

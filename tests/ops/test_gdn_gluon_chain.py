@@ -1,0 +1,137 @@
+"""The Gluon chain (deltaserve/ops/gdn/gluon_chain.py), the chunked prefill's state kernel on Hopper.
+
+Gluon kernels do not run under the Triton interpreter, so on a CPU machine they are compiled for sm_90 (the
+H200's target) and their resources checked: no register spills, shared memory within the device's. The
+`gpu` tests run them against the Triton TMA chain on the same prep buffers (the same products: equal states,
+outputs within bf16 rounding) and the fp32 reference, eager and inside a CUDA graph."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+
+from deltaserve.ops.gdn import gluon_chain as gc
+from deltaserve.ops.gdn import reference as ref
+from deltaserve.ops.gdn import triton_chunk as tc
+
+from .helpers import assert_close, cu_seqlens, gen, rel_err
+
+H200_SMEM = 232448  # bytes of shared memory one block may use on sm_90
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(_BIN, "cuobjdump")), reason="Triton ships no CUDA binutils here")
+@pytest.mark.parametrize("bv,ws", [(32, True), (64, True), (32, False)])
+def test_chain_compiles_for_sm90_without_spills(bv, ws):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "_gluon_compile.py"), str(bv),
+                          str(int(ws))], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(run.stdout.strip().splitlines()[-1])
+    assert res["hgmma"] > 0 and res["tma"] > 0, "the products are wgmma and the tiles arrive by TMA"
+    assert res["spills"] == 0, f"register spills: {res['spills']} local stores"
+    assert res["smem"] <= H200_SMEM, f"{res['smem']} bytes of shared memory"
+    if ws:
+        assert res["warps"] == 12 and res["setmaxnreg"] > 0, "two consumer warpgroups + the loader warp"
+
+
+def test_supported_is_false_off_hopper():
+    assert not gc.supported(torch.device("cpu"))
+
+
+# ---- GPU --------------------------------------------------------------------------------------------------
+
+def _mixed():
+    """Real shape (16 key heads, 32 value heads, 128 x 128), lengths around the chunk size with an empty
+    sequence, slots out of order, a padded row (slot -1), some sequences without an initial state."""
+    from .test_gpu import HK, HV, D, _inputs
+
+    lengths = [1, 63, 64, 0, 65, 1000, 129]
+    q, k, v, g, beta = _inputs(lengths, HK, HV, seed=31)
+    pool = torch.randn(len(lengths) + 2, HV, D, D, generator=gen(4)).mul(0.1).cuda()
+    kw = dict(cu_seqlens=cu_seqlens(lengths, "cuda"),
+              state_indices=torch.tensor([4, 0, -1, 7, 6, 2, 1], dtype=torch.int32, device="cuda"),
+              has_initial_state=torch.tensor([1, 0, 1, 1, 1, 0, 1], dtype=torch.bool, device="cuda"))
+    return lengths, q, k, v, g, beta, pool, kw
+
+
+def _prep(q, k, v, g, beta, kw, N):
+    from .test_gpu import D
+
+    cfg = dataclasses.replace(tc.default_chunk_config(N, v.shape[1], D, torch.bfloat16, k=D), layout="chunk")
+    return cfg, tc._launch_prep(q, k, v, g, beta, False, None, None, D ** -0.5, kw["cu_seqlens"], N, True, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bv,ws", [(32, True), (64, True), (32, False), (64, False)])
+def test_gluon_chain_matches_triton_chain_gpu(bv, ws):
+    from .test_gpu import D, TOL_BF16, _report
+
+    lengths, q, k, v, g, beta, pool, kw = _mixed()
+    cfg, bufs = _prep(q, k, v, g, beta, kw, len(lengths))
+    has_init = kw["has_initial_state"].view(torch.uint8)
+    o_t = torch.full(v.shape, 7.0, dtype=v.dtype, device="cuda")
+    o_g = torch.full(v.shape, 7.0, dtype=v.dtype, device="cuda")
+    p_t, p_g, p_r = pool.clone(), pool.clone(), pool.clone()
+    tc._launch_state_tma(q, o_t, bufs, kw["cu_seqlens"], p_t, kw["state_indices"], has_init, cfg)
+    gc.launch_chain(q, o_g, bufs, kw["cu_seqlens"], p_g, kw["state_indices"], has_init, bv, ws=ws)
+    o_r = ref.chunk_gated_delta_rule(q, k, v, g, beta, scale=D ** -0.5, ssm_state=p_r, **kw)
+    torch.cuda.synchronize()
+    _report(test="gluon_chain_vs_triton", config=f"bv{bv}{'-ws' if ws else ''}", out_rel=rel_err(o_g, o_t),
+            state_rel=rel_err(p_g, p_t), identical_state=bool(torch.equal(p_g, p_t)), out_vs_ref=rel_err(o_g, o_r),
+            state_vs_ref=rel_err(p_g, p_r))
+    assert_close(p_g, p_t, 1e-6, "state vs the Triton chain (the same products)")
+    assert_close(o_g, o_t, 1e-2, "output vs the Triton chain")
+    assert_close(o_g, o_r, TOL_BF16, "output vs reference")
+    assert_close(p_g, p_r, TOL_BF16, "state vs reference")
+    cu = kw["cu_seqlens"].tolist()
+    assert (o_g[cu[2]:cu[3]] == 0).all(), "the padded sequence's outputs are zeros"
+    assert torch.equal(p_g[[5, 7, 8]], pool[[5, 7, 8]]), "the slots of the empty sequence and unused ones untouched"
+
+
+@pytest.mark.gpu
+def test_gluon_chain_graph_equals_eager_gpu():
+    lengths, q, k, v, g, beta, pool, kw = _mixed()
+    cfg, bufs = _prep(q, k, v, g, beta, kw, len(lengths))
+    has_init = kw["has_initial_state"].view(torch.uint8)
+    o_e, o_g = torch.zeros_like(v), torch.zeros_like(v)
+    p_e, p_g = pool.clone(), pool.clone()
+    gc.launch_chain(q, o_e, bufs, kw["cu_seqlens"], p_e, kw["state_indices"], has_init, 32, ws=True)
+    p_w = pool.clone()
+    gc.launch_chain(q, o_g, bufs, kw["cu_seqlens"], p_w, kw["state_indices"], has_init, 32, ws=True)  # warm
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gc.launch_chain(q, o_g, bufs, kw["cu_seqlens"], p_g, kw["state_indices"], has_init, 32, ws=True)
+    p_g.copy_(pool)
+    o_g.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o_g, o_e) and torch.equal(p_g, p_e)
+
+
+def test_default_config_picks_the_gluon_chain_only_where_it_runs():
+    on = tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128, tokens=32768, gluon=True)
+    assert (on.layout, on.chain, on.bv) == ("chunk", "gluon", 32)
+    assert tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, tokens=32768, gluon=True).bv == 64
+    assert tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128, tokens=32768).chain == "triton"
+    assert tc.default_chunk_config(1, 32, 128, torch.float32, k=128, gluon=True).chain == "triton"  # token layout
+    assert tc.default_chunk_config(1, 4, 32, torch.bfloat16, k=16, gluon=True).chain == "triton"
+
+
+@pytest.mark.parametrize("chain,match", [("gluon", "compute capability 9.0"), ("cuda", "not one of")])
+def test_unsupported_chain_is_refused(chain, match, device):
+    from .test_gdn_chunk import _batch, _run
+
+    d = _batch([5, 70], 2, torch.bfloat16, device, seed=3)
+    cfg = dataclasses.replace(tc.default_chunk_config(2, 2, 32, torch.bfloat16, k=16), chain=chain)
+    with pytest.raises(ValueError, match=match):
+        _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=cfg)
