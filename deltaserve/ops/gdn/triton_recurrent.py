@@ -694,11 +694,24 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                 q_w = q_w + (tl.load(wr + cq, mask=(ok >= 0) & in_w, other=0.0).to(tl.float32),)
                 k_w = k_w + (tl.load(wr + ck, mask=(ok >= 0) & in_w, other=0.0).to(tl.float32),)
                 v_w = v_w + (tl.load(wr + cv, mask=(ov >= 0) & in_w, other=0.0).to(tl.float32),)
+        # every per-token input of the chunk is loaded before the first store: a load after a store it
+        # may alias stays behind it, which put a DRAM round trip on every token's chain (session 7)
+        a_c = ()
+        b_c = ()
+        z_c = ()
         for r in tl.static_range(TB):
             t = bos64 + c + r
             valid = c + r < Tn
-            av = tl.load(a + t * s_a_t + hv, mask=valid, other=0.0).to(tl.float32)
-            bv = tl.load(b + t * s_b_t + hv, mask=valid, other=0.0).to(tl.float32)
+            a_c = a_c + (tl.load(a + t * s_a_t + hv, mask=valid, other=0.0).to(tl.float32),)
+            b_c = b_c + (tl.load(b + t * s_b_t + hv, mask=valid, other=0.0).to(tl.float32),)
+            if BV == V:
+                z_c = z_c + (tl.load(z + t * s_z_t + hv * s_z_h + of, mask=(of >= 0) & valid, other=0.0)
+                             .to(tl.float32),)
+        for r in tl.static_range(TB):
+            t = bos64 + c + r
+            valid = c + r < Tn
+            av = a_c[r]
+            bv = b_c[r]
             acc_q = tl.zeros([K], dtype=tl.float32)
             acc_k = tl.zeros([K], dtype=tl.float32)
             acc_v = tl.zeros([BV], dtype=tl.float32)
@@ -721,8 +734,7 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                 row = t * HV + hv
                 o = tl.where(live, o, 0.0).to(out.dtype.element_ty)  # rounded to the activation dtype, as o_tmp
                 if BV == V:
-                    zt = tl.load(z + t * s_z_t + hv * s_z_h + of).to(tl.float32)
-                    y = _gated_rms(o.to(tl.float32)[None, :], zt[None, :], w, eps, V, SIGMOID)
+                    y = _gated_rms(o.to(tl.float32)[None, :], z_c[r][None, :], w, eps, V, SIGMOID)
                     tl.store(out + row * V + ov[None, :], y.to(out.dtype.element_ty))
                 else:
                     tl.store(o_tmp + row * V + ov, o)
