@@ -126,6 +126,12 @@ def bench(shape, bvs, stages):
     us_tma = graph_us(lambda: state_tma(d, bufs, o, pool, cfg))
     print(f"{shape}: prep {us_prep * 1e3 / T:.1f} ns/token; TMA state (bv{cfg.bv}) {us_tma * 1e3 / T:.1f} ns/token "
           f"({us_tma:.0f} us)", flush=True)
+    for label, cfg_w in (("default", None), ("triton chain", dataclasses.replace(cfg, chain="triton"))):
+        pool = pool0.clone()
+        us_w = graph_us(lambda: tc.chunk_gated_delta_rule(
+            d["q"], d["k"], d["v"], d["g"], d["beta"], scale=gk.SCALE, cu_seqlens=d["cu"], ssm_state=pool,
+            state_indices=d["idx"], has_initial_state=d["has_init"], config=cfg_w))
+        print(f"{shape}: whole op, {label}: {us_w * 1e3 / T:.1f} ns/token ({us_w:.0f} us)", flush=True)
     for bv in bvs:
         p_g = pool0.clone()
         o.zero_()

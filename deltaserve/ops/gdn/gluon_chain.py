@@ -275,7 +275,7 @@ def chain_descriptors(q: torch.Tensor, bufs: dict, bvc: int) -> tuple:
 
 
 def launch_chain(q: torch.Tensor, o: torch.Tensor, bufs: dict, cu_seqlens: torch.Tensor, ssm_state: torch.Tensor,
-                 state_indices: torch.Tensor, has_init: torch.Tensor, bv: int, stages: int = 2, ws: bool = False,
+                 state_indices: torch.Tensor, has_init: torch.Tensor, bv: int, stages: int = 2, ws: bool = True,
                  a_regs: bool = True, consumer_regs: int = 232) -> None:
     """The chain on the chunk layout's prep buffers (`triton_chunk._launch_prep` with layout "chunk"): bv
     state columns per program; ws: split over two consumer warpgroups fed by a producer warp."""

@@ -1320,7 +1320,7 @@ def _launch_state(q, k, v, o, bufs, cu_seqlens, ssm_state, state_indices, has_in
         _launch_out(q, v, o, bufs, split, cu_seqlens, state_indices, cfg)
         return
     if cfg.layout == "chunk" and cfg.chain == "gluon":
-        gluon_chain.launch_chain(q, o, bufs, cu_seqlens, ssm_state, state_indices, has_init, cfg.bv)
+        gluon_chain.launch_chain(q, o, bufs, cu_seqlens, ssm_state, state_indices, has_init, cfg.bv, ws=True)
         return
     if cfg.layout == "chunk":
         _launch_state_tma(q, o, bufs, cu_seqlens, ssm_state, state_indices, has_init, cfg)
