@@ -1,5 +1,5 @@
 """Session 8 (prep8): the latency-cut forms of the bf16 default prep (triton_chunk.PREP8: every load first, the
-heads-first grid, the inverse's join operands staged first, a register cap) form the same products of the same
+heads-first grid, a register cap for 3 programs per SM) form the same products of the same
 operands in the same order as the default prep (PREP7 "wide-fp16-lean"), so their buffers must equal its buffers
 (exactly under the interpreter), and the whole op must match the reference. The `gpu` tests run them at the real
 Qwen3-Next shape (mixed batch, and one 8192-token sequence against FLA)."""
@@ -49,7 +49,7 @@ def test_prep8_buffers_equal_default_prep(name, layout, device):
         assert torch.equal(got[b], want[b]), f"{name} {layout} {b}: max diff {(got[b].float() - want[b].float()).abs().max()}"
 
 
-@pytest.mark.parametrize("name", ["hoist-heads", "hoist-heads-prejoin"])
+@pytest.mark.parametrize("name", ["hoist-heads", "hoist-heads-r168"])
 def test_prep8_matches_reference_with_fused_gates(name, device):
     """The whole op with a PREP8 prep and the gates from their pre-activations (gdn_prefill), both layouts,
     against the reference and the default prep."""
@@ -75,18 +75,14 @@ def test_prep8_rejects_unsupported_combinations(device):
     d = _batch([10], 1, torch.bfloat16, device, seed=1)
     for cfg, what in ((tc.ChunkConfig(hoist=True), "hoist"),
                       (tc.ChunkConfig(ut="wide", lean=True, hoist=True, wu_cols=16), "hoist"),
-                      (tc.ChunkConfig(ut="wide", lean=True, ut_prejoin=True), "ut_prejoin"),
-                      (tc.ChunkConfig(solve="subst", heads_first=True), "heads_first"),
-                      (tc.ChunkConfig(ut="wide", lean=True, persist=2), "persist"),
-                      (tc.ChunkConfig(ut="wide", lean=True, hoist=True, persist=-1), "persist")):
+                      (tc.ChunkConfig(solve="subst", heads_first=True), "heads_first")):
         with pytest.raises(ValueError, match=what):
             _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=cfg)
 
 
 def test_prep8_configs_keep_the_default_fields():
     """A PREP8 entry changes only prep fields of the shape's configuration; the new fields default off."""
-    assert not any((tc.ChunkConfig().hoist, tc.ChunkConfig().heads_first, tc.ChunkConfig().ut_prejoin,
-                    tc.ChunkConfig().persist))
+    assert not (tc.ChunkConfig().hoist or tc.ChunkConfig().heads_first)
     base = tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128)
     for name in tc.PREP8:
         cfg = tc.prep8_config(name, base)

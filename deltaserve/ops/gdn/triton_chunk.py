@@ -69,10 +69,7 @@ from ..triton_common import (
     locate_chunk, next_pow2, sigmoid, softplus,
 )
 from . import gluon_chain
-from .triton_ut import (
-    LOG2E, decay_tile, decay_tile_at, load_chunk_rows, rstd_from_gram, rstd_from_gram_at, ut_inverse_wide,
-    ut_inverse_wide_at,
-)
+from .triton_ut import LOG2E, decay_tile, load_chunk_rows, rstd_from_gram, ut_inverse_wide
 
 CHUNK = 64
 PRECISIONS = ("bf16x2", "bf16", "tf32", "ieee")
@@ -138,14 +135,9 @@ class ChunkConfig:
     heads_first (tc prep, PREP8): the prep's grid is (value heads, chunks) instead of (chunks, value heads), so
     the programs of one chunk run together and re-read its q / k rows and gate lines from L2; for at most
     65535 chunks (the grid's second dimension), else the usual order.
-    ut_prejoin (with hoist, PREP8): the wide inverse's join blocks of every level formed and staged in shared
-    memory before its first product (`triton_ut.ut_inverse_wide_at`), so a level waits only on X's staging.
     chain (layout "chunk", CHAINS): the state kernel behind the chunk layout: "triton" or "gluon"
     (`gluon_chain.launch_chain`: the same products, the state bit for bit; bv / 2 columns per consumer
     warpgroup; session 8: 23.4-24.3 / 18.2-19.9 ns/token at 1 x 32768 / 4 x 8192 against 30.9 / 26.8).
-    persist (with hoist, PREP8): 0, or a grid of persist programs per SM, each walking (chunk, value head) tiles in
-    heads-first order with 2 pipeline stages: Triton's software pipeliner copies the next tile's k, q, v and gates
-    into shared memory (cp.async) while the current tile computes.
     """
 
     bv: int = 32
@@ -173,8 +165,6 @@ class ChunkConfig:
     layout: str = "token"
     hoist: bool = False
     heads_first: bool = False
-    ut_prejoin: bool = False
-    persist: int = 0
     chain: str = "triton"
 
     def state_stages(self) -> int:
@@ -270,31 +260,32 @@ def prep7_config(name: str, base: ChunkConfig) -> ChunkConfig:
 
 # Session 8 (prep8): the bf16 default prep (PREP7 "wide-fp16-lean") with its latency cut, each on the default state
 # kernel of the shape ("prep8 <name>: prep kernel" alone and "ours prep8 <name>" whole in the benchmark; fields
-# PREP8_FIELDS). The default issues its global loads where they are used, so a program waits on four memory round
-# trips in a row (k; the gates after K K^T; q; v after the inverse), and its grid runs the chunks of one value head
-# before the next head, so the two value heads of a key head re-read q / k (and each gate line, which holds all 32
-# heads of a token) from DRAM ~513 programs apart at 1 x 32768. hoist: every load first (k, q, gates, v; v staged in
-# shared memory at once); heads_first: the grid (HV, chunks), the 32 heads of a chunk side by side; ut_prejoin: the
-# inverse's five join operands staged before its first product; persist: 2 programs per SM walking the tiles in
-# heads-first order, Triton's pipeliner copying the next tile's inputs (cp.async) during the current one. The same
-# products of the same operands in the same order: buffers equal to the default prep's. sm_90 SASS per warp
-# (benchmarks/gdn_compile_check.py, chunk layout, 4 warps): default 3080 instructions / 243 registers / 32 KiB smem
-# (2 programs per SM); hoist-heads 3000 / 209 / 49 KiB; hoist-heads-prejoin 3080 / 205 / 80 KiB; hoist-heads under
-# 168 registers (3 per SM) 3248 with 22 spill stores; persist2 (2 stages) 4224 static / 255 with 58 spill stores /
-# 113 KiB (2 per SM only just fit: the loop keeps its loop-invariant 64 x 64 masks live). Measured and dropped
-# before the device: one program per key head for its 2 value heads (the Gram products K K^T, Q K^T held across
-# both: 255 registers, 107 spill stores; formed again per head they are merged back by CSE).
+# PREP8_FIELDS). ncu (session 8, 1 x 32768): the default prep runs 2 programs (8 warps) per SM (243 registers), issues
+# on 25 % of the cycles, and 37 % of its stall samples are long-scoreboard waits, mostly its shared-memory stores of
+# just-loaded rows: it issues each global load where it is used, so a program waits on four memory round trips in a
+# row (k; the gates after K K^T; q; v after the inverse), and its grid runs all chunks of one value head before the
+# next, so the two value heads of a key head read q / k (and the gate lines, which hold all 32 heads of a token)
+# from DRAM ~513 programs apart (L2 hit rate 55 %). hoist: every load first (k, q, the gates, v; v staged in shared
+# memory at once); heads_first: the grid (HV, chunks), the 32 heads of a chunk side by side (L2 hit rate 69 %);
+# maxnreg_tc=168: 3 programs per SM. The same products of the same operands in the same order: buffers bitwise equal
+# to the default prep's (H200 and interpreter). sm_90 SASS per warp (benchmarks/gdn_compile_check.py, chunk layout,
+# 4 warps): default 3080 instructions / 243 registers / 32 KiB smem; heads the same; hoist-heads 3000 / 209 / 49 KiB;
+# hoist-heads-r168 3248 / 168 with 22 spill stores (scalars held across the inverse). H200 (run prep8-1,
+# docs/PERFORMANCE.md), prep alone at 1 x 32768 / 4 x 8192 ns/token: default 26.3 / 26.4, heads 25.5 / 25.6,
+# hoist-heads 24.8 / 24.9, hoist-heads-r168 22.1 / 22.2 (whole op 52.3 / 48.9 against 56.6 / 53.1). Measured and
+# dropped (docs/PERFORMANCE.md): the inverse's five join operands staged before its first product (25.7: 80 KiB of
+# shared memory, no gain), a persistent grid of 2 programs per SM with Triton's pipeliner prefetching the next
+# tile (28.3: 255 registers and 58 spill stores, the loop holding its invariant masks live); compiled and dropped
+# before the device: one program per key head for its 2 value heads (K K^T and Q K^T held across both: 255
+# registers, 107 spill stores), and the caps below 168 (r160 44 spill stores, r128 254).
 PREP8 = types.MappingProxyType({
     "heads": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, heads_first=True),
     "hoist-heads": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True),
-    "hoist-heads-prejoin": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True,
-                                       ut_prejoin=True),
     "hoist-heads-r168": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True,
                                     maxnreg_tc=168),
-    "persist2": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, persist=2),
 })
 # The ChunkConfig fields a PREP8 entry sets (the rest comes from the shape's default configuration).
-PREP8_FIELDS = PREP7_FIELDS + ("hoist", "heads_first", "ut_prejoin", "persist")
+PREP8_FIELDS = PREP7_FIELDS + ("hoist", "heads_first")
 
 
 def prep8_config(name: str, base: ChunkConfig) -> ChunkConfig:
@@ -734,7 +725,7 @@ def _dot_raw(a, b, PREC: tl.constexpr):
         return tl.dot(a, b.to(tl.float32), input_precision=PREC)
 
 
-@triton.jit(do_not_specialize=["N", "NT"])
+@triton.jit(do_not_specialize=["N"])
 def _chunk_prep_tc_kernel(
     q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h,
     g, beta, s_g_t, s_b_t, A_log, dt_bias,
@@ -743,7 +734,7 @@ def _chunk_prep_tc_kernel(
     L2NORM: tl.constexpr, GATES: tl.constexpr, QK_PREC: tl.constexpr, DIAG_PREC: tl.constexpr,
     MERGE_PREC: tl.constexpr, WU_PREC: tl.constexpr, WU_COLS_K: tl.constexpr, WU_COLS_V: tl.constexpr,
     CHUNKED: tl.constexpr, UT: tl.constexpr, UT_PREC: tl.constexpr, LEAN: tl.constexpr,
-    HOIST: tl.constexpr, HEADS_FIRST: tl.constexpr, PRE_JOIN: tl.constexpr, PERSIST: tl.constexpr, NT,
+    HOIST: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
     """The whole prep in one program per (chunk, value head), on whole-chunk tiles: norms, gates, G,
     P, A, the tensor-core UT inverse T (never stored), W = (T diag(beta e^G rk)) K, U = (T diag(beta)) V.
@@ -755,19 +746,12 @@ def _chunk_prep_tc_kernel(
     norms."""
     # HEADS_FIRST (PREP8): the grid is (HV, chunks), so the value heads of a chunk run side by side and share
     # their q / k rows and gate lines in L2
-    if PERSIST:  # PREP8: a fixed grid of programs, each walking tiles (chunk, value head) in heads-first order
-        for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
-            _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log,
-                           dt_bias, coff, cu, N, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, tile // HV,
-                           tile % HV, R, K, V, BT, BLOCK_N, L2NORM, GATES, QK_PREC, WU_PREC, CHUNKED,
-                           UT_PREC, PRE_JOIN)
-        return
     p = tl.program_id(1 if HEADS_FIRST else 0)
     hv = tl.program_id(0 if HEADS_FIRST else 1)
     if HOIST:  # PREP8: the lean prep with every load first (_prep8_program)
         _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log, dt_bias,
                        coff, cu, N, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv, R, K, V, BT,
-                       BLOCK_N, L2NORM, GATES, QK_PREC, WU_PREC, CHUNKED, UT_PREC, PRE_JOIN)
+                       BLOCK_N, L2NORM, GATES, QK_PREC, WU_PREC, CHUNKED, UT_PREC)
         return
     hk = hv // R
     n, c, bos, eos = locate_chunk(coff, cu, N, p, BLOCK_N)
@@ -855,7 +839,7 @@ def _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s
                    coff, cu, N, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv, R: tl.constexpr,
                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr, L2NORM: tl.constexpr,
                    GATES: tl.constexpr, QK_PREC: tl.constexpr, WU_PREC: tl.constexpr, CHUNKED: tl.constexpr,
-                   UT_PREC: tl.constexpr, PRE_JOIN: tl.constexpr):
+                   UT_PREC: tl.constexpr):
     """PREP8 (ChunkConfig.hoist): the lean prep of `_chunk_prep_tc_kernel` (wide inverse, full-width W / U, the
     same products in the same order) with every global load of the program (k, q, the gates, v) issued before
     its first product: one memory round trip instead of four (k; the gates after K K^T; q; v after the
@@ -871,8 +855,8 @@ def _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s
     gv, bt = _gates(g, beta, s_g_t, s_b_t, A_log, dt_bias, tok, m, hv, GATES)
     vraw = load_chunk_rows(v, t0, m, s_v_t, hv * s_v_h, 0, V, BT)
     KK = _gram(kraw, kraw, QK_PREC)
-    rk = rstd_from_gram_at(KK, rows, L2NORM, BT)
-    rq = rstd_from_gram_at(_gram(qraw, qraw, QK_PREC), rows, L2NORM, BT) * scale
+    rk = rstd_from_gram(KK, L2NORM, BT)
+    rq = rstd_from_gram(_gram(qraw, qraw, QK_PREC), L2NORM, BT) * scale
     if CHUNKED:
         srow = (p.to(tl.int64) * HV + hv) * BT + rows
         sm = rows >= 0
@@ -882,7 +866,7 @@ def _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s
     G = tl.cumsum(gv, 0)
     if not CHUNKED:
         tl.store(Gb + tok * HV + hv, G, mask=m)
-    E = decay_tile_at(G, tl.log2(rk), rows)
+    E = decay_tile(G, tl.log2(rk), BT)
     if CHUNKED:
         _store_chunk_factors(Kb, Cb, Lb, kraw, G, rk, rq, m, p, hv, hk, HK, HV, R, K, BT)
     elif hv % R == 0:
@@ -891,7 +875,7 @@ def _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s
     Pm = _gram(qraw, kraw, QK_PREC) * rq[:, None] * E
     tl.store(Pb + srow[:, None] * BT + rows[None, :], Pm.to(Pb.dtype.element_ty), mask=sm[:, None])
     A = tl.where(rows[:, None] > rows[None, :], KK * (bt * rk)[:, None] * E, 0.0)
-    T = ut_inverse_wide_at(A, rows, BT, UT_PREC, PRE_JOIN)
+    T = ut_inverse_wide(A, BT, UT_PREC)
     Tw = T * (bt * tl.exp2(G * LOG2E) * rk)[None, :]
     ok = tl.arange(0, K)
     W = _dot_raw(Tw, kraw, WU_PREC)
@@ -1194,9 +1178,6 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     check(not cfg.hoist or (cfg.solve == "tc" and cfg.ut == "wide" and cfg.lean and cfg.wu_cols == 0), op,
           f"config hoist needs the lean tc prep with the wide inverse and full-width W / U (solve='tc', ut='wide', "
           f"lean=True, wu_cols=0), got solve={cfg.solve!r}, ut={cfg.ut!r}, lean={cfg.lean}, wu_cols={cfg.wu_cols}")
-    check(not cfg.ut_prejoin or cfg.hoist, op, "config ut_prejoin is a choice of the hoisted prep: set hoist=True")
-    check(cfg.persist >= 0 and (cfg.persist == 0 or cfg.hoist), op,
-          f"config persist={cfg.persist} must be 0 or a count of programs per SM with hoist=True")
     check(not cfg.heads_first or cfg.solve == "tc", op,
           f"config heads_first is a choice of the tc prep, not of solve={cfg.solve!r}")
     check(cfg.layout in LAYOUTS, op, f"config layout={cfg.layout!r} is not one of {LAYOUTS}")
@@ -1265,13 +1246,7 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
     block_n = max(16, next_pow2(N))
     if cfg.solve == "tc":
         heads_first = cfg.heads_first and grid[0] <= 65535
-        tiles = grid[0] * HV
-        if cfg.persist:  # a fixed grid of programs walking the tiles
-            sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 2
-            launch = (min(tiles, cfg.persist * sms),)
-        else:
-            launch = grid[::-1] if heads_first else grid
-        _chunk_prep_tc_kernel[launch](
+        _chunk_prep_tc_kernel[grid[::-1] if heads_first else grid](
             q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             g, beta, g.stride(0), beta.stride(0), A_log if gates_in_kernel else dummy,
             dt_bias if gates_in_kernel else dummy, coff, cu_seqlens, N,
@@ -1282,8 +1257,7 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
             WU_PREC=cfg.wu_prec if q.dtype == torch.bfloat16 else wu_prec,
             WU_COLS_K=cfg.wu_cols or K, WU_COLS_V=cfg.wu_cols or V, CHUNKED=cfg.layout == "chunk",
             UT=cfg.ut, UT_PREC="ieee" if exact else cfg.ut_prec if l2norm else "tf32", LEAN=cfg.lean,
-            HOIST=cfg.hoist, HEADS_FIRST=heads_first, PRE_JOIN=cfg.ut_prejoin, PERSIST=cfg.persist > 0,
-            NT=tiles if cfg.persist else 0, num_warps=cfg.warps_tc, **({"num_stages": 2} if cfg.persist else {}),
+            HOIST=cfg.hoist, HEADS_FIRST=heads_first, num_warps=cfg.warps_tc,
             **({"maxnreg": cfg.maxnreg_tc} if cfg.maxnreg_tc else {}))
         return bufs
     if cfg.split_prep:

@@ -39,13 +39,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 def join_mask(n: tl.constexpr, s: tl.constexpr):
     """[n, n] mask of the blocks that join inverse blocks of size s into blocks of size 2s: rows in the
     lower s-half, columns in the upper s-half of each diagonal 2s-block."""
-    return join_mask_at(tl.arange(0, n), s)
-
-
-@triton.jit
-def join_mask_at(r, s: tl.constexpr):
-    """`join_mask` over the index vector r (tl.arange(0, n), or the same values the compiler cannot see as loop
-    invariant, so that a persistent loop forms the masks where they are used instead of holding them all)."""
+    r = tl.arange(0, n)
     i = r[:, None]
     j = r[None, :]
     return ((i ^ j) < 2 * s) & ((i & s) != 0) & ((j & s) == 0)
@@ -84,69 +78,12 @@ def ut_inverse_wide(A, BT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _level_pre(X, C, PREC: tl.constexpr):
-    """One doubling level with its join blocks C already in the product's operand form."""
-    return X - _mm(_mm(X, C, PREC), X, PREC)
-
-
-@triton.jit
-def _join_operand(A, r, s: tl.constexpr, PREC: tl.constexpr):
-    """Level s's join blocks of A in the products' operand precision."""
-    C = tl.where(join_mask_at(r, s), A, 0.0)
-    if PREC == "fp16":
-        return C.to(tl.float16)
-    else:
-        return C
-
-
-@triton.jit
-def ut_inverse_wide_at(A, r, BT: tl.constexpr, PREC: tl.constexpr, PRE_JOIN: tl.constexpr):
-    """`ut_inverse_wide` with its masks over the index vector r (`join_mask_at`); PRE_JOIN: every level's join
-    blocks C formed and staged as product operands before the first product, so that each level's critical path
-    holds only X's own staging (PREP8, ChunkConfig.ut_prejoin). The same products of the same values."""
-    if PRE_JOIN:
-        return _inverse_prejoined(A, r, BT, PREC)
-    X = tl.where(r[:, None] == r[None, :], 1.0, -tl.where(join_mask_at(r, 1), A, 0.0))
-    X = X - _mm(_mm(X, tl.where(join_mask_at(r, 2), A, 0.0), PREC), X, PREC)
-    X = X - _mm(_mm(X, tl.where(join_mask_at(r, 4), A, 0.0), PREC), X, PREC)
-    X = X - _mm(_mm(X, tl.where(join_mask_at(r, 8), A, 0.0), PREC), X, PREC)
-    if BT > 16:
-        X = X - _mm(_mm(X, tl.where(join_mask_at(r, 16), A, 0.0), PREC), X, PREC)
-    if BT > 32:
-        X = X - _mm(_mm(X, tl.where(join_mask_at(r, 32), A, 0.0), PREC), X, PREC)
-    return X
-
-
-@triton.jit
-def _inverse_prejoined(A, r, BT: tl.constexpr, PREC: tl.constexpr):
-    C2 = _join_operand(A, r, 2, PREC)
-    C4 = _join_operand(A, r, 4, PREC)
-    C8 = _join_operand(A, r, 8, PREC)
-    C16 = _join_operand(A, r, 16, PREC)
-    C32 = _join_operand(A, r, 32, PREC)
-    X = tl.where(r[:, None] == r[None, :], 1.0, -tl.where(join_mask_at(r, 1), A, 0.0))
-    X = _level_pre(X, C2, PREC)
-    X = _level_pre(X, C4, PREC)
-    X = _level_pre(X, C8, PREC)
-    if BT > 16:
-        X = _level_pre(X, C16, PREC)
-    if BT > 32:
-        X = _level_pre(X, C32, PREC)
-    return X
-
-
-@triton.jit
 def rstd_from_gram(KK, L2NORM: tl.constexpr, BT: tl.constexpr):
     """1 / sqrt(|k_i|^2 + eps) from the diagonal of the Gram product K K^T of the raw rows (exact bf16
     products, fp32 accumulation, as the row sums they replace), in the products' row layout, so the norms
     scale the products without a layout change or a reduction over the 128-wide rows."""
-    return rstd_from_gram_at(KK, tl.arange(0, BT), L2NORM, BT)
-
-
-@triton.jit
-def rstd_from_gram_at(KK, r, L2NORM: tl.constexpr, BT: tl.constexpr):
-    """`rstd_from_gram` with its diagonal mask over the index vector r (`join_mask_at`)."""
     if L2NORM:
+        r = tl.arange(0, BT)
         return tl.rsqrt(tl.sum(tl.where(r[:, None] == r[None, :], KK, 0.0), axis=1) + 1e-6)
     else:
         return tl.zeros([BT], dtype=tl.float32) + 1.0
@@ -157,12 +94,7 @@ def decay_tile(G, lcol, BT: tl.constexpr):
     """exp(G_i - G_j) * 2^lcol_j on and below the diagonal, zeros above: a column scale (the key norms,
     lcol = log2 rk) folded into the exponent, as exp2 of log2-scaled differences; masked before the
     exponential, so no exp(+x) can overflow (lcol is at most log2(1e3), the norms' epsilon)."""
-    return decay_tile_at(G, lcol, tl.arange(0, BT))
-
-
-@triton.jit
-def decay_tile_at(G, lcol, r):
-    """`decay_tile` with its mask over the index vector r (`join_mask_at`)."""
+    r = tl.arange(0, BT)
     G2 = G * LOG2E
     return tl.exp2(tl.where(r[:, None] >= r[None, :], G2[:, None] - (G2 - lcol)[None, :], float("-inf")))
 
