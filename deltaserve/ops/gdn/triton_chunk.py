@@ -327,7 +327,9 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     T: with many short sequences (`tokens` given and that bound over 1.25 T) the token layout keeps the
     prep's scratch near what the engine's memory profile (one long sequence) measured. gluon (the device
     runs `gluon_chain`: `gluon_chain.supported`): the chunk layout's chain is the Gluon kernel (session 8:
-    the whole op 50.5 / 44.9 ns/token at 1 x 32768 / 4 x 8192 against 57.1 / 53.7 with the Triton chain)."""
+    chain 24.2 / 18.8 ns/token at 1 x 32768 / 4 x 8192 against 30.6 / 26.9 for the Triton chain). The bf16 prep
+    at head dims 128 is PREP8 "hoist-heads-r168" (session 8: its loads first, the heads-first grid, three
+    programs per SM; 26.3 -> 22.1 ns/token, buffers bitwise equal to the session-7 prep's)."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
     bv = 64 if num_seqs * num_v_heads >= 128 and v >= 64 else min(32, v)
     fast = dtype == torch.bfloat16 and (k or v, v) in CHUNK_LAYOUT_DIMS
@@ -335,7 +337,8 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     chunk = fast and (padded_rows is None or padded_rows <= tokens + tokens // 4 + CHUNK)
     return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2", layout="chunk" if chunk else "token",
                        chain="gluon" if chunk and gluon else "triton",
-                       **({"ut": "wide", "ut_prec": "fp16", "lean": True} if fast else {}))
+                       **(dict(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True, maxnreg_tc=168)
+                          if fast else {}))
 
 
 def _operand_dtype(prec: str) -> torch.dtype:
