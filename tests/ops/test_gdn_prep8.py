@@ -1,6 +1,6 @@
-"""Session 8 (prep8): the latency-cut forms of the bf16 default prep (triton_chunk.PREP8: every load first, the
+"""Session 8 (prep8): the latency-cut forms of the session-7 bf16 prep (triton_chunk.PREP8: every load first, the
 heads-first grid, a register cap for 3 programs per SM) form the same products of the same
-operands in the same order as the default prep (PREP7 "wide-fp16-lean"), so their buffers must equal its buffers
+operands in the same order as that prep (PREP7 "wide-fp16-lean"), so their buffers must equal its buffers
 (exactly under the interpreter), and the whole op must match the reference. The `gpu` tests run them at the real
 Qwen3-Next shape (mixed batch, and one 8192-token sequence against FLA)."""
 
@@ -20,10 +20,15 @@ from .test_gdn_chunk import TOL, _batch, _run
 BUFFERS = {"chunk": ("Wb", "Ub", "Pb", "Kb", "Cb", "Lb"), "token": ("Wb", "Ub", "Pb", "Gb", "rq", "rk")}
 
 
+def _session7(cfg):
+    """`cfg` with the session-7 bf16 prep (PREP7 wide-fp16-lean: loads where used, the (chunks, heads) grid, no
+    register cap), the prep every PREP8 form must reproduce exactly."""
+    return tc.prep7_config("wide-fp16-lean", dataclasses.replace(cfg, hoist=False, heads_first=False))
+
+
 def _base(layout, dims):
-    """The default bf16 prep (PREP7 wide-fp16-lean) in `layout`, on the default configuration at `dims`."""
-    base = tc.default_chunk_config(3, 2, dims, torch.bfloat16, k=dims)
-    return tc.prep7_config("wide-fp16-lean", dataclasses.replace(base, layout=layout))
+    """The session-7 bf16 prep in `layout`, on the default configuration at `dims`."""
+    return _session7(dataclasses.replace(tc.default_chunk_config(3, 2, dims, torch.bfloat16, k=dims), layout=layout))
 
 
 def _prep_buffers(d, g, beta, lengths, cfg):
@@ -33,8 +38,8 @@ def _prep_buffers(d, g, beta, lengths, cfg):
 
 @pytest.mark.parametrize("layout", ["chunk", "token"])
 @pytest.mark.parametrize("name", list(tc.PREP8))
-def test_prep8_buffers_equal_default_prep(name, layout, device):
-    """Each PREP8 prep's buffers against the default prep's (same products, same order): exactly equal under the
+def test_prep8_buffers_equal_session7_prep(name, layout, device):
+    """Each PREP8 prep's buffers against the session-7 prep's (same products, same order): exactly equal under the
     interpreter, in both store layouts."""
     if device.type == "cuda":
         pytest.skip("the GPU refuses the lean prep at these head dims; test_prep8_real_shape_gpu covers it")
@@ -51,7 +56,7 @@ def test_prep8_buffers_equal_default_prep(name, layout, device):
 @pytest.mark.parametrize("name", ["hoist-heads", "hoist-heads-r168"])
 def test_prep8_matches_reference_with_fused_gates(name, device):
     """The whole op with a PREP8 prep and the gates from their pre-activations (gdn_prefill), both layouts,
-    against the reference and the default prep."""
+    against the reference and the session-7 prep."""
     if device.type == "cuda":
         pytest.skip("the GPU refuses the lean prep at these head dims; test_prep8_real_shape_gpu covers it")
     d = _batch([65, 1, 70], 2, torch.bfloat16, device, seed=32, dk=32, dv=32)
@@ -67,7 +72,7 @@ def test_prep8_matches_reference_with_fused_gates(name, device):
                                config=tc.prep8_config(name, base), **kw)
         assert_close(o_var, o_ref, TOL[torch.bfloat16], f"{layout} output")
         assert_close(p_var, p_ref, TOL[torch.bfloat16], f"{layout} state pool")
-        assert torch.equal(o_var, o_def) and torch.equal(p_var, p_def), f"{layout}: differs from the default prep"
+        assert torch.equal(o_var, o_def) and torch.equal(p_var, p_def), f"{layout}: differs from the session-7 prep"
 
 
 def test_prep8_rejects_unsupported_combinations(device):
@@ -82,27 +87,33 @@ def test_prep8_rejects_unsupported_combinations(device):
 
 
 def test_prep8_configs_keep_the_default_fields():
-    """A PREP8 entry changes only prep fields of the shape's configuration; the new fields default off."""
+    """A PREP8 entry changes only prep fields of the shape's configuration; the new fields default off; the bf16
+    default at head dims 128 is "hoist-heads-r168" (fp32 activations and other dims keep the session-7 forms)."""
     assert not (tc.ChunkConfig().hoist or tc.ChunkConfig().heads_first)
     base = tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128)
     for name in tc.PREP8:
         cfg = tc.prep8_config(name, base)
-        assert (cfg.layout, cfg.bv, cfg.prec) == (base.layout, base.bv, base.prec)
+        assert (cfg.layout, cfg.bv, cfg.prec, cfg.chain) == (base.layout, base.bv, base.prec, base.chain)
         assert (cfg.ut, cfg.ut_prec, cfg.lean) == ("wide", "fp16", True)
+    assert tc.prep8_config("hoist-heads-r168", base) == base
+    for other in (tc.default_chunk_config(1, 32, 128, torch.float32, k=128),
+                  tc.default_chunk_config(1, 32, 64, torch.bfloat16, k=64)):
+        assert not (other.hoist or other.heads_first or other.maxnreg_tc)
 
 
 # ---- GPU: the real Qwen3-Next shape ---------------------------------------------------------------------------
 
 def _real_base(N):
-    return tc.default_chunk_config(N, 32, 128, torch.bfloat16, k=128)
+    """The session-7 prep on the default configuration of the real shape with N sequences."""
+    return _session7(tc.default_chunk_config(N, 32, 128, torch.bfloat16, k=128))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(tc.PREP8))
 def test_prep8_real_shape_gpu(name):
     """The real-shape mixed batch (lengths 1 / 63 / 64 / 65 / 1000, a padded row, slots out of order, half without
-    initial state): the whole op against the reference, and against the default prep (the same products:
-    equality reported, a tight tolerance asserted); the prep's chunk-layout buffers against the default prep's."""
+    initial state): the whole op against the reference, and against the session-7 prep (the same products:
+    equality reported, a tight tolerance asserted); the prep's chunk-layout buffers against the session-7 prep's."""
     from .test_gdn_chunk import _real_shape_mixed_batch
     from .test_gpu import TOL_BF16, _report
 
@@ -122,16 +133,16 @@ def test_prep8_real_shape_gpu(name):
     assert_close(o_var, o_ref, TOL_BF16, "output")
     assert_close(p_var, p_ref, TOL_BF16, "state")
     assert (o_var[64:128] == 0).all(), "padded sequence gives zeros"
-    assert_close(o_var, o_def, 1e-2, "output vs the default prep")
-    assert_close(p_var, p_def, 1e-5, "state vs the default prep")
+    assert_close(o_var, o_def, 1e-2, "output vs the session-7 prep")
+    assert_close(p_var, p_def, 1e-5, "state vs the session-7 prep")
     for b, err in buf_err.items():
-        assert err < 1e-5, f"{name} {b}: relative error {err:.3g} against the default prep"
+        assert err < 1e-5, f"{name} {b}: relative error {err:.3g} against the session-7 prep"
 
 
 @pytest.mark.gpu
 def test_prep8_token_layout_buffers_gpu():
     """The PREP8 preps in the token layout at the real shape (the layout of batches of many short sequences):
-    buffers equal to the default prep's within a tight tolerance."""
+    buffers equal to the session-7 prep's within a tight tolerance."""
     from .test_gpu import HK, HV, D, _inputs, _report
 
     lengths = [1, 63, 64, 65, 300]
@@ -144,7 +155,7 @@ def test_prep8_token_layout_buffers_gpu():
         errs = {b: rel_err(got[b], want[b]) for b in BUFFERS["token"]}
         _report(test="prep8_token_buffers", config=name, **errs)
         for b, err in errs.items():
-            assert err < 1e-5, f"{name} {b}: relative error {err:.3g} against the default prep"
+            assert err < 1e-5, f"{name} {b}: relative error {err:.3g} against the session-7 prep"
 
 
 @pytest.mark.gpu
@@ -162,8 +173,13 @@ def test_prep8_8k_not_less_accurate_than_fla_gpu():
     p_rec = pool.clone()
     o_rec = ref.recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state=p_rec, **kw)
     rows = {}
-    for name in ["default", *tc.PREP8]:
-        cfg = None if name == "default" else tc.prep8_config(name, _real_base(1))
+    for name in ["default", "session7", *tc.PREP8]:
+        if name == "default":
+            cfg = None
+        elif name == "session7":
+            cfg = _real_base(1)
+        else:
+            cfg = tc.prep8_config(name, _real_base(1))
         p = pool.clone()
         o = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p, config=cfg, **kw)
         rows[name] = (rel_err(o, o_rec), rel_err(p, p_rec))
