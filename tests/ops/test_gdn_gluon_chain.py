@@ -135,3 +135,15 @@ def test_unsupported_chain_is_refused(chain, match, device):
     cfg = dataclasses.replace(tc.default_chunk_config(2, 2, 32, torch.bfloat16, k=16), chain=chain)
     with pytest.raises(ValueError, match=match):
         _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=cfg)
+
+
+
+def test_prep7_variants_keep_the_session7_prep_on_the_new_default():
+    """PREP7 entries were measured on the session-7 prep: on top of today's default (PREP8 hoist-heads-r168)
+    they drop its hoist / heads-first fields (hoist needs the lean wide full-width prep some PREP7 entries are not;
+    regression: 4 GPU configs refused, run S8-14)."""
+    base = tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128, gluon=True)
+    assert base.hoist and base.heads_first and base.maxnreg_tc == 168
+    for name in tc.PREP7:
+        cfg = tc.prep7_config(name, base)
+        assert not cfg.hoist and not cfg.heads_first and cfg.maxnreg_tc == tc.PREP7[name].maxnreg_tc, name

@@ -254,8 +254,9 @@ PREP7_FIELDS = ("ut", "ut_prec", "lean", "wu_cols", "maxnreg_tc")
 
 
 def prep7_config(name: str, base: ChunkConfig) -> ChunkConfig:
-    """`base` (the shape's configuration) with the prep fields of PREP7[name]."""
-    return dataclasses.replace(base, **{f: getattr(PREP7[name], f) for f in PREP7_FIELDS})
+    """`base` (the shape's configuration) with the prep fields of PREP7[name], and without the session-8 prep
+    changes (PREP8_FIELDS: the PREP7 entries are measured on the session-7 prep)."""
+    return dataclasses.replace(base, **{f: getattr(PREP7[name], f) for f in PREP8_FIELDS})
 
 
 # Session 8 (prep8): the bf16 default prep (PREP7 "wide-fp16-lean") with its latency cut, each on the default state
