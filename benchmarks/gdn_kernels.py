@@ -376,10 +376,7 @@ def verify_path_variants(B: int) -> list[tuple[str, "tr.RecurrentConfig"]]:
            for bv, w in [(16, 1), (8, 1), (16, 2), (32, 2), (16, 4), (32, 4)]]
     return [("3 launches (pre-session-7 path)", tr.default_tokens_config(B * HV * max(DV // 32, 1), DV))] + [
         (label, cfg) for label, cfg in one if cfg != default] + [
-        ("1-launch default no pdl", dataclasses.replace(default, pdl=False)),
-        ("1-launch default hold loads", dataclasses.replace(default, hold_loads=True)),
-        ("1-launch bv8/w1 pdl hold loads", tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, pdl=True,
-                                                              hold_loads=True))]
+        ("1-launch default no pdl", dataclasses.replace(default, pdl=False))]
 
 
 def verify_cases(sweep: bool = False) -> list[Case]:

@@ -66,9 +66,7 @@ class RecurrentConfig:
     previous kernel (it starts while that one drains and waits for it with griddepcontrol.wait before
     reading anything); prefetch (with pdl) asks L2 for the slot's state and window lines before that
     wait; state_after_release stores the new state after the program's arrival on its group counter
-    instead of before (so the release's fence does not wait for the state stores). hold_loads (one-launch
-    verify): a CTA barrier after a token chunk's loads, so the compiler cannot sink them to their first use
-    (each would then wait for its own memory round trip)."""
+    instead of before (so the release's fence does not wait for the state stores)."""
 
     bv: int = 32
     num_warps: int = 4
@@ -76,7 +74,6 @@ class RecurrentConfig:
     pdl: bool = False
     prefetch: bool = True
     state_after_release: bool = False
-    hold_loads: bool = False
 
 
 def default_recurrent_config(num_programs_bv32: int, v: int) -> RecurrentConfig:
@@ -620,7 +617,7 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                          HK, HV, D, SLOTS,
                          R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
                          TB: tl.constexpr, SIGMOID: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                         TRIGGER: tl.constexpr = False, HOLD_LOADS: tl.constexpr = False):
+                         TRIGGER: tl.constexpr = False):
     """Verify in one launch (small batches), per (sequence, value head, V-slice): the pre-pass, the
     recurrence and the finish of the three-launch path in one program, the same math in the same order.
 
@@ -710,8 +707,6 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
             if BV == V:
                 z_c = z_c + (tl.load(z + t * s_z_t + hv * s_z_h + of, mask=(of >= 0) & valid, other=0.0)
                              .to(tl.float32),)
-        if HOLD_LOADS:  # no load may sink below a barrier: the chunk's loads all issue here, one round trip
-            tl.debug_barrier()
         for r in tl.static_range(TB):
             t = bos64 + c + r
             valid = c + r < Tn
@@ -885,7 +880,7 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
             stash.x, stash.k, stash.g, stash.delta, _group_counters(mixed_qkv.device, N * HV), float(scale),
             float(eps), HK, HV, D, ssm_state.shape[0], R=HV // HK, K=K, V=V, BV=cfg.bv, W=W,
             TB=verify_chunk(T, N), SIGMOID=sigmoid_gate, PDL=cfg.pdl, PREFETCH=cfg.prefetch,
-            TRIGGER=has_pdl(mixed_qkv.device), HOLD_LOADS=cfg.hold_loads, num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}))
+            TRIGGER=has_pdl(mixed_qkv.device), num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}))
         return out
     if cfg.one_launch:
         _decode_fused_kernel[(V // cfg.bv, N * HV)](
