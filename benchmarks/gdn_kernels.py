@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from gpu_common import RunLog, ceilings, device_env, graph_seconds  # noqa: I001  (benchmarks/ is on sys.path when run)
 from deltaserve.ops.conv1d import triton as conv_t
 from deltaserve.ops.gdn import reference as ref
+from deltaserve.ops.gdn import gluon_chain
 from deltaserve.ops.gdn import triton_chunk as tc
 from deltaserve.ops.gdn import triton_recurrent as tr
 from deltaserve.ops.norm import triton as norm_t
@@ -219,7 +220,9 @@ def prefill_cases(sweep: bool) -> list[Case]:
     prep8 = {n: [] for n in tc.PREP8}
     for name, lengths in PREFILL.items():
         T, N = sum(lengths), len(lengths)
-        base = tc.default_chunk_config(N, HV, DV, torch.bfloat16)
+        # the configuration `ours` runs (the Gluon chain where the device has it), so "ours: state kernel" is its chain
+        base = tc.default_chunk_config(N, HV, DV, torch.bfloat16, k=DK, tokens=T,
+                                       gluon=torch.cuda.is_available() and gluon_chain.supported(torch.device(DEV)))
 
         def ours(calls, lengths=lengths, cfg=None):
             d = prefill_inputs(lengths)
