@@ -48,7 +48,7 @@ def compile_one(label: str, fn, types: dict[str, str], constexprs: dict[str, obj
                 num_stages: int = 3, maxnreg: int = 0) -> dict:
     sig = _sig(fn, types, constexprs)
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-             if sig[a] != "constexpr" and a not in UNSPECIALISED}
+             if sig[a] != "constexpr" and a not in UNSPECIALISED and not sig[a].startswith("tensordesc")}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     opts = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
     t0 = time.time()
@@ -84,10 +84,13 @@ def main() -> int:
     results = []
 
     # chunked prefill: the tensor-core prep (default and the benchmark's variants), the state kernels
+    desc = "tensordesc<{}[64,{}]>".format
     prep_types = dict(q=bf, k=bf, v=bf, g=f32, beta=f32, A_log=f32, dt_bias=f32, coff=i32, cu=i32, Wb=bf, Ub=f32,
-                      Pb=bf, Gb=f32, Tb=f32, Bb=f32, rq_b=f32, rk_b=f32, Kb=bf, Cb=f32, Lb=f32, scale="fp32")
+                      Pb=bf, Gb=f32, Tb=f32, Bb=f32, rq_b=f32, rk_b=f32, Kb=bf, Cb=f32, Lb=f32, scale="fp32",
+                      k_desc=desc("bf16", K), q_desc=desc("bf16", K), v_desc=desc("bf16", V), w_desc=desc("bf16", K),
+                      u_desc=desc("fp32", V), p_desc=desc("bf16", 64))
     prep7 = dict(CHUNKED=True, UT="blocks", UT_PREC="fp16", LEAN=False,  # the chunk layout, the session-6 arithmetic
-                 HOIST=False, HEADS_FIRST=False)
+                 HOIST=False, HEADS_FIRST=False, TMA_LOAD=False, TMA_STORE=False)
     # (wu_cols, diag_prec, maxnreg): the default, then the prep of each triton_chunk.PREP_ON_DEFAULT_STATE pair
     preps = [(128, "ieee", 0), (128, "ieee", 168), (64, "ieee", 168), (64, "tf32", 168), (64, "ieee", 128)]
     if args.sweep:
@@ -104,7 +107,8 @@ def main() -> int:
             f"chunk_prep_tc prep7 {name}", chunk_t._chunk_prep_tc_kernel, prep_types,
             dict(R=R, K=K, V=V, BT=64, BLOCK_N=16, L2NORM=True, GATES=False, QK_PREC="native", DIAG_PREC=cfg.diag_prec,
                  MERGE_PREC=cfg.merge_prec, WU_PREC=cfg.wu_prec, WU_COLS_K=cfg.wu_cols or K, WU_COLS_V=cfg.wu_cols or V,
-                 CHUNKED=True, UT=cfg.ut, UT_PREC=cfg.ut_prec, LEAN=cfg.lean, HOIST=False, HEADS_FIRST=False),
+                 CHUNKED=True, UT=cfg.ut, UT_PREC=cfg.ut_prec, LEAN=cfg.lean, HOIST=False, HEADS_FIRST=False,
+                 TMA_LOAD=False, TMA_STORE=False),
             cfg.warps_tc, maxnreg=cfg.maxnreg_tc))
     for name, cfg in chunk_t.PREP8.items():  # session 8 (prep8): the default prep's loads first, heads-first grid
         results.append(compile_one(
@@ -112,7 +116,8 @@ def main() -> int:
             dict(R=R, K=K, V=V, BT=64, BLOCK_N=16, L2NORM=True, GATES=False, QK_PREC="native", DIAG_PREC=cfg.diag_prec,
                  MERGE_PREC=cfg.merge_prec, WU_PREC=cfg.wu_prec, WU_COLS_K=cfg.wu_cols or K, WU_COLS_V=cfg.wu_cols or V,
                  CHUNKED=True, UT=cfg.ut, UT_PREC=cfg.ut_prec, LEAN=cfg.lean, HOIST=cfg.hoist,
-                 HEADS_FIRST=cfg.heads_first), cfg.warps_tc, maxnreg=cfg.maxnreg_tc))
+                 HEADS_FIRST=cfg.heads_first, TMA_LOAD=cfg.tma_load, TMA_STORE=cfg.tma_store),
+            cfg.warps_tc, maxnreg=cfg.maxnreg_tc))
     if args.sweep:  # the session-2 forward-substitution prep
         for gates in (False, True):
             for split in (True, False):

@@ -129,7 +129,8 @@ def test_prep8_real_shape_gpu(name):
     buf_err = {b: rel_err(bv[b], bd[b]) for b in BUFFERS["chunk"]}
     _report(test="prep8_real_shape", config=name, out_rel=rel_err(o_var, o_ref), state_rel=rel_err(p_var, p_ref),
             identical_out=bool(torch.equal(o_var, o_def)), identical_state=bool(torch.equal(p_var, p_def)),
-            identical_buffers=all(torch.equal(bv[b], bd[b]) for b in BUFFERS["chunk"]), **buf_err)
+            identical_buffers=all(torch.equal(bv[b], bd[b]) for b in BUFFERS["chunk"]),
+            tma_rows=all(tc._tma_rows(x) for x in (q, k, v)), **buf_err)
     assert_close(o_var, o_ref, TOL_BF16, "output")
     assert_close(p_var, p_ref, TOL_BF16, "state")
     assert (o_var[64:128] == 0).all(), "padded sequence gives zeros"
@@ -191,3 +192,86 @@ def test_prep8_8k_not_less_accurate_than_fla_gpu():
     _report(test="prep8_8k", impl="fla", out_rel=fla[0], state_rel=fla[1])
     worse = {name: r for name, r in rows.items() if r[0] > fla[0] or r[1] > fla[1]}
     assert not worse, f"less accurate than FLA {fla}: {worse}"
+
+
+# ---- session 8 (prep9): the hoist prep with TMA loads / stores (PREP8 "tma-*") ---------------------------------
+
+TMA_NAMES = [n for n in tc.PREP8 if tc.PREP8[n].tma_load or tc.PREP8[n].tma_store]
+
+
+def _packed(d, pad):
+    """q, k, v as the model hands them over: views of one projection row [q | k | v | pad columns], so the row
+    stride is not the heads' width (pad = 1 makes it an odd number of bf16, which TMA cannot address)."""
+    T = d["q"].shape[0]
+    parts = [d[x].reshape(T, -1) for x in "qkv"]
+    mixed = torch.cat(parts + [torch.zeros(T, pad, dtype=parts[0].dtype, device=parts[0].device)], 1)
+    out, c0 = [], 0
+    for x, part in zip("qkv", parts):
+        out.append(mixed[:, c0:c0 + part.shape[1]].view(d[x].shape))
+        c0 += part.shape[1]
+    return out
+
+
+@pytest.mark.parametrize("pad", [0, 1])
+@pytest.mark.parametrize("layout", ["chunk", "token"])
+def test_prep9_tma_buffers_equal_session7_prep(layout, pad, device):
+    """The TMA forms with two key heads (column offsets inside the projection row) on strided views of a packed
+    projection: with pad 0 TMA reads them (rows past a sequence are the next sequence's, so the masks on the
+    products must give what zero rows give), with pad 1 the row stride is unaligned and the pointer loads run.
+    Buffers exactly equal to the session-7 prep's in both layouts (the token layout stores by pointers)."""
+    if device.type == "cuda":
+        pytest.skip("the GPU refuses the lean prep at these head dims; test_prep8_real_shape_gpu covers it")
+    lengths = [65, 1, 70, 3]
+    d = _batch(lengths, 2, torch.bfloat16, device, seed=33, dk=32, dv=32, hk=2)
+    q, k, v = _packed(d, pad)
+    assert all(tc._tma_rows(x) for x in (q, k, v)) == (pad == 0)
+    d = dict(d, q=q, k=k, v=v)
+    g, beta = ref.gdn_gating(d["A_log"], d["a"], d["dt_bias"], d["b"])
+    base = _base(layout, 32)
+    want = _prep_buffers(d, g, beta, lengths, base)
+    for name in TMA_NAMES:
+        got = _prep_buffers(d, g, beta, lengths, tc.prep8_config(name, base))
+        for b in BUFFERS[layout]:
+            assert torch.equal(got[b], want[b]), (
+                f"{name} {layout} pad {pad} {b}: max diff {(got[b].float() - want[b].float()).abs().max()}")
+
+
+def test_prep9_tma_needs_the_hoist_prep(device):
+    """tma_load / tma_store are forms of the hoist prep: refused without it (nothing is launched)."""
+    d = _batch([10], 1, torch.bfloat16, device, seed=1, dk=128, dv=128)
+    for cfg in (tc.ChunkConfig(ut="wide", lean=True, tma_load=True), tc.ChunkConfig(ut="wide", lean=True,
+                                                                                   tma_store=True)):
+        with pytest.raises(ValueError, match="tma_load / tma_store"):
+            _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=cfg)
+
+
+def test_prep9_tma_rows_rule():
+    """TMA reads [T, H, D] as [T, H * D] rows: contiguous heads, 16-byte aligned base and row stride."""
+    x = torch.zeros(8, 3, 16, dtype=torch.bfloat16)
+    assert tc._tma_rows(x)
+    assert not tc._tma_rows(x[:, :, :8])                      # heads not contiguous
+    assert not tc._tma_rows(torch.zeros(8, 3 * 16 + 1, dtype=torch.bfloat16)[:, :48].view(8, 3, 16))  # row stride
+    assert not tc._tma_rows(torch.zeros(8 * 48 + 1, dtype=torch.bfloat16)[1:].view(8, 3, 16))  # base alignment
+
+
+@pytest.mark.gpu
+def test_prep9_tma_packed_projection_gpu():
+    """The TMA preps at the real shape on q / k / v as views of one packed projection row (as the model hands them
+    over; rows past each sequence are the next one's): chunk-layout buffers against the session-7 prep's
+    (equality reported, a tight tolerance asserted)."""
+    from .test_gdn_chunk import _real_shape_mixed_batch
+    from .test_gpu import _report
+
+    q, k, v, g, beta, pool, kw = _real_shape_mixed_batch()
+    q, k, v = _packed(dict(q=q, k=k, v=v), 0)
+    assert all(tc._tma_rows(x) for x in (q, k, v))
+    base = _real_base(5)
+    args = (q, k, v, g, beta, False, None, None, kw["scale"], kw["cu_seqlens"], 5, True)
+    want = tc._launch_prep(*args, base)
+    for name in TMA_NAMES:
+        got = tc._launch_prep(*args, tc.prep8_config(name, base))
+        errs = {b: rel_err(got[b], want[b]) for b in BUFFERS["chunk"]}
+        _report(test="prep9_tma_packed", config=name, identical=all(torch.equal(got[b], want[b])
+                                                                     for b in BUFFERS["chunk"]), **errs)
+        for b, err in errs.items():
+            assert err < 1e-5, f"{name} {b}: relative error {err:.3g} against the session-7 prep"

@@ -69,7 +69,7 @@ from ..triton_common import (
     locate_chunk, next_pow2, sigmoid, softplus,
 )
 from . import gluon_chain
-from .triton_ut import LOG2E, decay_tile, load_chunk_rows, rstd_from_gram, ut_inverse_wide
+from .triton_ut import LOG2E, decay_tile, load_chunk_rows, rstd_from_gram, rstd_from_gram_rows, ut_inverse_wide
 
 CHUNK = 64
 PRECISIONS = ("bf16x2", "bf16", "tf32", "ieee")
@@ -135,6 +135,13 @@ class ChunkConfig:
     heads_first (tc prep, PREP8): the prep's grid is (value heads, chunks) instead of (chunks, value heads), so
     the programs of one chunk run together and re-read its q / k rows and gate lines from L2; for at most
     65535 chunks (the grid's second dimension), else the usual order.
+    tma_load (hoist prep, PREP8 "-tma" entries, session 8 prep9): the k / q / v tiles of a prep program
+    arrive by TMA straight into shared memory (no register round trip; rows past the sequence belong to the
+    next one and are neutralised by the row masks on the products that read them, so every buffer keeps its
+    value); for row strides / bases TMA accepts (16-byte aligned, contiguous heads), else the pointer loads.
+    tma_store (hoist prep): in the chunk layout, W, U and P leave through TMA stores from their accumulators'
+    shared-memory copies instead of a shared-memory layout change to coalesced stores (the token layout's
+    rows are strided and masked: pointer stores there).
     chain (layout "chunk", CHAINS): the state kernel behind the chunk layout: "triton" or "gluon"
     (`gluon_chain.launch_chain`: the same products, the state bit for bit; bv / 2 columns per consumer
     warpgroup; session 8: 23.4-24.3 / 18.2-19.9 ns/token at 1 x 32768 / 4 x 8192 against 30.9 / 26.8).
@@ -165,6 +172,8 @@ class ChunkConfig:
     layout: str = "token"
     hoist: bool = False
     heads_first: bool = False
+    tma_load: bool = False
+    tma_store: bool = False
     chain: str = "triton"
 
     def state_stages(self) -> int:
@@ -284,9 +293,23 @@ PREP8 = types.MappingProxyType({
     "hoist-heads": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True),
     "hoist-heads-r168": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True,
                                     maxnreg_tc=168),
+    # Session 8 (prep9): hoist-heads with TMA (ChunkConfig.tma_load / tma_store). sm_90 SASS per warp (chunk
+    # layout, 4 warps): tma-store-r168 2880 instructions / 168 registers, 12 spill stores (U, W, P without the
+    # shared-memory layout change: 3248 / 22 before); tma-r168 (k / q / v by TMA too) 2856 / 168, 7 spill
+    # stores; tma (no cap) 2808 / 192, none (2 programs per SM); tma-r128 3072 / 128, 100 (4 per SM); all
+    # 49 KiB of shared memory. Triton waits on each TMA load where it stands (straight-line code: no
+    # pipelining), so the k, q, v copies are three round trips in a row (the gates' loads overlap the first).
+    "tma-store-r168": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True,
+                                  maxnreg_tc=168, tma_store=True),
+    "tma-r168": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True, maxnreg_tc=168,
+                            tma_load=True, tma_store=True),
+    "tma": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True, tma_load=True,
+                       tma_store=True),
+    "tma-r128": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True, maxnreg_tc=128,
+                            tma_load=True, tma_store=True),
 })
 # The ChunkConfig fields a PREP8 entry sets (the rest comes from the shape's default configuration).
-PREP8_FIELDS = PREP7_FIELDS + ("hoist", "heads_first")
+PREP8_FIELDS = PREP7_FIELDS + ("hoist", "heads_first", "tma_load", "tma_store")
 
 
 def prep8_config(name: str, base: ChunkConfig) -> ChunkConfig:
@@ -734,11 +757,13 @@ def _chunk_prep_tc_kernel(
     q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h,
     g, beta, s_g_t, s_b_t, A_log, dt_bias,
     coff, cu, N, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV,
+    k_desc, q_desc, v_desc, w_desc, u_desc, p_desc,
     R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr,
     L2NORM: tl.constexpr, GATES: tl.constexpr, QK_PREC: tl.constexpr, DIAG_PREC: tl.constexpr,
     MERGE_PREC: tl.constexpr, WU_PREC: tl.constexpr, WU_COLS_K: tl.constexpr, WU_COLS_V: tl.constexpr,
     CHUNKED: tl.constexpr, UT: tl.constexpr, UT_PREC: tl.constexpr, LEAN: tl.constexpr,
-    HOIST: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    HOIST: tl.constexpr, HEADS_FIRST: tl.constexpr, TMA_LOAD: tl.constexpr = False,
+    TMA_STORE: tl.constexpr = False,
 ):
     """The whole prep in one program per (chunk, value head), on whole-chunk tiles: norms, gates, G,
     P, A, the tensor-core UT inverse T (never stored), W = (T diag(beta e^G rk)) K, U = (T diag(beta)) V.
@@ -754,8 +779,9 @@ def _chunk_prep_tc_kernel(
     hv = tl.program_id(0 if HEADS_FIRST else 1)
     if HOIST:  # PREP8: the lean prep with every load first (_prep8_program)
         _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log, dt_bias,
-                       coff, cu, N, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv, R, K, V, BT,
-                       BLOCK_N, L2NORM, GATES, QK_PREC, WU_PREC, CHUNKED, UT_PREC)
+                       coff, cu, N, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv,
+                       k_desc, q_desc, v_desc, w_desc, u_desc, p_desc, R, K, V, BT,
+                       BLOCK_N, L2NORM, GATES, QK_PREC, WU_PREC, CHUNKED, UT_PREC, TMA_LOAD, TMA_STORE)
         return
     hk = hv // R
     n, c, bos, eos = locate_chunk(coff, cu, N, p, BLOCK_N)
@@ -840,27 +866,43 @@ def _chunk_prep_tc_kernel(
 
 @triton.jit
 def _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log, dt_bias,
-                   coff, cu, N, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv, R: tl.constexpr,
+                   coff, cu, N, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv,
+                   k_desc, q_desc, v_desc, w_desc, u_desc, p_desc, R: tl.constexpr,
                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr, L2NORM: tl.constexpr,
                    GATES: tl.constexpr, QK_PREC: tl.constexpr, WU_PREC: tl.constexpr, CHUNKED: tl.constexpr,
-                   UT_PREC: tl.constexpr):
+                   UT_PREC: tl.constexpr, TMA_LOAD: tl.constexpr, TMA_STORE: tl.constexpr):
     """PREP8 (ChunkConfig.hoist): the lean prep of `_chunk_prep_tc_kernel` (wide inverse, full-width W / U, the
     same products in the same order) with every global load of the program (k, q, the gates, v) issued before
     its first product: one memory round trip instead of four (k; the gates after K K^T; q; v after the
-    inverse). v goes to shared memory at once (no registers held across the inverse)."""
+    inverse). v goes to shared memory at once (no registers held across the inverse).
+    TMA_LOAD (ChunkConfig.tma_load): k / q / v by TMA into shared memory. Their rows past the sequence are
+    the next sequence's (zeros only past T), so each product that would read them is masked to the values
+    the zero rows give: the norms' Gram diagonals (so rq, rk of padded rows keep rsqrt(eps)), P's rows, the
+    stored K copy; A's, W's and U's rows and columns vanish through beta = 0 there, as before.
+    TMA_STORE (ChunkConfig.tma_store, chunk layout): W, U and P leave by TMA stores of whole tiles."""
     hk = hv // R
     n, c, bos, eos = locate_chunk(coff, cu, N, p, BLOCK_N)
     t0 = bos + c * BT
     rows = tl.arange(0, BT)
     m = rows < eos - t0
     tok = (t0 + rows).to(tl.int64)
-    kraw = load_chunk_rows(k, t0, m, s_k_t, hk * s_k_h, 0, K, BT)
-    qraw = load_chunk_rows(q, t0, m, s_q_t, hk * s_q_h, 0, K, BT)
-    gv, bt = _gates(g, beta, s_g_t, s_b_t, A_log, dt_bias, tok, m, hv, GATES)
-    vraw = load_chunk_rows(v, t0, m, s_v_t, hv * s_v_h, 0, V, BT)
+    if TMA_LOAD:  # each TMA load waits for its data where it stands: the gates' loads first, in flight meanwhile
+        gv, bt = _gates(g, beta, s_g_t, s_b_t, A_log, dt_bias, tok, m, hv, GATES)
+        kraw = k_desc.load([t0, hk * K])
+        qraw = q_desc.load([t0, hk * K])
+        vraw = v_desc.load([t0, hv * V])
+    else:
+        kraw = load_chunk_rows(k, t0, m, s_k_t, hk * s_k_h, 0, K, BT)
+        qraw = load_chunk_rows(q, t0, m, s_q_t, hk * s_q_h, 0, K, BT)
+        gv, bt = _gates(g, beta, s_g_t, s_b_t, A_log, dt_bias, tok, m, hv, GATES)
+        vraw = load_chunk_rows(v, t0, m, s_v_t, hv * s_v_h, 0, V, BT)
     KK = _gram(kraw, kraw, QK_PREC)
-    rk = rstd_from_gram(KK, L2NORM, BT)
-    rq = rstd_from_gram(_gram(qraw, qraw, QK_PREC), L2NORM, BT) * scale
+    if TMA_LOAD:
+        rk = rstd_from_gram_rows(KK, m, L2NORM, BT)
+        rq = rstd_from_gram_rows(_gram(qraw, qraw, QK_PREC), m, L2NORM, BT) * scale
+    else:
+        rk = rstd_from_gram(KK, L2NORM, BT)
+        rq = rstd_from_gram(_gram(qraw, qraw, QK_PREC), L2NORM, BT) * scale
     if CHUNKED:
         srow = (p.to(tl.int64) * HV + hv) * BT + rows
         sm = rows >= 0
@@ -872,37 +914,59 @@ def _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s
         tl.store(Gb + tok * HV + hv, G, mask=m)
     E = decay_tile(G, tl.log2(rk), BT)
     if CHUNKED:
-        _store_chunk_factors(Kb, Cb, Lb, kraw, G, rk, rq, m, p, hv, hk, HK, HV, R, K, BT)
+        _store_chunk_factors(Kb, Cb, Lb, kraw, G, rk, rq, m, p, hv, hk, HK, HV, R, K, BT, not TMA_LOAD)
+        if TMA_LOAD and hv % R == 0:  # the padded copy of K from k's rows in L2 (kraw lives in shared memory)
+            _store_k_rows(Kb, load_chunk_rows(k, t0, m, s_k_t, hk * s_k_h, 0, K, BT), p, hk, HK, K, BT)
     elif hv % R == 0:
         tl.store(rq_b + tok * HK + hk, rq, mask=m)
         tl.store(rk_b + tok * HK + hk, rk, mask=m)
     Pm = _gram(qraw, kraw, QK_PREC) * rq[:, None] * E
-    tl.store(Pb + srow[:, None] * BT + rows[None, :], Pm.to(Pb.dtype.element_ty), mask=sm[:, None])
+    if TMA_LOAD:
+        Pm = tl.where(m[:, None], Pm, 0.0)
+    if TMA_STORE and CHUNKED:
+        p_desc.store([((p * HV + hv) * BT).to(tl.int32), 0], Pm.to(p_desc.dtype))
+    else:
+        tl.store(Pb + srow[:, None] * BT + rows[None, :], Pm.to(Pb.dtype.element_ty), mask=sm[:, None])
     A = tl.where(rows[:, None] > rows[None, :], KK * (bt * rk)[:, None] * E, 0.0)
     T = ut_inverse_wide(A, BT, UT_PREC)
     Tw = T * (bt * tl.exp2(G * LOG2E) * rk)[None, :]
     ok = tl.arange(0, K)
     W = _dot_raw(Tw, kraw, WU_PREC)
-    tl.store(Wb + srow[:, None] * K + ok[None, :], W.to(Wb.dtype.element_ty), mask=sm[:, None])
+    if TMA_STORE and CHUNKED:
+        w_desc.store([((p * HV + hv) * BT).to(tl.int32), 0], W.to(w_desc.dtype))
+    else:
+        tl.store(Wb + srow[:, None] * K + ok[None, :], W.to(Wb.dtype.element_ty), mask=sm[:, None])
     Tu = T * bt[None, :]
     ov = tl.arange(0, V)
-    tl.store(Ub + srow[:, None] * V + ov[None, :], _dot_raw(Tu, vraw, WU_PREC), mask=sm[:, None])
+    U = _dot_raw(Tu, vraw, WU_PREC)
+    if TMA_STORE and CHUNKED:
+        u_desc.store([((p * HV + hv) * BT).to(tl.int32), 0], U)
+    else:
+        tl.store(Ub + srow[:, None] * V + ov[None, :], U, mask=sm[:, None])
 
 
 @triton.jit
 def _store_chunk_factors(Kb, Cb, Lb, kraw, G, rk, rq, m, p, hv, hk, HK, HV, R: tl.constexpr, K: tl.constexpr,
-                         BT: tl.constexpr):
+                         BT: tl.constexpr, STORE_K: tl.constexpr = True):
     """The chunk layout's per-chunk factors (`_chunk_prep_tc_kernel`, CHUNKED): G_last is G's last row (the
-    gates past the sequence are zero, so the cumulative sum stays at the last token's value)."""
+    gates past the sequence are zero, so the cumulative sum stays at the last token's value); with STORE_K
+    the zero-padded K rows kraw too (one value head of each key head stores them)."""
     rows = tl.arange(0, BT)
     ch = p.to(tl.int64) * HV + hv
     g_last = tl.sum(tl.where(rows == BT - 1, G, 0.0), 0)
     tl.store(Cb + ch * (2 * BT) + rows, tl.where(m, tl.exp(g_last - G) * rk, 0.0))
     tl.store(Cb + ch * (2 * BT) + BT + rows, tl.exp(G) * rq)
     tl.store(Lb + ch, tl.exp(g_last))
-    if hv % R == 0:  # K is per key head: one of its value heads stores the padded rows
-        ok = tl.arange(0, K)
-        tl.store(Kb + ((p.to(tl.int64) * HK + hk) * BT + rows)[:, None] * K + ok[None, :], kraw)
+    if STORE_K and hv % R == 0:  # K is per key head: one of its value heads stores the padded rows
+        _store_k_rows(Kb, kraw, p, hk, HK, K, BT)
+
+
+@triton.jit
+def _store_k_rows(Kb, kraw, p, hk, HK, K: tl.constexpr, BT: tl.constexpr):
+    """The chunk's zero-padded K rows (the chunk layout's Kb, per key head)."""
+    rows = tl.arange(0, BT)
+    ok = tl.arange(0, K)
+    tl.store(Kb + ((p.to(tl.int64) * HK + hk) * BT + rows)[:, None] * K + ok[None, :], kraw)
 
 
 @triton.jit
@@ -1182,6 +1246,8 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     check(not cfg.hoist or (cfg.solve == "tc" and cfg.ut == "wide" and cfg.lean and cfg.wu_cols == 0), op,
           f"config hoist needs the lean tc prep with the wide inverse and full-width W / U (solve='tc', ut='wide', "
           f"lean=True, wu_cols=0), got solve={cfg.solve!r}, ut={cfg.ut!r}, lean={cfg.lean}, wu_cols={cfg.wu_cols}")
+    check(not (cfg.tma_load or cfg.tma_store) or cfg.hoist, op,
+          "config tma_load / tma_store are choices of the hoist prep (hoist=True)")
     check(not cfg.heads_first or cfg.solve == "tc", op,
           f"config heads_first is a choice of the tc prep, not of solve={cfg.solve!r}")
     check(cfg.layout in LAYOUTS, op, f"config layout={cfg.layout!r} is not one of {LAYOUTS}")
@@ -1250,18 +1316,20 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
     block_n = max(16, next_pow2(N))
     if cfg.solve == "tc":
         heads_first = cfg.heads_first and grid[0] <= 65535
+        descs = _prep_descriptors(q, k, v, bufs, cfg, dummy)
         _chunk_prep_tc_kernel[grid[::-1] if heads_first else grid](
             q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             g, beta, g.stride(0), beta.stride(0), A_log if gates_in_kernel else dummy,
             dt_bias if gates_in_kernel else dummy, coff, cu_seqlens, N,
             bufs["Wb"], bufs["Ub"], bufs["Pb"], bufs["Gb"], bufs["rq"], bufs["rk"], bufs["Kb"], bufs["Cb"],
-            bufs["Lb"], float(scale), HK, HV,
+            bufs["Lb"], float(scale), HK, HV, *descs,
             R=HV // HK, K=K, V=V, BT=CHUNK, BLOCK_N=block_n, L2NORM=bool(l2norm), GATES=bool(gates_in_kernel),
             QK_PREC=qk_prec, DIAG_PREC="ieee" if exact else cfg.diag_prec, MERGE_PREC=merge_prec,
             WU_PREC=cfg.wu_prec if q.dtype == torch.bfloat16 else wu_prec,
             WU_COLS_K=cfg.wu_cols or K, WU_COLS_V=cfg.wu_cols or V, CHUNKED=cfg.layout == "chunk",
             UT=cfg.ut, UT_PREC="ieee" if exact else cfg.ut_prec if l2norm else "tf32", LEAN=cfg.lean,
-            HOIST=cfg.hoist, HEADS_FIRST=heads_first, num_warps=cfg.warps_tc,
+            HOIST=cfg.hoist, HEADS_FIRST=heads_first, TMA_LOAD=not isinstance(descs[0], torch.Tensor),
+            TMA_STORE=not isinstance(descs[3], torch.Tensor), num_warps=cfg.warps_tc,
             **({"maxnreg": cfg.maxnreg_tc} if cfg.maxnreg_tc else {}))
         return bufs
     if cfg.split_prep:
@@ -1284,6 +1352,26 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
             float(scale), HK, HV, R=HV // HK, K=K, V=V, BT=CHUNK, BLOCK_N=block_n, WU_PREC=wu_prec,
             P_IN_WU=p_in_wu, L2NORM=bool(l2norm), QK_PREC=qk_prec, num_warps=cfg.warps_wu)
     return bufs
+
+
+def _tma_rows(x: torch.Tensor) -> bool:
+    """Whether TMA can read x [T, H, D] as one [T, H * D] row per token: heads contiguous, the base and the row
+    stride 16-byte aligned."""
+    e = x.element_size()
+    return (x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.data_ptr() % 16 == 0
+            and (x.stride(0) * e) % 16 == 0)
+
+
+def _prep_descriptors(q, k, v, bufs, cfg, dummy) -> tuple:
+    """The hoist prep's TMA descriptors (k, q, v, W, U, P; `dummy` where the configuration or the tensors
+    leave them out: ChunkConfig.tma_load / tma_store). Host-built, addresses and shapes only (CUDA-graph safe)."""
+    out = [dummy] * 6
+    if cfg.hoist and cfg.tma_load and all(_tma_rows(x) for x in (q, k, v)):
+        out[:3] = [TensorDescriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1], [CHUNK, x.shape[2]])
+                   for x in (k, q, v)]
+    if cfg.hoist and cfg.tma_store and cfg.layout == "chunk":
+        out[3:] = [TensorDescriptor.from_tensor(bufs[b], [CHUNK, bufs[b].shape[1]]) for b in ("Wb", "Ub", "Pb")]
+    return tuple(out)
 
 
 def _launch_state(q, k, v, o, bufs, cu_seqlens, ssm_state, state_indices, has_initial_state, cfg):
