@@ -139,6 +139,8 @@ class ChunkConfig:
     arrive by TMA straight into shared memory (no register round trip; rows past the sequence belong to the
     next one and are neutralised by the row masks on the products that read them, so every buffer keeps its
     value); for row strides / bases TMA accepts (16-byte aligned, contiguous heads), else the pointer loads.
+    Those rows still enter the tensor-core products with zero weights, so a non-finite k / v value in the first
+    63 rows of the next sequence would reach this chunk's W / U as 0 x inf (the pointer loads read zeros there).
     tma_store (hoist prep): in the chunk layout, W, U and P leave through TMA stores from their accumulators'
     shared-memory copies instead of a shared-memory layout change to coalesced stores (the token layout's
     rows are strided and masked: pointer stores there).
@@ -299,6 +301,9 @@ PREP8 = types.MappingProxyType({
     # stores; tma (no cap) 2808 / 192, none (2 programs per SM); tma-r128 3072 / 128, 100 (4 per SM); all
     # 49 KiB of shared memory. Triton waits on each TMA load where it stands (straight-line code: no
     # pipelining), so the k, q, v copies are three round trips in a row (the gates' loads overlap the first).
+    # H200 (runs prep9-1/2, docs/PERFORMANCE.md), prep alone at 1 x 32768 / 4 x 8192 ns/token: hoist-heads-r168
+    # 22.3 / 22.5, tma-store-r168 22.6 / 22.7, tma-r168 19.7 / 20.0 (whole op with the Gluon chain 45.4 / 39.3
+    # against 47.3 / 41.5), tma 26.3 / 26.3; tma-r128 not timed. Buffers bitwise equal to the session-7 prep's.
     "tma-store-r168": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True,
                                   maxnreg_tc=168, tma_store=True),
     "tma-r168": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True, maxnreg_tc=168,
