@@ -44,8 +44,14 @@ def test_chain_compiles_for_sm90_without_spills(bv, ws):
         assert res["warps"] == 12 and res["setmaxnreg"] > 0, "two consumer warpgroups + the loader warp"
 
 
-def test_supported_is_false_off_hopper():
+def test_supported_is_false_off_hopper(monkeypatch):
     assert not gc.supported(torch.device("cpu"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for cap, want in (((9, 0), True), ((8, 0), False), ((10, 0), False), ((12, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        assert gc.supported(torch.device("cuda", 0)) is want, cap  # wgmma / setmaxnreg are sm_90(a) only
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not gc.supported(torch.device("cuda", 0)), "the interpreter cannot run Gluon"
 
 
 # ---- GPU --------------------------------------------------------------------------------------------------
