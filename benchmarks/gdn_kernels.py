@@ -5,7 +5,7 @@ Every time is `triton.testing.do_bench` (median, L2 flushed before each replay) 
 CUDA graph holding `calls` invocations, divided by `calls`. Decode/verify invocations inside one graph
 use disjoint state slots, so no call finds its state in L2.
 
-  prefill  1x32768, 4x8192, 8x1024 (a mixed prefill as the engine batches it), 32x1024: ns/token, ours
+  prefill  1x32768, 4x8192, 8x1024 (a mixed prefill as the engine batches it), 32x1024, 32x1000: ns/token, ours
            (default), FLA chunk_gated_delta_rule (FLA_FLASH_QLA=0, use_qk_l2norm_in_kernel, fp32 beta and
            initial state already gathered per sequence), the whole-op candidates of the shape's class
            (triton_chunk.CANDIDATES), our two launches alone and, with --sweep prefill, single-kernel variants;
@@ -68,7 +68,10 @@ HK, HV, DK, DV = 16, 32, 128, 128
 D_CONV = 2 * HK * DK + HV * DV
 STATE_BYTES = HV * DK * DV * 4
 SCALE = DK ** -0.5
-PREFILL = {"1x32768": [32768], "4x8192": [8192] * 4, "8x1024": [1024] * 8, "32x1024": [1024] * 32}
+# 32x1000: lengths off the 64-token chunk, so every sequence ends in a partial chunk (the prep's pointer-load body
+# in the TMA prep, PREP8 "tma-r168")
+PREFILL = {"1x32768": [32768], "4x8192": [8192] * 4, "8x1024": [1024] * 8, "32x1024": [1024] * 32,
+           "32x1000": [1000] * 32}
 DECODE_B = [1, 16, 64, 256, 512]
 VERIFY = [(2, 1), (2, 64), (4, 1), (4, 64)]
 DEV = "cuda"
@@ -216,7 +219,8 @@ def prefill_cases(sweep: bool) -> list[Case]:
     first, parts, cands_many, cands_one, later, gates = [], [], [], [], [], []
     # session 7 (prep7): triton_chunk.PREP7, each prep alone and whole on the shape's default config, by variant
     prep7 = {n: [] for n in tc.PREP7}
-    # session 8 (prep8): triton_chunk.PREP8 likewise, timed before the prep7 rows
+    # session 8 (prep8): triton_chunk.PREP8 likewise, timed right after ours / FLA (session 9: the earlier default
+    # prep against today's)
     prep8 = {n: [] for n in tc.PREP8}
     for name, lengths in PREFILL.items():
         T, N = sum(lengths), len(lengths)
@@ -298,7 +302,7 @@ def prefill_cases(sweep: bool) -> list[Case]:
             prep8[pname].append(Case("prefill", name, f"ours prep8 {pname}", 3,
                                      lambda c, cfg=cfg, f=ours: f(c, cfg=cfg), tokens=T))
         gates.append(Case("prefill", name, "ours gdn_prefill (gates fused)", 3, ours_gates, tokens=T))
-    return (first + parts + [c for cs in prep8.values() for c in cs] + [c for cs in prep7.values() for c in cs]
+    return (first + [c for cs in prep8.values() for c in cs] + parts + [c for cs in prep7.values() for c in cs]
             + cands_one + cands_many + later + gates)
 
 

@@ -53,7 +53,7 @@ def test_prep8_buffers_equal_session7_prep(name, layout, device):
         assert torch.equal(got[b], want[b]), f"{name} {layout} {b}: max diff {(got[b].float() - want[b].float()).abs().max()}"
 
 
-@pytest.mark.parametrize("name", ["hoist-heads", "hoist-heads-r168"])
+@pytest.mark.parametrize("name", list(tc.PREP8))
 def test_prep8_matches_reference_with_fused_gates(name, device):
     """The whole op with a PREP8 prep and the gates from their pre-activations (gdn_prefill), both layouts,
     against the reference and the session-7 prep."""
@@ -88,17 +88,18 @@ def test_prep8_rejects_unsupported_combinations(device):
 
 def test_prep8_configs_keep_the_default_fields():
     """A PREP8 entry changes only prep fields of the shape's configuration; the new fields default off; the bf16
-    default at head dims 128 is "hoist-heads-r168" (fp32 activations and other dims keep the session-7 forms)."""
-    assert not (tc.ChunkConfig().hoist or tc.ChunkConfig().heads_first)
+    default at head dims 128 is "tma-r168" (fp32 activations and other dims keep the session-7 forms)."""
+    assert not (tc.ChunkConfig().hoist or tc.ChunkConfig().heads_first or tc.ChunkConfig().tma_load
+                or tc.ChunkConfig().tma_store)
     base = tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128)
     for name in tc.PREP8:
         cfg = tc.prep8_config(name, base)
         assert (cfg.layout, cfg.bv, cfg.prec, cfg.chain) == (base.layout, base.bv, base.prec, base.chain)
         assert (cfg.ut, cfg.ut_prec, cfg.lean) == ("wide", "fp16", True)
-    assert tc.prep8_config("hoist-heads-r168", base) == base
+    assert tc.prep8_config("tma-r168", base) == base
     for other in (tc.default_chunk_config(1, 32, 128, torch.float32, k=128),
                   tc.default_chunk_config(1, 32, 64, torch.bfloat16, k=64)):
-        assert not (other.hoist or other.heads_first or other.maxnreg_tc)
+        assert not (other.hoist or other.heads_first or other.maxnreg_tc or other.tma_load or other.tma_store)
 
 
 # ---- GPU: the real Qwen3-Next shape ---------------------------------------------------------------------------
@@ -194,7 +195,7 @@ def test_prep8_8k_not_less_accurate_than_fla_gpu():
     assert not worse, f"less accurate than FLA {fla}: {worse}"
 
 
-# ---- session 8 (prep9): the hoist prep with TMA loads / stores (PREP8 "tma-*") ---------------------------------
+# ---- sessions 8-9 (prep9, prep10): the hoist prep with TMA loads / stores (PREP8 "tma-r168") -------------------
 
 TMA_NAMES = [n for n in tc.PREP8 if tc.PREP8[n].tma_load or tc.PREP8[n].tma_store]
 
@@ -216,12 +217,12 @@ def _packed(d, pad):
 @pytest.mark.parametrize("layout", ["chunk", "token"])
 def test_prep9_tma_buffers_equal_session7_prep(layout, pad, device):
     """The TMA forms with two key heads (column offsets inside the projection row) on strided views of a packed
-    projection: with pad 0 TMA reads them (rows past a sequence are the next sequence's, so the masks on the
-    products must give what zero rows give), with pad 1 the row stride is unaligned and the pointer loads run.
-    Buffers exactly equal to the session-7 prep's in both layouts (the token layout stores by pointers)."""
+    projection: with pad 0 TMA reads the whole chunks (a sequence's partial last chunk takes the pointer loads), with
+    pad 1 the row stride is unaligned and the pointer loads run throughout. Buffers exactly equal to the session-7
+    prep's in both layouts (the token layout stores by pointers)."""
     if device.type == "cuda":
         pytest.skip("the GPU refuses the lean prep at these head dims; test_prep8_real_shape_gpu covers it")
-    lengths = [65, 1, 70, 3]
+    lengths = [65, 1, 70, 3, 128]
     d = _batch(lengths, 2, torch.bfloat16, device, seed=33, dk=32, dv=32, hk=2)
     q, k, v = _packed(d, pad)
     assert all(tc._tma_rows(x) for x in (q, k, v)) == (pad == 0)
@@ -257,8 +258,7 @@ def test_prep9_tma_rows_rule():
 @pytest.mark.gpu
 def test_prep9_tma_packed_projection_gpu():
     """The TMA preps at the real shape on q / k / v as views of one packed projection row (as the model hands them
-    over; rows past each sequence are the next one's): chunk-layout buffers against the session-7 prep's
-    (equality reported, a tight tolerance asserted)."""
+    over): chunk-layout buffers against the session-7 prep's (equality reported, a tight tolerance asserted)."""
     from .test_gdn_chunk import _real_shape_mixed_batch
     from .test_gpu import _report
 

@@ -69,7 +69,7 @@ from ..triton_common import (
     locate_chunk, next_pow2, sigmoid, softplus,
 )
 from . import gluon_chain
-from .triton_ut import LOG2E, decay_tile, load_chunk_rows, rstd_from_gram, rstd_from_gram_rows, ut_inverse_wide
+from .triton_ut import LOG2E, decay_tile, load_chunk_rows, rstd_from_gram, ut_inverse_wide
 
 CHUNK = 64
 PRECISIONS = ("bf16x2", "bf16", "tf32", "ieee")
@@ -135,12 +135,12 @@ class ChunkConfig:
     heads_first (tc prep, PREP8): the prep's grid is (value heads, chunks) instead of (chunks, value heads), so
     the programs of one chunk run together and re-read its q / k rows and gate lines from L2; for at most
     65535 chunks (the grid's second dimension), else the usual order.
-    tma_load (hoist prep, PREP8 "-tma" entries, session 8 prep9): the k / q / v tiles of a prep program
-    arrive by TMA straight into shared memory (no register round trip; rows past the sequence belong to the
-    next one and are neutralised by the row masks on the products that read them, so every buffer keeps its
-    value); for row strides / bases TMA accepts (16-byte aligned, contiguous heads), else the pointer loads.
-    Those rows still enter the tensor-core products with zero weights, so a non-finite k / v value in the first
-    63 rows of the next sequence would reach this chunk's W / U as 0 x inf (the pointer loads read zeros there).
+    tma_load (hoist prep, PREP8 "tma-r168", sessions 8-9): the k / q / v tiles of a prep program arrive by TMA
+    straight into shared memory (no register round trip), for row strides / bases TMA accepts (16-byte aligned,
+    contiguous heads), else the pointer loads; and only in chunks whose 64 rows all belong to the sequence: a
+    sequence's partial last chunk takes the pointer loads (zeros past its end), since TMA's tile would carry the
+    next sequence's rows into the products, where a zero weight does not remove an inf / NaN (0 x inf), so one
+    request's non-finite activations could reach another's W / U (tests/ops/test_gdn_isolation.py).
     tma_store (hoist prep): in the chunk layout, W, U and P leave through TMA stores from their accumulators'
     shared-memory copies instead of a shared-memory layout change to coalesced stores (the token layout's
     rows are strided and masked: pointer stores there).
@@ -290,31 +290,30 @@ def prep7_config(name: str, base: ChunkConfig) -> ChunkConfig:
 # tile (28.3: 255 registers and 58 spill stores, the loop holding its invariant masks live); compiled and dropped
 # before the device: one program per key head for its 2 value heads (K K^T and Q K^T held across both: 255
 # registers, 107 spill stores), and the caps below 168 (r160 44 spill stores, r128 254).
+# Session 9 (prep10): the two steps before hoist-heads-r168 ("heads": the grid alone; "hoist-heads": + the loads
+# first, no cap) were dropped from the dict (superseded; their numbers above); it holds the session-8 default and the
+# TMA form.
 PREP8 = types.MappingProxyType({
-    "heads": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, heads_first=True),
-    "hoist-heads": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True),
     "hoist-heads-r168": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True,
                                     maxnreg_tc=168),
-    # Session 8 (prep9): hoist-heads with TMA (ChunkConfig.tma_load / tma_store). sm_90 SASS per warp (chunk
-    # layout, 4 warps): tma-store-r168 2880 instructions / 168 registers, 12 spill stores (U, W, P without the
-    # shared-memory layout change: 3248 / 22 before); tma-r168 (k / q / v by TMA too) 2856 / 168, 7 spill
-    # stores; tma (no cap) 2808 / 192, none (2 programs per SM); tma-r128 3072 / 128, 100 (4 per SM); all
-    # 49 KiB of shared memory. Triton waits on each TMA load where it stands (straight-line code: no
-    # pipelining), so the k, q, v copies are three round trips in a row (the gates' loads overlap the first).
-    # H200 (runs prep9-1/2, docs/PERFORMANCE.md), prep alone at 1 x 32768 / 4 x 8192 ns/token: hoist-heads-r168
-    # 22.3 / 22.5, tma-store-r168 22.6 / 22.7, tma-r168 19.7 / 20.0 (whole op with the Gluon chain 45.4 / 39.3
-    # against 47.3 / 41.5), tma 26.3 / 26.3; tma-r128 not timed. Buffers bitwise equal to the session-7 prep's.
-    "tma-store-r168": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True,
-                                  maxnreg_tc=168, tma_store=True),
+    # Session 8 (prep9): hoist-heads-r168 with TMA (ChunkConfig.tma_load / tma_store): H200 (runs prep9-1/2), prep
+    # alone at 1 x 32768 / 4 x 8192 ns/token 19.7 / 20.0 against 22.3 / 22.5 (whole op with the Gluon chain 45.4 /
+    # 39.3 against 47.3 / 41.5), buffers bitwise equal to the session-7 prep's; then the k / q / v tile of a
+    # sequence's partial last chunk carried the next sequence's rows into the products (0 x inf = NaN across
+    # requests). Session 9 (prep10): such a chunk takes the pointer loads (a second program body behind one branch;
+    # tests/ops/test_gdn_isolation.py). sm_90 SASS per warp (chunk layout, 4 warps): the TMA body 2656 instructions
+    # with 5 spill stores (prep9: 2856 / 7; its row masks are gone: every row of a TMA tile is the sequence's), the
+    # pointer body 18 (both bodies in one kernel: 168 registers, 49 KiB of shared memory, which the bodies
+    # share). Measured and dropped in session 8 (prep9, docs/PERFORMANCE.md): the TMA stores alone ("tma-store-
+    # r168", 22.6 / 22.7), no register cap ("tma": 2 programs per SM, 26.3 / 26.3); not timed: r128 (239 spill
+    # stores in the two bodies).
     "tma-r168": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True, maxnreg_tc=168,
-                            tma_load=True, tma_store=True),
-    "tma": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True, tma_load=True,
-                       tma_store=True),
-    "tma-r128": ChunkConfig(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True, maxnreg_tc=128,
                             tma_load=True, tma_store=True),
 })
 # The ChunkConfig fields a PREP8 entry sets (the rest comes from the shape's default configuration).
 PREP8_FIELDS = PREP7_FIELDS + ("hoist", "heads_first", "tma_load", "tma_store")
+# The bf16 default prep at head dims 128 (default_chunk_config), as those fields.
+PREP8_DEFAULT = types.MappingProxyType({f: getattr(PREP8["tma-r168"], f) for f in PREP8_FIELDS})
 
 
 def prep8_config(name: str, base: ChunkConfig) -> ChunkConfig:
@@ -357,8 +356,9 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     prep's scratch near what the engine's memory profile (one long sequence) measured. gluon (the device
     runs `gluon_chain`: `gluon_chain.supported`): the chunk layout's chain is the Gluon kernel (session 8:
     chain 24.2 / 18.8 ns/token at 1 x 32768 / 4 x 8192 against 30.6 / 26.9 for the Triton chain). The bf16 prep
-    at head dims 128 is PREP8 "hoist-heads-r168" (session 8: its loads first, the heads-first grid, three
-    programs per SM; 26.3 -> 22.1 ns/token, buffers bitwise equal to the session-7 prep's)."""
+    at head dims 128 is PREP8 "tma-r168" (PREP8_DEFAULT; session 8: its loads first, the heads-first grid, three
+    programs per SM, 26.3 -> 22.1 ns/token; session 9: k / q / v by TMA except in a sequence's partial last
+    chunk, W / U / P stored by TMA; buffers bitwise equal to the session-7 prep's)."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
     bv = 64 if num_seqs * num_v_heads >= 128 and v >= 64 else min(32, v)
     fast = dtype == torch.bfloat16 and (k or v, v) in CHUNK_LAYOUT_DIMS
@@ -366,8 +366,7 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     chunk = fast and (padded_rows is None or padded_rows <= tokens + tokens // 4 + CHUNK)
     return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2", layout="chunk" if chunk else "token",
                        chain="gluon" if chunk and gluon else "triton",
-                       **(dict(ut="wide", ut_prec="fp16", lean=True, hoist=True, heads_first=True, maxnreg_tc=168)
-                          if fast else {}))
+                       **(dict(PREP8_DEFAULT) if fast else {}))
 
 
 def _operand_dtype(prec: str) -> torch.dtype:
@@ -783,10 +782,28 @@ def _chunk_prep_tc_kernel(
     p = tl.program_id(1 if HEADS_FIRST else 0)
     hv = tl.program_id(0 if HEADS_FIRST else 1)
     if HOIST:  # PREP8: the lean prep with every load first (_prep8_program)
-        _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log, dt_bias,
-                       coff, cu, N, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv,
-                       k_desc, q_desc, v_desc, w_desc, u_desc, p_desc, R, K, V, BT,
-                       BLOCK_N, L2NORM, GATES, QK_PREC, WU_PREC, CHUNKED, UT_PREC, TMA_LOAD, TMA_STORE)
+        n, c, bos, eos = locate_chunk(coff, cu, N, p, BLOCK_N)
+        t0 = bos + c * BT
+        if TMA_LOAD:
+            # TMA only for a chunk whose 64 rows all belong to its sequence: a partial last chunk's tile would bring
+            # in the next sequence's rows, whose inf / NaN no zero weight removes (0 x inf), so it takes the pointer
+            # loads (zeros past the sequence). Two whole program bodies, no tile crossing the branch: the TMA tiles
+            # stay in shared memory.
+            if eos - t0 >= BT:
+                _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log,
+                               dt_bias, t0, eos, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv,
+                               k_desc, q_desc, v_desc, w_desc, u_desc, p_desc, R, K, V, BT, L2NORM, GATES, QK_PREC,
+                               WU_PREC, CHUNKED, UT_PREC, True, TMA_STORE)
+            else:
+                _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log,
+                               dt_bias, t0, eos, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv,
+                               k_desc, q_desc, v_desc, w_desc, u_desc, p_desc, R, K, V, BT, L2NORM, GATES, QK_PREC,
+                               WU_PREC, CHUNKED, UT_PREC, False, TMA_STORE)
+        else:
+            _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log, dt_bias,
+                           t0, eos, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv,
+                           k_desc, q_desc, v_desc, w_desc, u_desc, p_desc, R, K, V, BT, L2NORM, GATES, QK_PREC,
+                           WU_PREC, CHUNKED, UT_PREC, False, TMA_STORE)
         return
     hk = hv // R
     n, c, bos, eos = locate_chunk(coff, cu, N, p, BLOCK_N)
@@ -871,23 +888,21 @@ def _chunk_prep_tc_kernel(
 
 @triton.jit
 def _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log, dt_bias,
-                   coff, cu, N, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv,
+                   t0, eos, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv,
                    k_desc, q_desc, v_desc, w_desc, u_desc, p_desc, R: tl.constexpr,
-                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BLOCK_N: tl.constexpr, L2NORM: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, L2NORM: tl.constexpr,
                    GATES: tl.constexpr, QK_PREC: tl.constexpr, WU_PREC: tl.constexpr, CHUNKED: tl.constexpr,
                    UT_PREC: tl.constexpr, TMA_LOAD: tl.constexpr, TMA_STORE: tl.constexpr):
     """PREP8 (ChunkConfig.hoist): the lean prep of `_chunk_prep_tc_kernel` (wide inverse, full-width W / U, the
     same products in the same order) with every global load of the program (k, q, the gates, v) issued before
     its first product: one memory round trip instead of four (k; the gates after K K^T; q; v after the
-    inverse). v goes to shared memory at once (no registers held across the inverse).
-    TMA_LOAD (ChunkConfig.tma_load): k / q / v by TMA into shared memory. Their rows past the sequence are
-    the next sequence's (zeros only past T), so each product that would read them is masked to the values
-    the zero rows give: the norms' Gram diagonals (so rq, rk of padded rows keep rsqrt(eps)), P's rows, the
-    stored K copy; A's, W's and U's rows and columns vanish through beta = 0 there, as before.
+    inverse). v goes to shared memory at once (no registers held across the inverse). The chunk starts at token
+    t0 of a sequence ending at eos.
+    TMA_LOAD (ChunkConfig.tma_load): k / q / v by TMA into shared memory, for a chunk whose 64 rows all lie in
+    its sequence (the caller sends a sequence's partial last chunk to the pointer loads: TMA's tile would carry
+    the next sequence's rows into the products, and a zero weight does not remove an inf / NaN).
     TMA_STORE (ChunkConfig.tma_store, chunk layout): W, U and P leave by TMA stores of whole tiles."""
     hk = hv // R
-    n, c, bos, eos = locate_chunk(coff, cu, N, p, BLOCK_N)
-    t0 = bos + c * BT
     rows = tl.arange(0, BT)
     m = rows < eos - t0
     tok = (t0 + rows).to(tl.int64)
@@ -902,12 +917,8 @@ def _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s
         gv, bt = _gates(g, beta, s_g_t, s_b_t, A_log, dt_bias, tok, m, hv, GATES)
         vraw = load_chunk_rows(v, t0, m, s_v_t, hv * s_v_h, 0, V, BT)
     KK = _gram(kraw, kraw, QK_PREC)
-    if TMA_LOAD:
-        rk = rstd_from_gram_rows(KK, m, L2NORM, BT)
-        rq = rstd_from_gram_rows(_gram(qraw, qraw, QK_PREC), m, L2NORM, BT) * scale
-    else:
-        rk = rstd_from_gram(KK, L2NORM, BT)
-        rq = rstd_from_gram(_gram(qraw, qraw, QK_PREC), L2NORM, BT) * scale
+    rk = rstd_from_gram(KK, L2NORM, BT)
+    rq = rstd_from_gram(_gram(qraw, qraw, QK_PREC), L2NORM, BT) * scale
     if CHUNKED:
         srow = (p.to(tl.int64) * HV + hv) * BT + rows
         sm = rows >= 0
@@ -926,8 +937,6 @@ def _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s
         tl.store(rq_b + tok * HK + hk, rq, mask=m)
         tl.store(rk_b + tok * HK + hk, rk, mask=m)
     Pm = _gram(qraw, kraw, QK_PREC) * rq[:, None] * E
-    if TMA_LOAD:
-        Pm = tl.where(m[:, None], Pm, 0.0)
     if TMA_STORE and CHUNKED:
         p_desc.store([((p * HV + hv) * BT).to(tl.int32), 0], Pm.to(p_desc.dtype))
     else:

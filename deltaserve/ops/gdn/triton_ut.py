@@ -90,18 +90,6 @@ def rstd_from_gram(KK, L2NORM: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def rstd_from_gram_rows(KK, m, L2NORM: tl.constexpr, BT: tl.constexpr):
-    """`rstd_from_gram` with the rows outside the mask m taken as zero rows (rsqrt(eps)): the rows a TMA load
-    brought from past the sequence (ChunkConfig.tma_load)."""
-    if L2NORM:
-        r = tl.arange(0, BT)
-        d = tl.sum(tl.where(r[:, None] == r[None, :], KK, 0.0), axis=1)
-        return tl.rsqrt(tl.where(m, d, 0.0) + 1e-6)
-    else:
-        return tl.zeros([BT], dtype=tl.float32) + 1.0
-
-
-@triton.jit
 def decay_tile(G, lcol, BT: tl.constexpr):
     """exp(G_i - G_j) * 2^lcol_j on and below the diagonal, zeros above: a column scale (the key norms,
     lcol = log2 rk) folded into the exponent, as exp2 of log2-scaled differences; masked before the
