@@ -35,12 +35,10 @@ def _shape(device):
 
 
 def _config(name: str, device, N: int, hv: int) -> tc.ChunkConfig | None:
-    """The configuration under test. "default": the op's own choice on the GPU; under the interpreter the bf16
-    default of head dims 128 (chunk layout, the PREP8 default prep, the Triton chain). "token": that with the token
-    layout (batches of many short sequences). "fp32": fp32 activations (exact products). PREP8 names: that prep on
-    the default configuration."""
-    if name == "default" and device.type == "cuda":
-        return None
+    """The configuration under test. "default": the bf16 default of head dims 128 in the chunk layout (the PREP8
+    default prep; the Gluon chain on the H200, the Triton one under the interpreter). "token": that with the token
+    layout (what the op picks for this batch of short sequences). "fp32": fp32 activations (exact products). PREP8
+    names: that prep on the default configuration."""
     base = tc.default_chunk_config(N, hv, 128, torch.float32 if name == "fp32" else torch.bfloat16, k=128,
                                    gluon=device.type == "cuda" and tc.gluon_chain.supported(device))
     if name in ("default", "fp32"):
@@ -75,8 +73,8 @@ def _bad_rows() -> torch.Tensor:
 def _poisoned(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """x with the given rows (first dim) replaced by inf, -inf and NaN in turn along every other dim."""
     out = x.clone()
-    idx = torch.arange(out[rows].numel()).reshape(out[rows].shape)
-    out[rows] = torch.tensor(NONFINITE, dtype=torch.float32)[idx % 3].to(out.dtype)
+    idx = torch.arange(out[rows].numel(), device=x.device).reshape(out[rows].shape)
+    out[rows] = torch.tensor(NONFINITE, dtype=torch.float32, device=x.device)[idx % 3].to(out.dtype)
     return out
 
 
@@ -87,7 +85,7 @@ def _run(device, name: str, poison: str, fused: bool):
     dtype = torch.float32 if name == "fp32" else torch.bfloat16
     d = {n: x.to(device, copy=True) for n, x in _inputs(device.type, dtype).items()}
     rows = _bad_rows().to(device)
-    for x in {"q": "q", "k": "k", "v": "v", "qkv": "qkv", "ab": "ab"}.get(poison, ""):
+    for x in poison if poison in ("q", "k", "v", "qkv", "ab") else "":  # each named input
         d[x] = _poisoned(d[x], rows)
     if poison == "state":
         slots = torch.tensor([SLOTS[n] for n in BAD], device=device)
