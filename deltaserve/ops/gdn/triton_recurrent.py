@@ -53,7 +53,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..triton_common import (
     check, check_head_dim, check_index, check_last_contiguous, check_pool, check_same_device,
-    next_pow2, prefetch_l2, sigmoid, silu, softplus,
+    next_pow2, prefetch_l2, sigmoid, silu_fast, softplus,
 )
 from .reference import VerifyStash, num_key_heads
 
@@ -179,7 +179,7 @@ def _conv_token(x, s_x_t, win, D, conv_w, ch, t, bos, live, C: tl.constexpr, W: 
         xv = tl.load(x + p * s_x_t + ch, mask=in_x, other=0.0).to(tl.float32)
         wv = tl.load(win + (W - 1 + p - bos) * D + ch, mask=in_w, other=0.0).to(tl.float32)
         acc += (xv + wv) * tl.load(conv_w + ch * W + i).to(tl.float32)
-    return silu(acc).to(x.dtype.element_ty).to(tl.float32)
+    return silu_fast(acc).to(x.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
@@ -205,7 +205,7 @@ def _conv_of(inputs, taps, dtype: tl.constexpr, W: tl.constexpr):
     acc = tl.zeros(inputs[0].shape, dtype=tl.float32)
     for i in tl.static_range(W):
         acc += inputs[i].to(tl.float32) * taps[i].to(tl.float32)
-    return silu(acc).to(dtype).to(tl.float32)
+    return silu_fast(acc).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -251,7 +251,7 @@ def _gated_rms(ot, zt, w, eps, V: tl.constexpr, SIGMOID: tl.constexpr):
     if SIGMOID:
         gate = sigmoid(zt)
     else:
-        gate = silu(zt)
+        gate = silu_fast(zt)
     return y * gate
 
 
@@ -680,7 +680,7 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
     bos64 = bos.to(tl.int64)
     for c in range(0, Tn, TB):
         # conv input rows: position p = c - (W - 1) + rr from the sequence start (old window when p < 0)
-        q_x = ()  # x rows (TB + W - 1), then the old window rows (W - 1); fp32, zero where not in range
+        q_x = ()  # x rows (TB + W - 1), then the old window rows (W - 1); as loaded (fp32 where used), zero where not in range
         k_x = ()
         v_x = ()
         q_w = ()
@@ -690,15 +690,15 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
             p = c - (W - 1) + rr
             in_x = (p >= 0) & (p < Tn)
             xr = x + (bos64 + p) * s_x_t
-            q_x = q_x + (tl.load(xr + cq, mask=(ok >= 0) & in_x, other=0.0).to(tl.float32),)
-            k_x = k_x + (tl.load(xr + ck, mask=(ok >= 0) & in_x, other=0.0).to(tl.float32),)
-            v_x = v_x + (tl.load(xr + cv, mask=(ov >= 0) & in_x, other=0.0).to(tl.float32),)
+            q_x = q_x + (tl.load(xr + cq, mask=(ok >= 0) & in_x, other=0.0),)
+            k_x = k_x + (tl.load(xr + ck, mask=(ok >= 0) & in_x, other=0.0),)
+            v_x = v_x + (tl.load(xr + cv, mask=(ov >= 0) & in_x, other=0.0),)
             if rr < W - 1:  # only these rows can lie before the sequence start
                 in_w = (p < 0) & live
                 wr = win + (W - 1 + p) * D
-                q_w = q_w + (tl.load(wr + cq, mask=(ok >= 0) & in_w, other=0.0).to(tl.float32),)
-                k_w = k_w + (tl.load(wr + ck, mask=(ok >= 0) & in_w, other=0.0).to(tl.float32),)
-                v_w = v_w + (tl.load(wr + cv, mask=(ov >= 0) & in_w, other=0.0).to(tl.float32),)
+                q_w = q_w + (tl.load(wr + cq, mask=(ok >= 0) & in_w, other=0.0),)
+                k_w = k_w + (tl.load(wr + ck, mask=(ok >= 0) & in_w, other=0.0),)
+                v_w = v_w + (tl.load(wr + cv, mask=(ov >= 0) & in_w, other=0.0),)
         # every per-token input of the chunk is loaded before the first store: a load after a store it
         # may alias stays behind it, which put a DRAM round trip on every token's chain (session 7)
         a_c = ()
@@ -722,16 +722,16 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
             acc_v = tl.zeros([BV], dtype=tl.float32)
             for i in tl.static_range(W):
                 if r + i < W - 1:  # (x + window) as _conv_token adds them: one of the two is zero
-                    acc_q += (q_x[r + i] + q_w[r + i]) * q_taps[i]
-                    acc_k += (k_x[r + i] + k_w[r + i]) * k_taps[i]
-                    acc_v += (v_x[r + i] + v_w[r + i]) * v_taps[i]
+                    acc_q += (q_x[r + i].to(tl.float32) + q_w[r + i].to(tl.float32)) * q_taps[i]
+                    acc_k += (k_x[r + i].to(tl.float32) + k_w[r + i].to(tl.float32)) * k_taps[i]
+                    acc_v += (v_x[r + i].to(tl.float32) + v_w[r + i].to(tl.float32)) * v_taps[i]
                 else:
-                    acc_q += q_x[r + i] * q_taps[i]
-                    acc_k += k_x[r + i] * k_taps[i]
-                    acc_v += v_x[r + i] * v_taps[i]
-            qh = _l2norm(silu(acc_q).to(x.dtype.element_ty).to(tl.float32)) * scale
-            kh = _l2norm(silu(acc_k).to(x.dtype.element_ty).to(tl.float32))
-            vv = silu(acc_v).to(x.dtype.element_ty).to(tl.float32)
+                    acc_q += q_x[r + i].to(tl.float32) * q_taps[i]
+                    acc_k += k_x[r + i].to(tl.float32) * k_taps[i]
+                    acc_v += v_x[r + i].to(tl.float32) * v_taps[i]
+            qh = _l2norm(silu_fast(acc_q).to(x.dtype.element_ty).to(tl.float32)) * scale
+            kh = _l2norm(silu_fast(acc_k).to(x.dtype.element_ty).to(tl.float32))
+            vv = silu_fast(acc_v).to(x.dtype.element_ty).to(tl.float32)
             gt = -tl.exp(A) * softplus(av + dtb)
             bt = sigmoid(bv)
             if valid:
