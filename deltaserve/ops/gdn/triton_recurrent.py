@@ -680,7 +680,7 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
     bos64 = bos.to(tl.int64)
     for c in range(0, Tn, TB):
         # conv input rows: position p = c - (W - 1) + rr from the sequence start (old window when p < 0)
-        q_x = ()  # x rows (TB + W - 1), then the old window rows (W - 1); as loaded (fp32 where used), zero where not in range
+        q_x = ()  # x rows (TB + W - 1), then the old window rows (W - 1), as loaded; zero where not in range
         k_x = ()
         v_x = ()
         q_w = ()
