@@ -48,7 +48,7 @@ def _config(name: str, device, N: int, hv: int) -> tc.ChunkConfig | None:
     return tc.prep8_config(name, base)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _inputs(device_type: str, dtype: torch.dtype):
     """The finite batch (CPU tensors; moved to the device by the caller)."""
     hk, hv, d = _shape(torch.device(device_type))
@@ -105,7 +105,7 @@ def _run(device, name: str, poison: str, fused: bool):
     return o, d["pool"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _clean(device_type: str, name: str, fused: bool):
     return _run(torch.device(device_type), name, "", fused)
 
