@@ -750,31 +750,9 @@ def test_gluon_chain_vs_triton_chain_gpu(bv):
 def test_chunk_configs_8k_not_less_accurate_than_fla_gpu(names):
     """One 8192-token sequence with slow decay against the fp32 token-by-token recurrence: each
     configuration's output and final-state errors must not exceed FLA's on the same inputs."""
-    from .test_gpu import HK, HV, D, _inputs, _report
+    from .test_gpu import check_8k_not_less_accurate_than_fla
 
-    T = 8192
-    q, k, v, g, beta = _inputs([T], HK, HV, seed=8, mild_decay=True)
-    pool = torch.randn(1, HV, D, D, generator=gen(2)).mul(0.1).cuda()
-    kw = dict(scale=D ** -0.5, cu_seqlens=cu_seqlens([T], "cuda"),
-              state_indices=torch.zeros(1, dtype=torch.int32, device="cuda"),
-              has_initial_state=torch.ones(1, dtype=torch.bool, device="cuda"))
-    p_rec = pool.clone()
-    o_rec = ref.recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state=p_rec, **kw)
-    rows = {}
-    for name in names.split(","):
-        cfg = GPU_CONFIGS[name]
-        p = pool.clone()
-        o = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p, config=cfg, **kw)
-        rows[name] = (rel_err(o, o_rec), rel_err(p, p_rec))
-        # reported at once: a run cut short (time limit, FLA's autotune) keeps the errors measured so far
-        _report(test="chunk_8k_configs", impl=name, out_rel=rows[name][0], state_rel=rows[name][1])
-    fla_chunk = pytest.importorskip("fla.ops.gated_delta_rule").chunk_gated_delta_rule
-    o, st = fla_chunk(q[None], k[None], v[None], g[None], beta[None], scale=D ** -0.5, initial_state=pool.clone(),
-                      output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=kw["cu_seqlens"].long())
-    fla = (rel_err(o[0], o_rec), rel_err(st, p_rec))
-    _report(test="chunk_8k_configs", impl="fla", out_rel=fla[0], state_rel=fla[1])
-    worse = {name: r for name, r in rows.items() if r[0] > fla[0] or r[1] > fla[1]}
-    assert not worse, f"less accurate than FLA {fla}: {worse}"
+    check_8k_not_less_accurate_than_fla({name: GPU_CONFIGS[name] for name in names.split(",")}, "chunk_8k_configs")
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ import torch
 from deltaserve.ops.gdn import reference as ref
 from deltaserve.ops.gdn import triton_chunk as tc
 
-from .helpers import assert_close, cu_seqlens, gen, rel_err
+from .helpers import assert_close, cu_seqlens, rel_err
 from .test_gdn_chunk import TOL, _batch, _run
 
 BUFFERS = {"chunk": ("Wb", "Ub", "Pb", "Kb", "Cb", "Lb"), "token": ("Wb", "Ub", "Pb", "Gb", "rq", "rk")}
@@ -164,35 +164,11 @@ def test_prep8_token_layout_buffers_gpu():
 def test_prep8_8k_not_less_accurate_than_fla_gpu():
     """One 8192-token sequence with slow decay against the fp32 token recurrence: every PREP8 prep's output and
     final-state errors must not exceed FLA's (reported beside the default's)."""
-    from .test_gpu import HK, HV, D, _inputs, _report
+    from .test_gpu import check_8k_not_less_accurate_than_fla
 
-    T = 8192
-    q, k, v, g, beta = _inputs([T], HK, HV, seed=8, mild_decay=True)
-    pool = torch.randn(1, HV, D, D, generator=gen(2)).mul(0.1).cuda()
-    kw = dict(scale=D ** -0.5, cu_seqlens=cu_seqlens([T], "cuda"),
-              state_indices=torch.zeros(1, dtype=torch.int32, device="cuda"),
-              has_initial_state=torch.ones(1, dtype=torch.bool, device="cuda"))
-    p_rec = pool.clone()
-    o_rec = ref.recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state=p_rec, **kw)
-    rows = {}
-    for name in ["default", "session7", *tc.PREP8]:
-        if name == "default":
-            cfg = None
-        elif name == "session7":
-            cfg = _real_base(1)
-        else:
-            cfg = tc.prep8_config(name, _real_base(1))
-        p = pool.clone()
-        o = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p, config=cfg, **kw)
-        rows[name] = (rel_err(o, o_rec), rel_err(p, p_rec))
-        _report(test="prep8_8k", impl=name, out_rel=rows[name][0], state_rel=rows[name][1])
-    fla_chunk = pytest.importorskip("fla.ops.gated_delta_rule").chunk_gated_delta_rule
-    o, st = fla_chunk(q[None], k[None], v[None], g[None], beta[None], scale=D ** -0.5, initial_state=pool.clone(),
-                      output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=kw["cu_seqlens"].long())
-    fla = (rel_err(o[0], o_rec), rel_err(st, p_rec))
-    _report(test="prep8_8k", impl="fla", out_rel=fla[0], state_rel=fla[1])
-    worse = {name: r for name, r in rows.items() if r[0] > fla[0] or r[1] > fla[1]}
-    assert not worse, f"less accurate than FLA {fla}: {worse}"
+    configs = {"default": None, "session7": _real_base(1)}
+    configs.update({name: tc.prep8_config(name, _real_base(1)) for name in tc.PREP8})
+    check_8k_not_less_accurate_than_fla(configs, "prep8_8k")
 
 
 # ---- sessions 8-9 (prep9, prep10): the hoist prep with TMA loads / stores (PREP8 "tma-r168") -------------------
