@@ -784,16 +784,21 @@ def _chunk_prep_tc_kernel(
     if HOIST:  # PREP8: the lean prep with every load first (_prep8_program)
         n, c, bos, eos = locate_chunk(coff, cu, N, p, BLOCK_N)
         t0 = bos + c * BT
-        # TMA (TMA_LOAD) only for a chunk whose 64 rows all belong to its sequence: a partial last chunk's tile would
-        # bring in the next sequence's rows, whose inf / NaN no zero weight removes (0 x inf), so it takes the
-        # pointer loads (zeros past the sequence). Two whole program bodies, no tile crossing the branch: the TMA
-        # tiles stay in shared memory. Without TMA_LOAD the condition is a constant and one body is compiled.
-        whole = (eos - t0 >= BT) if TMA_LOAD else False
-        if whole:
-            _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log, dt_bias,
-                           t0, eos, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv,
-                           k_desc, q_desc, v_desc, w_desc, u_desc, p_desc, R, K, V, BT, L2NORM, GATES, QK_PREC,
-                           WU_PREC, CHUNKED, UT_PREC, True, TMA_STORE)
+        if TMA_LOAD:
+            # TMA only for a chunk whose 64 rows all belong to its sequence: a partial last chunk's tile would bring
+            # in the next sequence's rows, whose inf / NaN no zero weight removes (0 x inf), so it takes the pointer
+            # loads (zeros past the sequence). Two whole program bodies, no tile crossing the branch: the TMA tiles
+            # stay in shared memory.
+            if eos - t0 >= BT:
+                _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log,
+                               dt_bias, t0, eos, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv,
+                               k_desc, q_desc, v_desc, w_desc, u_desc, p_desc, R, K, V, BT, L2NORM, GATES, QK_PREC,
+                               WU_PREC, CHUNKED, UT_PREC, True, TMA_STORE)
+            else:
+                _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log,
+                               dt_bias, t0, eos, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv,
+                               k_desc, q_desc, v_desc, w_desc, u_desc, p_desc, R, K, V, BT, L2NORM, GATES, QK_PREC,
+                               WU_PREC, CHUNKED, UT_PREC, False, TMA_STORE)
         else:
             _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log, dt_bias,
                            t0, eos, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv,
