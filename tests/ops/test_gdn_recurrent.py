@@ -202,6 +202,9 @@ def test_verify_path_rule():
         cfg = tr.default_verify_config(n, t, 16, 32, 128)
         assert cfg.one_launch and 128 % cfg.bv == 0 and not cfg.state_after_release, (n, t, cfg)
     assert tr.default_verify_config(1, 4, 16, 32, 128, pdl=True).pdl
+    # one-warp 8-column programs from 2 tokens per sequence (H200, runs S8-16 / S9-H), 16 columns below
+    assert [(c.bv, c.num_warps) for c in (tr.default_verify_config(1, t, 16, 32, 128) for t in (1, 2, 3, 4))] == \
+        [(16, 2), (8, 1), (8, 1), (8, 1)]
     assert not tr.default_verify_config(1, 4, 16, 32, 128).pdl
     assert not tr.default_verify_config(1, 9, 16, 32, 128).one_launch, "more than VERIFY_MAX_CHUNK tokens"
     assert not tr.default_verify_config(3, 12, 16, 32, 128).one_launch, "more rows than the bound"

@@ -115,12 +115,12 @@ def default_verify_config(n: int, t: int, hk: int, hv: int, v: int, pdl: bool = 
     value head) rows at up to VERIFY_MAX_CHUNK tokens per sequence on average, where the three dependent
     launches of the token-parallel path are the time; programmatic where the device has it. Measured on
     the H200 (docs/PERFORMANCE.md, session 7): B = 1, T = 2 7.26 us vs 8.94 for the three launches, T = 4
-    10.39 vs 11.03; the launch shapes tried (8..32 columns, 1..4 warps) within 7 % of each other. From 4
+    10.39 vs 11.03; the launch shapes tried (8..32 columns, 1..4 warps) within 7 % of each other. From 2
     tokens per sequence on average, one-warp 8-column programs (runs S7-V1 / S8-1 / S8-13 / S8-16, T = 4:
-    9.81 / 9.30 / 10.19 / 9.32 us against 10.39 / 10.04 / 10.40 / 10.02 for 16 columns and 2 warps; at
-    T = 2 the two are within 0.15 us)."""
+    9.81 / 9.30 / 10.19 / 9.32 us against 10.39 / 10.04 / 10.40 / 10.02 for 16 columns and 2 warps; session 9
+    with silu_fast, run S9-H: T = 2 / 3 / 4 / 8 6.61 / 8.12 / 8.76 / 13.05 against 6.82 / 8.63 / 9.34 / 14.46)."""
     if n * hv <= VERIFY_ONE_LAUNCH_MAX_ROWS and t <= VERIFY_MAX_CHUNK * n:
-        if t >= 4 * n:
+        if t >= 2 * n:
             return RecurrentConfig(bv=min(8, v), num_warps=1, one_launch=True, pdl=pdl)
         return RecurrentConfig(bv=min(16, v), num_warps=2, one_launch=True, pdl=pdl)
     return default_tokens_config(n * hv * max(v // 32, 1), v)
