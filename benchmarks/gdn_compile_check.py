@@ -179,10 +179,12 @@ def main() -> int:
             f"verify recurrence bv={bv} w{warps}", rec_t._verify_rec_kernel,
             dict(qn=f32, st_k=f32, vn=bf, st_g=f32, bn=f32, ssm=f32, idx=i32, cu=i32, o_tmp=bf, st_d=f32),
             dict(R=R, K=K, V=V, BV=bv), warps))
-    results.append(compile_one(
-        "verify pre-pass", rec_t._verify_prep_kernel,
-        dict(x=bf, a=bf, b=bf, conv_w=bf, A_log=f32, dt_bias=f32, conv_state=bf, idx=i32, cu=i32, qn=f32, vn=bf,
-             st_k=f32, st_g=f32, bn=f32, scale="fp32"), dict(K=K, V=V, W=4, BLOCK_N=64), 1))
+    prep_types = dict(x=bf, a=bf, b=bf, conv_w=bf, A_log=f32, dt_bias=f32, conv_state=bf, idx=i32, cu=i32, qn=f32,
+                      vn=bf, st_k=f32, st_g=f32, bn=f32, st_x=bf, scale="fp32")
+    results.append(compile_one("verify pre-pass", rec_t._verify_prep_kernel, prep_types,
+                               dict(K=K, V=V, W=4, BLOCK_N=64), 1))
+    results.append(compile_one("verify q/k pre-pass (qk_prepass) pdl", rec_t._verify_prep_kernel, prep_types,
+                               dict(K=K, V=V, W=4, BLOCK_N=64, QK_ONLY=True, PDL=True, TRIGGER=True), 1))
     for verify in (False, True):
         results.append(compile_one(
             f"finish verify={int(verify)}", rec_t._finish_kernel,
@@ -205,11 +207,15 @@ def main() -> int:
     # the one-launch verify (T = 2 / 4 / 8 per sequence: TB = 2 / 4 / 8), the benchmark's variants
     ver_types = dict(x=bf, z=bf, a=bf, b=bf, conv_w=bf, A_log=f32, dt_bias=f32, norm_w=bf, conv_state=bf, ssm=f32,
                      idx=i32, cu=i32, o_tmp=bf, out=bf, st_x=bf, st_k=f32, st_g=f32, st_d=f32, counters=i32,
-                     scale="fp32", eps="fp32", SLOTS="i32")
-    for tb, bv, warps in [(4, 16, 1), (2, 16, 1), (8, 16, 1), (4, 8, 1), (4, 16, 2), (4, 32, 2), (4, 128, 4)]:
+                     scale="fp32", eps="fp32", SLOTS="i32", qn=f32)
+    for tb, bv, warps, qk_in in [(4, 16, 1, False), (2, 16, 1, False), (8, 16, 1, False), (4, 8, 1, False),
+                                 (4, 16, 2, False), (4, 32, 2, False), (4, 128, 4, False), (4, 8, 1, True),
+                                 (2, 8, 1, True), (8, 8, 1, True)]:
         results.append(compile_one(
-            f"verify one launch TB={tb} bv={bv} w{warps} pdl", rec_t._verify_fused_kernel, ver_types,
-            dict(R=R, K=K, V=V, BV=bv, W=4, TB=tb, SIGMOID=False, PDL=True, PREFETCH=True, TRIGGER=True), warps))
+            f"verify one launch TB={tb} bv={bv} w{warps} pdl{' q/k in (qk_prepass)' * qk_in}",
+            rec_t._verify_fused_kernel, ver_types,
+            dict(R=R, K=K, V=V, BV=bv, W=4, TB=tb, SIGMOID=False, PDL=True, PREFETCH=True, TRIGGER=True, QK_IN=qk_in),
+            warps))
     # the input projection with the conv epilogue (rms_norm_linear_conv): 35B-A3B in_proj 2048 -> 12352 at
     # M = 1 (the norm folded, default tiles 16 x 256, 4 stages) and M = 8 (tensor cores, 64 x 128, 4 stages)
     from deltaserve.ops.linear import triton as lin_t

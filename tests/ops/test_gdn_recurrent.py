@@ -186,14 +186,22 @@ def test_decode_pdl_rule_and_checks(device):
                           config=tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True, pdl=True), **layer.kw())
 
 
-def test_decode_only_config_rejected_for_verify(device):
+@pytest.mark.parametrize("op,config,message", [
+    ("verify", tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True, state_after_release=True),
+     "state_after_release applies to gdn_decode only"),
+    ("verify", tr.RecurrentConfig(bv=16, num_warps=1, qk_prepass=True), "qk_prepass applies to the one-launch verify"),
+    ("decode", tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True, qk_prepass=True),
+     "qk_prepass applies to gdn_verify only"),
+], ids=["state_after_release-verify", "qk_prepass-three-launches", "qk_prepass-decode"])
+def test_config_fields_of_another_path_rejected(op, config, message, device):
     layer = Layer(device, torch.float32, seed=2)
     cu, idx, mixed, z, a, b = _verify_case(layer, [2], [1])
-    with pytest.raises(ValueError, match="state_after_release applies to gdn_decode only"):
-        tr.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=layer.conv_state.clone(),
-                      ssm_state=layer.ssm_state.clone(), state_indices=idx, stash=layer.stash(2),
-                      config=tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True, state_after_release=True),
-                      **layer.kw())
+    pools = dict(conv_state=layer.conv_state.clone(), ssm_state=layer.ssm_state.clone(), state_indices=idx)
+    with pytest.raises(ValueError, match=message):
+        if op == "verify":
+            tr.gdn_verify(mixed, z, a, b, cu_seqlens=cu, stash=layer.stash(2), config=config, **pools, **layer.kw())
+        else:
+            tr.gdn_decode(mixed[:1], z[:1], a[:1], b[:1], config=config, **pools, **layer.kw())
 
 
 def test_verify_path_rule():
@@ -222,14 +230,16 @@ ONE_LAUNCH_VERIFY_CASES = [
 ]
 
 
+@pytest.mark.parametrize("prepass", [False, True], ids=["fused", "qk-prepass"])
 @pytest.mark.parametrize("ratio,dv,bv,dtype,activation,lengths,slots", ONE_LAUNCH_VERIFY_CASES)
-def test_one_launch_verify_matches_three_launches(ratio, dv, bv, dtype, activation, lengths, slots, device):
-    """The one-launch verify == the three-launch verify: outputs within fp32 rounding, the stash's live
-    rows (k, g within fp32 rounding, delta, x bit for bit), pools untouched; twice (counters reset)."""
+def test_one_launch_verify_matches_three_launches(ratio, dv, bv, dtype, activation, lengths, slots, prepass, device):
+    """The one-launch verify (with its q / k in the kernel, or from the qk_prepass pre-kernel) == the three-launch
+    verify: outputs within fp32 rounding, the stash's live rows (k, g within fp32 rounding, delta, x bit for bit),
+    pools untouched; twice (counters reset)."""
     layer = Layer(device, dtype, ratio=ratio, dv=dv, seed=40 + ratio + bv, activation=activation)
     cu, idx, mixed, z, a, b = _verify_case(layer, lengths, slots)
     T = sum(lengths)
-    one = tr.RecurrentConfig(bv=bv, num_warps=1, one_launch=True)
+    one = tr.RecurrentConfig(bv=bv, num_warps=1, one_launch=True, qk_prepass=prepass)
     three = tr.RecurrentConfig(bv=bv, num_warps=1)
     live = torch.cat([torch.full((n,), s >= 0) for n, s in zip(lengths, slots)]).to(device)
     for step in range(2):
@@ -277,7 +287,7 @@ def _verify_case(layer: Layer, lengths, idx_list):
     return cu, idx, mixed, z, a, b
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton", "triton-one-launch"])
+@pytest.mark.parametrize("impl", ["reference", "triton", "triton-one-launch", "triton-qk-prepass"])
 def test_verify_then_commit_equals_sequential_decode(impl, device):
     """verify(T_n tokens) outputs == T_n decode steps; commit(a_n) leaves pools == after a_n decode steps;
     verify itself leaves the pools untouched. Ragged T_n = K_n + 1, K_n in 1..7, a padded row."""
@@ -289,7 +299,8 @@ def test_verify_then_commit_equals_sequential_decode(impl, device):
     cu, idx, mixed, z, a, b = _verify_case(layer, lengths, idx_list)
     ops = ref if impl == "reference" else tr
     cfg = {"triton": tr.RecurrentConfig(bv=16, num_warps=1),  # the three launches whatever the default
-           "triton-one-launch": tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True)}.get(impl)
+           "triton-one-launch": tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True),
+           "triton-qk-prepass": tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, qk_prepass=True)}.get(impl)
     c_v, s_v = layer.pools()
     stash = layer.stash(sum(lengths))
     out = ops.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=c_v, ssm_state=s_v, state_indices=idx,
@@ -494,12 +505,15 @@ REAL_ONE_LAUNCH_VERIFY = [
     tr.RecurrentConfig(bv=bv, num_warps=w, one_launch=True, pdl=True)
     for bv, w in [(16, 1), (8, 1), (16, 2), (32, 2), (16, 4), (32, 4)]
 ] + [tr.RecurrentConfig(bv=16, num_warps=2, one_launch=True),
-     tr.RecurrentConfig(bv=128, num_warps=4, one_launch=True)]  # whole rows: the local norm
+     tr.RecurrentConfig(bv=128, num_warps=4, one_launch=True),  # whole rows: the local norm
+     tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, pdl=True, qk_prepass=True),
+     tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, qk_prepass=True)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [None] + REAL_ONE_LAUNCH_VERIFY,
-                         ids=lambda c: "default" if c is None else f"bv{c.bv}-w{c.num_warps}{'-pdl' * c.pdl}")
+                         ids=lambda c: "default" if c is None else
+                         f"bv{c.bv}-w{c.num_warps}{'-pdl' * c.pdl}{'-qk-prepass' * c.qk_prepass}")
 def test_one_launch_verify_real_shape(config):
     """Every one-launch verify configuration the benchmark times and the default rule (None), at B = 1
     (T = 2, 4) and B = 2 (ragged 3 + 5, and a padded row): outputs == the three launches up to fp32

@@ -33,7 +33,8 @@ Verify has two forms, picked on the host from the shapes (default_verify_config)
   (_verify_fused_kernel, programmatic on 9.0+): per (sequence, value head, V-slice) the conv, norms and
   gates of the sequence's tokens, the T_n delta steps and the stash, the gated norm of split rows by the
   group's last program on a per-(sequence, value head) counter. The pools are only read, so nothing else
-  needs coordinating.
+  needs coordinating. With RecurrentConfig.qk_prepass the q / k half of that prologue runs once per token
+  and key head in a pre-kernel launched just before (the pre-pass below, q / k heads only).
 - otherwise three: a token-parallel pre-pass (conv + SiLU, q/k L2 norms, gates of every token, once per
   head instead of once per V-slice), the recurrence over the T_n tokens (state math only), and (2) with
   the copy of the inputs into the stash instead of the window update.
@@ -66,7 +67,11 @@ class RecurrentConfig:
     previous kernel (it starts while that one drains and waits for it with griddepcontrol.wait before
     reading anything); prefetch (with pdl) asks L2 for the slot's state and window lines before that
     wait; state_after_release stores the new state after the program's arrival on its group counter
-    instead of before (so the release's fence does not wait for the state stores)."""
+    instead of before (so the release's fence does not wait for the state stores).
+    qk_prepass (one-launch gdn_verify only): the tokens' q / k conv, SiLU and norms in a token-parallel
+    pre-kernel launched just before (programmatically with pdl), once per token and key head, instead of in each
+    of the key head's (value head, V-slice) programs (session 9: that prologue is ~25-40 % of a program's
+    instructions, and the per-token cost follows the instructions)."""
 
     bv: int = 32
     num_warps: int = 4
@@ -74,6 +79,7 @@ class RecurrentConfig:
     pdl: bool = False
     prefetch: bool = True
     state_after_release: bool = False
+    qk_prepass: bool = False
 
 
 def default_recurrent_config(num_programs_bv32: int, v: int) -> RecurrentConfig:
@@ -552,11 +558,20 @@ def _decode_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
 
 @triton.jit(do_not_specialize=["N"])
 def _verify_prep_kernel(x, s_x_t, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, conv_state, idx, cu, N,
-                        qn, vn, st_k, st_g, bn, scale, HK, HV, D,
-                        K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr):
+                        qn, vn, st_k, st_g, bn, st_x, scale, HK, HV, D,
+                        K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr,
+                        QK_ONLY: tl.constexpr = False, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
     """Verify, launch 1 (token-parallel pre-pass), one program per (token, head group): the conv + SiLU of
     the group's channels, then for a q / k head its L2 norm (q scaled), for a v head the values and the
-    gates. grp < HK: q head, < 2 HK: k head, else v head grp - 2 HK."""
+    gates. grp < HK: q head, < 2 HK: k head, else v head grp - 2 HK.
+    QK_ONLY (RecurrentConfig.qk_prepass, grid (T, 2 HK)): the q / k heads only, ahead of _verify_fused_kernel
+    (QK_IN), which computes the rest; these programs also copy their channels of x into stash.x. Waits for
+    the previous kernel (PDL), then lets the fused kernel launch (TRIGGER): it may read what was written before
+    this kernel, and waits for this one before it reads qn / stash.k."""
+    if PDL:
+        gdc_wait()
+    if TRIGGER:
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1)
     offs = tl.arange(0, BLOCK_N)
@@ -572,7 +587,9 @@ def _verify_prep_kernel(x, s_x_t, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, co
         if grp < HK:  # q heads then k heads, contiguous in the conv channels
             tl.store(qn + (t * HK + grp) * K + ok, xh * scale)
         else:
-            tl.store(st_k + (t * HK + grp - HK) * K + ok, xh)
+            tl.store(st_k + (t * HK + grp - HK) * K + ok, xh)  # zeros for a padded row (no inputs)
+        if QK_ONLY:
+            tl.store(st_x + t * D + grp * K + ok, tl.load(x + t * s_x_t + grp * K + ok))
     else:
         hv = grp - 2 * HK
         ov = tl.arange(0, V)
@@ -619,10 +636,10 @@ def _verify_rec_kernel(qn, st_k, vn, st_g, bn, ssm, idx, cu, o_tmp, st_d, HK, HV
 @triton.jit(do_not_specialize=["SLOTS"])
 def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, norm_w,
                          conv_state, ssm, idx, cu, o_tmp, out, st_x, st_k, st_g, st_d, counters, scale, eps,
-                         HK, HV, D, SLOTS,
+                         HK, HV, D, SLOTS, qn,
                          R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
                          TB: tl.constexpr, SIGMOID: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                         TRIGGER: tl.constexpr = False):
+                         TRIGGER: tl.constexpr = False, QK_IN: tl.constexpr = False):
     """Verify in one launch (small batches), per (sequence, value head, V-slice): the pre-pass, the
     recurrence and the finish of the three-launch path in one program, the same math in the same order.
 
@@ -635,7 +652,12 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
     With whole rows (BV = V) the norm is local. The stash is shared out: each program copies its own value
     channels of x and writes its delta slice; the first V-slice writes g; the first V-slice of a key
     head's first value head writes k and the key head's q/k channels of x. PDL and the L2 prefetch as in
-    _decode_fused_kernel (nothing is read before griddepcontrol.wait but the prefetch's hint)."""
+    _decode_fused_kernel (nothing is read before griddepcontrol.wait but the prefetch's hint).
+    QK_IN (RecurrentConfig.qk_prepass): the tokens' normalised q (qn, scaled) and k (stash.k) come from the
+    pre-pass launched just before (_verify_prep_kernel, QK_ONLY: once per token and key head instead of in each
+    of a key head's programs), which also wrote k and the q / k channels of stash.x. Everything else is read
+    before griddepcontrol.wait: the pre-pass let this kernel launch only after its own wait (what was written
+    before it is complete), so only qn / stash.k wait for it."""
     j = tl.program_id(0)
     nh = tl.program_id(1)
     n = nh // HV
@@ -643,7 +665,7 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
     hk = hv // R
     ok = tl.arange(0, K)
     ov = j * BV + tl.arange(0, BV)
-    if PDL:
+    if PDL and not QK_IN:
         if PREFETCH:
             guess = tl.load(idx + n, cache_modifier=".cg").to(tl.int64)
             gslot = tl.minimum(tl.maximum(guess, 0), SLOTS - 1)
@@ -672,8 +694,9 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
     k_taps = ()
     v_taps = ()
     for i in tl.static_range(W):
-        q_taps = q_taps + (tl.load(conv_w + cq * W + i).to(tl.float32),)
-        k_taps = k_taps + (tl.load(conv_w + ck * W + i).to(tl.float32),)
+        if not QK_IN:
+            q_taps = q_taps + (tl.load(conv_w + cq * W + i).to(tl.float32),)
+            k_taps = k_taps + (tl.load(conv_w + ck * W + i).to(tl.float32),)
         v_taps = v_taps + (tl.load(conv_w + cv * W + i).to(tl.float32),)
     lead_k = (j == 0) & (hv % R == 0)  # writes stash.k and the q/k channels of stash.x
     Tn = eos - bos
@@ -690,14 +713,16 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
             p = c - (W - 1) + rr
             in_x = (p >= 0) & (p < Tn)
             xr = x + (bos64 + p) * s_x_t
-            q_x = q_x + (tl.load(xr + cq, mask=(ok >= 0) & in_x, other=0.0),)
-            k_x = k_x + (tl.load(xr + ck, mask=(ok >= 0) & in_x, other=0.0),)
+            if not QK_IN:
+                q_x = q_x + (tl.load(xr + cq, mask=(ok >= 0) & in_x, other=0.0),)
+                k_x = k_x + (tl.load(xr + ck, mask=(ok >= 0) & in_x, other=0.0),)
             v_x = v_x + (tl.load(xr + cv, mask=(ov >= 0) & in_x, other=0.0),)
             if rr < W - 1:  # only these rows can lie before the sequence start
                 in_w = (p < 0) & live
                 wr = win + (W - 1 + p) * D
-                q_w = q_w + (tl.load(wr + cq, mask=(ok >= 0) & in_w, other=0.0),)
-                k_w = k_w + (tl.load(wr + ck, mask=(ok >= 0) & in_w, other=0.0),)
+                if not QK_IN:
+                    q_w = q_w + (tl.load(wr + cq, mask=(ok >= 0) & in_w, other=0.0),)
+                    k_w = k_w + (tl.load(wr + ck, mask=(ok >= 0) & in_w, other=0.0),)
                 v_w = v_w + (tl.load(wr + cv, mask=(ov >= 0) & in_w, other=0.0),)
         # every per-token input of the chunk is loaded before the first store: a load after a store it
         # may alias stays behind it, which put a DRAM round trip on every token's chain (session 7)
@@ -712,6 +737,14 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
             if BV == V:
                 z_c = z_c + (tl.load(z + t * s_z_t + hv * s_z_h + of, mask=(of >= 0) & valid, other=0.0)
                              .to(tl.float32),)
+        if QK_IN:  # the pre-pass's rows (after it completed: the only reads that wait for it)
+            if PDL:
+                gdc_wait()
+            for r in tl.static_range(TB):
+                qk_row = ((bos64 + c + r) * HK + hk) * K + ok
+                qk_m = (ok >= 0) & (c + r < Tn)
+                q_x = q_x + (tl.load(qn + qk_row, mask=qk_m, other=0.0),)
+                k_x = k_x + (tl.load(st_k + qk_row, mask=qk_m, other=0.0),)
         for r in tl.static_range(TB):
             t = bos64 + c + r
             valid = c + r < Tn
@@ -722,15 +755,21 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
             acc_v = tl.zeros([BV], dtype=tl.float32)
             for i in tl.static_range(W):
                 if r + i < W - 1:  # (x + window) as _conv_token adds them: one of the two is zero
-                    acc_q += (q_x[r + i].to(tl.float32) + q_w[r + i].to(tl.float32)) * q_taps[i]
-                    acc_k += (k_x[r + i].to(tl.float32) + k_w[r + i].to(tl.float32)) * k_taps[i]
+                    if not QK_IN:
+                        acc_q += (q_x[r + i].to(tl.float32) + q_w[r + i].to(tl.float32)) * q_taps[i]
+                        acc_k += (k_x[r + i].to(tl.float32) + k_w[r + i].to(tl.float32)) * k_taps[i]
                     acc_v += (v_x[r + i].to(tl.float32) + v_w[r + i].to(tl.float32)) * v_taps[i]
                 else:
-                    acc_q += q_x[r + i].to(tl.float32) * q_taps[i]
-                    acc_k += k_x[r + i].to(tl.float32) * k_taps[i]
+                    if not QK_IN:
+                        acc_q += q_x[r + i].to(tl.float32) * q_taps[i]
+                        acc_k += k_x[r + i].to(tl.float32) * k_taps[i]
                     acc_v += v_x[r + i].to(tl.float32) * v_taps[i]
-            qh = _l2norm(silu_fast(acc_q).to(x.dtype.element_ty).to(tl.float32)) * scale
-            kh = _l2norm(silu_fast(acc_k).to(x.dtype.element_ty).to(tl.float32))
+            if QK_IN:
+                qh = q_x[r]
+                kh = k_x[r]
+            else:
+                qh = _l2norm(silu_fast(acc_q).to(x.dtype.element_ty).to(tl.float32)) * scale
+                kh = _l2norm(silu_fast(acc_k).to(x.dtype.element_ty).to(tl.float32))
             vv = silu_fast(acc_v).to(x.dtype.element_ty).to(tl.float32)
             gt = -tl.exp(A) * softplus(av + dtb)
             bt = sigmoid(bv)
@@ -747,7 +786,7 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                 tl.store(st_x + t * D + cv, v_x[W - 1 + r].to(st_x.dtype.element_ty))
                 if j == 0:
                     tl.store(st_g + row, gt)
-                if lead_k:
+                if lead_k and not QK_IN:
                     tl.store(st_k + (t * HK + hk) * K + ok, tl.where(live, kh, 0.0))
                     tl.store(st_x + t * D + cq, q_x[W - 1 + r].to(st_x.dtype.element_ty))
                     tl.store(st_x + t * D + ck, k_x[W - 1 + r].to(st_x.dtype.element_ty))
@@ -869,8 +908,10 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
     if verify:
         cfg = config or default_verify_config(N, T, HK, HV, V, pdl=has_pdl(mixed_qkv.device))
         check(not cfg.state_after_release, op, "config state_after_release applies to gdn_decode only")
+        check(cfg.one_launch or not cfg.qk_prepass, op, "config qk_prepass applies to the one-launch verify only")
     else:
         cfg = config or default_decode_config(N, HK, HV, V, pdl=has_pdl(mixed_qkv.device))
+        check(not cfg.qk_prepass, op, "config qk_prepass applies to gdn_verify only")
     check(V % cfg.bv == 0, op, f"config bv={cfg.bv} must divide V={V}")
     check(cfg.one_launch or not (cfg.pdl or cfg.state_after_release), op,
           "config pdl / state_after_release apply to the one-launch paths only")
@@ -879,13 +920,22 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
     # without the gated norm the one-launch kernel writes o straight to `out`, the two launches' o_tmp is it
     o_tmp = out if not gated_norm else torch.empty((T, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     if cfg.one_launch and verify:
+        qn = o_tmp  # an argument the kernel does not read without the pre-pass
+        if cfg.qk_prepass:
+            qn = torch.empty((T, HK, K), dtype=torch.float32, device=mixed_qkv.device)
+            _verify_prep_kernel[(T, 2 * HK)](
+                mixed_qkv, mixed_qkv.stride(0), a, a.stride(0), b, b.stride(0), conv_weight, A_log, dt_bias,
+                conv_state, state_indices, cu_seqlens, N, qn, qn, stash.k, stash.g, qn, stash.x, float(scale), HK,
+                HV, D, K=K, V=V, W=W, BLOCK_N=max(16, next_pow2(N)), QK_ONLY=True, PDL=cfg.pdl,
+                TRIGGER=has_pdl(mixed_qkv.device), num_warps=1, **({"launch_pdl": True} if cfg.pdl else {}))
         _verify_fused_kernel[(V // cfg.bv, N * HV)](
             mixed_qkv, mixed_qkv.stride(0), z3, z3.stride(0), z3.stride(1), a, a.stride(0), b, b.stride(0),
             conv_weight, A_log, dt_bias, norm_weight, conv_state, ssm_state, state_indices, cu_seqlens, o_tmp, out,
             stash.x, stash.k, stash.g, stash.delta, _group_counters(mixed_qkv.device, N * HV), float(scale),
-            float(eps), HK, HV, D, ssm_state.shape[0], R=HV // HK, K=K, V=V, BV=cfg.bv, W=W,
+            float(eps), HK, HV, D, ssm_state.shape[0], qn, R=HV // HK, K=K, V=V, BV=cfg.bv, W=W,
             TB=verify_chunk(T, N), SIGMOID=sigmoid_gate, PDL=cfg.pdl, PREFETCH=cfg.prefetch,
-            TRIGGER=has_pdl(mixed_qkv.device), num_warps=cfg.num_warps, **({"launch_pdl": True} if cfg.pdl else {}))
+            TRIGGER=has_pdl(mixed_qkv.device), QK_IN=cfg.qk_prepass, num_warps=cfg.num_warps,
+            **({"launch_pdl": True} if cfg.pdl else {}))
         return out
     if cfg.one_launch:
         _decode_fused_kernel[(V // cfg.bv, N * HV)](
@@ -905,8 +955,8 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
         bn = torch.empty((T, HV), dtype=f32, device=mixed_qkv.device)
         _verify_prep_kernel[(T, 2 * HK + HV)](
             mixed_qkv, mixed_qkv.stride(0), a, a.stride(0), b, b.stride(0), conv_weight, A_log, dt_bias, conv_state,
-            state_indices, cu_seqlens, N, qn, vn, stash.k, stash.g, bn, float(scale), HK, HV, D, K=K, V=V, W=W,
-            BLOCK_N=max(16, next_pow2(N)), num_warps=1)
+            state_indices, cu_seqlens, N, qn, vn, stash.k, stash.g, bn, stash.x, float(scale), HK, HV, D, K=K, V=V,
+            W=W, BLOCK_N=max(16, next_pow2(N)), num_warps=1)
         _verify_rec_kernel[(V // cfg.bv, N * HV)](
             qn, stash.k, vn, stash.g, bn, ssm_state, state_indices, cu_seqlens, o_tmp, stash.delta, HK, HV,
             R=HV // HK, K=K, V=V, BV=cfg.bv, num_warps=cfg.num_warps)
