@@ -383,9 +383,10 @@ def verify_path_variants(B: int) -> list[tuple[str, "tr.RecurrentConfig"]]:
            for bv, w in [(16, 1), (8, 1), (16, 2), (32, 2), (16, 4), (32, 4)]]
     return [("3 launches (pre-session-7 path)", tr.default_tokens_config(B * HV * max(DV // 32, 1), DV))] + [
         (label, cfg) for label, cfg in one if cfg != default] + [
-        ("1-launch default no pdl", dataclasses.replace(default, pdl=False)),
-        # session 9: the q / k prologue in a programmatic pre-kernel (not measured on the device yet)
-        ("1-launch default + q/k pre-kernel", dataclasses.replace(default, qk_prepass=True))]
+        ("1-launch default no pdl", dataclasses.replace(default, pdl=False, qk_prepass=False))] + [
+        # session 10: the default from 3 tokens per sequence; the row times the one-launch kernel without it
+        (f"1-launch default {'without' if default.qk_prepass else 'with'} q/k pre-kernel",
+         dataclasses.replace(default, qk_prepass=not default.qk_prepass))]
 
 
 def verify_cases(sweep: bool = False) -> list[Case]:

@@ -214,6 +214,11 @@ def test_verify_path_rule():
     assert [(c.bv, c.num_warps) for c in (tr.default_verify_config(1, t, 16, 32, 128) for t in (1, 2, 3, 4))] == \
         [(16, 2), (8, 1), (8, 1), (8, 1)]
     assert not tr.default_verify_config(1, 4, 16, 32, 128).pdl
+    # the q / k pre-kernel from 3 tokens per sequence, and only where it is programmatic (H200, run S10-1)
+    assert [tr.default_verify_config(n, t, 16, 32, 128, pdl=True).qk_prepass
+            for n, t in ((1, 1), (1, 2), (1, 3), (1, 4), (1, 8), (2, 4), (2, 6), (2, 16))] == \
+        [False, False, True, True, True, False, True, True]
+    assert not tr.default_verify_config(1, 4, 16, 32, 128).qk_prepass
     assert not tr.default_verify_config(1, 9, 16, 32, 128).one_launch, "more than VERIFY_MAX_CHUNK tokens"
     assert not tr.default_verify_config(3, 12, 16, 32, 128).one_launch, "more rows than the bound"
     assert not tr.default_verify_config(64, 256, 16, 32, 128).one_launch

@@ -124,10 +124,14 @@ def default_verify_config(n: int, t: int, hk: int, hv: int, v: int, pdl: bool = 
     10.39 vs 11.03; the launch shapes tried (8..32 columns, 1..4 warps) within 7 % of each other. From 2
     tokens per sequence on average, one-warp 8-column programs (runs S7-V1 / S8-1 / S8-13 / S8-16, T = 4:
     9.81 / 9.30 / 10.19 / 9.32 us against 10.39 / 10.04 / 10.40 / 10.02 for 16 columns and 2 warps; session 9
-    with silu_fast, run S9-H: T = 2 / 3 / 4 / 8 6.61 / 8.12 / 8.76 / 13.05 against 6.82 / 8.63 / 9.34 / 14.46)."""
+    with silu_fast, run S9-H: T = 2 / 3 / 4 / 8 6.61 / 8.12 / 8.76 / 13.05 against 6.82 / 8.63 / 9.34 / 14.46).
+    From 3 tokens per sequence, with PDL, the q / k pre-kernel (qk_prepass; session 10, run S10-1, B = 1: T = 3 / 4
+    / 8 7.67 / 8.30 / 11.28 us against 8.16 / 8.82 / 13.07; B = 2: T = 4 / 8 9.59 / 13.04 against 10.37 / 14.63;
+    below 3 tokens its launch costs more than it saves: B = 1, T = 1 / 2 5.89 / 7.11 against 5.20 / 6.61)."""
     if n * hv <= VERIFY_ONE_LAUNCH_MAX_ROWS and t <= VERIFY_MAX_CHUNK * n:
         if t >= 2 * n:
-            return RecurrentConfig(bv=min(8, v), num_warps=1, one_launch=True, pdl=pdl)
+            return RecurrentConfig(bv=min(8, v), num_warps=1, one_launch=True, pdl=pdl,
+                                   qk_prepass=pdl and t >= 3 * n)
         return RecurrentConfig(bv=min(16, v), num_warps=2, one_launch=True, pdl=pdl)
     return default_tokens_config(n * hv * max(v // 32, 1), v)
 
