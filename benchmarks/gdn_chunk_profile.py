@@ -12,6 +12,7 @@ the numbers are in the report.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -32,6 +33,9 @@ def runner(impl: str, d: dict, N: int):
                              use_qk_l2norm_in_kernel=True, cu_seqlens=d["cu64"])
     if impl == "default":
         cfg = None
+    elif impl == "u_in_chain":  # session 10: U formed in the (Gluon) chain
+        cfg = dataclasses.replace(tc.default_chunk_config(N, gk.HV, gk.DV, torch.bfloat16, k=gk.DK, gluon=True),
+                                  u_in_chain=True)
     elif impl == "split":
         cfg = tc.CANDIDATES[tc.SPLIT_OUTPUT["one" if gk.one_sequence_class(N) else "many"][0]]
     elif impl.startswith("prep7-"):  # a PREP7 prep on the shape's default configuration
@@ -51,7 +55,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="1x32768", choices=sorted(gk.PREFILL))
     ap.add_argument("--impls", default="default,split,fla",
-                    help="comma list: default, split, fla, a CANDIDATES name, prep7-<PREP7 name> or prep8-<PREP8 name>")
+                    help="comma list: default, split, fla, u_in_chain, a CANDIDATES name, prep7-<PREP7 name> or prep8-<PREP8 name>")
     args = ap.parse_args()
     lengths = gk.PREFILL[args.shape]
     d = gk.prefill_inputs(lengths)

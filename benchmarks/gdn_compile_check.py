@@ -116,8 +116,17 @@ def main() -> int:
             dict(R=R, K=K, V=V, BT=64, BLOCK_N=16, L2NORM=True, GATES=False, QK_PREC="native", DIAG_PREC=cfg.diag_prec,
                  MERGE_PREC=cfg.merge_prec, WU_PREC=cfg.wu_prec, WU_COLS_K=cfg.wu_cols or K, WU_COLS_V=cfg.wu_cols or V,
                  CHUNKED=True, UT=cfg.ut, UT_PREC=cfg.ut_prec, LEAN=cfg.lean, HOIST=cfg.hoist,
-                 HEADS_FIRST=cfg.heads_first, TMA_LOAD=cfg.tma_load, TMA_STORE=cfg.tma_store),
+                 HEADS_FIRST=cfg.heads_first, TMA_LOAD=cfg.tma_load, TMA_STORE=cfg.tma_store, TU=False),
             cfg.warps_tc, maxnreg=cfg.maxnreg_tc))
+    cfg = chunk_t.PREP8["tma-r168"]  # session 10: the default prep storing U's factor (ChunkConfig.u_in_chain)
+    results.append(compile_one(
+        "chunk_prep_tc prep8 tma-r168 u_in_chain", chunk_t._chunk_prep_tc_kernel,
+        dict(prep_types, Ub=bf, u_desc=desc("bf16", 64)),
+        dict(R=R, K=K, V=V, BT=64, BLOCK_N=16, L2NORM=True, GATES=False, QK_PREC="native", DIAG_PREC=cfg.diag_prec,
+             MERGE_PREC=cfg.merge_prec, WU_PREC=cfg.wu_prec, WU_COLS_K=K, WU_COLS_V=V, CHUNKED=True, UT=cfg.ut,
+             UT_PREC=cfg.ut_prec, LEAN=cfg.lean, HOIST=True, HEADS_FIRST=True, TMA_LOAD=True, TMA_STORE=True,
+             TU=True),
+        cfg.warps_tc, maxnreg=cfg.maxnreg_tc))
     if args.sweep:  # the session-2 forward-substitution prep
         for gates in (False, True):
             for split in (True, False):

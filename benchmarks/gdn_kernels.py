@@ -222,6 +222,8 @@ def prefill_cases(sweep: bool) -> list[Case]:
     # session 8 (prep8): triton_chunk.PREP8 likewise, timed right after ours / FLA (session 9: the earlier default
     # prep against today's)
     prep8 = {n: [] for n in tc.PREP8}
+    # session 10: U formed in the chain (ChunkConfig.u_in_chain), the other side of the default's choice
+    u_chain = []
     for name, lengths in PREFILL.items():
         T, N = sum(lengths), len(lengths)
         # the configuration `ours` runs (the Gluon chain where the device has it), so "ours: state kernel" is its chain
@@ -301,8 +303,16 @@ def prefill_cases(sweep: bool) -> list[Case]:
                                      lambda c, f=part, cfg=cfg: f(c, which="prep", cfg=cfg), tokens=T))
             prep8[pname].append(Case("prefill", name, f"ours prep8 {pname}", 3,
                                      lambda c, cfg=cfg, f=ours: f(c, cfg=cfg), tokens=T))
+        if base.layout == "chunk" and base.hoist:
+            cfg = dataclasses.replace(base, u_in_chain=not base.u_in_chain)
+            label = f"{'without' if base.u_in_chain else 'with'} u_in_chain"
+            u_chain.append(Case("prefill", name, f"ours {label}", 3, lambda c, cfg=cfg, f=ours: f(c, cfg=cfg),
+                                tokens=T))
+            for which in ("prep", "state"):
+                u_chain.append(Case("prefill", name, f"ours {label}: {which} kernel", 3,
+                                    lambda c, f=part, w=which, cfg=cfg: f(c, which=w, cfg=cfg), tokens=T))
         gates.append(Case("prefill", name, "ours gdn_prefill (gates fused)", 3, ours_gates, tokens=T))
-    return (first + [c for cs in prep8.values() for c in cs] + parts + [c for cs in prep7.values() for c in cs]
+    return (first + u_chain + [c for cs in prep8.values() for c in cs] + parts + [c for cs in prep7.values() for c in cs]
             + cands_one + cands_many + later + gates)
 
 

@@ -28,13 +28,16 @@ _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(_BIN, "cuobjdump")), reason="Triton ships no CUDA binutils here")
-@pytest.mark.parametrize("bv,ws", [(32, True), (64, True), (32, False)])
-def test_chain_compiles_for_sm90_without_spills(bv, ws):
+@pytest.mark.parametrize("bv,ws,tu", [(32, True, False), (64, True, False), (32, False, False), (32, True, True),
+                                      (64, True, True)])
+def test_chain_compiles_for_sm90_without_spills(bv, ws, tu):
+    """The chain compiles for sm_90 without register spills within the H200's shared memory, with U read from the
+    prep or (tu, ChunkConfig.u_in_chain) formed from its factor's limbs and v's rows."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     run = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "_gluon_compile.py"), str(bv),
-                          str(int(ws))], capture_output=True, text=True, env=env, timeout=600)
+                          str(int(ws)), str(int(tu))], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(run.stdout.strip().splitlines()[-1])
     assert res["hgmma"] > 0 and res["tma"] > 0, "the products are wgmma and the tiles arrive by TMA"

@@ -51,15 +51,19 @@ def supported(device: torch.device) -> bool:
 
 
 @gluon.jit
-def _load_stage(descs, bufs, bar, s, c, c0, bos, hv, hk, col, HK, HV, K: gl.constexpr, BT: gl.constexpr,
-                NU: gl.constexpr, pred):
+def _load_stage(descs, bufs, bar, s, c, c0, bos, hv, hk, col, HK, HV, K: gl.constexpr, V: gl.constexpr,
+                BT: gl.constexpr, NU: gl.constexpr, TU: gl.constexpr, pred):
     """TMA copies of chunk c's tiles into ring stage s, signalling `bar`: W, K, Q, P, the NU column blocks of
-    U from `col`, the chunk's d / e^G rq rows and the row of e^{G_last} of its chunk (nothing when not pred)."""
-    w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc = descs
-    w_s, k_s, q_s, p_s, u_s, c_s, l_s = bufs
-    BVC: gl.constexpr = u_desc.block_type.shape[1]
+    U from `col` (TU: the two limbs of U's factor and the NU column blocks of the chunk's v rows instead), the
+    chunk's d / e^G rq rows and the row of e^{G_last} of its chunk (nothing when not pred)."""
+    w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc = descs
+    w_s, k_s, q_s, p_s, u_s, c_s, l_s, v_s = bufs
+    BVC: gl.constexpr = v_desc.block_type.shape[1]
     NL: gl.constexpr = l_desc.block_type.shape[1]
-    nbytes: gl.constexpr = (3 * BT * K + BT * BT) * 2 + (NU * BT * BVC + 2 * BT + NL) * 4
+    if TU:
+        nbytes: gl.constexpr = (3 * BT * K + 3 * BT * BT + NU * BT * BVC) * 2 + (2 * BT + NL) * 4
+    else:
+        nbytes: gl.constexpr = (3 * BT * K + BT * BT) * 2 + (NU * BT * BVC + 2 * BT + NL) * 4
     ch = c0 + c
     hrow = ch * HV + hv
     mbarrier.expect(bar, nbytes, pred=pred)
@@ -67,8 +71,16 @@ def _load_stage(descs, bufs, bar, s, c, c0, bos, hv, hk, col, HK, HV, K: gl.cons
     tma.async_copy_global_to_shared(k_desc, [(ch * HK + hk) * BT, 0], bar, k_s.index(s), pred=pred)
     tma.async_copy_global_to_shared(q_desc, [bos + c * BT, hk * K], bar, q_s.index(s), pred=pred)
     tma.async_copy_global_to_shared(p_desc, [hrow * BT, 0], bar, p_s.index(s), pred=pred)
-    for h in gl.static_range(NU):
-        tma.async_copy_global_to_shared(u_desc, [hrow * BT, col + h * BVC], bar, u_s.index(s * NU + h), pred=pred)
+    if TU:
+        tma.async_copy_global_to_shared(u_desc, [hrow * BT, 0], bar, u_s.index(2 * s), pred=pred)
+        tma.async_copy_global_to_shared(u_desc, [hrow * BT, BT], bar, u_s.index(2 * s + 1), pred=pred)
+        for h in gl.static_range(NU):
+            tma.async_copy_global_to_shared(v_desc, [bos + c * BT, hv * V + col + h * BVC], bar,
+                                            v_s.index(s * NU + h), pred=pred)
+    else:
+        for h in gl.static_range(NU):
+            tma.async_copy_global_to_shared(u_desc, [hrow * BT, col + h * BVC], bar, u_s.index(s * NU + h),
+                                            pred=pred)
     tma.async_copy_global_to_shared(c_desc, [hrow * 2, 0], bar, c_s.index(s), pred=pred)
     tma.async_copy_global_to_shared(l_desc, [ch, hv - hv % NL], bar, l_s.index(s), pred=pred)
 
@@ -81,16 +93,30 @@ def _store_rows(x, o, t0, left, hv, HV, rows, ov, V: gl.constexpr):
 
 
 @gluon.jit
+def _issue_u(u_hi, u_lo, vs, left, rows, BT: gl.constexpr, BVC: gl.constexpr, acc_l: gl.constexpr):
+    """U = hi V + lo V of a chunk (ChunkConfig.u_in_chain) from its ring stage, issued asynchronously, the v rows
+    past the sequence (left < BT: they are the next sequence's, and 0 x inf = NaN) zeroed first."""
+    if left < BT:
+        x = vs.load(acc_l)
+        vs.store(gl.where((rows < left)[:, None], x, gl.zeros_like(x)))
+        fence_async_shared()
+    u = warpgroup_mma(u_hi, vs, gl.zeros([BT, BVC], gl.float32, acc_l), is_async=True)
+    return warpgroup_mma(u_lo, vs, u, is_async=True)
+
+
+@gluon.jit
 def _chunk_step(S, w_t, k_t, q_t, p_t, u, d, eq, decay, sh_s, sl_s, vn_s, dh_s, dl_s, prev, o, t0, left, hv, HV,
                 rows, ov, V: gl.constexpr, BT: gl.constexpr, K: gl.constexpr, BV: gl.constexpr, acc_l: gl.constexpr,
-                A_REGS: gl.constexpr = False):
+                A_REGS: gl.constexpr = False, TU: gl.constexpr = False):
     """One chunk of one warpgroup's chain on its [K, BV] state columns (module docstring): returns the new
     state and the chunk's [BT, BV] outputs. Every product it issues is waited for before it returns.
     The previous chunk's outputs (`prev`, already in the output dtype, rows t0 .. t0 + left of the sequence,
     nothing when left <= 0) are stored once this chunk's first products are issued: a store still in flight at
     a shared-memory fence holds the fence up, and here it has the W products' time to drain.
     A_REGS: W and K^T (each the A operand of two products, one per limb) are read from shared memory into
-    registers once, instead of once per product (shared-memory bandwidth is what the products wait on)."""
+    registers once, instead of once per product (shared-memory bandwidth is what the products wait on).
+    TU: u is the accumulator of U's products, issued just before this step and waited for with W S (issuing them
+    a chunk ahead, behind the previous chunk's products, measured slower on the H200: run S10-3)."""
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
     if A_REGS:
         w_t = w_t.load(a_l)
@@ -104,7 +130,10 @@ def _chunk_step(S, w_t, k_t, q_t, p_t, u, d, eq, decay, sh_s, sl_s, vn_s, dh_s, 
     a_v = warpgroup_mma(w_t, sl_s, a_v, is_async=True)
     a_o = warpgroup_mma(q_t, sh_s, zero_v, is_async=True)
     _store_rows(prev, o, t0, left, hv, HV, rows, ov, V)
-    a_v = warpgroup_mma_wait(num_outstanding=1, deps=(a_v, ))  # W S done; Q S may still run
+    if TU:
+        u, a_v = warpgroup_mma_wait(num_outstanding=1, deps=(u, a_v))  # U and W S done; Q S may still run
+    else:
+        a_v = warpgroup_mma_wait(num_outstanding=1, deps=(a_v, ))  # W S done; Q S may still run
 
     vn = u - a_v
     vd = vn * d[:, None]
@@ -128,15 +157,17 @@ def _chunk_step(S, w_t, k_t, q_t, p_t, u, d, eq, decay, sh_s, sl_s, vn_s, dh_s, 
 @gluon.jit
 def _chain_columns(HALF: gl.constexpr, NU: gl.constexpr, STAGES: gl.constexpr, bufs, scratch, ready, empty, o,
                    ssm, cu, idx, has_init, HV, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr,
-                   A_REGS: gl.constexpr, descs=None, coff=None, HK=None, R: gl.constexpr = 1,
+                   A_REGS: gl.constexpr, TU: gl.constexpr, descs=None, coff=None, HK=None, R: gl.constexpr = 1,
                    LOADS: gl.constexpr = False):
     """One warpgroup's chain over its sequence's chunks on state columns [col + HALF * BVC, + BVC) of the
     program's (sequence, value head): waits for each ring stage, runs `_chunk_step`, releases the stage (on
     `empty`, when a producer partition refills the ring) and stores the chunk's outputs, then the final state.
-    LOADS: this warpgroup also issues the ring's copies itself, STAGES - 1 chunks ahead (no producer)."""
-    w_s, k_s, q_s, p_s, u_s, c_s, l_s = bufs
+    LOADS: this warpgroup also issues the ring's copies itself, STAGES - 1 chunks ahead (no producer).
+    TU (ChunkConfig.u_in_chain): U = hi V + lo V from the stage's limbs of U's factor and the chunk's v rows (a
+    partial last chunk's rows past the sequence zeroed first: they are the next sequence's, and 0 x inf = NaN)."""
+    w_s, k_s, q_s, p_s, u_s, c_s, l_s, v_s = bufs
     sh_s, sl_s, vn_s, dh_s, dl_s = scratch
-    BVC: gl.constexpr = u_s.type.shape[2]
+    BVC: gl.constexpr = v_s.type.shape[2]
     NL: gl.constexpr = l_s.type.shape[2]
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BVC, 16])
@@ -165,15 +196,20 @@ def _chain_columns(HALF: gl.constexpr, NU: gl.constexpr, STAGES: gl.constexpr, b
     if LOADS:
         c0 = gl.load(coff + n)
         for i in gl.static_range(STAGES - 1):
-            _load_stage(descs, bufs, ready.index(i), i, i, c0, bos, hv, hv // R, col, HK, HV, K, BT, NU, i < nch)
+            _load_stage(descs, bufs, ready.index(i), i, i, c0, bos, hv, hv // R, col, HK, HV, K, V, BT, NU, TU,
+                        i < nch)
     for c in range(nch):
         s = c % STAGES
         if LOADS:  # the stage refilled here was read by chunk c - 1, whose products were all waited for
             cn = c + STAGES - 1
             _load_stage(descs, bufs, ready.index(cn % STAGES), cn % STAGES, cn, c0, bos, hv, hv // R, col, HK, HV,
-                        K, BT, NU, cn < nch)
+                        K, V, BT, NU, TU, cn < nch)
         mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-        u = u_s.index(s * NU + HALF).load(acc_l)
+        if TU:
+            u = _issue_u(u_s.index(2 * s), u_s.index(2 * s + 1), v_s.index(s * NU + HALF), L - c * BT, rows, BT, BVC,
+                         acc_l)
+        else:
+            u = u_s.index(s * NU + HALF).load(acc_l)
         cf = c_s.index(s)._reinterpret(gl.float32, [2 * BT], flat_l)  # unswizzled: plain row-major rows
         d = cf.slice(0, BT).load(rows_l)
         eq = cf.slice(BT, BT).load(rows_l)
@@ -181,7 +217,7 @@ def _chain_columns(HALF: gl.constexpr, NU: gl.constexpr, STAGES: gl.constexpr, b
         S, out = _chunk_step(S, w_s.index(s), k_s.index(s), q_s.index(s), p_s.index(s), u, d, eq, decay,
                              sh_s.index(HALF), sl_s.index(HALF), vn_s.index(HALF), dh_s.index(HALF),
                              dl_s.index(HALF), prev, o, bos + (c - 1) * BT, L - (c - 1) * BT + (c == 0) * (-L - BT),
-                             hv, HV, rows, ov, V, BT, K, BVC, acc_l, A_REGS)
+                             hv, HV, rows, ov, V, BT, K, BVC, acc_l, A_REGS, TU)
         if not LOADS:
             # the stage's generic reads (U, factors) were ordered by the step's first fence and its products
             # are complete: release it to the producer
@@ -192,8 +228,8 @@ def _chain_columns(HALF: gl.constexpr, NU: gl.constexpr, STAGES: gl.constexpr, b
 
 
 @gluon.jit
-def _ws_load(descs, bufs, ready, empty, cu, coff, HK, HV, R: gl.constexpr, K: gl.constexpr, BT: gl.constexpr,
-             STAGES: gl.constexpr):
+def _ws_load(descs, bufs, ready, empty, cu, coff, HK, HV, R: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+             BT: gl.constexpr, STAGES: gl.constexpr, TU: gl.constexpr):
     """The producer warp: chunk after chunk, once both halves released a stage, its copies."""
     j = gl.program_id(0)
     nh = gl.program_id(1)
@@ -202,31 +238,41 @@ def _ws_load(descs, bufs, ready, empty, cu, coff, HK, HV, R: gl.constexpr, K: gl
     bos = gl.load(cu + n)
     nch = gl.cdiv(gl.load(cu + n + 1) - bos, BT)
     c0 = gl.load(coff + n)
-    BVC: gl.constexpr = descs[1].block_type.shape[1]
+    BVC: gl.constexpr = descs[7].block_type.shape[1]
     for c in range(nch):
         s = c % STAGES
         mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
-        _load_stage(descs, bufs, ready.index(s), s, c, c0, bos, hv, hv // R, j * (2 * BVC), HK, HV, K, BT, 2, True)
+        _load_stage(descs, bufs, ready.index(s), s, c, c0, bos, hv, hv // R, j * (2 * BVC), HK, HV, K, V, BT, 2, TU,
+                    True)
 
 
 @gluon.jit
-def _chain_kernel(w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, o, ssm, cu, coff, idx, has_init, HK, HV,
-                  R: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
-                  WS: gl.constexpr, A_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+def _chain_kernel(w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc, o, ssm, cu, coff, idx, has_init,
+                  HK, HV, R: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
+                  WS: gl.constexpr, A_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, TU: gl.constexpr,
+                  num_warps: gl.constexpr):
     """WS False: one warpgroup per program, its BVC = u_desc's block columns, issuing its own copies.
     WS True: the program's 2 * BVC columns split over two consumer warpgroups (`_chain_columns`, HALF 0 / 1)
-    fed by a producer warp (`_ws_load`) through ready / empty barriers."""
+    fed by a producer warp (`_ws_load`) through ready / empty barriers. TU: U from its factor's limbs (u_desc,
+    [64, 64] bf16 tiles) and v's rows (v_desc, [64, BVC] bf16 tiles); without it v_desc is u_desc, unused."""
     NU: gl.constexpr = 2 if WS else 1
-    BVC: gl.constexpr = u_desc.block_type.shape[1]
+    BVC: gl.constexpr = v_desc.block_type.shape[1]
     s_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, BVC], gl.bfloat16)
     v_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BVC], gl.bfloat16)
+    if TU:
+        u_buf = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 2, BT, BT], u_desc.layout)
+        v_buf = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NU, BT, BVC], v_desc.layout)
+    else:
+        u_buf = gl.allocate_shared_memory(gl.float32, [STAGES * NU, BT, BVC], u_desc.layout)
+        v_buf = u_buf
     bufs = (gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, K], w_desc.layout),
             gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, K], k_desc.layout),
             gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, K], q_desc.layout),
             gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BT], p_desc.layout),
-            gl.allocate_shared_memory(gl.float32, [STAGES * NU, BT, BVC], u_desc.layout),
+            u_buf,
             gl.allocate_shared_memory(gl.float32, [STAGES, 2, BT], c_desc.layout),
-            gl.allocate_shared_memory(gl.float32, [STAGES] + l_desc.block_type.shape, l_desc.layout))
+            gl.allocate_shared_memory(gl.float32, [STAGES] + l_desc.block_type.shape, l_desc.layout),
+            v_buf)
     # per consumer: the S limbs (B operand of W S and Q S), bf16(V_new) and the limbs of V_new d
     scratch = (gl.allocate_shared_memory(gl.bfloat16, [NU, K, BVC], s_lay),
                gl.allocate_shared_memory(gl.bfloat16, [NU, K, BVC], s_lay),
@@ -238,18 +284,18 @@ def _chain_kernel(w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, o, ssm
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
-    descs = (w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc)
+    descs = (w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc)
     if WS:
         gl.warp_specialize([
             (_chain_columns, (0, 2, STAGES, bufs, scratch, ready, empty, o, ssm, cu, idx, has_init, HV, K, V,
-                              BT, A_REGS)),
+                              BT, A_REGS, TU)),
             (_chain_columns, (1, 2, STAGES, bufs, scratch, ready, empty, o, ssm, cu, idx, has_init, HV, K, V,
-                              BT, A_REGS)),
-            (_ws_load, (descs, bufs, ready, empty, cu, coff, HK, HV, R, K, BT, STAGES)),
+                              BT, A_REGS, TU)),
+            (_ws_load, (descs, bufs, ready, empty, cu, coff, HK, HV, R, K, V, BT, STAGES, TU)),
         ], [4, 1], [CONSUMER_REGS, 40])
     else:
         _chain_columns(0, 1, STAGES, bufs, scratch, ready, empty, o, ssm, cu, idx, has_init, HV, K, V, BT,
-                       A_REGS, descs, coff, HK, R, True)
+                       A_REGS, TU, descs, coff, HK, R, True)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
@@ -259,19 +305,29 @@ def _desc(t: torch.Tensor, block: list[int], dtype) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
 
 
+def _rows_desc(x: torch.Tensor, cols: int) -> TensorDescriptor:
+    """x [T, H, D] (heads contiguous, rows 16-byte aligned) read as [T, H * D] rows, [64, cols] tiles."""
+    x2 = x.reshape(x.shape[0], -1)
+    return TensorDescriptor(x2, list(x2.shape), [x2.stride(0), 1], [CHUNK, cols],
+                            gl.NVMMASharedLayout.get_default_for([CHUNK, cols], gl.bfloat16))
+
+
 def chain_descriptors(q: torch.Tensor, bufs: dict, bvc: int) -> tuple:
-    """Host TMA descriptors of the chain's inputs (addresses and shapes only: CUDA-graph safe)."""
-    T, HK, K = q.shape
+    """Host TMA descriptors of the chain's inputs (addresses and shapes only: CUDA-graph safe). With the prep's
+    u_in_chain buffers (bufs["v"]: v's rows), U's factor as [64, 64] limb tiles and v's rows as [64, bvc] tiles
+    (the last descriptor; U's own otherwise)."""
+    K = q.shape[2]
     HV = bufs["Lb"].shape[1]
-    q2 = q.reshape(T, HK * K)
+    tu = "v" in bufs
+    u_desc = (_desc(bufs["Ub"], [CHUNK, CHUNK], gl.bfloat16) if tu else _desc(bufs["Ub"], [CHUNK, bvc], gl.float32))
     return (_desc(bufs["Wb"], [CHUNK, K], gl.bfloat16),
-            _desc(bufs["Ub"], [CHUNK, bvc], gl.float32),
+            u_desc,
             _desc(bufs["Kb"], [CHUNK, K], gl.bfloat16),
-            TensorDescriptor(q2, [T, HK * K], [q2.stride(0), 1], [CHUNK, K],
-                             gl.NVMMASharedLayout.get_default_for([CHUNK, K], gl.bfloat16)),
+            _rows_desc(q, K),
             _desc(bufs["Pb"], [CHUNK, CHUNK], gl.bfloat16),
             _desc(bufs["Cb"].reshape(-1, CHUNK), [2, CHUNK], gl.float32),
-            _desc(bufs["Lb"], [1, min(HV, 32)], gl.float32))
+            _desc(bufs["Lb"], [1, min(HV, 32)], gl.float32),
+            _rows_desc(bufs["v"], bvc) if tu else u_desc)
 
 
 def launch_chain(q: torch.Tensor, o: torch.Tensor, bufs: dict, cu_seqlens: torch.Tensor, ssm_state: torch.Tensor,
@@ -285,5 +341,6 @@ def launch_chain(q: torch.Tensor, o: torch.Tensor, bufs: dict, cu_seqlens: torch
     _chain_kernel[(V // bv, N * HV)](
         *chain_descriptors(q, bufs, bv // 2 if ws else bv),
         o, ssm_state, cu_seqlens, bufs["coff"], state_indices, has_init, HK, HV,
-        R=HV // HK, K=K, V=V, BT=CHUNK, STAGES=stages, WS=ws, A_REGS=a_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
+        R=HV // HK, K=K, V=V, BT=CHUNK, STAGES=stages, WS=ws, A_REGS=a_regs, CONSUMER_REGS=consumer_regs,
+        TU="v" in bufs, num_warps=4,
         **({"maxnreg": 168} if ws else {}))

@@ -147,6 +147,10 @@ class ChunkConfig:
     chain (layout "chunk", CHAINS): the state kernel behind the chunk layout: "triton" or "gluon"
     (`gluon_chain.launch_chain`: the same products, the state bit for bit; bv / 2 columns per consumer
     warpgroup; session 8: 23.4-24.3 / 18.2-19.9 ns/token at 1 x 32768 / 4 x 8192 against 30.9 / 26.8).
+    u_in_chain (hoist prep, chunk layout, bf16x2): the prep stores U's factor T diag(beta) as two bf16 limbs
+    (16 KB per chunk and value head) instead of U in fp32 (32 KB) and does not read v; the chain forms
+    U = hi V + lo V from them and the chunk's rows of v (two more tensor-core products per chunk, off the
+    state's dependency chain): the same products as the prep's bf16x2 U, ~16 KB per token less HBM traffic.
     """
 
     bv: int = 32
@@ -177,6 +181,7 @@ class ChunkConfig:
     tma_load: bool = False
     tma_store: bool = False
     chain: str = "triton"
+    u_in_chain: bool = False
 
     def state_stages(self) -> int:
         """Pipeline depth of the state kernel; 0 means 3 with bf16 operand tiles and slices of <= 32
@@ -358,14 +363,18 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     chain 24.2 / 18.8 ns/token at 1 x 32768 / 4 x 8192 against 30.6 / 26.9 for the Triton chain). The bf16 prep
     at head dims 128 is PREP8 "tma-r168" (PREP8_DEFAULT; session 8: its loads first, the heads-first grid, three
     programs per SM, 26.3 -> 22.1 ns/token; session 9: k / q / v by TMA except in a sequence's partial last
-    chunk, W / U / P stored by TMA; buffers bitwise equal to the session-7 prep's)."""
+    chunk, W / U / P stored by TMA; buffers bitwise equal to the session-7 prep's). With the Gluon chain on 64-column
+    slices (the batches), U is formed in the chain (u_in_chain; session 10, run S10-3: 4 x 8192 / 32 x 1024 38.8-39.1 /
+    40.8 ns/token against 40.8-41.3 / 42.4: the prep 20.3-21.6 -> 17.5 saves more than the chain's two products
+    cost); not for one sequence's 32-column slices (46.9-47.3 against 46.4-46.5), whose chain is bound by the L2
+    reads of its four column programs, each reading the chunk's W, K, Q, P tiles and now v's rows too."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
     bv = 64 if num_seqs * num_v_heads >= 128 and v >= 64 else min(32, v)
     fast = dtype == torch.bfloat16 and (k or v, v) in CHUNK_LAYOUT_DIMS
     padded_rows = None if tokens is None else (triton.cdiv(tokens, CHUNK) + num_seqs) * CHUNK
     chunk = fast and (padded_rows is None or padded_rows <= tokens + tokens // 4 + CHUNK)
     return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2", layout="chunk" if chunk else "token",
-                       chain="gluon" if chunk and gluon else "triton",
+                       chain="gluon" if chunk and gluon else "triton", u_in_chain=chunk and gluon and bv == 64,
                        **(dict(PREP8_DEFAULT) if fast else {}))
 
 
@@ -767,7 +776,7 @@ def _chunk_prep_tc_kernel(
     MERGE_PREC: tl.constexpr, WU_PREC: tl.constexpr, WU_COLS_K: tl.constexpr, WU_COLS_V: tl.constexpr,
     CHUNKED: tl.constexpr, UT: tl.constexpr, UT_PREC: tl.constexpr, LEAN: tl.constexpr,
     HOIST: tl.constexpr, HEADS_FIRST: tl.constexpr, TMA_LOAD: tl.constexpr = False,
-    TMA_STORE: tl.constexpr = False,
+    TMA_STORE: tl.constexpr = False, TU: tl.constexpr = False,
 ):
     """The whole prep in one program per (chunk, value head), on whole-chunk tiles: norms, gates, G,
     P, A, the tensor-core UT inverse T (never stored), W = (T diag(beta e^G rk)) K, U = (T diag(beta)) V.
@@ -793,17 +802,17 @@ def _chunk_prep_tc_kernel(
                 _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log,
                                dt_bias, t0, eos, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv,
                                k_desc, q_desc, v_desc, w_desc, u_desc, p_desc, R, K, V, BT, L2NORM, GATES, QK_PREC,
-                               WU_PREC, CHUNKED, UT_PREC, True, TMA_STORE)
+                               WU_PREC, CHUNKED, UT_PREC, True, TMA_STORE, TU)
             else:
                 _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log,
                                dt_bias, t0, eos, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv,
                                k_desc, q_desc, v_desc, w_desc, u_desc, p_desc, R, K, V, BT, L2NORM, GATES, QK_PREC,
-                               WU_PREC, CHUNKED, UT_PREC, False, TMA_STORE)
+                               WU_PREC, CHUNKED, UT_PREC, False, TMA_STORE, TU)
         else:
             _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log, dt_bias,
                            t0, eos, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv,
                            k_desc, q_desc, v_desc, w_desc, u_desc, p_desc, R, K, V, BT, L2NORM, GATES, QK_PREC,
-                           WU_PREC, CHUNKED, UT_PREC, False, TMA_STORE)
+                           WU_PREC, CHUNKED, UT_PREC, False, TMA_STORE, TU)
         return
     hk = hv // R
     n, c, bos, eos = locate_chunk(coff, cu, N, p, BLOCK_N)
@@ -892,7 +901,7 @@ def _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s
                    k_desc, q_desc, v_desc, w_desc, u_desc, p_desc, R: tl.constexpr,
                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, L2NORM: tl.constexpr,
                    GATES: tl.constexpr, QK_PREC: tl.constexpr, WU_PREC: tl.constexpr, CHUNKED: tl.constexpr,
-                   UT_PREC: tl.constexpr, TMA_LOAD: tl.constexpr, TMA_STORE: tl.constexpr):
+                   UT_PREC: tl.constexpr, TMA_LOAD: tl.constexpr, TMA_STORE: tl.constexpr, TU: tl.constexpr):
     """PREP8 (ChunkConfig.hoist): the lean prep of `_chunk_prep_tc_kernel` (wide inverse, full-width W / U, the
     same products in the same order) with every global load of the program (k, q, the gates, v) issued before
     its first product: one memory round trip instead of four (k; the gates after K K^T; q; v after the
@@ -901,7 +910,9 @@ def _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s
     TMA_LOAD (ChunkConfig.tma_load): k / q / v by TMA into shared memory, for a chunk whose 64 rows all lie in
     its sequence (the caller sends a sequence's partial last chunk to the pointer loads: TMA's tile would carry
     the next sequence's rows into the products, and a zero weight does not remove an inf / NaN).
-    TMA_STORE (ChunkConfig.tma_store, chunk layout): W, U and P leave by TMA stores of whole tiles."""
+    TMA_STORE (ChunkConfig.tma_store, chunk layout): W, U and P leave by TMA stores of whole tiles.
+    TU (ChunkConfig.u_in_chain, chunk layout): instead of U, its factor T diag(beta) as two bf16 limbs (hi in
+    columns 0..63, lo in 64..127 of Ub's row); the chain forms U = hi V + lo V itself, so v is not read here."""
     hk = hv // R
     rows = tl.arange(0, BT)
     m = rows < eos - t0
@@ -910,12 +921,14 @@ def _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s
         gv, bt = _gates(g, beta, s_g_t, s_b_t, A_log, dt_bias, tok, m, hv, GATES)
         kraw = k_desc.load([t0, hk * K])
         qraw = q_desc.load([t0, hk * K])
-        vraw = v_desc.load([t0, hv * V])
+        if not TU:
+            vraw = v_desc.load([t0, hv * V])
     else:
         kraw = load_chunk_rows(k, t0, m, s_k_t, hk * s_k_h, 0, K, BT)
         qraw = load_chunk_rows(q, t0, m, s_q_t, hk * s_q_h, 0, K, BT)
         gv, bt = _gates(g, beta, s_g_t, s_b_t, A_log, dt_bias, tok, m, hv, GATES)
-        vraw = load_chunk_rows(v, t0, m, s_v_t, hv * s_v_h, 0, V, BT)
+        if not TU:
+            vraw = load_chunk_rows(v, t0, m, s_v_t, hv * s_v_h, 0, V, BT)
     KK = _gram(kraw, kraw, QK_PREC)
     rk = rstd_from_gram(KK, L2NORM, BT)
     rq = rstd_from_gram(_gram(qraw, qraw, QK_PREC), L2NORM, BT) * scale
@@ -951,12 +964,22 @@ def _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s
     else:
         tl.store(Wb + srow[:, None] * K + ok[None, :], W.to(Wb.dtype.element_ty), mask=sm[:, None])
     Tu = T * bt[None, :]
-    ov = tl.arange(0, V)
-    U = _dot_raw(Tu, vraw, WU_PREC)
-    if TMA_STORE and CHUNKED:
-        u_desc.store([((p * HV + hv) * BT).to(tl.int32), 0], U)
+    if TU:  # the limbs _dot_raw("bf16x2") would multiply v by
+        hi = Tu.to(tl.bfloat16)
+        lo = (Tu - hi.to(tl.float32)).to(tl.bfloat16)
+        if TMA_STORE:
+            u_desc.store([((p * HV + hv) * BT).to(tl.int32), 0], hi)
+            u_desc.store([((p * HV + hv) * BT).to(tl.int32), BT], lo)
+        else:
+            tl.store(Ub + srow[:, None] * (2 * BT) + rows[None, :], hi)
+            tl.store(Ub + srow[:, None] * (2 * BT) + BT + rows[None, :], lo)
     else:
-        tl.store(Ub + srow[:, None] * V + ov[None, :], U, mask=sm[:, None])
+        ov = tl.arange(0, V)
+        U = _dot_raw(Tu, vraw, WU_PREC)
+        if TMA_STORE and CHUNKED:
+            u_desc.store([((p * HV + hv) * BT).to(tl.int32), 0], U)
+        else:
+            tl.store(Ub + srow[:, None] * V + ov[None, :], U, mask=sm[:, None])
 
 
 @triton.jit
@@ -1040,15 +1063,17 @@ def _chunk_state_kernel(
 
 @triton.jit
 def _chunk_state_tma_kernel(
-    w_desc, u_desc, k_desc, q_desc, p_desc, Cb, Lb, o, ssm, cu, coff, idx, has_init, HK, HV,
+    w_desc, u_desc, k_desc, q_desc, p_desc, v_desc, Cb, Lb, o, ssm, cu, coff, idx, has_init, HK, HV,
     R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    PREC: tl.constexpr, STAGES: tl.constexpr,
+    PREC: tl.constexpr, STAGES: tl.constexpr, TU: tl.constexpr = False,
 ):
     """`_chunk_state_kernel` on the chunk layout (ChunkConfig.layout "chunk"): W, U, K, P arrive as whole
     zero-padded chunk tiles and Q as the chunk's rows of q, all through TMA descriptors (one async copy per
     tile, no masks, no per-element addresses), and the decay factors come precomputed. The products and
     their operand precisions are `_chunk_state_kernel`'s. Q rows past the sequence belong to the next one
-    (or are TMA's zero fill past T); they only reach output rows that are not stored."""
+    (or are TMA's zero fill past T); they only reach output rows that are not stored.
+    TU (ChunkConfig.u_in_chain): U = hi V + lo V from the prep's two bf16 limbs of T diag(beta) (u_desc) and
+    the chunk's rows of v (v_desc), rows past the sequence zeroed (they belong to the next one: 0 x inf)."""
     OUT_PREC: tl.constexpr = "bf16" if PREC == "bf16x2" else PREC
     n, hv, hk, bos, L, live, ok, ov, sp, S = _state_slice(cu, idx, has_init, ssm, HV, R, K, V, BV)
     c0 = tl.load(coff + n).to(tl.int32)
@@ -1057,7 +1082,12 @@ def _chunk_state_tma_kernel(
         ch = c0 + c
         row = (ch * HV + hv) * BT
         w = w_desc.load([row, 0])
-        u = u_desc.load([row, tl.program_id(0) * BV])
+        if TU:
+            vt = v_desc.load([bos + c * BT, hv * V + tl.program_id(0) * BV])
+            vt = tl.where((rows < L - c * BT)[:, None], vt, tl.zeros_like(vt))
+            u = tl.dot(u_desc.load([row, 0]), vt, tl.dot(u_desc.load([row, BT]), vt))
+        else:
+            u = u_desc.load([row, tl.program_id(0) * BV])
         kk = k_desc.load([(ch * HK + hk) * BT, 0])
         qq = q_desc.load([bos + c * BT, hk * K])
         pm = p_desc.load([row, 0])
@@ -1262,6 +1292,10 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
           f"lean=True, wu_cols=0), got solve={cfg.solve!r}, ut={cfg.ut!r}, lean={cfg.lean}, wu_cols={cfg.wu_cols}")
     check(not (cfg.tma_load or cfg.tma_store) or cfg.hoist, op,
           "config tma_load / tma_store are choices of the hoist prep (hoist=True)")
+    check(not cfg.u_in_chain or (cfg.hoist and cfg.layout == "chunk" and cfg.wu_prec == "bf16x2"
+                                  and q.dtype == torch.bfloat16), op,
+          f"config u_in_chain needs the hoist prep, layout='chunk', wu_prec='bf16x2' and bf16 activations, got "
+          f"hoist={cfg.hoist}, layout={cfg.layout!r}, wu_prec={cfg.wu_prec!r}, dtype {q.dtype}")
     check(not cfg.heads_first or cfg.solve == "tc", op,
           f"config heads_first is a choice of the tc prep, not of solve={cfg.solve!r}")
     check(cfg.layout in LAYOUTS, op, f"config layout={cfg.layout!r} is not one of {LAYOUTS}")
@@ -1301,7 +1335,9 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
         C = triton.cdiv(T, CHUNK) + N
         bufs = dict(
             Wb=torch.empty((C * HV * CHUNK, K), dtype=op_dtype, device=dev),
-            Ub=torch.empty((C * HV * CHUNK, V), dtype=f32, device=dev),
+            # u_in_chain: the two bf16 limbs of U's factor T diag(beta) side by side
+            Ub=(torch.empty((C * HV * CHUNK, 2 * CHUNK), dtype=torch.bfloat16, device=dev) if cfg.u_in_chain
+                else torch.empty((C * HV * CHUNK, V), dtype=f32, device=dev)),
             Pb=torch.empty((C * HV * CHUNK, CHUNK), dtype=op_dtype, device=dev),
             Kb=torch.empty((C * HK * CHUNK, K), dtype=k.dtype, device=dev),
             Cb=torch.empty((C, HV, 2, CHUNK), dtype=f32, device=dev),
@@ -1309,6 +1345,8 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
         )
         dummy = bufs["Lb"]
         bufs.update(Gb=dummy, rq=dummy, rk=dummy)
+        if cfg.u_in_chain:  # the chain reads the chunk's rows of v by TMA: one [HV * V] row per token
+            bufs["v"] = v if _tma_rows(v) else v.contiguous()
     else:
         bufs = dict(
             Wb=torch.empty((T, HV, K), dtype=op_dtype, device=dev),
@@ -1343,7 +1381,7 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
             WU_COLS_K=cfg.wu_cols or K, WU_COLS_V=cfg.wu_cols or V, CHUNKED=cfg.layout == "chunk",
             UT=cfg.ut, UT_PREC="ieee" if exact else cfg.ut_prec if l2norm else "tf32", LEAN=cfg.lean,
             HOIST=cfg.hoist, HEADS_FIRST=heads_first, TMA_LOAD=not isinstance(descs[0], torch.Tensor),
-            TMA_STORE=not isinstance(descs[3], torch.Tensor), num_warps=cfg.warps_tc,
+            TMA_STORE=not isinstance(descs[3], torch.Tensor), TU=cfg.u_in_chain, num_warps=cfg.warps_tc,
             **({"maxnreg": cfg.maxnreg_tc} if cfg.maxnreg_tc else {}))
         return bufs
     if cfg.split_prep:
@@ -1384,7 +1422,9 @@ def _prep_descriptors(q, k, v, bufs, cfg, dummy) -> tuple:
         out[:3] = [TensorDescriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1], [CHUNK, x.shape[2]])
                    for x in (k, q, v)]
     if cfg.hoist and cfg.tma_store and cfg.layout == "chunk":
-        out[3:] = [TensorDescriptor.from_tensor(bufs[b], [CHUNK, bufs[b].shape[1]]) for b in ("Wb", "Ub", "Pb")]
+        # u_in_chain: U's factor leaves as two [64, 64] limb tiles
+        out[3:] = [TensorDescriptor.from_tensor(bufs[b], [CHUNK, CHUNK if b == "Ub" and cfg.u_in_chain
+                                                          else bufs[b].shape[1]]) for b in ("Wb", "Ub", "Pb")]
     return tuple(out)
 
 
@@ -1423,14 +1463,17 @@ def _launch_state_tma(q, o, bufs, cu_seqlens, ssm_state, state_indices, has_init
     aligned = q.data_ptr() % 16 == 0 and q.stride(0) * q.element_size() % 16 == 0
     # TMA reads a row's heads as one [HK * K] row: they must be contiguous, the rows 16-byte aligned
     q2 = q if aligned and q.stride(1) == K and q.stride(2) == 1 else q.contiguous()
+    tu = "v" in bufs  # ChunkConfig.u_in_chain: Ub holds the limbs of U's factor, v the rows it multiplies
+    v2 = bufs.get("v")
     _chunk_state_tma_kernel[(V // cfg.bv, N * HV)](
         TensorDescriptor.from_tensor(bufs["Wb"], [CHUNK, K]),
-        TensorDescriptor.from_tensor(bufs["Ub"], [CHUNK, cfg.bv]),
+        TensorDescriptor.from_tensor(bufs["Ub"], [CHUNK, CHUNK if tu else cfg.bv]),
         TensorDescriptor.from_tensor(bufs["Kb"], [CHUNK, K]),
         TensorDescriptor(q2, [T, HK * K], [q2.stride(0), 1], [CHUNK, K]),
         TensorDescriptor.from_tensor(bufs["Pb"], [CHUNK, CHUNK]),
+        TensorDescriptor(v2, [T, HV * V], [v2.stride(0), 1], [CHUNK, cfg.bv]) if tu else bufs["Lb"],
         bufs["Cb"], bufs["Lb"], o, ssm_state, cu_seqlens, bufs["coff"], state_indices, has_init, HK, HV,
-        R=HV // HK, K=K, V=V, BV=cfg.bv, BT=CHUNK, PREC=cfg.prec, STAGES=cfg.state_stages(),
+        R=HV // HK, K=K, V=V, BV=cfg.bv, BT=CHUNK, PREC=cfg.prec, STAGES=cfg.state_stages(), TU=tu,
         num_warps=cfg.warps_state)
 
 
