@@ -116,16 +116,23 @@ def main() -> int:
             dict(R=R, K=K, V=V, BT=64, BLOCK_N=16, L2NORM=True, GATES=False, QK_PREC="native", DIAG_PREC=cfg.diag_prec,
                  MERGE_PREC=cfg.merge_prec, WU_PREC=cfg.wu_prec, WU_COLS_K=cfg.wu_cols or K, WU_COLS_V=cfg.wu_cols or V,
                  CHUNKED=True, UT=cfg.ut, UT_PREC=cfg.ut_prec, LEAN=cfg.lean, HOIST=cfg.hoist,
-                 HEADS_FIRST=cfg.heads_first, TMA_LOAD=cfg.tma_load, TMA_STORE=cfg.tma_store, TU=False),
+                 HEADS_FIRST=cfg.heads_first, TMA_LOAD=cfg.tma_load, TMA_STORE=cfg.tma_store, TU=False, KR=False),
             cfg.warps_tc, maxnreg=cfg.maxnreg_tc))
-    cfg = chunk_t.PREP8["tma-r168"]  # session 10: the default prep storing U's factor (ChunkConfig.u_in_chain)
+    cfg = chunk_t.PREP8["tma-r168"]  # session 10: the default prep storing U's factor (u_in_chain), no K (k_in_chain)
     results.append(compile_one(
-        "chunk_prep_tc prep8 tma-r168 u_in_chain", chunk_t._chunk_prep_tc_kernel,
+        "chunk_prep_tc prep8 tma-r168 u_in_chain k_in_chain", chunk_t._chunk_prep_tc_kernel,
         dict(prep_types, Ub=bf, u_desc=desc("bf16", 64)),
         dict(R=R, K=K, V=V, BT=64, BLOCK_N=16, L2NORM=True, GATES=False, QK_PREC="native", DIAG_PREC=cfg.diag_prec,
              MERGE_PREC=cfg.merge_prec, WU_PREC=cfg.wu_prec, WU_COLS_K=K, WU_COLS_V=V, CHUNKED=True, UT=cfg.ut,
              UT_PREC=cfg.ut_prec, LEAN=cfg.lean, HOIST=True, HEADS_FIRST=True, TMA_LOAD=True, TMA_STORE=True,
-             TU=True),
+             TU=True, KR=True),
+        cfg.warps_tc, maxnreg=cfg.maxnreg_tc))
+    results.append(compile_one(  # the same with U stored (one sequence), k's rows read by the chain (k_in_chain)
+        "chunk_prep_tc prep8 tma-r168 k_in_chain", chunk_t._chunk_prep_tc_kernel, prep_types,
+        dict(R=R, K=K, V=V, BT=64, BLOCK_N=16, L2NORM=True, GATES=False, QK_PREC="native", DIAG_PREC=cfg.diag_prec,
+             MERGE_PREC=cfg.merge_prec, WU_PREC=cfg.wu_prec, WU_COLS_K=K, WU_COLS_V=V, CHUNKED=True, UT=cfg.ut,
+             UT_PREC=cfg.ut_prec, LEAN=cfg.lean, HOIST=True, HEADS_FIRST=True, TMA_LOAD=True, TMA_STORE=True,
+             TU=False, KR=True),
         cfg.warps_tc, maxnreg=cfg.maxnreg_tc))
     if args.sweep:  # the session-2 forward-substitution prep
         for gates in (False, True):

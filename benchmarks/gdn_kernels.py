@@ -222,7 +222,8 @@ def prefill_cases(sweep: bool) -> list[Case]:
     # session 8 (prep8): triton_chunk.PREP8 likewise, timed right after ours / FLA (session 9: the earlier default
     # prep against today's)
     prep8 = {n: [] for n in tc.PREP8}
-    # session 10: U formed in the chain (ChunkConfig.u_in_chain), the other side of the default's choice
+    # session 10: U formed / K rows read in the chain (ChunkConfig.u_in_chain / k_in_chain), the other side of the
+    # default's choice
     u_chain = []
     for name, lengths in PREFILL.items():
         T, N = sum(lengths), len(lengths)
@@ -303,9 +304,9 @@ def prefill_cases(sweep: bool) -> list[Case]:
                                      lambda c, f=part, cfg=cfg: f(c, which="prep", cfg=cfg), tokens=T))
             prep8[pname].append(Case("prefill", name, f"ours prep8 {pname}", 3,
                                      lambda c, cfg=cfg, f=ours: f(c, cfg=cfg), tokens=T))
-        if base.layout == "chunk" and base.hoist:
-            cfg = dataclasses.replace(base, u_in_chain=not base.u_in_chain)
-            label = f"{'without' if base.u_in_chain else 'with'} u_in_chain"
+        for flag in ("u_in_chain", "k_in_chain") if base.layout == "chunk" and base.hoist else ():
+            cfg = dataclasses.replace(base, **{flag: not getattr(base, flag)})
+            label = f"{'without' if getattr(base, flag) else 'with'} {flag}"
             u_chain.append(Case("prefill", name, f"ours {label}", 3, lambda c, cfg=cfg, f=ours: f(c, cfg=cfg),
                                 tokens=T))
             for which in ("prep", "state"):

@@ -2,9 +2,9 @@
 test_gdn_gluon_chain.py: Gluon kernels cannot be compiled once the Triton interpreter is on, which the op
 tests switch on for CPU machines).
 
-    python tests/ops/_gluon_compile.py BV WS(0|1) [TU(0|1)]
+    python tests/ops/_gluon_compile.py BV WS(0|1) [TU(0|1) [KR(0|1)]]
 
-TU 1: the u_in_chain form (U's factor limbs and v's rows instead of U).
+TU 1: the u_in_chain form (U's factor limbs and v's rows instead of U); KR 1: k_in_chain (k's rows by TMA).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 def main() -> int:
     bv, ws = int(sys.argv[1]), sys.argv[2] == "1"
     tu = len(sys.argv) > 3 and sys.argv[3] == "1"
+    kr = len(sys.argv) > 4 and sys.argv[4] == "1"
     K = V = 128
     HK, HV, C, T = 16, 32, 8, 256
     bf, f32 = torch.bfloat16, torch.float32
@@ -37,12 +38,14 @@ def main() -> int:
                 Cb=torch.zeros(C, HV, 2, 64, dtype=f32), Lb=torch.zeros(C, HV, dtype=f32))
     if tu:
         bufs.update(Ub=torch.zeros(C * HV * 64, 128, dtype=bf), v=torch.zeros(T, HV, V, dtype=bf))
+    if kr:
+        bufs.update(k=torch.zeros(T, HK, K, dtype=bf))
     descs = gc.chain_descriptors(torch.zeros(T, HK, K, dtype=bf), bufs, bv // 2 if ws else bv)
     fn = gc._chain_kernel
-    sig = dict(zip(["w_desc", "u_desc", "k_desc", "q_desc", "p_desc", "c_desc", "l_desc", "v_desc"],
+    sig = dict(zip(["w_desc", "u_desc", "k_desc", "q_desc", "p_desc", "c_desc", "l_desc", "v_desc", "kr_desc"],
                    map(mangle_type, descs)))
     sig.update(o="*bf16", ssm="*fp32", cu="*i32", coff="*i32", idx="*i32", has_init="*u8", HK="i32", HV="i32")
-    consts = dict(R=HV // HK, K=K, V=V, BT=64, STAGES=2, WS=ws, A_REGS=True, CONSUMER_REGS=232, TU=tu,
+    consts = dict(R=HV // HK, K=K, V=V, BT=64, STAGES=2, WS=ws, A_REGS=True, CONSUMER_REGS=232, TU=tu, KR=kr,
                   num_warps=4)
     sig.update({a: "constexpr" for a in consts})
     # the launch-time specialisation: pointers 16-byte aligned, head counts multiples of 16

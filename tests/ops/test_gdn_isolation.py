@@ -47,6 +47,8 @@ def _config(name: str, device, N: int, hv: int) -> tc.ChunkConfig | None:
         return dataclasses.replace(base, layout="token", chain="triton")
     if name == "u_in_chain":  # the chain reads v itself (TMA tiles reaching into the next sequence)
         return dataclasses.replace(base, u_in_chain=True)
+    if name == "k_in_chain":  # the chain reads whole chunks' k rows itself
+        return dataclasses.replace(base, k_in_chain=True)
     return tc.prep8_config(name, base)
 
 
@@ -141,10 +143,10 @@ def _leaks(device, name: str, poison: str) -> list[str]:
 
 # (configuration, what is poisoned): every input of the default (bf16 at head dims 128: the TMA prep, PREP8
 # "tma-r168"); q, k, v at once for the other forms (the session-8 prep with pointer loads, the token layout, fp32,
-# U formed in the chain from v's rows)
+# U formed in the chain from v's rows, K rows read by the chain)
 CASES = ([("default", p) for p in ("q", "k", "v", "gates", "ab", "state")]
          + [("hoist-heads-r168", "qkv"), ("token", "qkv"), ("fp32", "qkv"), ("u_in_chain", "v"),
-            ("u_in_chain", "qkv")])
+            ("u_in_chain", "qkv"), ("k_in_chain", "k"), ("k_in_chain", "qkv")])
 
 
 @pytest.mark.parametrize("name,poison", CASES)

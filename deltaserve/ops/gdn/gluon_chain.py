@@ -51,12 +51,13 @@ def supported(device: torch.device) -> bool:
 
 
 @gluon.jit
-def _load_stage(descs, bufs, bar, s, c, c0, bos, hv, hk, col, HK, HV, K: gl.constexpr, V: gl.constexpr,
-                BT: gl.constexpr, NU: gl.constexpr, TU: gl.constexpr, pred):
-    """TMA copies of chunk c's tiles into ring stage s, signalling `bar`: W, K, Q, P, the NU column blocks of
-    U from `col` (TU: the two limbs of U's factor and the NU column blocks of the chunk's v rows instead), the
-    chunk's d / e^G rq rows and the row of e^{G_last} of its chunk (nothing when not pred)."""
-    w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc = descs
+def _load_stage(descs, bufs, bar, s, c, c0, bos, L, hv, hk, col, HK, HV, K: gl.constexpr, V: gl.constexpr,
+                BT: gl.constexpr, NU: gl.constexpr, TU: gl.constexpr, KR: gl.constexpr, pred):
+    """TMA copies of chunk c (of a sequence of L tokens) into ring stage s, signalling `bar`: W, K, Q, P, the NU
+    column blocks of U from `col` (TU: the two limbs of U's factor and the NU column blocks of the chunk's v rows
+    instead), the chunk's d / e^G rq rows and the row of e^{G_last} of its chunk (nothing when not pred).
+    KR: a whole chunk's K rows from k itself, a partial last chunk's from the prep's zero-padded copy."""
+    w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc, kr_desc = descs
     w_s, k_s, q_s, p_s, u_s, c_s, l_s, v_s = bufs
     BVC: gl.constexpr = v_desc.block_type.shape[1]
     NL: gl.constexpr = l_desc.block_type.shape[1]
@@ -68,7 +69,13 @@ def _load_stage(descs, bufs, bar, s, c, c0, bos, hv, hk, col, HK, HV, K: gl.cons
     hrow = ch * HV + hv
     mbarrier.expect(bar, nbytes, pred=pred)
     tma.async_copy_global_to_shared(w_desc, [hrow * BT, 0], bar, w_s.index(s), pred=pred)
-    tma.async_copy_global_to_shared(k_desc, [(ch * HK + hk) * BT, 0], bar, k_s.index(s), pred=pred)
+    if KR:
+        whole = L - c * BT >= BT
+        tma.async_copy_global_to_shared(kr_desc, [bos + c * BT, hk * K], bar, k_s.index(s), pred=pred & whole)
+        tma.async_copy_global_to_shared(k_desc, [(ch * HK + hk) * BT, 0], bar, k_s.index(s),
+                                        pred=pred & (L - c * BT < BT))
+    else:
+        tma.async_copy_global_to_shared(k_desc, [(ch * HK + hk) * BT, 0], bar, k_s.index(s), pred=pred)
     tma.async_copy_global_to_shared(q_desc, [bos + c * BT, hk * K], bar, q_s.index(s), pred=pred)
     tma.async_copy_global_to_shared(p_desc, [hrow * BT, 0], bar, p_s.index(s), pred=pred)
     if TU:
@@ -157,8 +164,8 @@ def _chunk_step(S, w_t, k_t, q_t, p_t, u, d, eq, decay, sh_s, sl_s, vn_s, dh_s, 
 @gluon.jit
 def _chain_columns(HALF: gl.constexpr, NU: gl.constexpr, STAGES: gl.constexpr, bufs, scratch, ready, empty, o,
                    ssm, cu, idx, has_init, HV, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr,
-                   A_REGS: gl.constexpr, TU: gl.constexpr, descs=None, coff=None, HK=None, R: gl.constexpr = 1,
-                   LOADS: gl.constexpr = False):
+                   A_REGS: gl.constexpr, TU: gl.constexpr, KR: gl.constexpr, descs=None, coff=None, HK=None,
+                   R: gl.constexpr = 1, LOADS: gl.constexpr = False):
     """One warpgroup's chain over its sequence's chunks on state columns [col + HALF * BVC, + BVC) of the
     program's (sequence, value head): waits for each ring stage, runs `_chunk_step`, releases the stage (on
     `empty`, when a producer partition refills the ring) and stores the chunk's outputs, then the final state.
@@ -196,14 +203,14 @@ def _chain_columns(HALF: gl.constexpr, NU: gl.constexpr, STAGES: gl.constexpr, b
     if LOADS:
         c0 = gl.load(coff + n)
         for i in gl.static_range(STAGES - 1):
-            _load_stage(descs, bufs, ready.index(i), i, i, c0, bos, hv, hv // R, col, HK, HV, K, V, BT, NU, TU,
-                        i < nch)
+            _load_stage(descs, bufs, ready.index(i), i, i, c0, bos, L, hv, hv // R, col, HK, HV, K, V, BT, NU, TU,
+                        KR, i < nch)
     for c in range(nch):
         s = c % STAGES
         if LOADS:  # the stage refilled here was read by chunk c - 1, whose products were all waited for
             cn = c + STAGES - 1
-            _load_stage(descs, bufs, ready.index(cn % STAGES), cn % STAGES, cn, c0, bos, hv, hv // R, col, HK, HV,
-                        K, V, BT, NU, TU, cn < nch)
+            _load_stage(descs, bufs, ready.index(cn % STAGES), cn % STAGES, cn, c0, bos, L, hv, hv // R, col, HK,
+                        HV, K, V, BT, NU, TU, KR, cn < nch)
         mbarrier.wait(ready.index(s), (c // STAGES) & 1)
         if TU:
             u = _issue_u(u_s.index(2 * s), u_s.index(2 * s + 1), v_s.index(s * NU + HALF), L - c * BT, rows, BT, BVC,
@@ -229,32 +236,34 @@ def _chain_columns(HALF: gl.constexpr, NU: gl.constexpr, STAGES: gl.constexpr, b
 
 @gluon.jit
 def _ws_load(descs, bufs, ready, empty, cu, coff, HK, HV, R: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
-             BT: gl.constexpr, STAGES: gl.constexpr, TU: gl.constexpr):
+             BT: gl.constexpr, STAGES: gl.constexpr, TU: gl.constexpr, KR: gl.constexpr):
     """The producer warp: chunk after chunk, once both halves released a stage, its copies."""
     j = gl.program_id(0)
     nh = gl.program_id(1)
     n = nh // HV
     hv = nh % HV
     bos = gl.load(cu + n)
-    nch = gl.cdiv(gl.load(cu + n + 1) - bos, BT)
+    L = gl.load(cu + n + 1) - bos
+    nch = gl.cdiv(L, BT)
     c0 = gl.load(coff + n)
     BVC: gl.constexpr = descs[7].block_type.shape[1]
     for c in range(nch):
         s = c % STAGES
         mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
-        _load_stage(descs, bufs, ready.index(s), s, c, c0, bos, hv, hv // R, j * (2 * BVC), HK, HV, K, V, BT, 2, TU,
-                    True)
+        _load_stage(descs, bufs, ready.index(s), s, c, c0, bos, L, hv, hv // R, j * (2 * BVC), HK, HV, K, V, BT, 2,
+                    TU, KR, True)
 
 
 @gluon.jit
-def _chain_kernel(w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc, o, ssm, cu, coff, idx, has_init,
-                  HK, HV, R: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
-                  WS: gl.constexpr, A_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, TU: gl.constexpr,
-                  num_warps: gl.constexpr):
+def _chain_kernel(w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc, kr_desc, o, ssm, cu, coff, idx,
+                  has_init, HK, HV, R: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr,
+                  STAGES: gl.constexpr, WS: gl.constexpr, A_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                  TU: gl.constexpr, KR: gl.constexpr, num_warps: gl.constexpr):
     """WS False: one warpgroup per program, its BVC = u_desc's block columns, issuing its own copies.
     WS True: the program's 2 * BVC columns split over two consumer warpgroups (`_chain_columns`, HALF 0 / 1)
     fed by a producer warp (`_ws_load`) through ready / empty barriers. TU: U from its factor's limbs (u_desc,
-    [64, 64] bf16 tiles) and v's rows (v_desc, [64, BVC] bf16 tiles); without it v_desc is u_desc, unused."""
+    [64, 64] bf16 tiles) and v's rows (v_desc, [64, BVC] bf16 tiles); without it v_desc is u_desc, unused. KR:
+    whole chunks' K rows from k (kr_desc; k_desc otherwise, unused)."""
     NU: gl.constexpr = 2 if WS else 1
     BVC: gl.constexpr = v_desc.block_type.shape[1]
     s_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, BVC], gl.bfloat16)
@@ -284,18 +293,18 @@ def _chain_kernel(w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
-    descs = (w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc)
+    descs = (w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc, kr_desc)
     if WS:
         gl.warp_specialize([
             (_chain_columns, (0, 2, STAGES, bufs, scratch, ready, empty, o, ssm, cu, idx, has_init, HV, K, V,
-                              BT, A_REGS, TU)),
+                              BT, A_REGS, TU, KR)),
             (_chain_columns, (1, 2, STAGES, bufs, scratch, ready, empty, o, ssm, cu, idx, has_init, HV, K, V,
-                              BT, A_REGS, TU)),
-            (_ws_load, (descs, bufs, ready, empty, cu, coff, HK, HV, R, K, V, BT, STAGES, TU)),
+                              BT, A_REGS, TU, KR)),
+            (_ws_load, (descs, bufs, ready, empty, cu, coff, HK, HV, R, K, V, BT, STAGES, TU, KR)),
         ], [4, 1], [CONSUMER_REGS, 40])
     else:
         _chain_columns(0, 1, STAGES, bufs, scratch, ready, empty, o, ssm, cu, idx, has_init, HV, K, V, BT,
-                       A_REGS, TU, descs, coff, HK, R, True)
+                       A_REGS, TU, KR, descs, coff, HK, R, True)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
@@ -315,7 +324,8 @@ def _rows_desc(x: torch.Tensor, cols: int) -> TensorDescriptor:
 def chain_descriptors(q: torch.Tensor, bufs: dict, bvc: int) -> tuple:
     """Host TMA descriptors of the chain's inputs (addresses and shapes only: CUDA-graph safe). With the prep's
     u_in_chain buffers (bufs["v"]: v's rows), U's factor as [64, 64] limb tiles and v's rows as [64, bvc] tiles
-    (the last descriptor; U's own otherwise)."""
+    (the eighth descriptor; U's own otherwise); with k_in_chain's (bufs["k"]) k's rows as [64, K] tiles (the ninth;
+    the K copy's otherwise)."""
     K = q.shape[2]
     HV = bufs["Lb"].shape[1]
     tu = "v" in bufs
@@ -327,7 +337,8 @@ def chain_descriptors(q: torch.Tensor, bufs: dict, bvc: int) -> tuple:
             _desc(bufs["Pb"], [CHUNK, CHUNK], gl.bfloat16),
             _desc(bufs["Cb"].reshape(-1, CHUNK), [2, CHUNK], gl.float32),
             _desc(bufs["Lb"], [1, min(HV, 32)], gl.float32),
-            _rows_desc(bufs["v"], bvc) if tu else u_desc)
+            _rows_desc(bufs["v"], bvc) if tu else u_desc,
+            _rows_desc(bufs["k"], K) if "k" in bufs else _desc(bufs["Kb"], [CHUNK, K], gl.bfloat16))
 
 
 def launch_chain(q: torch.Tensor, o: torch.Tensor, bufs: dict, cu_seqlens: torch.Tensor, ssm_state: torch.Tensor,
@@ -342,5 +353,5 @@ def launch_chain(q: torch.Tensor, o: torch.Tensor, bufs: dict, cu_seqlens: torch
         *chain_descriptors(q, bufs, bv // 2 if ws else bv),
         o, ssm_state, cu_seqlens, bufs["coff"], state_indices, has_init, HK, HV,
         R=HV // HK, K=K, V=V, BT=CHUNK, STAGES=stages, WS=ws, A_REGS=a_regs, CONSUMER_REGS=consumer_regs,
-        TU="v" in bufs, num_warps=4,
+        TU="v" in bufs, KR="k" in bufs, num_warps=4,
         **({"maxnreg": 168} if ws else {}))

@@ -151,6 +151,10 @@ class ChunkConfig:
     (16 KB per chunk and value head) instead of U in fp32 (32 KB) and does not read v; the chain forms
     U = hi V + lo V from them and the chunk's rows of v (two more tensor-core products per chunk, off the
     state's dependency chain): the same products as the prep's bf16x2 U, ~16 KB per token less HBM traffic.
+    k_in_chain (TMA prep, chunk layout): the chain reads a whole chunk's K rows from k itself (TMA, as it reads q)
+    instead of the prep's zero-padded copy, which the prep then writes only for a sequence's partial last chunk
+    (where k's tile would carry the next sequence's rows): a pointer load and a 16 KB store per chunk and key head
+    less in the prep. Where the prep cannot read k by TMA (ChunkConfig.tma_load's conditions) it has no effect.
     """
 
     bv: int = 32
@@ -182,6 +186,7 @@ class ChunkConfig:
     tma_store: bool = False
     chain: str = "triton"
     u_in_chain: bool = False
+    k_in_chain: bool = False
 
     def state_stages(self) -> int:
         """Pipeline depth of the state kernel; 0 means 3 with bf16 operand tiles and slices of <= 32
@@ -367,7 +372,10 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     slices (the batches), U is formed in the chain (u_in_chain; session 10, run S10-3: 4 x 8192 / 32 x 1024 38.8-39.1 /
     40.8 ns/token against 40.8-41.3 / 42.4: the prep 20.3-21.6 -> 17.5 saves more than the chain's two products
     cost); not for one sequence's 32-column slices (46.9-47.3 against 46.4-46.5), whose chain is bound by the L2
-    reads of its four column programs, each reading the chunk's W, K, Q, P tiles and now v's rows too."""
+    reads of its four column programs, each reading the chunk's W, K, Q, P tiles and now v's rows too. Likewise the
+    chain reads whole chunks' K rows from k (k_in_chain; the prep's K copy of them is not written) for batches
+    (run S10-7: 4 x 8192 / 32 x 1024 37.3 / 39.1 ns/token against 37.8 / 40.0) and not for one sequence (45.2
+    against 44.6, though the prep and the chain alone were each faster with it: 19.1 / 25.2 against 19.9 / 26.3)."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
     bv = 64 if num_seqs * num_v_heads >= 128 and v >= 64 else min(32, v)
     fast = dtype == torch.bfloat16 and (k or v, v) in CHUNK_LAYOUT_DIMS
@@ -375,6 +383,7 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     chunk = fast and (padded_rows is None or padded_rows <= tokens + tokens // 4 + CHUNK)
     return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2", layout="chunk" if chunk else "token",
                        chain="gluon" if chunk and gluon else "triton", u_in_chain=chunk and gluon and bv == 64,
+                       k_in_chain=chunk and gluon and bv == 64,
                        **(dict(PREP8_DEFAULT) if fast else {}))
 
 
@@ -776,7 +785,7 @@ def _chunk_prep_tc_kernel(
     MERGE_PREC: tl.constexpr, WU_PREC: tl.constexpr, WU_COLS_K: tl.constexpr, WU_COLS_V: tl.constexpr,
     CHUNKED: tl.constexpr, UT: tl.constexpr, UT_PREC: tl.constexpr, LEAN: tl.constexpr,
     HOIST: tl.constexpr, HEADS_FIRST: tl.constexpr, TMA_LOAD: tl.constexpr = False,
-    TMA_STORE: tl.constexpr = False, TU: tl.constexpr = False,
+    TMA_STORE: tl.constexpr = False, TU: tl.constexpr = False, KR: tl.constexpr = False,
 ):
     """The whole prep in one program per (chunk, value head), on whole-chunk tiles: norms, gates, G,
     P, A, the tensor-core UT inverse T (never stored), W = (T diag(beta e^G rk)) K, U = (T diag(beta)) V.
@@ -802,17 +811,17 @@ def _chunk_prep_tc_kernel(
                 _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log,
                                dt_bias, t0, eos, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv,
                                k_desc, q_desc, v_desc, w_desc, u_desc, p_desc, R, K, V, BT, L2NORM, GATES, QK_PREC,
-                               WU_PREC, CHUNKED, UT_PREC, True, TMA_STORE, TU)
+                               WU_PREC, CHUNKED, UT_PREC, True, TMA_STORE, TU, KR)
             else:
                 _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log,
                                dt_bias, t0, eos, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv,
                                k_desc, q_desc, v_desc, w_desc, u_desc, p_desc, R, K, V, BT, L2NORM, GATES, QK_PREC,
-                               WU_PREC, CHUNKED, UT_PREC, False, TMA_STORE, TU)
+                               WU_PREC, CHUNKED, UT_PREC, False, TMA_STORE, TU, KR)
         else:
             _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s_g_t, s_b_t, A_log, dt_bias,
                            t0, eos, Wb, Ub, Pb, Gb, rq_b, rk_b, Kb, Cb, Lb, scale, HK, HV, p, hv,
                            k_desc, q_desc, v_desc, w_desc, u_desc, p_desc, R, K, V, BT, L2NORM, GATES, QK_PREC,
-                           WU_PREC, CHUNKED, UT_PREC, False, TMA_STORE, TU)
+                           WU_PREC, CHUNKED, UT_PREC, False, TMA_STORE, TU, KR)
         return
     hk = hv // R
     n, c, bos, eos = locate_chunk(coff, cu, N, p, BLOCK_N)
@@ -901,7 +910,8 @@ def _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s
                    k_desc, q_desc, v_desc, w_desc, u_desc, p_desc, R: tl.constexpr,
                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, L2NORM: tl.constexpr,
                    GATES: tl.constexpr, QK_PREC: tl.constexpr, WU_PREC: tl.constexpr, CHUNKED: tl.constexpr,
-                   UT_PREC: tl.constexpr, TMA_LOAD: tl.constexpr, TMA_STORE: tl.constexpr, TU: tl.constexpr):
+                   UT_PREC: tl.constexpr, TMA_LOAD: tl.constexpr, TMA_STORE: tl.constexpr, TU: tl.constexpr,
+                   KR: tl.constexpr):
     """PREP8 (ChunkConfig.hoist): the lean prep of `_chunk_prep_tc_kernel` (wide inverse, full-width W / U, the
     same products in the same order) with every global load of the program (k, q, the gates, v) issued before
     its first product: one memory round trip instead of four (k; the gates after K K^T; q; v after the
@@ -912,7 +922,9 @@ def _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s
     the next sequence's rows into the products, and a zero weight does not remove an inf / NaN).
     TMA_STORE (ChunkConfig.tma_store, chunk layout): W, U and P leave by TMA stores of whole tiles.
     TU (ChunkConfig.u_in_chain, chunk layout): instead of U, its factor T diag(beta) as two bf16 limbs (hi in
-    columns 0..63, lo in 64..127 of Ub's row); the chain forms U = hi V + lo V itself, so v is not read here."""
+    columns 0..63, lo in 64..127 of Ub's row); the chain forms U = hi V + lo V itself, so v is not read here.
+    KR (ChunkConfig.k_in_chain): the chain reads a whole chunk's K rows from k, so the TMA body stores no K copy
+    (the pointer body, a sequence's partial last chunk, still does: its padded rows are what the chain reads)."""
     hk = hv // R
     rows = tl.arange(0, BT)
     m = rows < eos - t0
@@ -944,7 +956,7 @@ def _prep8_program(q, k, v, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, g, beta, s
     E = decay_tile(G, tl.log2(rk), BT)
     if CHUNKED:
         _store_chunk_factors(Kb, Cb, Lb, kraw, G, rk, rq, m, p, hv, hk, HK, HV, R, K, BT, not TMA_LOAD)
-        if TMA_LOAD and hv % R == 0:  # the padded copy of K from k's rows in L2 (kraw lives in shared memory)
+        if TMA_LOAD and hv % R == 0 and not KR:  # the padded copy of K from k's rows in L2 (kraw is in shared memory)
             _store_k_rows(Kb, load_chunk_rows(k, t0, m, s_k_t, hk * s_k_h, 0, K, BT), p, hk, HK, K, BT)
     elif hv % R == 0:
         tl.store(rq_b + tok * HK + hk, rq, mask=m)
@@ -1063,9 +1075,9 @@ def _chunk_state_kernel(
 
 @triton.jit
 def _chunk_state_tma_kernel(
-    w_desc, u_desc, k_desc, q_desc, p_desc, v_desc, Cb, Lb, o, ssm, cu, coff, idx, has_init, HK, HV,
+    w_desc, u_desc, k_desc, q_desc, p_desc, v_desc, kr_desc, Cb, Lb, o, ssm, cu, coff, idx, has_init, HK, HV,
     R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    PREC: tl.constexpr, STAGES: tl.constexpr, TU: tl.constexpr = False,
+    PREC: tl.constexpr, STAGES: tl.constexpr, TU: tl.constexpr = False, KR: tl.constexpr = False,
 ):
     """`_chunk_state_kernel` on the chunk layout (ChunkConfig.layout "chunk"): W, U, K, P arrive as whole
     zero-padded chunk tiles and Q as the chunk's rows of q, all through TMA descriptors (one async copy per
@@ -1073,7 +1085,9 @@ def _chunk_state_tma_kernel(
     their operand precisions are `_chunk_state_kernel`'s. Q rows past the sequence belong to the next one
     (or are TMA's zero fill past T); they only reach output rows that are not stored.
     TU (ChunkConfig.u_in_chain): U = hi V + lo V from the prep's two bf16 limbs of T diag(beta) (u_desc) and
-    the chunk's rows of v (v_desc), rows past the sequence zeroed (they belong to the next one: 0 x inf)."""
+    the chunk's rows of v (v_desc), rows past the sequence zeroed (they belong to the next one: 0 x inf).
+    KR (ChunkConfig.k_in_chain): a whole chunk's K rows from k (kr_desc), a partial last chunk's from the prep's
+    zero-padded copy."""
     OUT_PREC: tl.constexpr = "bf16" if PREC == "bf16x2" else PREC
     n, hv, hk, bos, L, live, ok, ov, sp, S = _state_slice(cu, idx, has_init, ssm, HV, R, K, V, BV)
     c0 = tl.load(coff + n).to(tl.int32)
@@ -1088,7 +1102,10 @@ def _chunk_state_tma_kernel(
             u = tl.dot(u_desc.load([row, 0]), vt, tl.dot(u_desc.load([row, BT]), vt))
         else:
             u = u_desc.load([row, tl.program_id(0) * BV])
-        kk = k_desc.load([(ch * HK + hk) * BT, 0])
+        if KR and L - c * BT >= BT:
+            kk = kr_desc.load([bos + c * BT, hk * K])
+        else:
+            kk = k_desc.load([(ch * HK + hk) * BT, 0])
         qq = q_desc.load([bos + c * BT, hk * K])
         pm = p_desc.load([row, 0])
         f = Cb + (ch * HV + hv).to(tl.int64) * (2 * BT) + rows
@@ -1296,6 +1313,9 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
                                   and q.dtype == torch.bfloat16), op,
           f"config u_in_chain needs the hoist prep, layout='chunk', wu_prec='bf16x2' and bf16 activations, got "
           f"hoist={cfg.hoist}, layout={cfg.layout!r}, wu_prec={cfg.wu_prec!r}, dtype {q.dtype}")
+    check(not cfg.k_in_chain or (cfg.hoist and cfg.tma_load and cfg.layout == "chunk"), op,
+          f"config k_in_chain needs the TMA prep (hoist, tma_load) and layout='chunk', got hoist={cfg.hoist}, "
+          f"tma_load={cfg.tma_load}, layout={cfg.layout!r}")
     check(not cfg.heads_first or cfg.solve == "tc", op,
           f"config heads_first is a choice of the tc prep, not of solve={cfg.solve!r}")
     check(cfg.layout in LAYOUTS, op, f"config layout={cfg.layout!r} is not one of {LAYOUTS}")
@@ -1369,6 +1389,8 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
     if cfg.solve == "tc":
         heads_first = cfg.heads_first and grid[0] <= 65535
         descs = _prep_descriptors(q, k, v, bufs, cfg, dummy)
+        if cfg.k_in_chain and not isinstance(descs[0], torch.Tensor):  # the prep reads whole chunks by TMA
+            bufs["k"] = k
         _chunk_prep_tc_kernel[grid[::-1] if heads_first else grid](
             q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             g, beta, g.stride(0), beta.stride(0), A_log if gates_in_kernel else dummy,
@@ -1381,7 +1403,8 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
             WU_COLS_K=cfg.wu_cols or K, WU_COLS_V=cfg.wu_cols or V, CHUNKED=cfg.layout == "chunk",
             UT=cfg.ut, UT_PREC="ieee" if exact else cfg.ut_prec if l2norm else "tf32", LEAN=cfg.lean,
             HOIST=cfg.hoist, HEADS_FIRST=heads_first, TMA_LOAD=not isinstance(descs[0], torch.Tensor),
-            TMA_STORE=not isinstance(descs[3], torch.Tensor), TU=cfg.u_in_chain, num_warps=cfg.warps_tc,
+            TMA_STORE=not isinstance(descs[3], torch.Tensor), TU=cfg.u_in_chain, KR="k" in bufs,
+            num_warps=cfg.warps_tc,
             **({"maxnreg": cfg.maxnreg_tc} if cfg.maxnreg_tc else {}))
         return bufs
     if cfg.split_prep:
@@ -1465,6 +1488,8 @@ def _launch_state_tma(q, o, bufs, cu_seqlens, ssm_state, state_indices, has_init
     q2 = q if aligned and q.stride(1) == K and q.stride(2) == 1 else q.contiguous()
     tu = "v" in bufs  # ChunkConfig.u_in_chain: Ub holds the limbs of U's factor, v the rows it multiplies
     v2 = bufs.get("v")
+    kr = "k" in bufs  # ChunkConfig.k_in_chain: whole chunks' K rows from k
+    k2 = bufs["k"].reshape(T, HK * K) if kr else None
     _chunk_state_tma_kernel[(V // cfg.bv, N * HV)](
         TensorDescriptor.from_tensor(bufs["Wb"], [CHUNK, K]),
         TensorDescriptor.from_tensor(bufs["Ub"], [CHUNK, CHUNK if tu else cfg.bv]),
@@ -1472,8 +1497,9 @@ def _launch_state_tma(q, o, bufs, cu_seqlens, ssm_state, state_indices, has_init
         TensorDescriptor(q2, [T, HK * K], [q2.stride(0), 1], [CHUNK, K]),
         TensorDescriptor.from_tensor(bufs["Pb"], [CHUNK, CHUNK]),
         TensorDescriptor(v2, [T, HV * V], [v2.stride(0), 1], [CHUNK, cfg.bv]) if tu else bufs["Lb"],
+        TensorDescriptor(k2, [T, HK * K], [k2.stride(0), 1], [CHUNK, K]) if kr else bufs["Lb"],
         bufs["Cb"], bufs["Lb"], o, ssm_state, cu_seqlens, bufs["coff"], state_indices, has_init, HK, HV,
-        R=HV // HK, K=K, V=V, BV=cfg.bv, BT=CHUNK, PREC=cfg.prec, STAGES=cfg.state_stages(), TU=tu,
+        R=HV // HK, K=K, V=V, BV=cfg.bv, BT=CHUNK, PREC=cfg.prec, STAGES=cfg.state_stages(), TU=tu, KR=kr,
         num_warps=cfg.warps_state)
 
 

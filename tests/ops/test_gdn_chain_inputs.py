@@ -1,9 +1,15 @@
-"""Session 10: ChunkConfig.u_in_chain. The prep stores U's factor T diag(beta) as two bf16 limbs instead of
-U = (T diag(beta)) V in fp32, and the chain forms U = hi V + lo V from them and the chunk's rows of v: the
-products the prep's bf16x2 U makes, moved. Under the interpreter the Triton chain does it with the same
-`tl.dot` nesting as the prep's `_dot_raw`, so the whole op must be bit for bit the one without it; on the H200 the
-Gluon chain's warpgroup products sum in their own order (a tight tolerance), and the 8k case must stay at least as
-accurate as FLA. The cross-request isolation cases run it too (tests/ops/test_gdn_isolation.py)."""
+"""Session 10: inputs the chain reads itself instead of the prep's copies.
+
+ChunkConfig.u_in_chain: the prep stores U's factor T diag(beta) as two bf16 limbs instead of U = (T diag(beta)) V
+in fp32, and the chain forms U = hi V + lo V from them and the chunk's rows of v: the products the prep's bf16x2 U
+makes, moved. Under the interpreter the Triton chain does it with the same `tl.dot` nesting as the prep's
+`_dot_raw`, so the whole op must be bit for bit the one without it; on the H200 the Gluon chain's warpgroup
+products sum in their own order (a tight tolerance), and the 8k case must stay at least as accurate as FLA.
+
+ChunkConfig.k_in_chain: the chain reads whole chunks' K rows from k (TMA) instead of the prep's zero-padded copy,
+which the prep then stores only for a sequence's partial last chunk: the same operands, so bit for bit everywhere.
+
+The cross-request isolation cases run both (tests/ops/test_gdn_isolation.py)."""
 
 from __future__ import annotations
 
@@ -25,23 +31,29 @@ def _default(N: int, hv: int, gluon: bool = False) -> tc.ChunkConfig:
     return tc.default_chunk_config(N, hv, 128, torch.bfloat16, k=128, gluon=gluon)
 
 
+FLAGS = [dict(u_in_chain=True), dict(k_in_chain=True), dict(u_in_chain=True, k_in_chain=True)]
+FLAG_IDS = ["u", "k", "u+k"]
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=FLAG_IDS)
 @pytest.mark.parametrize("pad", [0, 1])
-def test_u_in_chain_bitwise_equal_under_interpreter(pad, device):
-    """Lengths around the chunk (partial last chunks whose v rows reach into the next sequence, a 1-token
+def test_chain_inputs_bitwise_equal_under_interpreter(pad, flags, device):
+    """Lengths around the chunk (partial last chunks whose k / v rows reach into the next sequence, a 1-token
     sequence), a padded row, slots out of order, 2 value heads per key head, on q / k / v as views of one packed
-    projection (pad 1: an unaligned row stride, so v is copied for the chain's TMA reads): outputs and the pool
-    bit for bit those without u_in_chain, and within the bf16 tolerance of the reference."""
+    projection (pad 1: an unaligned row stride: v is copied for the chain's TMA reads, and k_in_chain has no
+    effect since the prep cannot read k by TMA): outputs and the pool bit for bit those without the flags, and
+    within the bf16 tolerance of the reference."""
     if device.type == "cuda":
         pytest.skip("the GPU refuses head dims 32 in bf16; test_u_in_chain_real_shape_gpu covers it")
     lengths = [65, 1, 70, 64]
     d = _batch(lengths, 2, torch.bfloat16, device, seed=51, dk=32, dv=32)
     d["q"], d["k"], d["v"] = _packed(d, pad)
     base = _default(len(lengths), 2)
-    assert base.layout == "chunk" and base.hoist and not base.u_in_chain
+    assert base.layout == "chunk" and base.hoist and not base.u_in_chain and not base.k_in_chain
     p_ref, p_base, p_cand = d["pool"].clone(), d["pool"].clone(), d["pool"].clone()
     o_ref = _run(ref.chunk_gated_delta_rule, d, p_ref)
     o_base = _run(tc.chunk_gated_delta_rule, d, p_base, config=base)
-    o_cand = _run(tc.chunk_gated_delta_rule, d, p_cand, config=dataclasses.replace(base, u_in_chain=True))
+    o_cand = _run(tc.chunk_gated_delta_rule, d, p_cand, config=dataclasses.replace(base, **flags))
     assert torch.equal(o_cand, o_base), f"output: max diff {(o_cand.float() - o_base.float()).abs().max()}"
     assert torch.equal(p_cand, p_base), f"state: max diff {(p_cand - p_base).abs().max()}"
     assert_close(o_cand, o_ref, TOL[torch.bfloat16], "output vs reference")
@@ -76,6 +88,28 @@ def test_u_in_chain_factor_buffer(device):
                 assert_close(u, want[r:r + tc.CHUNK], 1e-6, f"sequence {n} chunk {c} head {h}")
 
 
+def test_k_in_chain_prep_stores_only_partial_chunks_k(device):
+    """With k_in_chain the TMA prep leaves the K copy of whole chunks unwritten (the chain reads k) and writes the
+    zero-padded rows of each sequence's partial last chunk as before."""
+    if device.type == "cuda":
+        pytest.skip("the GPU refuses head dims 32 in bf16; test_chain_inputs_real_shape_gpu covers it")
+    lengths = [65, 64, 70]
+    d = _batch(lengths, 2, torch.bfloat16, device, seed=54, dk=32, dv=32)
+    g, beta = ref.gdn_gating(d["A_log"], d["a"], d["dt_bias"], d["b"])
+    base = _default(len(lengths), 2)
+    args = (d["q"], d["k"], d["v"], g, beta, False, None, None, d["scale"], d["cu"], len(lengths), True)
+    want = tc._launch_prep(*args, base)
+    got = tc._launch_prep(*args, dataclasses.replace(base, k_in_chain=True))
+    assert got["k"] is d["k"] and "k" not in want
+    hk = d["k"].shape[1]
+    coff, cu = got["coff"].tolist(), d["cu"].tolist()
+    for n, L in enumerate(lengths):
+        for c in range(-(-L // tc.CHUNK)):
+            rows = slice((coff[n] + c) * hk * tc.CHUNK, (coff[n] + c + 1) * hk * tc.CHUNK)
+            if L - c * tc.CHUNK < tc.CHUNK:
+                assert torch.equal(got["Kb"][rows], want["Kb"][rows]), f"sequence {n} chunk {c}: the padded copy"
+
+
 def test_u_in_chain_needs_the_chunk_layout_hoist_prep(device):
     """u_in_chain is a choice of the hoist prep in the chunk layout with bf16x2 W / U and bf16 activations."""
     lengths = [70]
@@ -88,38 +122,54 @@ def test_u_in_chain_needs_the_chunk_layout_hoist_prep(device):
             _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=bad)
 
 
-def test_u_in_chain_default_rule():
+def test_chain_inputs_default_rule():
     """The default forms U in the chain with the Gluon chain on 64-column slices (batches: >= 128 (sequence, value
-    head) pairs), not for one sequence (32 columns, the chain bound by its L2 reads), nor with the Triton chain."""
+    head) pairs), not for one sequence (32 columns, the chain bound by its L2 reads), nor with the Triton chain;
+    k_in_chain the same way."""
     assert _default(4, 32, gluon=True).u_in_chain
     assert _default(32, 32, gluon=True).u_in_chain
     assert not _default(1, 32, gluon=True).u_in_chain
     assert not _default(4, 32).u_in_chain
     assert not tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, tokens=256, gluon=True).u_in_chain  # token
     assert not tc.default_chunk_config(4, 32, 128, torch.float32, k=128, gluon=True).u_in_chain
+    # k_in_chain likewise (H200, run S10-7: faster for batches, slower for one sequence)
+    assert _default(4, 32, gluon=True).k_in_chain and not _default(1, 32, gluon=True).k_in_chain
+    assert not _default(4, 32).k_in_chain
+    assert not tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, tokens=256, gluon=True).k_in_chain
+
+
+def test_k_in_chain_needs_the_tma_prep(device):
+    """k_in_chain is a choice of the TMA prep (hoist, tma_load) in the chunk layout."""
+    d = _batch([70], 2, torch.bfloat16, device, seed=55, dk=128, dv=128)
+    base = _default(1, 2)
+    for bad in (dataclasses.replace(base, k_in_chain=True, layout="token"),
+                dataclasses.replace(base, k_in_chain=True, tma_load=False)):
+        with pytest.raises(ValueError, match="k_in_chain"):
+            _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=bad)
 
 
 # ---- GPU: the real Qwen3-Next shape ---------------------------------------------------------------------------
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("flags", FLAGS, ids=FLAG_IDS)
 @pytest.mark.parametrize("chain", ["gluon", "triton"])
-def test_u_in_chain_real_shape_gpu(chain):
+def test_chain_inputs_real_shape_gpu(chain, flags):
     """The real-shape mixed batch (lengths 1 / 63 / 64 / 65 / 1000, a padded row, slots out of order, half without
-    initial state): against the same chain without u_in_chain (the same products: a tight tolerance, equality
-    reported) and against the reference."""
+    initial state): against the same chain without the flags (the same products: a tight tolerance, equality
+    reported; k_in_chain alone bit for bit) and against the reference."""
     from .test_gdn_chunk import _real_shape_mixed_batch
     from .test_gpu import TOL_BF16, _report
 
     q, k, v, g, beta, pool, kw = _real_shape_mixed_batch()
-    base = dataclasses.replace(_default(5, 32, gluon=True), chain=chain, u_in_chain=False)
+    base = dataclasses.replace(_default(5, 32, gluon=True), chain=chain, u_in_chain=False, k_in_chain=False)
     if chain == "gluon" and not tc.gluon_chain.supported(q.device):
         pytest.skip("the Gluon chain needs compute capability 9.0")
     p_ref, p_base, p_cand = pool.clone(), pool.clone(), pool.clone()
     o_ref = ref.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_ref, **kw)
     o_base = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_base, config=base, **kw)
     o_cand = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_cand,
-                                       config=dataclasses.replace(base, u_in_chain=True), **kw)
-    _report(test="u_in_chain_real_shape", config=chain, identical_out=bool(torch.equal(o_cand, o_base)),
+                                       config=dataclasses.replace(base, **flags), **kw)
+    _report(test="chain_inputs_real_shape", config=f"{chain} {flags}", identical_out=bool(torch.equal(o_cand, o_base)),
             identical_state=bool(torch.equal(p_cand, p_base)), out_rel=rel_err(o_cand, o_base),
             state_rel=rel_err(p_cand, p_base), out_rel_ref=rel_err(o_cand, o_ref), state_rel_ref=rel_err(p_cand, p_ref))
     assert_close(o_cand, o_base, 1e-2, "output")
@@ -127,14 +177,17 @@ def test_u_in_chain_real_shape_gpu(chain):
     assert (o_cand[64:128] == 0).all(), "padded sequence gives zeros"
     assert_close(o_cand, o_ref, TOL_BF16, "output vs reference")
     assert_close(p_cand, p_ref, TOL_BF16, "state vs reference")
+    if not flags.get("u_in_chain"):
+        assert torch.equal(o_cand, o_base) and torch.equal(p_cand, p_base), "k_in_chain reads the same K operand"
 
 
 @pytest.mark.gpu
-def test_u_in_chain_8k_not_less_accurate_than_fla_gpu():
-    """One 8192-token sequence with slow decay against the fp32 token recurrence: u_in_chain's output and final
-    state errors must not exceed FLA's (reported beside the default's)."""
+def test_chain_inputs_8k_not_less_accurate_than_fla_gpu():
+    """One 8192-token sequence with slow decay against the fp32 token recurrence: the output and final state
+    errors with u_in_chain / k_in_chain must not exceed FLA's (reported beside the default's)."""
     from .test_gpu import check_8k_not_less_accurate_than_fla
 
     cfg = _default(1, 32, gluon=tc.gluon_chain.supported(torch.device("cuda")))
-    check_8k_not_less_accurate_than_fla({"default": None, "u_in_chain": dataclasses.replace(cfg, u_in_chain=True)},
-                                        "u_in_chain_8k")
+    check_8k_not_less_accurate_than_fla({"default": None, "u_in_chain": dataclasses.replace(cfg, u_in_chain=True),
+                                         "k_in_chain": dataclasses.replace(cfg, k_in_chain=not cfg.k_in_chain)},
+                                        "chain_inputs_8k")
