@@ -138,6 +138,21 @@ def test_chain_inputs_default_rule():
     assert not tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, tokens=256, gluon=True).k_in_chain
 
 
+def test_named_preps_keep_only_the_chain_inputs_they_support():
+    """The named prep variants on a batch default of the Gluon chain (u_in_chain and k_in_chain on): the session-7
+    preps (PREP7) drop both (no hoist prep), the session-8 prep without TMA loads drops k_in_chain (the isolation
+    and prep tests build their configurations this way; run S10-8 found them raising)."""
+    base = _default(4, 32, gluon=True)
+    assert base.u_in_chain and base.k_in_chain
+    for name in tc.PREP7:
+        cfg = tc.prep7_config(name, base)
+        assert not cfg.u_in_chain and not cfg.k_in_chain, name
+    for name, prep in tc.PREP8.items():
+        cfg = tc.prep8_config(name, base)
+        assert cfg.u_in_chain and cfg.k_in_chain == prep.tma_load, name
+    assert not tc.prep8_config("hoist-heads-r168", base).k_in_chain
+
+
 def test_k_in_chain_needs_the_tma_prep(device):
     """k_in_chain is a choice of the TMA prep (hoist, tma_load) in the chunk layout."""
     d = _batch([70], 2, torch.bfloat16, device, seed=55, dk=128, dv=128)

@@ -276,8 +276,10 @@ PREP7_FIELDS = ("ut", "ut_prec", "lean", "wu_cols", "maxnreg_tc")
 
 def prep7_config(name: str, base: ChunkConfig) -> ChunkConfig:
     """`base` (the shape's configuration) with the prep fields of PREP7[name], and without the session-8 prep
-    changes (PREP8_FIELDS: the PREP7 entries are measured on the session-7 prep)."""
-    return dataclasses.replace(base, **{f: getattr(PREP7[name], f) for f in PREP8_FIELDS})
+    changes (PREP8_FIELDS: the PREP7 entries are measured on the session-7 prep), so without the chain inputs
+    that need the hoist / TMA prep (u_in_chain, k_in_chain)."""
+    return dataclasses.replace(base, **{f: getattr(PREP7[name], f) for f in PREP8_FIELDS}, u_in_chain=False,
+                               k_in_chain=False)
 
 
 # Session 8 (prep8): the bf16 default prep (PREP7 "wide-fp16-lean") with its latency cut, each on the default state
@@ -327,8 +329,11 @@ PREP8_DEFAULT = types.MappingProxyType({f: getattr(PREP8["tma-r168"], f) for f i
 
 
 def prep8_config(name: str, base: ChunkConfig) -> ChunkConfig:
-    """`base` (the shape's configuration) with the prep fields of PREP8[name]."""
-    return dataclasses.replace(base, **{f: getattr(PREP8[name], f) for f in PREP8_FIELDS})
+    """`base` (the shape's configuration) with the prep fields of PREP8[name]; base's k_in_chain only where that
+    prep reads k by TMA (tma_load), the one prep that leaves whole chunks' K copy to the chain."""
+    prep = PREP8[name]
+    return dataclasses.replace(base, **{f: getattr(prep, f) for f in PREP8_FIELDS},
+                               k_in_chain=base.k_in_chain and prep.tma_load)
 
 
 # The chunk-layout candidates, as (one-sequence, batch) CANDIDATES names.
