@@ -44,7 +44,7 @@ def test_chain_inputs_bitwise_equal_under_interpreter(pad, flags, device):
     effect since the prep cannot read k by TMA): outputs and the pool bit for bit those without the flags, and
     within the bf16 tolerance of the reference."""
     if device.type == "cuda":
-        pytest.skip("the GPU refuses head dims 32 in bf16; test_u_in_chain_real_shape_gpu covers it")
+        pytest.skip("the GPU refuses head dims 32 in bf16; test_chain_inputs_real_shape_gpu covers it")
     lengths = [65, 1, 70, 64]
     d = _batch(lengths, 2, torch.bfloat16, device, seed=51, dk=32, dv=32)
     d["q"], d["k"], d["v"] = _packed(d, pad)
@@ -60,18 +60,23 @@ def test_chain_inputs_bitwise_equal_under_interpreter(pad, flags, device):
     assert_close(p_cand, p_ref, TOL[torch.bfloat16], "state vs reference")
 
 
-def test_u_in_chain_factor_buffer(device):
-    """The prep's Ub under u_in_chain holds the two limbs of T diag(beta) per chunk row: hi + lo times the chunk's
-    v rows (zeros past the sequence) gives the U the prep stores without it."""
+def _prep_buffers(lengths, seed, device, **flags):
+    """The batch and the default prep's buffers at head dims 32 (interpreter only), without and with `flags`."""
     if device.type == "cuda":
-        pytest.skip("the GPU refuses head dims 32 in bf16; test_u_in_chain_real_shape_gpu covers it")
-    lengths = [65, 1, 70]
-    d = _batch(lengths, 2, torch.bfloat16, device, seed=52, dk=32, dv=32)
+        pytest.skip("the GPU refuses head dims 32 in bf16; test_chain_inputs_real_shape_gpu covers it")
+    d = _batch(lengths, 2, torch.bfloat16, device, seed=seed, dk=32, dv=32)
     g, beta = ref.gdn_gating(d["A_log"], d["a"], d["dt_bias"], d["b"])
     base = _default(len(lengths), 2)
     args = (d["q"], d["k"], d["v"], g, beta, False, None, None, d["scale"], d["cu"], len(lengths), True)
-    want = tc._launch_prep(*args, base)["Ub"]
-    got = tc._launch_prep(*args, dataclasses.replace(base, u_in_chain=True))
+    return d, tc._launch_prep(*args, base), tc._launch_prep(*args, dataclasses.replace(base, **flags))
+
+
+def test_u_in_chain_factor_buffer(device):
+    """The prep's Ub under u_in_chain holds the two limbs of T diag(beta) per chunk row: hi + lo times the chunk's
+    v rows (zeros past the sequence) gives the U the prep stores without it."""
+    lengths = [65, 1, 70]
+    d, base, got = _prep_buffers(lengths, 52, device, u_in_chain=True)
+    want = base["Ub"]
     assert got["Ub"].dtype == torch.bfloat16 and got["Ub"].shape == (want.shape[0], 2 * tc.CHUNK)
     hv, dv = d["v"].shape[1:]
     coff = got["coff"].tolist()
@@ -91,15 +96,8 @@ def test_u_in_chain_factor_buffer(device):
 def test_k_in_chain_prep_stores_only_partial_chunks_k(device):
     """With k_in_chain the TMA prep leaves the K copy of whole chunks unwritten (the chain reads k) and writes the
     zero-padded rows of each sequence's partial last chunk as before."""
-    if device.type == "cuda":
-        pytest.skip("the GPU refuses head dims 32 in bf16; test_chain_inputs_real_shape_gpu covers it")
     lengths = [65, 64, 70]
-    d = _batch(lengths, 2, torch.bfloat16, device, seed=54, dk=32, dv=32)
-    g, beta = ref.gdn_gating(d["A_log"], d["a"], d["dt_bias"], d["b"])
-    base = _default(len(lengths), 2)
-    args = (d["q"], d["k"], d["v"], g, beta, False, None, None, d["scale"], d["cu"], len(lengths), True)
-    want = tc._launch_prep(*args, base)
-    got = tc._launch_prep(*args, dataclasses.replace(base, k_in_chain=True))
+    d, want, got = _prep_buffers(lengths, 54, device, k_in_chain=True)
     assert got["k"] is d["k"] and "k" not in want
     hk = d["k"].shape[1]
     coff, cu = got["coff"].tolist(), d["cu"].tolist()
