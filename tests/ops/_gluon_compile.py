@@ -45,7 +45,8 @@ def main() -> int:
     sig = dict(zip(["w_desc", "u_desc", "k_desc", "q_desc", "p_desc", "c_desc", "l_desc", "v_desc", "kr_desc"],
                    map(mangle_type, descs)))
     sig.update(o="*bf16", ssm="*fp32", cu="*i32", coff="*i32", idx="*i32", has_init="*u8", HK="i32", HV="i32")
-    consts = dict(R=HV // HK, K=K, V=V, BT=64, STAGES=2, WS=ws, A_REGS=True, CONSUMER_REGS=232, TU=tu, KR=kr,
+    stages = int(os.environ.get("STAGES", "2"))  # ring depth (2: launch_chain's default)
+    consts = dict(R=HV // HK, K=K, V=V, BT=64, STAGES=stages, WS=ws, A_REGS=True, CONSUMER_REGS=232, TU=tu, KR=kr,
                   num_warps=4)
     sig.update({a: "constexpr" for a in consts})
     # the launch-time specialisation: pointers 16-byte aligned, head counts multiples of 16
