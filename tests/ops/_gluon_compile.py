@@ -2,15 +2,17 @@
 test_gdn_gluon_chain.py: Gluon kernels cannot be compiled once the Triton interpreter is on, which the op
 tests switch on for CPU machines).
 
-    python tests/ops/_gluon_compile.py BV WS(0|1) [TU(0|1) [KR(0|1)]]
+    python tests/ops/_gluon_compile.py BV WS(0|1) [TU(0|1) [KR(0|1) [OT(0|1)]]]
 
-TU 1: the u_in_chain form (U's factor limbs and v's rows instead of U); KR 1: k_in_chain (k's rows by TMA).
+TU 1: the u_in_chain form (U's factor limbs and v's rows instead of U); KR 1: k_in_chain (k's rows by TMA);
+OT 1: o_tma (whole chunks' outputs by TMA stores, `gluon_chain.output_tiles` shared-memory tiles per consumer).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,6 +32,7 @@ def main() -> int:
     bv, ws = int(sys.argv[1]), sys.argv[2] == "1"
     tu = len(sys.argv) > 3 and sys.argv[3] == "1"
     kr = len(sys.argv) > 4 and sys.argv[4] == "1"
+    o_tma = len(sys.argv) > 5 and sys.argv[5] == "1"
     K = V = 128
     HK, HV, C, T = 16, 32, 8, 256
     bf, f32 = torch.bfloat16, torch.float32
@@ -40,14 +43,19 @@ def main() -> int:
         bufs.update(Ub=torch.zeros(C * HV * 64, 128, dtype=bf), v=torch.zeros(T, HV, V, dtype=bf))
     if kr:
         bufs.update(k=torch.zeros(T, HK, K, dtype=bf))
-    descs = gc.chain_descriptors(torch.zeros(T, HK, K, dtype=bf), bufs, bv // 2 if ws else bv)
-    fn = gc._chain_kernel
-    sig = dict(zip(["w_desc", "u_desc", "k_desc", "q_desc", "p_desc", "c_desc", "l_desc", "v_desc", "kr_desc"],
-                   map(mangle_type, descs)))
-    sig.update(o="*bf16", ssm="*fp32", cu="*i32", coff="*i32", idx="*i32", has_init="*u8", HK="i32", HV="i32")
     stages = int(os.environ.get("STAGES", "2"))  # ring depth (2: launch_chain's default)
+    bvc = bv // 2 if ws else bv
+    descs = gc.chain_descriptors(torch.zeros(T, HK, K, dtype=bf), bufs, bvc)
+    ot = gc.output_tiles(bv, ws, stages, tu, HV) if o_tma else 0
+    if o_tma and ot == 0:
+        raise SystemExit("o_tma: no room for the output tiles")
+    descs += (gc._rows_desc(torch.zeros(T, HV, V, dtype=bf), bvc) if ot else descs[3],)
+    fn = gc._chain_kernel
+    sig = dict(zip(["w_desc", "u_desc", "k_desc", "q_desc", "p_desc", "c_desc", "l_desc", "v_desc", "kr_desc",
+                    "o_desc"], map(mangle_type, descs)))
+    sig.update(o="*bf16", ssm="*fp32", cu="*i32", coff="*i32", idx="*i32", has_init="*u8", HK="i32", HV="i32")
     consts = dict(R=HV // HK, K=K, V=V, BT=64, STAGES=stages, WS=ws, A_REGS=True, CONSUMER_REGS=232, TU=tu, KR=kr,
-                  num_warps=4)
+                  OT=ot, num_warps=4)
     sig.update({a: "constexpr" for a in consts})
     # the launch-time specialisation: pointers 16-byte aligned, head counts multiples of 16
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a] == "i32" or "*" in sig[a]}
@@ -58,10 +66,18 @@ def main() -> int:
     try:
         sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
+        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
     finally:
         os.unlink(f.name)
+    regs = re.search(r"REG:(\d+)", res)
+    if os.environ.get("SASS_OUT"):  # the SASS for inspection (e.g. where the MEMBARs are)
+        with open(os.environ["SASS_OUT"], "w") as f:
+            f.write(sass)
     print(json.dumps(dict(smem=c.metadata.shared, warps=c.metadata.num_warps, spills=sass.count("STL"),
-                          hgmma=sass.count("HGMMA"), tma=sass.count("UTMALDG"), setmaxnreg=sass.count("USETMAXREG"))))
+                          hgmma=sass.count("HGMMA"), tma=sass.count("UTMALDG"), setmaxnreg=sass.count("USETMAXREG"),
+                          regs=int(regs.group(1)) if regs else -1, o_tiles=ot, tma_stores=sass.count("UTMASTG"),
+                          membar=sass.count("MEMBAR"), est_smem=gc.smem_bytes(bv, ws, stages, tu, HV, ot))))
     return 0
 
 

@@ -47,6 +47,50 @@ def test_chain_compiles_for_sm90_without_spills(bv, ws, tu):
         assert res["warps"] == 12 and res["setmaxnreg"] > 0, "two consumer warpgroups + the loader warp"
 
 
+def _compile(*args) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "_gluon_compile.py"),
+                          *map(str, args)], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(_BIN, "cuobjdump")), reason="Triton ships no CUDA binutils here")
+@pytest.mark.parametrize("bv,ws,tu,kr,tiles", [(32, 1, 0, 0, 2), (64, 1, 1, 1, 1), (32, 0, 0, 0, 2)])
+def test_chain_o_tma_compiles_for_sm90_without_spills(bv, ws, tu, kr, tiles):
+    """ChunkConfig.o_tma: the outputs leave by TMA stores (UTMASTG) from `output_tiles` shared-memory tiles per
+    consumer (two at bv 32; one at bv 64 with the chain inputs, whose ring leaves room for one), without spills,
+    within the H200's shared memory, which `smem_bytes` predicts to within the compiler's padding."""
+    res = _compile(bv, ws, tu, kr, 1)
+    assert res["o_tiles"] == tiles and res["tma_stores"] > 0, res
+    assert res["spills"] == 0, f"register spills: {res['spills']} local stores"
+    assert res["smem"] <= H200_SMEM, f"{res['smem']} bytes of shared memory"
+    assert 0 <= res["smem"] - res["est_smem"] <= gc.SMEM_SLACK, res
+
+
+def test_output_tiles_fit_the_shared_memory():
+    """Two output tiles per consumer where they fit, one where only one does, none (o_tma refused) where the ring
+    leaves no room (3 stages at bv 64)."""
+    assert gc.output_tiles(32, True, 2, False, 32) == 2
+    assert gc.output_tiles(64, True, 2, True, 32) == 1
+    assert gc.output_tiles(64, True, 3, True, 32) == 0
+    for args in ((32, True, 2, False, 32), (64, True, 2, True, 32), (64, False, 2, False, 32)):
+        t = gc.output_tiles(*args)
+        assert gc.smem_bytes(*args, t) + gc.SMEM_SLACK <= gc.SMEM_LIMIT
+
+
+def test_o_tma_needs_the_gluon_chain(device):
+    from .test_gdn_chunk import _batch, _run
+
+    d = _batch([5, 70], 2, torch.bfloat16, device, seed=3)
+    cfg = dataclasses.replace(tc.default_chunk_config(2, 2, 32, torch.bfloat16, k=16), o_tma=True)
+    assert cfg.chain == "triton"
+    with pytest.raises(ValueError, match="o_tma is a choice of the Gluon chain"):
+        _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=cfg)
+
+
 def test_supported_is_false_off_hopper(monkeypatch):
     assert not gc.supported(torch.device("cpu"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -156,3 +200,86 @@ def test_prep7_variants_keep_the_session7_prep_on_the_new_default():
     for name in tc.PREP7:
         cfg = tc.prep7_config(name, base)
         assert not cfg.hoist and not cfg.heads_first and cfg.maxnreg_tc == tc.PREP7[name].maxnreg_tc, name
+
+
+def _mixed_o():
+    """_mixed's kind of batch for ChunkConfig.o_tma: sequences of 1, 63 (partial last chunks: pointer stores), 64
+    and 128 (whole last chunks: TMA), 65, 1000, 129 (whole chunks then a partial one), an empty one, padded rows
+    (slot -1) on a one-chunk and a two-chunk sequence (their zero outputs go by TMA too)."""
+    from .test_gpu import HK, HV, D, _inputs
+
+    lengths = [1, 63, 64, 0, 65, 1000, 128, 129, 64]
+    q, k, v, g, beta = _inputs(lengths, HK, HV, seed=37)
+    pool = torch.randn(len(lengths) + 2, HV, D, D, generator=gen(5)).mul(0.1).cuda()
+    kw = dict(cu_seqlens=cu_seqlens(lengths, "cuda"),
+              state_indices=torch.tensor([4, 0, -1, 7, 6, 2, -1, 1, 3], dtype=torch.int32, device="cuda"),
+              has_initial_state=torch.tensor([1, 0, 1, 1, 1, 0, 1, 1, 0], dtype=torch.bool, device="cuda"))
+    return lengths, q, k, v, g, beta, pool, kw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bv,ws,inputs", [(32, True, False), (64, True, True), (64, True, False), (32, True, True),
+                                          (32, False, False)])
+def test_o_tma_equals_pointer_stores_gpu(bv, ws, inputs):
+    """ChunkConfig.o_tma changes only how the outputs are stored: outputs and states bit for bit those of the
+    pointer stores, on a real-shape batch with partial and whole last chunks and padded rows (zeros), with and
+    without the chain inputs (u_in_chain, k_in_chain: the prep buffers the bv 64 default reads)."""
+    from .test_gpu import D, _report
+
+    lengths, q, k, v, g, beta, pool, kw = _mixed_o()
+    N = len(lengths)
+    cfg = dataclasses.replace(tc.default_chunk_config(N, v.shape[1], D, torch.bfloat16, k=D), layout="chunk",
+                              u_in_chain=inputs, k_in_chain=inputs)
+    bufs = tc._launch_prep(q, k, v, g, beta, False, None, None, D ** -0.5, kw["cu_seqlens"], N, True, cfg)
+    assert ("v" in bufs) == inputs and ("k" in bufs) == inputs
+    has_init = kw["has_initial_state"].view(torch.uint8)
+    outs, states = [], []
+    for o_tma in (False, True):
+        o = torch.full(v.shape, 7.0, dtype=v.dtype, device="cuda")
+        p = pool.clone()
+        gc.launch_chain(q, o, bufs, kw["cu_seqlens"], p, kw["state_indices"], has_init, bv, ws=ws, o_tma=o_tma)
+        outs.append(o)
+        states.append(p)
+    torch.cuda.synchronize()
+    _report(test="o_tma_vs_pointer_stores", config=f"bv{bv}{'-ws' if ws else ''}{'-inputs' if inputs else ''}",
+            identical_out=bool(torch.equal(outs[0], outs[1])), identical_state=bool(torch.equal(*states)),
+            out_max_abs=(outs[0].float() - outs[1].float()).abs().max().item())
+    assert torch.equal(outs[1], outs[0]), "o_tma outputs differ from the pointer stores'"
+    assert torch.equal(states[1], states[0])
+    assert not (outs[1] == 7.0).all(dim=(1, 2)).any(), "every row written"
+    cu = kw["cu_seqlens"].tolist()
+    for i in (2, 6):  # the padded sequences
+        assert (outs[1][cu[i]:cu[i + 1]] == 0).all(), f"padded sequence {i}: zeros"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[32768 // 4], [1000, 64, 2049, 63, 1024]])
+def test_o_tma_whole_op_equals_default_gpu(lengths):
+    """The op with o_tma flipped against its default configuration, eager and in a CUDA graph: bit for bit."""
+    from .test_gpu import HK, HV, D, _inputs
+
+    q, k, v, g, beta = _inputs(lengths, HK, HV, seed=41)
+    N = len(lengths)
+    pool = torch.randn(N + 1, HV, D, D, generator=gen(6)).mul(0.1).cuda()
+    kw = dict(scale=D ** -0.5, cu_seqlens=cu_seqlens(lengths, "cuda"),
+              state_indices=torch.arange(N, dtype=torch.int32, device="cuda").flip(0),
+              has_initial_state=torch.ones(N, dtype=torch.bool, device="cuda"))
+    base = tc.default_chunk_config(N, HV, D, torch.bfloat16, k=D, tokens=sum(lengths), gluon=True)
+    assert base.chain == "gluon"
+    res = []
+    for cfg in (base, dataclasses.replace(base, o_tma=not base.o_tma)):
+        p = pool.clone()
+        o = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p, config=cfg, **kw)
+        res.append((o, p))
+    p_g = pool.clone()
+    cfg = dataclasses.replace(base, o_tma=True)
+    tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_g, config=cfg, **kw)  # warm
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_g, config=cfg, **kw)
+    p_g.copy_(pool)
+    o_g.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+    assert torch.equal(o_g, res[0][0]) and torch.equal(p_g, res[0][1]), "graph replay"

@@ -18,7 +18,11 @@ What Gluon buys over `tl.dot` (docs/PERFORMANCE.md, session 8):
 - W and K^T, each the A operand of two products (one per limb), are read from shared memory into registers
   once: the products wait on shared-memory bandwidth more than on the tensor cores;
 - a chunk's outputs are stored while the next chunk's first products run (a store in flight holds up the
-  next shared-memory fence).
+  next shared-memory fence);
+- o_tma (ChunkConfig.o_tma): a whole chunk's outputs leave through a TMA store of their shared-memory copy
+  (whole 32-byte sectors, in the async proxy, so the next fence does not wait for them) instead of pointer
+  stores from the accumulator layout (16-byte half sectors); a sequence's partial last chunk keeps the masked
+  pointer store (the tile would overwrite the next sequence's rows).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ CHUNK = 64
 # (K, V) head dims and bf16 activations only: the layouts below are written for 128-wide tiles
 DIMS = (128, 128)
 BVS = (32, 64)
+SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
+SMEM_SLACK = 1024  # the compiler's padding beyond `smem_bytes` (sm_90 compiles: 392 - 520 B)
 
 
 def supported(device: torch.device) -> bool:
@@ -114,7 +120,8 @@ def _issue_u(u_hi, u_lo, vs, left, rows, BT: gl.constexpr, BVC: gl.constexpr, ac
 @gluon.jit
 def _chunk_step(S, w_t, k_t, q_t, p_t, u, d, eq, decay, sh_s, sl_s, vn_s, dh_s, dl_s, prev, o, t0, left, hv, HV,
                 rows, ov, V: gl.constexpr, BT: gl.constexpr, K: gl.constexpr, BV: gl.constexpr, acc_l: gl.constexpr,
-                A_REGS: gl.constexpr = False, TU: gl.constexpr = False):
+                A_REGS: gl.constexpr = False, TU: gl.constexpr = False, OT: gl.constexpr = 0, o_desc=None,
+                o_buf=None, o_col=None):
     """One chunk of one warpgroup's chain on its [K, BV] state columns (module docstring): returns the new
     state and the chunk's [BT, BV] outputs. Every product it issues is waited for before it returns.
     The previous chunk's outputs (`prev`, already in the output dtype, rows t0 .. t0 + left of the sequence,
@@ -123,20 +130,31 @@ def _chunk_step(S, w_t, k_t, q_t, p_t, u, d, eq, decay, sh_s, sl_s, vn_s, dh_s, 
     A_REGS: W and K^T (each the A operand of two products, one per limb) are read from shared memory into
     registers once, instead of once per product (shared-memory bandwidth is what the products wait on).
     TU: u is the accumulator of U's products, issued just before this step and waited for with W S (issuing them
-    a chunk ahead, behind the previous chunk's products, measured slower on the H200: run S10-3)."""
+    a chunk ahead, behind the previous chunk's products, measured slower on the H200: run S10-3).
+    OT > 0 (ChunkConfig.o_tma, OT shared-memory tiles per warpgroup): `prev` (then always a whole chunk: only a
+    sequence's last chunk can be partial, and `_chain_columns` stores that one) is copied into o_buf with the
+    state's limbs, under the same fence, and leaves by a TMA store once the first products are issued; the store
+    that read o_buf last (OT chunks ago) is waited for first."""
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
     if A_REGS:
         w_t = w_t.load(a_l)
     zero_v = gl.zeros([BT, BV], gl.float32, acc_l)
     zero_s = gl.zeros([K, BV], gl.float32, acc_l)
     hi = S.to(gl.bfloat16)
+    if OT > 0:
+        tma.store_wait(OT - 1)
+        o_buf.store(prev)
     sh_s.store(hi)
     sl_s.store((S - hi.to(gl.float32)).to(gl.bfloat16))
     fence_async_shared()
     a_v = warpgroup_mma(w_t, sh_s, zero_v, is_async=True)
     a_v = warpgroup_mma(w_t, sl_s, a_v, is_async=True)
     a_o = warpgroup_mma(q_t, sh_s, zero_v, is_async=True)
-    _store_rows(prev, o, t0, left, hv, HV, rows, ov, V)
+    if OT > 0:
+        if left > 0:
+            tma.async_copy_shared_to_global(o_desc, [t0, o_col], o_buf)
+    else:
+        _store_rows(prev, o, t0, left, hv, HV, rows, ov, V)
     if TU:
         u, a_v = warpgroup_mma_wait(num_outstanding=1, deps=(u, a_v))  # U and W S done; Q S may still run
     else:
@@ -164,14 +182,17 @@ def _chunk_step(S, w_t, k_t, q_t, p_t, u, d, eq, decay, sh_s, sl_s, vn_s, dh_s, 
 @gluon.jit
 def _chain_columns(HALF: gl.constexpr, NU: gl.constexpr, STAGES: gl.constexpr, bufs, scratch, ready, empty, o,
                    ssm, cu, idx, has_init, HV, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr,
-                   A_REGS: gl.constexpr, TU: gl.constexpr, KR: gl.constexpr, descs=None, coff=None, HK=None,
-                   R: gl.constexpr = 1, LOADS: gl.constexpr = False):
+                   A_REGS: gl.constexpr, TU: gl.constexpr, KR: gl.constexpr, OT: gl.constexpr, o_desc, o_s,
+                   descs=None, coff=None, HK=None, R: gl.constexpr = 1, LOADS: gl.constexpr = False):
     """One warpgroup's chain over its sequence's chunks on state columns [col + HALF * BVC, + BVC) of the
     program's (sequence, value head): waits for each ring stage, runs `_chunk_step`, releases the stage (on
     `empty`, when a producer partition refills the ring) and stores the chunk's outputs, then the final state.
     LOADS: this warpgroup also issues the ring's copies itself, STAGES - 1 chunks ahead (no producer).
     TU (ChunkConfig.u_in_chain): U = hi V + lo V from the stage's limbs of U's factor and the chunk's v rows (a
-    partial last chunk's rows past the sequence zeroed first: they are the next sequence's, and 0 x inf = NaN)."""
+    partial last chunk's rows past the sequence zeroed first: they are the next sequence's, and 0 x inf = NaN).
+    OT > 0 (ChunkConfig.o_tma): whole chunks' outputs leave by TMA stores (o_desc: o as [T, HV * V] rows, [BT, BVC]
+    tiles) from this warpgroup's OT shared-memory tiles o_s[HALF * OT + c % OT]; a sequence's partial last chunk
+    takes the masked pointer store (o_desc's tile would cover the next sequence's rows)."""
     w_s, k_s, q_s, p_s, u_s, c_s, l_s, v_s = bufs
     sh_s, sl_s, vn_s, dh_s, dl_s = scratch
     BVC: gl.constexpr = v_s.type.shape[2]
@@ -195,6 +216,7 @@ def _chain_columns(HALF: gl.constexpr, NU: gl.constexpr, STAGES: gl.constexpr, b
     col = j * (NU * BVC)
     ok = gl.arange(0, K, layout=rows_l)
     ov = col + HALF * BVC + gl.arange(0, BVC, layout=cols_l)
+    o_col = hv * V + col + HALF * BVC  # the first of this warpgroup's columns in o's [T, HV * V] rows
     rows = gl.arange(0, BT, layout=rows_l)
     mine = gl.arange(0, NL, layout=one_l) == hv % NL
     sp = ssm + slot * (HV * K * V) + hv * (K * V) + ok[:, None] * V + ov[None, :]
@@ -224,13 +246,26 @@ def _chain_columns(HALF: gl.constexpr, NU: gl.constexpr, STAGES: gl.constexpr, b
         S, out = _chunk_step(S, w_s.index(s), k_s.index(s), q_s.index(s), p_s.index(s), u, d, eq, decay,
                              sh_s.index(HALF), sl_s.index(HALF), vn_s.index(HALF), dh_s.index(HALF),
                              dl_s.index(HALF), prev, o, bos + (c - 1) * BT, L - (c - 1) * BT + (c == 0) * (-L - BT),
-                             hv, HV, rows, ov, V, BT, K, BVC, acc_l, A_REGS, TU)
+                             hv, HV, rows, ov, V, BT, K, BVC, acc_l, A_REGS, TU, OT, o_desc,
+                             o_s.index(HALF * OT + c % OT) if OT > 0 else None, o_col)
         if not LOADS:
             # the stage's generic reads (U, factors) were ordered by the step's first fence and its products
             # are complete: release it to the producer
             mbarrier.arrive(empty.index(s), count=1)
         prev = gl.where(live, out, 0.0).to(o.dtype.element_ty)
-    _store_rows(prev, o, bos + (nch - 1) * BT, (nch > 0) * (L - (nch - 1) * BT), hv, HV, rows, ov, V)
+    last = (nch > 0) * (L - (nch - 1) * BT)  # the last chunk's rows (0: no chunk)
+    if OT > 0:
+        if last == BT:  # a whole chunk: its TMA tile holds only this sequence's rows
+            o_last = o_s.index(HALF * OT + nch % OT)
+            tma.store_wait(OT - 1)
+            o_last.store(prev)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [bos + (nch - 1) * BT, o_col], o_last)
+        else:
+            _store_rows(prev, o, bos + (nch - 1) * BT, last, hv, HV, rows, ov, V)
+        tma.store_wait(0)  # the tiles are read before the program's shared memory goes
+    else:
+        _store_rows(prev, o, bos + (nch - 1) * BT, last, hv, HV, rows, ov, V)
     gl.store(sp, S, mask=(ok[:, None] >= 0) & (ov[None, :] >= 0) & (live & (L > 0)))
 
 
@@ -255,15 +290,17 @@ def _ws_load(descs, bufs, ready, empty, cu, coff, HK, HV, R: gl.constexpr, K: gl
 
 
 @gluon.jit
-def _chain_kernel(w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc, kr_desc, o, ssm, cu, coff, idx,
-                  has_init, HK, HV, R: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr,
+def _chain_kernel(w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc, kr_desc, o_desc, o, ssm, cu, coff,
+                  idx, has_init, HK, HV, R: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr,
                   STAGES: gl.constexpr, WS: gl.constexpr, A_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                  TU: gl.constexpr, KR: gl.constexpr, num_warps: gl.constexpr):
+                  TU: gl.constexpr, KR: gl.constexpr, OT: gl.constexpr, num_warps: gl.constexpr):
     """WS False: one warpgroup per program, its BVC = u_desc's block columns, issuing its own copies.
     WS True: the program's 2 * BVC columns split over two consumer warpgroups (`_chain_columns`, HALF 0 / 1)
     fed by a producer warp (`_ws_load`) through ready / empty barriers. TU: U from its factor's limbs (u_desc,
     [64, 64] bf16 tiles) and v's rows (v_desc, [64, BVC] bf16 tiles); without it v_desc is u_desc, unused. KR:
-    whole chunks' K rows from k (kr_desc; k_desc otherwise, unused)."""
+    whole chunks' K rows from k (kr_desc; k_desc otherwise, unused). OT > 0 (ChunkConfig.o_tma): whole chunks'
+    outputs by TMA stores through o_desc ([BT, BVC] tiles of o's [T, HV * V] rows) from OT shared-memory tiles per
+    warpgroup (2: a tile is rewritten two chunks after its store was issued; 1 where shared memory is short)."""
     NU: gl.constexpr = 2 if WS else 1
     BVC: gl.constexpr = v_desc.block_type.shape[1]
     s_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, BVC], gl.bfloat16)
@@ -288,6 +325,10 @@ def _chain_kernel(w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc
                gl.allocate_shared_memory(gl.bfloat16, [NU, BT, BVC], v_lay),
                gl.allocate_shared_memory(gl.bfloat16, [NU, BT, BVC], v_lay),
                gl.allocate_shared_memory(gl.bfloat16, [NU, BT, BVC], v_lay))
+    if OT > 0:
+        o_s = gl.allocate_shared_memory(gl.bfloat16, [NU * OT, BT, BVC], o_desc.layout)
+    else:
+        o_s = scratch[2]  # unused (a partition takes no None argument)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -297,14 +338,14 @@ def _chain_kernel(w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc
     if WS:
         gl.warp_specialize([
             (_chain_columns, (0, 2, STAGES, bufs, scratch, ready, empty, o, ssm, cu, idx, has_init, HV, K, V,
-                              BT, A_REGS, TU, KR)),
+                              BT, A_REGS, TU, KR, OT, o_desc, o_s)),
             (_chain_columns, (1, 2, STAGES, bufs, scratch, ready, empty, o, ssm, cu, idx, has_init, HV, K, V,
-                              BT, A_REGS, TU, KR)),
+                              BT, A_REGS, TU, KR, OT, o_desc, o_s)),
             (_ws_load, (descs, bufs, ready, empty, cu, coff, HK, HV, R, K, V, BT, STAGES, TU, KR)),
         ], [4, 1], [CONSUMER_REGS, 40])
     else:
         _chain_columns(0, 1, STAGES, bufs, scratch, ready, empty, o, ssm, cu, idx, has_init, HV, K, V, BT,
-                       A_REGS, TU, KR, descs, coff, HK, R, True)
+                       A_REGS, TU, KR, OT, o_desc, o_s, descs, coff, HK, R, True)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
@@ -341,17 +382,47 @@ def chain_descriptors(q: torch.Tensor, bufs: dict, bvc: int) -> tuple:
             _rows_desc(bufs["k"], K) if "k" in bufs else _desc(bufs["Kb"], [CHUNK, K], gl.bfloat16))
 
 
+def smem_bytes(bv: int, ws: bool, stages: int, tu: bool, hv: int, o_tiles: int = 0) -> int:
+    """Shared memory of `_chain_kernel` at head dims DIMS, as it allocates it (the ring's stages, each consumer's
+    scratch, o_tiles output tiles per consumer, the barriers), without the compiler's alignment padding."""
+    K = DIMS[0]
+    nu = 2 if ws else 1
+    bvc = bv // nu
+    u = 2 * CHUNK * CHUNK * 2 + nu * CHUNK * bvc * 2 if tu else nu * CHUNK * bvc * 4
+    stage = 3 * CHUNK * K * 2 + CHUNK * CHUNK * 2 + u + 2 * CHUNK * 4 + min(hv, 32) * 4
+    scratch = nu * (2 * K * bvc * 2 + 3 * CHUNK * bvc * 2)
+    return stages * (stage + 16) + scratch + nu * o_tiles * CHUNK * bvc * 2
+
+
+def output_tiles(bv: int, ws: bool, stages: int, tu: bool, hv: int) -> int:
+    """Shared-memory output tiles per consumer for ChunkConfig.o_tma: 2 (double-buffered by chunk parity) where
+    they fit in SMEM_LIMIT, else 1, else 0 (no room: o_tma is refused)."""
+    fits = [t for t in (2, 1) if smem_bytes(bv, ws, stages, tu, hv, t) + SMEM_SLACK <= SMEM_LIMIT]
+    return fits[0] if fits else 0
+
+
 def launch_chain(q: torch.Tensor, o: torch.Tensor, bufs: dict, cu_seqlens: torch.Tensor, ssm_state: torch.Tensor,
                  state_indices: torch.Tensor, has_init: torch.Tensor, bv: int, stages: int = 2, ws: bool = True,
-                 a_regs: bool = True, consumer_regs: int = 232) -> None:
+                 a_regs: bool = True, consumer_regs: int = 232, o_tma: bool = False) -> None:
     """The chain on the chunk layout's prep buffers (`triton_chunk._launch_prep` with layout "chunk"): bv
-    state columns per program; ws: split over two consumer warpgroups fed by a producer warp."""
+    state columns per program; ws: split over two consumer warpgroups fed by a producer warp; o_tma
+    (ChunkConfig.o_tma): whole chunks' outputs by TMA stores (o contiguous, as the op allocates it)."""
     T, HK, K = q.shape
     HV, V = o.shape[1:]
     N = state_indices.shape[0]
+    bvc = bv // 2 if ws else bv
+    descs = chain_descriptors(q, bufs, bvc)
+    ot = 0
+    if o_tma:
+        ot = output_tiles(bv, ws, stages, "v" in bufs, HV)
+        if ot == 0:
+            raise ValueError(f"o_tma: no shared memory left for the output tiles at bv={bv}, ws={ws}, "
+                             f"stages={stages}")
+        if not o.is_contiguous():
+            raise ValueError("o_tma needs a contiguous output [T, HV, V]")
     _chain_kernel[(V // bv, N * HV)](
-        *chain_descriptors(q, bufs, bv // 2 if ws else bv),
+        *descs, _rows_desc(o, bvc) if ot else descs[3],  # o's TMA tiles (q's descriptor, unused, without o_tma)
         o, ssm_state, cu_seqlens, bufs["coff"], state_indices, has_init, HK, HV,
         R=HV // HK, K=K, V=V, BT=CHUNK, STAGES=stages, WS=ws, A_REGS=a_regs, CONSUMER_REGS=consumer_regs,
-        TU="v" in bufs, KR="k" in bufs, num_warps=4,
+        TU="v" in bufs, KR="k" in bufs, OT=ot, num_warps=4,
         **({"maxnreg": 168} if ws else {}))

@@ -155,6 +155,11 @@ class ChunkConfig:
     instead of the prep's zero-padded copy, which the prep then writes only for a sequence's partial last chunk
     (where k's tile would carry the next sequence's rows): a pointer load and a 16 KB store per chunk and key head
     less in the prep. Where the prep cannot read k by TMA (ChunkConfig.tma_load's conditions) it has no effect.
+    o_tma (chain "gluon"): the chain stores a whole chunk's outputs by TMA from a shared-memory copy of the tile
+    (whole sectors, in the async proxy, so the next shared-memory fence does not wait for them) instead of pointer
+    stores from the accumulator layout (ncu, 1 x 32768: half of their sectors excessive); a sequence's partial last
+    chunk keeps the masked pointer store (the tile would overwrite the next sequence's rows). Same values bit for
+    bit; 2 shared-memory tiles per consumer where they fit (bv 32), else 1 (bv 64 with u_in_chain).
     """
 
     bv: int = 32
@@ -187,6 +192,7 @@ class ChunkConfig:
     chain: str = "triton"
     u_in_chain: bool = False
     k_in_chain: bool = False
+    o_tma: bool = False
 
     def state_stages(self) -> int:
         """Pipeline depth of the state kernel; 0 means 3 with bf16 operand tiles and slices of <= 32
@@ -1333,6 +1339,8 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
           f"got solve={cfg.solve!r}, state_t={cfg.state_t}, split_output={cfg.split_output}, prec={cfg.prec!r}, "
           f"dtype {q.dtype}")
     check(cfg.chain in CHAINS, op, f"config chain={cfg.chain!r} is not one of {CHAINS}")
+    check(not cfg.o_tma or cfg.chain == "gluon", op,
+          f"config o_tma is a choice of the Gluon chain (chain='gluon'), got chain={cfg.chain!r}")
     check(cfg.chain == "triton" or (cfg.layout == "chunk" and gluon_chain.supported(q.device)
                                      and (K, V) == gluon_chain.DIMS and cfg.bv in gluon_chain.BVS), op,
           f"config chain='gluon' needs layout='chunk', a CUDA device of compute capability 9.0, head dims "
@@ -1468,7 +1476,8 @@ def _launch_state(q, k, v, o, bufs, cu_seqlens, ssm_state, state_indices, has_in
         _launch_out(q, v, o, bufs, split, cu_seqlens, state_indices, cfg)
         return
     if cfg.layout == "chunk" and cfg.chain == "gluon":
-        gluon_chain.launch_chain(q, o, bufs, cu_seqlens, ssm_state, state_indices, has_init, cfg.bv, ws=True)
+        gluon_chain.launch_chain(q, o, bufs, cu_seqlens, ssm_state, state_indices, has_init, cfg.bv, ws=True,
+                                 o_tma=cfg.o_tma)
         return
     if cfg.layout == "chunk":
         _launch_state_tma(q, o, bufs, cu_seqlens, ssm_state, state_indices, has_init, cfg)
