@@ -126,7 +126,7 @@ def bench(shape, bvs, stages):
     us_tma = graph_us(lambda: state_tma(d, bufs, o, pool, cfg))
     print(f"{shape}: prep {us_prep * 1e3 / T:.1f} ns/token; TMA state (bv{cfg.bv}) {us_tma * 1e3 / T:.1f} ns/token "
           f"({us_tma:.0f} us)", flush=True)
-    for label, cfg_w in (("default", None), ("triton chain", dataclasses.replace(cfg, chain="triton"))):
+    for label, cfg_w in (("default", None), ("triton chain", dataclasses.replace(cfg, chain="triton", o_tma=False))):
         pool = pool0.clone()
         us_w = graph_us(lambda: tc.chunk_gated_delta_rule(
             d["q"], d["k"], d["v"], d["g"], d["beta"], scale=gk.SCALE, cu_seqlens=d["cu"], ssm_state=pool,

@@ -173,9 +173,11 @@ def test_gluon_chain_graph_equals_eager_gpu():
 
 def test_default_config_picks_the_gluon_chain_only_where_it_runs():
     on = tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128, tokens=32768, gluon=True)
-    assert (on.layout, on.chain, on.bv) == ("chunk", "gluon", 32)
-    assert tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, tokens=32768, gluon=True).bv == 64
-    assert tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128, tokens=32768).chain == "triton"
+    assert (on.layout, on.chain, on.bv, on.o_tma) == ("chunk", "gluon", 32, True)
+    batch = tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, tokens=32768, gluon=True)
+    assert batch.bv == 64 and batch.o_tma  # o_tma: session 11, faster at both bv, bit for bit
+    off = tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128, tokens=32768)
+    assert off.chain == "triton" and not off.o_tma
     assert tc.default_chunk_config(1, 32, 128, torch.float32, k=128, gluon=True).chain == "triton"  # token layout
     assert tc.default_chunk_config(1, 4, 32, torch.bfloat16, k=16, gluon=True).chain == "triton"
 

@@ -44,7 +44,8 @@ def _config(name: str, device, N: int, hv: int) -> tc.ChunkConfig | None:
     if name in ("default", "fp32"):
         return base
     if name == "token":
-        return dataclasses.replace(base, layout="token", chain="triton", u_in_chain=False, k_in_chain=False)
+        return dataclasses.replace(base, layout="token", chain="triton", u_in_chain=False, k_in_chain=False,
+                                   o_tma=False)
     if name == "u_in_chain":  # the chain reads v itself (TMA tiles reaching into the next sequence)
         return dataclasses.replace(base, u_in_chain=True)
     if name == "k_in_chain":  # the chain reads whole chunks' k rows itself

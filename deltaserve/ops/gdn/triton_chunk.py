@@ -386,7 +386,10 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     reads of its four column programs, each reading the chunk's W, K, Q, P tiles and now v's rows too. Likewise the
     chain reads whole chunks' K rows from k (k_in_chain; the prep's K copy of them is not written) for batches
     (run S10-7: 4 x 8192 / 32 x 1024 37.3 / 39.1 ns/token against 37.8 / 40.0) and not for one sequence (45.2
-    against 44.6, though the prep and the chain alone were each faster with it: 19.1 / 25.2 against 19.9 / 26.3)."""
+    against 44.6, though the prep and the chain alone were each faster with it: 19.1 / 25.2 against 19.9 / 26.3).
+    The Gluon chain stores whole chunks' outputs by TMA (o_tma; session 11, same-run A/B, 3 repeats, means: whole op
+    4 x 8192 37.6 -> 34.7, 32 x 1024 39.5 -> 36.9, 1 x 32768 45.8 -> 45.5 ns/token; chain alone 22.6 -> 20.2,
+    24.8 -> 21.1, 26.2 -> 25.0; outputs bit for bit)."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
     bv = 64 if num_seqs * num_v_heads >= 128 and v >= 64 else min(32, v)
     fast = dtype == torch.bfloat16 and (k or v, v) in CHUNK_LAYOUT_DIMS
@@ -394,7 +397,7 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     chunk = fast and (padded_rows is None or padded_rows <= tokens + tokens // 4 + CHUNK)
     return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2", layout="chunk" if chunk else "token",
                        chain="gluon" if chunk and gluon else "triton", u_in_chain=chunk and gluon and bv == 64,
-                       k_in_chain=chunk and gluon and bv == 64,
+                       k_in_chain=chunk and gluon and bv == 64, o_tma=chunk and gluon,
                        **(dict(PREP8_DEFAULT) if fast else {}))
 
 
