@@ -224,14 +224,16 @@ def main() -> int:
     ver_types = dict(x=bf, z=bf, a=bf, b=bf, conv_w=bf, A_log=f32, dt_bias=f32, norm_w=bf, conv_state=bf, ssm=f32,
                      idx=i32, cu=i32, o_tmp=bf, out=bf, st_x=bf, st_k=f32, st_g=f32, st_d=f32, counters=i32,
                      scale="fp32", eps="fp32", SLOTS="i32", qn=f32)
-    for tb, bv, warps, qk_in in [(4, 16, 1, False), (2, 16, 1, False), (8, 16, 1, False), (4, 8, 1, False),
-                                 (4, 16, 2, False), (4, 32, 2, False), (4, 128, 4, False), (4, 8, 1, True),
-                                 (2, 8, 1, True), (8, 8, 1, True)]:
+    for tb, bv, warps, qk_in, gram in [(4, 16, 1, False, False), (2, 16, 1, False, False), (8, 16, 1, False, False),
+                                       (4, 8, 1, False, False), (4, 16, 2, False, False), (4, 32, 2, False, False),
+                                       (4, 128, 4, False, False), (4, 8, 1, True, False), (2, 8, 1, True, False),
+                                       (8, 8, 1, True, False), (2, 8, 1, True, True), (4, 8, 1, True, True),
+                                       (8, 8, 1, True, True), (4, 8, 1, False, True), (4, 16, 2, True, True)]:
         results.append(compile_one(
-            f"verify one launch TB={tb} bv={bv} w{warps} pdl{' q/k in (qk_prepass)' * qk_in}",
+            f"verify one launch TB={tb} bv={bv} w{warps} pdl{' q/k in (qk_prepass)' * qk_in}{' gram' * gram}",
             rec_t._verify_fused_kernel, ver_types,
-            dict(R=R, K=K, V=V, BV=bv, W=4, TB=tb, SIGMOID=False, PDL=True, PREFETCH=True, TRIGGER=True, QK_IN=qk_in),
-            warps))
+            dict(R=R, K=K, V=V, BV=bv, W=4, TB=tb, SIGMOID=False, PDL=True, PREFETCH=True, TRIGGER=True, QK_IN=qk_in,
+                 GRAM=gram), warps))
     # the input projection with the conv epilogue (rms_norm_linear_conv): 35B-A3B in_proj 2048 -> 12352 at
     # M = 1 (the norm folded, default tiles 16 x 256, 4 stages) and M = 8 (tensor cores, 64 x 128, 4 stages)
     from deltaserve.ops.linear import triton as lin_t

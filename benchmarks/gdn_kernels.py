@@ -397,7 +397,11 @@ def verify_path_variants(B: int) -> list[tuple[str, "tr.RecurrentConfig"]]:
         ("1-launch default no pdl", dataclasses.replace(default, pdl=False, qk_prepass=False))] + [
         # session 10: the default from 3 tokens per sequence; the row times the one-launch kernel without it
         (f"1-launch default {'without' if default.qk_prepass else 'with'} q/k pre-kernel",
-         dataclasses.replace(default, qk_prepass=not default.qk_prepass))]
+         dataclasses.replace(default, qk_prepass=not default.qk_prepass)),
+        # session 11: the gram form (the default where the unrolled chunk is 2 tokens, RecurrentConfig.gram)
+        ("1-launch bv8/w1 pdl gram form", tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, pdl=True, gram=True)),
+        (f"1-launch default {'without' if default.gram else 'with'} gram form",
+         dataclasses.replace(default, gram=not default.gram))]
 
 
 def verify_cases(sweep: bool = False) -> list[Case]:

@@ -219,6 +219,10 @@ def test_verify_path_rule():
             for n, t in ((1, 1), (1, 2), (1, 3), (1, 4), (1, 8), (2, 4), (2, 6), (2, 16))] == \
         [False, False, True, True, True, False, True, True]
     assert not tr.default_verify_config(1, 4, 16, 32, 128).qk_prepass
+    # the gram form where the unrolled chunk is 2 tokens, 16 columns / 2 warps above 32 rows (H200, runs S11-2..4)
+    assert [(c.gram, c.bv, c.num_warps) for c in (tr.default_verify_config(n, t, 16, 32, 128, pdl=True)
+                                                  for n, t in ((1, 1), (1, 2), (1, 3), (2, 3), (2, 4), (2, 5)))] == \
+        [(False, 16, 2), (True, 8, 1), (False, 8, 1), (True, 16, 2), (True, 16, 2), (False, 8, 1)]
     assert not tr.default_verify_config(1, 9, 16, 32, 128).one_launch, "more than VERIFY_MAX_CHUNK tokens"
     assert not tr.default_verify_config(3, 12, 16, 32, 128).one_launch, "more rows than the bound"
     assert not tr.default_verify_config(64, 256, 16, 32, 128).one_launch
@@ -235,16 +239,19 @@ ONE_LAUNCH_VERIFY_CASES = [
 ]
 
 
-@pytest.mark.parametrize("prepass", [False, True], ids=["fused", "qk-prepass"])
+@pytest.mark.parametrize("prepass,gram", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["fused", "qk-prepass", "gram", "gram-qk-prepass"])
 @pytest.mark.parametrize("ratio,dv,bv,dtype,activation,lengths,slots", ONE_LAUNCH_VERIFY_CASES)
-def test_one_launch_verify_matches_three_launches(ratio, dv, bv, dtype, activation, lengths, slots, prepass, device):
-    """The one-launch verify (with its q / k in the kernel, or from the qk_prepass pre-kernel) == the three-launch
-    verify: outputs within fp32 rounding, the stash's live rows (k, g within fp32 rounding, delta, x bit for bit),
-    pools untouched; twice (counters reset)."""
+def test_one_launch_verify_matches_three_launches(ratio, dv, bv, dtype, activation, lengths, slots, prepass, gram,
+                                                  device):
+    """The one-launch verify (with its q / k in the kernel, or from the qk_prepass pre-kernel; token by token, or
+    each chunk of tokens from its start state: gram) == the three-launch verify: outputs within fp32 rounding, the
+    stash's live rows (k, g within fp32 rounding, delta, x bit for bit), pools untouched; twice (counters reset).
+    The 11-token sequence runs several unrolled chunks (the gram form's state update between them)."""
     layer = Layer(device, dtype, ratio=ratio, dv=dv, seed=40 + ratio + bv, activation=activation)
     cu, idx, mixed, z, a, b = _verify_case(layer, lengths, slots)
     T = sum(lengths)
-    one = tr.RecurrentConfig(bv=bv, num_warps=1, one_launch=True, qk_prepass=prepass)
+    one = tr.RecurrentConfig(bv=bv, num_warps=1, one_launch=True, qk_prepass=prepass, gram=gram)
     three = tr.RecurrentConfig(bv=bv, num_warps=1)
     live = torch.cat([torch.full((n,), s >= 0) for n, s in zip(lengths, slots)]).to(device)
     for step in range(2):
@@ -292,7 +299,7 @@ def _verify_case(layer: Layer, lengths, idx_list):
     return cu, idx, mixed, z, a, b
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton", "triton-one-launch", "triton-qk-prepass"])
+@pytest.mark.parametrize("impl", ["reference", "triton", "triton-one-launch", "triton-qk-prepass", "triton-gram"])
 def test_verify_then_commit_equals_sequential_decode(impl, device):
     """verify(T_n tokens) outputs == T_n decode steps; commit(a_n) leaves pools == after a_n decode steps;
     verify itself leaves the pools untouched. Ragged T_n = K_n + 1, K_n in 1..7, a padded row."""
@@ -305,7 +312,8 @@ def test_verify_then_commit_equals_sequential_decode(impl, device):
     ops = ref if impl == "reference" else tr
     cfg = {"triton": tr.RecurrentConfig(bv=16, num_warps=1),  # the three launches whatever the default
            "triton-one-launch": tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True),
-           "triton-qk-prepass": tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, qk_prepass=True)}.get(impl)
+           "triton-qk-prepass": tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, qk_prepass=True),
+           "triton-gram": tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, qk_prepass=True, gram=True)}.get(impl)
     c_v, s_v = layer.pools()
     stash = layer.stash(sum(lengths))
     out = ops.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=c_v, ssm_state=s_v, state_indices=idx,
@@ -512,13 +520,16 @@ REAL_ONE_LAUNCH_VERIFY = [
 ] + [tr.RecurrentConfig(bv=16, num_warps=2, one_launch=True),
      tr.RecurrentConfig(bv=128, num_warps=4, one_launch=True),  # whole rows: the local norm
      tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, pdl=True, qk_prepass=True),
-     tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, qk_prepass=True)]
+     tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, qk_prepass=True),
+     tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, pdl=True, qk_prepass=True, gram=True),
+     tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, pdl=True, gram=True),
+     tr.RecurrentConfig(bv=16, num_warps=2, one_launch=True, pdl=True, gram=True)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [None] + REAL_ONE_LAUNCH_VERIFY,
                          ids=lambda c: "default" if c is None else
-                         f"bv{c.bv}-w{c.num_warps}{'-pdl' * c.pdl}{'-qk-prepass' * c.qk_prepass}")
+                         f"bv{c.bv}-w{c.num_warps}{'-pdl' * c.pdl}{'-qk-prepass' * c.qk_prepass}{'-gram' * c.gram}")
 def test_one_launch_verify_real_shape(config):
     """Every one-launch verify configuration the benchmark times and the default rule (None), at B = 1
     (T = 2, 4) and B = 2 (ragged 3 + 5, and a padded row): outputs == the three launches up to fp32

@@ -34,7 +34,10 @@ Verify has two forms, picked on the host from the shapes (default_verify_config)
   gates of the sequence's tokens, the T_n delta steps and the stash, the gated norm of split rows by the
   group's last program on a per-(sequence, value head) counter. The pools are only read, so nothing else
   needs coordinating. With RecurrentConfig.qk_prepass the q / k half of that prologue runs once per token
-  and key head in a pre-kernel launched just before (the pre-pass below, q / k heads only).
+  and key head in a pre-kernel launched just before (the pre-pass below, q / k heads only). With
+  RecurrentConfig.gram each unrolled chunk of tokens comes from the state it starts with and the tokens' q / k
+  dot products (the chunked prefill's algebra), not token after token: independent reductions over the state
+  slice, a short scalar substitution, and no state update unless another chunk follows.
 - otherwise three: a token-parallel pre-pass (conv + SiLU, q/k L2 norms, gates of every token, once per
   head instead of once per V-slice), the recurrence over the T_n tokens (state math only), and (2) with
   the copy of the inputs into the stash instead of the window update.
@@ -71,7 +74,12 @@ class RecurrentConfig:
     qk_prepass (one-launch gdn_verify only): the tokens' q / k conv, SiLU and norms in a token-parallel
     pre-kernel launched just before (programmatically with pdl), once per token and key head, instead of in each
     of the key head's (value head, V-slice) programs (session 9: that prologue is ~25-40 % of a program's
-    instructions, and the per-token cost follows the instructions)."""
+    instructions, and the per-token cost follows the instructions).
+    gram (one-launch gdn_verify only): each unrolled chunk of a sequence's tokens from the state it starts with and
+    the tokens' q / k dot products (the chunked prefill's algebra on TB tokens) instead of token after token: the
+    2 TB reductions over the state slice are independent, only a scalar x vector substitution is sequential, and
+    the state is not updated at all unless another chunk follows (the same delta and outputs up to fp32 rounding;
+    the commit is unchanged)."""
 
     bv: int = 32
     num_warps: int = 4
@@ -80,6 +88,7 @@ class RecurrentConfig:
     prefetch: bool = True
     state_after_release: bool = False
     qk_prepass: bool = False
+    gram: bool = False
 
 
 def default_recurrent_config(num_programs_bv32: int, v: int) -> RecurrentConfig:
@@ -127,8 +136,18 @@ def default_verify_config(n: int, t: int, hk: int, hv: int, v: int, pdl: bool = 
     with silu_fast, run S9-H: T = 2 / 3 / 4 / 8 6.61 / 8.12 / 8.76 / 13.05 against 6.82 / 8.63 / 9.34 / 14.46).
     From 3 tokens per sequence, with PDL, the q / k pre-kernel (qk_prepass; session 10, run S10-1, B = 1: T = 3 / 4
     / 8 7.67 / 8.30 / 11.28 us against 8.16 / 8.82 / 13.07; B = 2: T = 4 / 8 9.59 / 13.04 against 10.37 / 14.63;
-    below 3 tokens its launch costs more than it saves: B = 1, T = 1 / 2 5.89 / 7.11 against 5.20 / 6.61)."""
+    below 3 tokens its launch costs more than it saves: B = 1, T = 1 / 2 5.89 / 7.11 against 5.20 / 6.61).
+    Where the unrolled chunk is 2 tokens (verify_chunk: more than 1, at most 2 per sequence on average) the gram
+    form (session 11, runs S11-2 / 3 / 4, with PDL: B = 1, T = 2 6.02 / 6.07 us against 6.57 / 6.60; B = 2, T = 2
+    7.54 us with 16-column two-warp programs against 8.40 for the default and 7.83 for 8 columns); from 3 tokens it
+    was slower (T = 3 / 4 / 8: 8.3 / 8.5 / 14.7 us with the pre-kernel
+    against 7.6 / 8.2 / 11.2: its TB^2 dot products and registers outgrow what it saves; 4-column programs were
+    slower everywhere: T = 4 9.28 us with the pre-kernel)."""
     if n * hv <= VERIFY_ONE_LAUNCH_MAX_ROWS and t <= VERIFY_MAX_CHUNK * n:
+        if verify_chunk(t, n) == 2:
+            wide = n * hv > 32
+            return RecurrentConfig(bv=min(16 if wide else 8, v), num_warps=2 if wide else 1, one_launch=True,
+                                   pdl=pdl, gram=True)
         if t >= 2 * n:
             return RecurrentConfig(bv=min(8, v), num_warps=1, one_launch=True, pdl=pdl,
                                    qk_prepass=pdl and t >= 3 * n)
@@ -637,13 +656,40 @@ def _verify_rec_kernel(qn, st_k, vn, st_g, bn, ssm, idx, cu, o_tmp, st_d, HK, HV
 
 
 
+@triton.jit
+def _store_o_delta(o, delta, row, live, ov, z_c, w, eps, out, o_tmp, st_d, r: tl.constexpr, V: tl.constexpr,
+                   BV: tl.constexpr, SIGMOID: tl.constexpr):
+    """A verify token's read-out (normed here for whole rows, else its slice to o_tmp) and its stash delta."""
+    o = tl.where(live, o, 0.0).to(out.dtype.element_ty)  # rounded to the activation dtype, as o_tmp
+    if BV == V:
+        y = _gated_rms(o.to(tl.float32)[None, :], z_c[r][None, :], w, eps, V, SIGMOID)
+        tl.store(out + row * V + ov[None, :], y.to(out.dtype.element_ty))
+    else:
+        tl.store(o_tmp + row * V + ov, o)
+    tl.store(st_d + row * V + ov, delta, mask=(ov >= 0) & live)
+
+
+@triton.jit
+def _stash_inputs(st_x, st_g, st_k, t, row, D, cv, cq, ck, ok, v_in, gt, kh, q_x, k_x, live, hk, HK, first_slice,
+                  lead_k, K: tl.constexpr, xr: tl.constexpr, QK_IN: tl.constexpr):
+    """A verify token's stash entries that do not depend on the state: its value channels of x, the gate (first
+    V-slice) and, for the key head's lead program without the pre-pass, k and the q / k channels of x."""
+    tl.store(st_x + t * D + cv, v_in.to(st_x.dtype.element_ty))
+    if first_slice:
+        tl.store(st_g + row, gt)
+    if lead_k and not QK_IN:  # (with the pre-pass it wrote these)
+        tl.store(st_k + (t * HK + hk) * K + ok, tl.where(live, kh, 0.0))
+        tl.store(st_x + t * D + cq, q_x[xr].to(st_x.dtype.element_ty))
+        tl.store(st_x + t * D + ck, k_x[xr].to(st_x.dtype.element_ty))
+
+
 @triton.jit(do_not_specialize=["SLOTS"])
 def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, norm_w,
                          conv_state, ssm, idx, cu, o_tmp, out, st_x, st_k, st_g, st_d, counters, scale, eps,
                          HK, HV, D, SLOTS, qn,
                          R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
                          TB: tl.constexpr, SIGMOID: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                         TRIGGER: tl.constexpr = False, QK_IN: tl.constexpr = False):
+                         TRIGGER: tl.constexpr = False, QK_IN: tl.constexpr = False, GRAM: tl.constexpr = False):
     """Verify in one launch (small batches), per (sequence, value head, V-slice): the pre-pass, the
     recurrence and the finish of the three-launch path in one program, the same math in the same order.
 
@@ -749,6 +795,15 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                 qk_m = (ok >= 0) & (c + r < Tn)
                 q_x = q_x + (tl.load(qn + qk_row, mask=qk_m, other=0.0),)
                 k_x = k_x + (tl.load(st_k + qk_row, mask=qk_m, other=0.0),)
+        if GRAM:
+            kS = ()  # k_r . S, q_r . S per token; the tokens' k, q, v, beta, and cumulative gates
+            qS = ()
+            k_r = ()
+            q_r = ()
+            v_r = ()
+            b_r = ()
+            cg_r = ()
+            cg = 0.0
         for r in tl.static_range(TB):
             t = bos64 + c + r
             valid = c + r < Tn
@@ -777,23 +832,49 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
             vv = silu_fast(acc_v).to(x.dtype.element_ty).to(tl.float32)
             gt = -tl.exp(A) * softplus(av + dtb)
             bt = sigmoid(bv)
-            if valid:
+            if GRAM:  # everything but the recurrence now; the chunk's tokens below
+                kS = kS + (tl.sum(S * kh[:, None], axis=0),)
+                qS = qS + (tl.sum(S * qh[:, None], axis=0),)
+                cg = cg + gt
+                k_r = k_r + (kh,)
+                q_r = q_r + (qh,)
+                v_r = v_r + (vv,)
+                b_r = b_r + (bt,)
+                cg_r = cg_r + (cg,)
+                if valid:
+                    _stash_inputs(st_x, st_g, st_k, t, t * HV + hv, D, cv, cq, ck, ok, v_x[W - 1 + r], gt, kh,
+                                  q_x, k_x, live, hk, HK, j == 0, lead_k, K, W - 1 + r, QK_IN)
+            elif valid:
                 S, o, delta = _delta_step(S, kh, qh, vv, gt, bt)
-                row = t * HV + hv
-                o = tl.where(live, o, 0.0).to(out.dtype.element_ty)  # rounded to the activation dtype, as o_tmp
-                if BV == V:
-                    y = _gated_rms(o.to(tl.float32)[None, :], z_c[r][None, :], w, eps, V, SIGMOID)
-                    tl.store(out + row * V + ov[None, :], y.to(out.dtype.element_ty))
-                else:
-                    tl.store(o_tmp + row * V + ov, o)
-                tl.store(st_d + row * V + ov, delta, mask=(ov >= 0) & live)
-                tl.store(st_x + t * D + cv, v_x[W - 1 + r].to(st_x.dtype.element_ty))
-                if j == 0:
-                    tl.store(st_g + row, gt)
-                if lead_k and not QK_IN:
-                    tl.store(st_k + (t * HK + hk) * K + ok, tl.where(live, kh, 0.0))
-                    tl.store(st_x + t * D + cq, q_x[W - 1 + r].to(st_x.dtype.element_ty))
-                    tl.store(st_x + t * D + ck, k_x[W - 1 + r].to(st_x.dtype.element_ty))
+                _store_o_delta(o, delta, t * HV + hv, live, ov, z_c, w, eps, out, o_tmp, st_d, r, V, BV, SIGMOID)
+                _stash_inputs(st_x, st_g, st_k, t, t * HV + hv, D, cv, cq, ck, ok, v_x[W - 1 + r], gt, kh,
+                              q_x, k_x, live, hk, HK, j == 0, lead_k, K, W - 1 + r, QK_IN)
+        if GRAM:
+            # token r from the chunk's start state S and the tokens before it (G_r = e^{cg_r}, f = e^{cg_r - cg_i}):
+            #   u_r = G_r k_r.S + sum_{i<r} f (k_r.k_i) delta_i,  delta_r = beta_r (v_r - u_r),
+            #   o_r = G_r q_r.S + sum_{i<=r} f (q_r.k_i) delta_i
+            # the 2 TB reductions over S above are independent of each other; only this small scalar x vector
+            # substitution is sequential (the token-by-token form has two dependent reductions per token)
+            d_r = ()
+            for r in tl.static_range(TB):
+                in_seq = c + r < Tn
+                eg = tl.exp(cg_r[r])
+                u = eg * kS[r]
+                o = eg * qS[r]
+                for i in tl.static_range(r):
+                    f = tl.exp(cg_r[r] - cg_r[i])
+                    u += (f * tl.sum(k_r[r] * k_r[i], axis=0)) * d_r[i]
+                    o += (f * tl.sum(q_r[r] * k_r[i], axis=0)) * d_r[i]
+                delta = b_r[r] * (v_r[r] - u)
+                o += tl.sum(q_r[r] * k_r[r], axis=0) * delta
+                d_r = d_r + (delta,)
+                if in_seq:
+                    _store_o_delta(o, delta, (bos64 + c + r) * HV + hv, live, ov, z_c, w, eps, out, o_tmp, st_d, r,
+                                   V, BV, SIGMOID)
+            if c + TB < Tn:  # another chunk follows: the state after this one (every token of it valid)
+                S = S * tl.exp(cg_r[TB - 1])
+                for i in tl.static_range(TB):
+                    S += k_r[i][:, None] * (tl.exp(cg_r[TB - 1] - cg_r[i]) * d_r[i])[None, :]
     if BV < V:
         tr_ = tl.arange(0, TB)
         if live:
@@ -913,9 +994,11 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
         cfg = config or default_verify_config(N, T, HK, HV, V, pdl=has_pdl(mixed_qkv.device))
         check(not cfg.state_after_release, op, "config state_after_release applies to gdn_decode only")
         check(cfg.one_launch or not cfg.qk_prepass, op, "config qk_prepass applies to the one-launch verify only")
+        check(cfg.one_launch or not cfg.gram, op, "config gram applies to the one-launch verify only")
     else:
         cfg = config or default_decode_config(N, HK, HV, V, pdl=has_pdl(mixed_qkv.device))
         check(not cfg.qk_prepass, op, "config qk_prepass applies to gdn_verify only")
+        check(not cfg.gram, op, "config gram applies to gdn_verify only")
     check(V % cfg.bv == 0, op, f"config bv={cfg.bv} must divide V={V}")
     check(cfg.one_launch or not (cfg.pdl or cfg.state_after_release), op,
           "config pdl / state_after_release apply to the one-launch paths only")
@@ -938,7 +1021,7 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
             stash.x, stash.k, stash.g, stash.delta, _group_counters(mixed_qkv.device, N * HV), float(scale),
             float(eps), HK, HV, D, ssm_state.shape[0], qn, R=HV // HK, K=K, V=V, BV=cfg.bv, W=W,
             TB=verify_chunk(T, N), SIGMOID=sigmoid_gate, PDL=cfg.pdl, PREFETCH=cfg.prefetch,
-            TRIGGER=has_pdl(mixed_qkv.device), QK_IN=cfg.qk_prepass, num_warps=cfg.num_warps,
+            TRIGGER=has_pdl(mixed_qkv.device), QK_IN=cfg.qk_prepass, GRAM=cfg.gram, num_warps=cfg.num_warps,
             **({"launch_pdl": True} if cfg.pdl else {}))
         return out
     if cfg.one_launch:
