@@ -337,11 +337,11 @@ def decode_cases(sweep: bool) -> list[Case]:
                 d["q"], d["k"], d["v"], d["g"], d["beta"], scale=SCALE, ssm_state=d["pool"], state_indices=d["idx"][i],
                 config=cfg)
 
-        def layer(c, B=B, cfg=None):
+        def layer(c, B=B, cfg=None, norm=True):
             d = token_inputs(B, c)
             return lambda i: tr.gdn_decode(d["mixed"], d["z"], d["a"], d["b"], conv_state=d["conv_pool"],
                                            ssm_state=d["pool"], state_indices=d["idx"][i], config=cfg,
-                                           **layer_kw(d))
+                                           gated_norm=norm, **layer_kw(d))
 
         def layer_unfused(c, B=B):
             d = token_inputs(B, c)
@@ -370,6 +370,9 @@ def decode_cases(sweep: bool) -> list[Case]:
         cases.append(Case("decode", f"B={B}", "fla", calls, fla_rec, state_bytes=sb))
         cases.append(Case("decode", f"B={B}", "ours gdn_decode (whole layer, 2 launches)", calls, layer,
                           state_bytes=sb))
+        if B <= tr.ONE_LAUNCH_MAX_ROWS:  # the model's small-batch form: out_proj folds the gated norm
+            cases.append(Case("decode", f"B={B}", DECODE_NO_NORM, calls, lambda c, f=layer: f(c, norm=False),
+                              state_bytes=sb))
         for label, cfg in TOKEN_CONFIGS if sweep else []:
             cases.append(Case("decode", f"B={B}", f"gdn_decode {label}", calls,
                               lambda c, cfg=cfg, f=layer: f(c, cfg=cfg), state_bytes=sb, sweep=True))
@@ -378,6 +381,8 @@ def decode_cases(sweep: bool) -> list[Case]:
     return cases
 
 
+DECODE_NO_NORM = "ours gdn_decode gated_norm=False"
+VERIFY_NO_NORM = "ours gdn_verify gated_norm=False"
 TOKEN_CONFIGS = [(f"bv{bv}/w{w}", tr.RecurrentConfig(bv=bv, num_warps=w))
                  for bv, w in [(8, 1), (32, 2), (64, 4)]]
 VERIFY_CONFIGS = [(f"bv{bv}/w{w}", tr.RecurrentConfig(bv=bv, num_warps=w))
@@ -409,11 +414,11 @@ def verify_cases(sweep: bool = False) -> list[Case]:
     for T, B in VERIFY:
         calls = _calls_for(B)
 
-        def verify(c, T=T, B=B, cfg=None):
+        def verify(c, T=T, B=B, cfg=None, norm=True):
             d = token_inputs(B, c, T=T)
             return lambda i: tr.gdn_verify(d["mixed"], d["z"], d["a"], d["b"], cu_seqlens=d["cu"],
                                            conv_state=d["conv_pool"], ssm_state=d["pool"], state_indices=d["idx"][i],
-                                           stash=d["stash"], config=cfg, **layer_kw(d))
+                                           stash=d["stash"], config=cfg, gated_norm=norm, **layer_kw(d))
 
         def commit(c, T=T, B=B):
             d = token_inputs(B, c, T=T)
@@ -432,6 +437,9 @@ def verify_cases(sweep: bool = False) -> list[Case]:
 
         name = f"T={T} B={B}"
         cases.append(Case("verify", name, "ours gdn_verify", calls, verify, state_bytes=B * STATE_BYTES))
+        if B <= tr.ONE_LAUNCH_MAX_ROWS:  # session 11: against DECODE_NO_NORM (out_proj folds the gated norm)
+            cases.append(Case("verify", name, VERIFY_NO_NORM, calls, lambda c, f=verify: f(c, norm=False),
+                              state_bytes=B * STATE_BYTES))
         for label, cfg in verify_path_variants(B):  # session 7 (verify7): the one-launch verify vs the old path
             cases.append(Case("verify", name, f"gdn_verify {label}", calls, lambda c, cfg=cfg, f=verify: f(c, cfg=cfg),
                               state_bytes=B * STATE_BYTES))
@@ -707,7 +715,7 @@ def summary(results, ceil) -> str:
                      f"| {cell(f, 'state_TBps', '.2f')} | {ratio} | {cell(lay, 'us', '.2f')} "
                      f"| {cell(unf, 'us', '.2f')} |")
     lines += ["", "| verify | gdn_verify us | / gdn_decode at same B | gdn_commit us | verify+commit / decode |"
-              " FLA recurrent T tokens us |", "|---|---|---|---|---|---|"]
+              " FLA recurrent T tokens us | gated_norm=False: verify us / decode us |", "|---|---|---|---|---|---|---|"]
     for T, B in VERIFY:
         n = f"T={T} B={B}"
         v, c = by.get(("verify", n, "ours gdn_verify")), by.get(("verify", n, "ours gdn_commit (all accepted)"))
@@ -716,8 +724,10 @@ def summary(results, ceil) -> str:
         r1 = f"{v['us'] / dec['us']:.2f}x" if (v and dec) else "-"
         r2 = f"{(v['us'] + c['us']) / dec['us']:.2f}x" if (v and c and dec) else "-"
         nan = float("nan")
+        vn, dn = by.get(("verify", n, VERIFY_NO_NORM)), by.get(("decode", f"B={B}", DECODE_NO_NORM))
+        r3 = f"{vn['us']:.2f} / {dn['us']:.2f} = {vn['us'] / dn['us']:.2f}x" if (vn and dn) else "-"
         lines.append(f"| {n} | {v['us'] if v else nan:.2f} | {r1} | {c['us'] if c else nan:.2f} | {r2} "
-                     f"| {f['us'] if f else float('nan'):.2f} |")
+                     f"| {f['us'] if f else float('nan'):.2f} | {r3} |")
     sweeps = [r for r in results if r["group"] != "prefill" and r["impl"] not in ("ours", "fla") and "/" in r["impl"]]
     if sweeps:
         lines += ["", "sweep (launch-config variants):"]

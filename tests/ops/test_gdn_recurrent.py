@@ -299,6 +299,42 @@ def _verify_case(layer: Layer, lengths, idx_list):
     return cu, idx, mixed, z, a, b
 
 
+VERIFY_NO_NORM = {"three launches": tr.RecurrentConfig(bv=8, num_warps=1),
+                  "one launch": tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True),
+                  "gram": tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, gram=True),
+                  "qk_prepass": tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, qk_prepass=True),
+                  "whole rows": tr.RecurrentConfig(bv=32, num_warps=1, one_launch=True)}
+
+
+@pytest.mark.parametrize("name", list(VERIFY_NO_NORM))
+def test_verify_without_norm(name, device):
+    """gated_norm=False (for an output projection that folds the norm, as the batch-1 decode): verify returns o
+    before the gated RMSNorm, == the reference's, whose gated norm of it is the gated_norm=True output; the stash
+    is the same as with the norm; no counter is left set."""
+    layer = Layer(device, torch.float32, ratio=2, dv=32, seed=33)
+    lengths, slots = [2, 5, 3], [4, -1, 0]
+    cu, idx, mixed, z, a, b = _verify_case(layer, lengths, slots)
+    T = sum(lengths)
+    runs = {}
+    for ops, norm in ((ref, True), (ref, False), (tr, False)):
+        c, s = layer.pools()
+        st = layer.stash(T)
+        cfg = {} if ops is ref else {"config": VERIFY_NO_NORM[name]}
+        o = ops.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=c, ssm_state=s, state_indices=idx, stash=st,
+                           gated_norm=norm, **cfg, **layer.kw())
+        assert torch.equal(c, layer.conv_state) and torch.equal(s, layer.ssm_state), "verify must not touch pools"
+        runs[ops.__name__.rsplit(".", 1)[1], norm] = (o, st)
+    (o_norm, st_ref), (o_ref, _), (o_tri, st_tri) = runs.values()
+    assert_close(norm_ref.rms_norm_gated(o_ref, z.view(T, layer.hv, layer.dv), layer.norm_weight, 1e-6,
+                                         activation=layer.activation), o_norm, 1e-6, "reference: norm(o) == output")
+    assert_close(o_tri, o_ref, 1e-5, f"{name}: o before the norm")
+    live = torch.cat([torch.full((n,), sl >= 0) for n, sl in zip(lengths, slots)]).to(device)
+    assert (o_tri[~live] == 0).all(), "padded rows give zeros"
+    assert torch.equal(st_tri.x[live], st_ref.x[live]), "stash.x"
+    assert_close(st_tri.delta[live], st_ref.delta[live], 1e-5, "stash.delta")
+    assert not tr._group_counters(torch.device(device), len(lengths) * layer.hv).any()
+
+
 @pytest.mark.parametrize("impl", ["reference", "triton", "triton-one-launch", "triton-qk-prepass", "triton-gram"])
 def test_verify_then_commit_equals_sequential_decode(impl, device):
     """verify(T_n tokens) outputs == T_n decode steps; commit(a_n) leaves pools == after a_n decode steps;

@@ -352,11 +352,12 @@ def gdn_verify(
     mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
     conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
     eps: float, scale: float, cu_seqlens: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-    state_indices: torch.Tensor, stash: VerifyStash, norm_activation: str = "silu",
+    state_indices: torch.Tensor, stash: VerifyStash, norm_activation: str = "silu", gated_norm: bool = True,
 ) -> torch.Tensor:
     """Speculative verify: gdn_decode over T_n tokens per sequence (packed, cu_seqlens), token by token,
     starting from the slot's conv window and state, leaving both pools unchanged and filling `stash`.
-    Returns [T, HV, V] (the gated-norm outputs of every token)."""
+    Returns [T, HV, V] (the gated-norm outputs of every token); gated_norm=False returns o before the gated
+    RMSNorm, as gdn_decode (for an output projection that folds the norm: linear.gated_linear)."""
     T, D = mixed_qkv.shape
     HV, K, V = ssm_state.shape[1:]
     HK = num_key_heads(D, HV, K, V)
@@ -387,6 +388,8 @@ def gdn_verify(
         stash.x[s:e] = mixed_qkv[s:e].to(stash.x.dtype)
         stash.k[s:e] = k
         stash.g[s:e] = g_all[s:e]
+    if not gated_norm:
+        return o
     return _norm.rms_norm_gated(o, z.reshape(T, HV, V), norm_weight, eps, activation=norm_activation)
 
 

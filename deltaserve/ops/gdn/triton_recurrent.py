@@ -32,9 +32,10 @@ Verify has two forms, picked on the host from the shapes (default_verify_config)
 - small batches (at most VERIFY_ONE_LAUNCH_MAX_ROWS (sequence, value head) rows), one launch
   (_verify_fused_kernel, programmatic on 9.0+): per (sequence, value head, V-slice) the conv, norms and
   gates of the sequence's tokens, the T_n delta steps and the stash, the gated norm of split rows by the
-  group's last program on a per-(sequence, value head) counter. The pools are only read, so nothing else
-  needs coordinating. With RecurrentConfig.qk_prepass the q / k half of that prologue runs once per token
-  and key head in a pre-kernel launched just before (the pre-pass below, q / k heads only). With
+  group's last program on a per-(sequence, value head) counter (none with gated_norm=False: each program
+  stores its own slice of o). The pools are only read, so nothing else needs coordinating. With
+  RecurrentConfig.qk_prepass the q / k half of that prologue runs once per token and key head in a pre-kernel
+  launched just before (the pre-pass below, q / k heads only). With
   RecurrentConfig.gram each unrolled chunk of tokens comes from the state it starts with and the tokens' q / k
   dot products (the chunked prefill's algebra), not token after token: independent reductions over the state
   slice, a short scalar substitution, and no state update unless another chunk follows.
@@ -658,10 +659,11 @@ def _verify_rec_kernel(qn, st_k, vn, st_g, bn, ssm, idx, cu, o_tmp, st_d, HK, HV
 
 @triton.jit
 def _store_o_delta(o, delta, row, live, ov, z_c, w, eps, out, o_tmp, st_d, r: tl.constexpr, V: tl.constexpr,
-                   BV: tl.constexpr, SIGMOID: tl.constexpr):
-    """A verify token's read-out (normed here for whole rows, else its slice to o_tmp) and its stash delta."""
+                   BV: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr):
+    """A verify token's read-out (normed here for whole rows, else its slice to o_tmp, which is the output
+    itself without the norm) and its stash delta."""
     o = tl.where(live, o, 0.0).to(out.dtype.element_ty)  # rounded to the activation dtype, as o_tmp
-    if BV == V:
+    if NORM and BV == V:
         y = _gated_rms(o.to(tl.float32)[None, :], z_c[r][None, :], w, eps, V, SIGMOID)
         tl.store(out + row * V + ov[None, :], y.to(out.dtype.element_ty))
     else:
@@ -689,7 +691,8 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                          HK, HV, D, SLOTS, qn,
                          R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
                          TB: tl.constexpr, SIGMOID: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                         TRIGGER: tl.constexpr = False, QK_IN: tl.constexpr = False, GRAM: tl.constexpr = False):
+                         TRIGGER: tl.constexpr = False, QK_IN: tl.constexpr = False, GRAM: tl.constexpr = False,
+                         NORM: tl.constexpr = True):
     """Verify in one launch (small batches), per (sequence, value head, V-slice): the pre-pass, the
     recurrence and the finish of the three-launch path in one program, the same math in the same order.
 
@@ -784,7 +787,7 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
             valid = c + r < Tn
             a_c = a_c + (tl.load(a + t * s_a_t + hv, mask=valid, other=0.0).to(tl.float32),)
             b_c = b_c + (tl.load(b + t * s_b_t + hv, mask=valid, other=0.0).to(tl.float32),)
-            if BV == V:
+            if NORM and BV == V:
                 z_c = z_c + (tl.load(z + t * s_z_t + hv * s_z_h + of, mask=(of >= 0) & valid, other=0.0)
                              .to(tl.float32),)
         if QK_IN:  # the pre-pass's rows (after it completed: the only reads that wait for it)
@@ -846,7 +849,7 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                                   q_x, k_x, live, hk, HK, j == 0, lead_k, K, W - 1 + r, QK_IN)
             elif valid:
                 S, o, delta = _delta_step(S, kh, qh, vv, gt, bt)
-                _store_o_delta(o, delta, t * HV + hv, live, ov, z_c, w, eps, out, o_tmp, st_d, r, V, BV, SIGMOID)
+                _store_o_delta(o, delta, t * HV + hv, live, ov, z_c, w, eps, out, o_tmp, st_d, r, V, BV, SIGMOID, NORM)
                 _stash_inputs(st_x, st_g, st_k, t, t * HV + hv, D, cv, cq, ck, ok, v_x[W - 1 + r], gt, kh,
                               q_x, k_x, live, hk, HK, j == 0, lead_k, K, W - 1 + r, QK_IN)
         if GRAM:
@@ -870,12 +873,12 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                 d_r = d_r + (delta,)
                 if in_seq:
                     _store_o_delta(o, delta, (bos64 + c + r) * HV + hv, live, ov, z_c, w, eps, out, o_tmp, st_d, r,
-                                   V, BV, SIGMOID)
+                                   V, BV, SIGMOID, NORM)
             if c + TB < Tn:  # another chunk follows: the state after this one (every token of it valid)
                 S = S * tl.exp(cg_r[TB - 1])
                 for i in tl.static_range(TB):
                     S += k_r[i][:, None] * (tl.exp(cg_r[TB - 1] - cg_r[i]) * d_r[i])[None, :]
-    if BV < V:
+    if NORM and BV < V:  # (without the norm every program stored its own slice of the output: nothing to meet for)
         tr_ = tl.arange(0, TB)
         if live:
             tl.debug_barrier()  # every thread's o_tmp stores precede the release below
@@ -1021,7 +1024,8 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
             stash.x, stash.k, stash.g, stash.delta, _group_counters(mixed_qkv.device, N * HV), float(scale),
             float(eps), HK, HV, D, ssm_state.shape[0], qn, R=HV // HK, K=K, V=V, BV=cfg.bv, W=W,
             TB=verify_chunk(T, N), SIGMOID=sigmoid_gate, PDL=cfg.pdl, PREFETCH=cfg.prefetch,
-            TRIGGER=has_pdl(mixed_qkv.device), QK_IN=cfg.qk_prepass, GRAM=cfg.gram, num_warps=cfg.num_warps,
+            TRIGGER=has_pdl(mixed_qkv.device), QK_IN=cfg.qk_prepass, GRAM=cfg.gram, NORM=gated_norm,
+            num_warps=cfg.num_warps,
             **({"launch_pdl": True} if cfg.pdl else {}))
         return out
     if cfg.one_launch:
@@ -1085,11 +1089,14 @@ def gdn_verify(
     mixed_qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
     conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
     eps: float, scale: float, cu_seqlens: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-    state_indices: torch.Tensor, stash: VerifyStash, norm_activation: str = "silu",
+    state_indices: torch.Tensor, stash: VerifyStash, norm_activation: str = "silu", gated_norm: bool = True,
     config: RecurrentConfig | None = None,
 ) -> torch.Tensor:
+    """See reference.gdn_verify. With gated_norm=False the one-launch kernel's programs store their own slices of
+    o: no counter, no norm tail (the three launches skip the norm blocks of their last)."""
     return _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, eps, scale, conv_state,
-                         ssm_state, state_indices, cu_seqlens, stash, norm_activation, config, "gdn_verify")
+                         ssm_state, state_indices, cu_seqlens, stash, norm_activation, config, "gdn_verify",
+                         gated_norm=bool(gated_norm))
 
 
 # ---- commit -------------------------------------------------------------------------------------
