@@ -121,12 +121,12 @@ def test_u_in_chain_needs_the_chunk_layout_hoist_prep(device):
 
 
 def test_chain_inputs_default_rule():
-    """The default forms U in the chain with the Gluon chain on 64-column slices (batches: >= 128 (sequence, value
-    head) pairs), not for one sequence (32 columns, the chain bound by its L2 reads), nor with the Triton chain;
-    k_in_chain the same way."""
+    """The default forms U in the chain with the Gluon chain (session 10: on 64-column slices, the batches; session
+    11, with the outputs' TMA stores: for one sequence's 32-column slices too), not with the Triton chain; k_in_chain
+    only on 64-column slices (>= 128 (sequence, value head) pairs)."""
     assert _default(4, 32, gluon=True).u_in_chain
     assert _default(32, 32, gluon=True).u_in_chain
-    assert not _default(1, 32, gluon=True).u_in_chain
+    assert _default(1, 32, gluon=True).u_in_chain and _default(1, 32, gluon=True).bv == 32
     assert not _default(4, 32).u_in_chain
     assert not tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, tokens=256, gluon=True).u_in_chain  # token
     assert not tc.default_chunk_config(4, 32, 128, torch.float32, k=128, gluon=True).u_in_chain
@@ -203,5 +203,6 @@ def test_chain_inputs_8k_not_less_accurate_than_fla_gpu():
 
     cfg = _default(1, 32, gluon=tc.gluon_chain.supported(torch.device("cuda")))
     check_8k_not_less_accurate_than_fla({"default": None, "u_in_chain": dataclasses.replace(cfg, u_in_chain=True),
-                                         "k_in_chain": dataclasses.replace(cfg, k_in_chain=not cfg.k_in_chain)},
+                                         "k_in_chain": dataclasses.replace(cfg, k_in_chain=not cfg.k_in_chain),
+                                         "without u_in_chain": dataclasses.replace(cfg, u_in_chain=False)},
                                         "chain_inputs_8k")

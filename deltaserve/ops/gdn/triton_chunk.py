@@ -389,14 +389,18 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     against 44.6, though the prep and the chain alone were each faster with it: 19.1 / 25.2 against 19.9 / 26.3).
     The Gluon chain stores whole chunks' outputs by TMA (o_tma; session 11, same-run A/B, 3 repeats, means: whole op
     4 x 8192 37.6 -> 34.7, 32 x 1024 39.5 -> 36.9, 1 x 32768 45.8 -> 45.5 ns/token; chain alone 22.6 -> 20.2,
-    24.8 -> 21.1, 26.2 -> 25.0; outputs bit for bit)."""
+    24.8 -> 21.1, 26.2 -> 25.0; outputs bit for bit). With those TMA stores u_in_chain pays at one sequence too
+    (session 11, final run S11-7, 1 x 32768, three same-run measurements: 42.4 / 42.6 / 42.5 ns/token against
+    45.3 / 45.0 / 45.9; chain 27.0 against 23.8, prep 17.4 against 19.6), so it is on for every Gluon chain;
+    k_in_chain stays a batch choice at one sequence (alone 44.3 / 44.5 against 45.0 / 45.9, on top of u_in_chain
+    not measured)."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
     bv = 64 if num_seqs * num_v_heads >= 128 and v >= 64 else min(32, v)
     fast = dtype == torch.bfloat16 and (k or v, v) in CHUNK_LAYOUT_DIMS
     padded_rows = None if tokens is None else (triton.cdiv(tokens, CHUNK) + num_seqs) * CHUNK
     chunk = fast and (padded_rows is None or padded_rows <= tokens + tokens // 4 + CHUNK)
     return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2", layout="chunk" if chunk else "token",
-                       chain="gluon" if chunk and gluon else "triton", u_in_chain=chunk and gluon and bv == 64,
+                       chain="gluon" if chunk and gluon else "triton", u_in_chain=chunk and gluon,
                        k_in_chain=chunk and gluon and bv == 64, o_tma=chunk and gluon,
                        **(dict(PREP8_DEFAULT) if fast else {}))
 
