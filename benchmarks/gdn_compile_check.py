@@ -233,7 +233,7 @@ def main() -> int:
             f"verify one launch TB={tb} bv={bv} w{warps} pdl{' q/k in (qk_prepass)' * qk_in}{' gram' * gram}",
             rec_t._verify_fused_kernel, ver_types,
             dict(R=R, K=K, V=V, BV=bv, W=4, TB=tb, SIGMOID=False, PDL=True, PREFETCH=True, TRIGGER=True, QK_IN=qk_in,
-                 GRAM=gram), warps))
+                 GRAM=gram, NORM=True), warps))
     # the input projection with the conv epilogue (rms_norm_linear_conv): 35B-A3B in_proj 2048 -> 12352 at
     # M = 1 (the norm folded, default tiles 16 x 256, 4 stages) and M = 8 (tensor cores, 64 x 128, 4 stages)
     from deltaserve.ops.linear import triton as lin_t
