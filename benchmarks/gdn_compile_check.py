@@ -13,6 +13,7 @@ cuobjdump's LOCAL column stays 0).
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -46,6 +47,10 @@ UNSPECIALISED = ("N", "scale", "eps", "M", "s_ys", "SLOTS")
 
 def compile_one(label: str, fn, types: dict[str, str], constexprs: dict[str, object], num_warps: int,
                 num_stages: int = 3, maxnreg: int = 0) -> dict:
+    # constexpr parameters left out take their defaults, as a launch does (ASTSource applies none: a missing one
+    # compiled as a runtime value, and `if FLAG and ...` then failed or took the other branch)
+    constexprs = {**{p.name: p.default for p in fn.params
+                     if p.is_constexpr and p.default is not inspect.Parameter.empty}, **constexprs}
     sig = _sig(fn, types, constexprs)
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
              if sig[a] != "constexpr" and a not in UNSPECIALISED and not sig[a].startswith("tensordesc")}
