@@ -304,7 +304,8 @@ def prefill_cases(sweep: bool) -> list[Case]:
                                      lambda c, f=part, cfg=cfg: f(c, which="prep", cfg=cfg), tokens=T))
             prep8[pname].append(Case("prefill", name, f"ours prep8 {pname}", 3,
                                      lambda c, cfg=cfg, f=ours: f(c, cfg=cfg), tokens=T))
-        for flag in ("u_in_chain", "k_in_chain") if base.layout == "chunk" and base.hoist else ():
+        # session 12: the Gluon prep (ChunkConfig.gluon_prep) against the Triton prep it reproduces bit for bit
+        for flag in ("gluon_prep", "u_in_chain", "k_in_chain") if base.layout == "chunk" and base.hoist else ():
             cfg = dataclasses.replace(base, **{flag: not getattr(base, flag)})
             label = f"{'without' if getattr(base, flag) else 'with'} {flag}"
             u_chain.append(Case("prefill", name, f"ours {label}", 3, lambda c, cfg=cfg, f=ours: f(c, cfg=cfg),

@@ -68,7 +68,7 @@ from ..triton_common import (
     check, check_head_dim, check_index, check_last_contiguous, check_pool, check_same_device, chunk_offsets,
     locate_chunk, next_pow2, sigmoid, softplus,
 )
-from . import gluon_chain
+from . import gluon_chain, gluon_prep
 from .triton_ut import LOG2E, decay_tile, load_chunk_rows, rstd_from_gram, ut_inverse_wide
 
 CHUNK = 64
@@ -160,6 +160,10 @@ class ChunkConfig:
     stores from the accumulator layout (ncu, 1 x 32768: half of their sectors excessive); a sequence's partial last
     chunk keeps the masked pointer store (the tile would overwrite the next sequence's rows). Same values bit for
     bit; 2 shared-memory tiles per consumer where they fit (bv 32), else 1 (bv 64 with u_in_chain).
+    gluon_prep (a device that runs the Gluon chain): the prep is the Gluon kernel (`gluon_prep`: the same buffers
+    bit for bit, its products asynchronous) wherever it covers the call: the TMA prep with u_in_chain (tma_load,
+    tma_store, u_in_chain) and `gluon_prep.covers` (bf16 at head dims 128, the in-kernel q / k L2 norms, q / k / v
+    rows TMA can read); elsewhere the Triton prep runs, whose values these are.
     """
 
     bv: int = 32
@@ -193,6 +197,7 @@ class ChunkConfig:
     u_in_chain: bool = False
     k_in_chain: bool = False
     o_tma: bool = False
+    gluon_prep: bool = False
 
     def state_stages(self) -> int:
         """Pipeline depth of the state kernel; 0 means 3 with bf16 operand tiles and slices of <= 32
@@ -393,7 +398,8 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     (session 11, final run S11-7, 1 x 32768, three same-run measurements: 42.4 / 42.6 / 42.5 ns/token against
     45.3 / 45.0 / 45.9; chain 27.0 against 23.8, prep 17.4 against 19.6), so it is on for every Gluon chain;
     k_in_chain stays a batch choice at one sequence (alone 44.3 / 44.5 against 45.0 / 45.9, on top of u_in_chain
-    not measured)."""
+    not measured). The prep of every Gluon chain is the Gluon prep (gluon_prep; session 12, run S12-1, the prep alone
+    in the same run, 3 repeats: 1 x 32768 17.3 -> 14.0, 4 x 8192 16.8 -> 13.3 ns/token, every buffer bit for bit)."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
     bv = 64 if num_seqs * num_v_heads >= 128 and v >= 64 else min(32, v)
     fast = dtype == torch.bfloat16 and (k or v, v) in CHUNK_LAYOUT_DIMS
@@ -401,7 +407,7 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     chunk = fast and (padded_rows is None or padded_rows <= tokens + tokens // 4 + CHUNK)
     return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2", layout="chunk" if chunk else "token",
                        chain="gluon" if chunk and gluon else "triton", u_in_chain=chunk and gluon,
-                       k_in_chain=chunk and gluon and bv == 64, o_tma=chunk and gluon,
+                       k_in_chain=chunk and gluon and bv == 64, o_tma=chunk and gluon, gluon_prep=chunk and gluon,
                        **(dict(PREP8_DEFAULT) if fast else {}))
 
 
@@ -1353,6 +1359,8 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
           f"config chain='gluon' needs layout='chunk', a CUDA device of compute capability 9.0, head dims "
           f"{gluon_chain.DIMS} and bv in {gluon_chain.BVS}, got layout={cfg.layout!r}, device {q.device}, "
           f"({K}, {V}), bv={cfg.bv}")
+    check(not cfg.gluon_prep or gluon_chain.supported(q.device), op,
+          f"config gluon_prep needs a CUDA device of compute capability 9.0 (Gluon, wgmma, TMA), got device {q.device}")
     check(not cfg.split_output or (not cfg.state_t and cfg.bv_out >= 16 and V % min(cfg.bv_out, V) == 0), op,
           f"config split_output needs the untransposed state kernel and bv_out={cfg.bv_out} >= 16 dividing V={V}")
     o = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)
@@ -1408,6 +1416,13 @@ def _launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_se
     block_n = max(16, next_pow2(N))
     if cfg.solve == "tc":
         heads_first = cfg.heads_first and grid[0] <= 65535
+        if cfg.gluon_prep and cfg.u_in_chain and cfg.tma_load and cfg.tma_store \
+                and gluon_prep.covers(q, k, v, l2norm, _tma_rows):
+            if cfg.k_in_chain:  # whole chunks' K rows come from k (the prep reads every whole chunk by TMA)
+                bufs["k"] = k
+            gluon_prep.launch_prep(q, k, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_seqlens, N, bufs,
+                                   cfg.k_in_chain, heads_first, cfg.maxnreg_tc)
+            return bufs
         descs = _prep_descriptors(q, k, v, bufs, cfg, dummy)
         if cfg.k_in_chain and not isinstance(descs[0], torch.Tensor):  # the prep reads whole chunks by TMA
             bufs["k"] = k
