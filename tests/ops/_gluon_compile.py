@@ -28,6 +28,21 @@ from deltaserve.ops.gdn import gluon_chain as gc
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
+def sass_and_registers(compiled) -> tuple[str, int]:
+    """The SASS of a compiled kernel and its registers per thread (-1 if cuobjdump does not say), by cuobjdump."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"REG:(\d+)", res)
+    return sass, int(regs.group(1)) if regs else -1
+
+
 def main() -> int:
     bv, ws = int(sys.argv[1]), sys.argv[2] == "1"
     tu = len(sys.argv) > 3 and sys.argv[3] == "1"
@@ -61,22 +76,13 @@ def main() -> int:
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a] == "i32" or "*" in sig[a]}
     c = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **({"maxnreg": 168} if ws else {})})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(c.asm["cubin"])
-    try:
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True,
-                             text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-    regs = re.search(r"REG:(\d+)", res)
+    sass, regs = sass_and_registers(c)
     if os.environ.get("SASS_OUT"):  # the SASS for inspection (e.g. where the MEMBARs are)
         with open(os.environ["SASS_OUT"], "w") as f:
             f.write(sass)
     print(json.dumps(dict(smem=c.metadata.shared, warps=c.metadata.num_warps, spills=sass.count("STL"),
                           hgmma=sass.count("HGMMA"), tma=sass.count("UTMALDG"), setmaxnreg=sass.count("USETMAXREG"),
-                          regs=int(regs.group(1)) if regs else -1, o_tiles=ot, tma_stores=sass.count("UTMASTG"),
+                          regs=regs, o_tiles=ot, tma_stores=sass.count("UTMASTG"),
                           membar=sass.count("MEMBAR"), est_smem=gc.smem_bytes(bv, ws, stages, tu, HV, ot))))
     return 0
 

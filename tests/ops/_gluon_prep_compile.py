@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import torch
 import triton
@@ -23,7 +20,8 @@ from triton.runtime.jit import mangle_type
 
 from deltaserve.ops.gdn import gluon_prep as gp
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _gluon_compile import sass_and_registers  # noqa: E402 (after the path it needs)
 
 
 def main() -> int:
@@ -51,21 +49,12 @@ def main() -> int:
              if a not in ("N", "scale") and (sig[a] == "i32" or sig[a].startswith("*"))}
     c = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **({"maxnreg": maxnreg} if maxnreg else {})})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(c.asm["cubin"])
-    try:
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True,
-                             text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
+    sass, regs = sass_and_registers(c)
     for env, text in (("SASS_OUT", sass), ("PTX_OUT", c.asm["ptx"]), ("TTGIR_OUT", c.asm["ttgir"])):
         if os.environ.get(env):
             with open(os.environ[env], "w") as f:
                 f.write(text)
-    regs = re.search(r"REG:(\d+)", res)
-    print(json.dumps(dict(kr=kr, gates=gates, a_smem=a_smem, maxnreg=maxnreg, regs=int(regs.group(1)) if regs else -1,
+    print(json.dumps(dict(kr=kr, gates=gates, a_smem=a_smem, maxnreg=maxnreg, regs=regs,
                           spills=sass.count("STL"), smem=c.metadata.shared, hgmma=sass.count("HGMMA"),
                           tma_loads=sass.count("UTMALDG"), tma_stores=sass.count("UTMASTG"))))
     return 0

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import torch
 
 
@@ -47,3 +52,16 @@ def gdn_inputs(T: int, hk: int, hv: int, dk: int, dv: int, slots: int, *, g: tor
     dt_bias = randn(hv, g=g, device=device, scale=0.5)
     pool = randn(slots, hv, dk, dv, g=g, device=device, scale=0.3)
     return q, k, v, a, b, A_log, dt_bias, pool
+
+
+def compile_for_sm90(script: str, *args) -> dict:
+    """Run tests/ops/<script> (an sm_90 compile of a Gluon kernel) in a subprocess without the Triton interpreter
+    (Gluon kernels cannot be compiled once it is on, and the op tests switch it on for CPU machines) and return the
+    JSON it prints last."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), script), *map(str, args)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

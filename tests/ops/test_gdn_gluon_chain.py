@@ -8,10 +8,7 @@ outputs within bf16 rounding) and the fp32 reference, eager and inside a CUDA gr
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,7 +18,7 @@ from deltaserve.ops.gdn import gluon_chain as gc
 from deltaserve.ops.gdn import reference as ref
 from deltaserve.ops.gdn import triton_chunk as tc
 
-from .helpers import assert_close, cu_seqlens, gen, rel_err
+from .helpers import assert_close, compile_for_sm90, cu_seqlens, gen, rel_err
 
 H200_SMEM = 232448  # bytes of shared memory one block may use on sm_90
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -33,13 +30,7 @@ _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin
 def test_chain_compiles_for_sm90_without_spills(bv, ws, tu):
     """The chain compiles for sm_90 without register spills within the H200's shared memory, with U read from the
     prep or (tu, ChunkConfig.u_in_chain) formed from its factor's limbs and v's rows."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "_gluon_compile.py"), str(bv),
-                          str(int(ws)), str(int(tu))], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    res = json.loads(run.stdout.strip().splitlines()[-1])
+    res = _compile(bv, int(ws), int(tu))
     assert res["hgmma"] > 0 and res["tma"] > 0, "the products are wgmma and the tiles arrive by TMA"
     assert res["spills"] == 0, f"register spills: {res['spills']} local stores"
     assert res["smem"] <= H200_SMEM, f"{res['smem']} bytes of shared memory"
@@ -48,13 +39,7 @@ def test_chain_compiles_for_sm90_without_spills(bv, ws, tu):
 
 
 def _compile(*args) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "_gluon_compile.py"),
-                          *map(str, args)], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return compile_for_sm90("_gluon_compile.py", *args)
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(_BIN, "cuobjdump")), reason="Triton ships no CUDA binutils here")
@@ -127,7 +112,7 @@ def _prep(q, k, v, g, beta, kw, N):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bv,ws", [(32, True), (64, True), (32, False), (64, False)])
 def test_gluon_chain_matches_triton_chain_gpu(bv, ws):
-    from .test_gpu import D, TOL_BF16, _report
+    from .test_gpu import TOL_BF16, D, _report
 
     lengths, q, k, v, g, beta, pool, kw = _mixed()
     cfg, bufs = _prep(q, k, v, g, beta, kw, len(lengths))

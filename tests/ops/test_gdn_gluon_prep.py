@@ -6,10 +6,7 @@ without it (eager and in a CUDA graph), and on CPU: its sm_90 compile, the defau
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,21 +14,11 @@ import triton
 
 from deltaserve.ops.gdn import triton_chunk as tc
 
-from .helpers import cu_seqlens, gen
+from .helpers import compile_for_sm90, cu_seqlens, gen
 
 H200_SMEM = 232448
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 BUFS = ("Wb", "Ub", "Pb", "Kb", "Cb", "Lb")
-
-
-def _compile(*args) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "_gluon_prep_compile.py"),
-                          *map(str, args)], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(_BIN, "cuobjdump")), reason="Triton ships no CUDA binutils here")
@@ -41,7 +28,7 @@ def test_prep_compiles_for_sm90(kr, gates, a_smem):
     TMA stores, the products on wgmma; with A's fp16 tile in shared memory no spills, with A in registers (the
     launch default, faster on the H200) a handful of spill stores (4-6 at session 12), within 65.6 KB of shared
     memory either way."""
-    res = _compile(kr, gates, a_smem)
+    res = compile_for_sm90("_gluon_prep_compile.py", kr, gates, a_smem)
     assert res["regs"] <= 168 and res["hgmma"] > 0 and res["tma_loads"] == 2 and res["tma_stores"] > 0, res
     assert res["spills"] == 0 if a_smem else res["spills"] <= 8, res
     assert res["smem"] <= 3 * 65552 <= H200_SMEM, res  # three programs per SM

@@ -339,7 +339,7 @@ def launch_prep(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.T
     value heads). k_in_chain: the K copy only for partial / padding chunks. a_smem: A's fp16 tile in shared memory
     across the inverse instead of registers (no spills at 168 registers, but slower: session 12, 1 x 32768
     14.4 against 13.95 ns/token with A in registers and 4-6 spill stores)."""
-    T, HK, K = q.shape
+    _, HK, K = q.shape
     HV = g.shape[1]
     C = bufs["Lb"].shape[0]
     dummy = bufs["Lb"]
