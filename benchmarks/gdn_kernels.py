@@ -395,8 +395,7 @@ def verify_path_variants(B: int) -> list[tuple[str, "tr.RecurrentConfig"]]:
     the three-launch path and one-launch launch shapes other than the default's."""
     if B * HV > 64:
         return []
-    default = tr.default_verify_config(B, 4 * B, HK, HV, DV, pdl=True,
-                                       resident_warps=tr.resident_warps(torch.device(DEV)))
+    default = tr.default_verify_config(B, 4 * B, HK, HV, DV, pdl=True)
     one = [(f"1-launch bv{bv}/w{w} pdl", tr.RecurrentConfig(bv=bv, num_warps=w, one_launch=True, pdl=True))
            for bv, w in [(16, 1), (8, 1), (16, 2), (32, 2), (16, 4), (32, 4)]]
     return [("3 launches (pre-session-7 path)", tr.default_tokens_config(B * HV * max(DV // 32, 1), DV))] + [
@@ -408,10 +407,7 @@ def verify_path_variants(B: int) -> list[tuple[str, "tr.RecurrentConfig"]]:
         # session 11: the gram form (the default where the unrolled chunk is 2 tokens, RecurrentConfig.gram)
         ("1-launch bv8/w1 pdl gram form", tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, pdl=True, gram=True)),
         (f"1-launch default {'without' if default.gram else 'with'} gram form",
-         dataclasses.replace(default, gram=not default.gram)),
-        # session 12: the norm tail without the counter where every program is resident (RecurrentConfig.norm_spin)
-        (f"1-launch default {'with the counter norm tail' if default.norm_spin else 'with norm_spin'}",
-         dataclasses.replace(default, norm_spin=not default.norm_spin))]
+         dataclasses.replace(default, gram=not default.gram))]
 
 
 def verify_cases(sweep: bool = False) -> list[Case]:

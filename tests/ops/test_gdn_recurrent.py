@@ -4,12 +4,8 @@ slots out of order."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from deltaserve.ops.conv1d import reference as conv_ref
 from deltaserve.ops.gdn import reference as ref
@@ -232,59 +228,6 @@ def test_verify_path_rule():
     assert not tr.default_verify_config(64, 256, 16, 32, 128).one_launch
     assert [tr.verify_chunk(t, n) for t, n in ((1, 1), (2, 1), (3, 1), (4, 1), (8, 2), (9, 2), (40, 1))] == \
         [1, 2, 4, 4, 4, 8, 8]
-    assert not any(tr.default_verify_config(n, t, 16, 32, 128, pdl=True).norm_spin for n, t in ((1, 4), (2, 4))), \
-        "no counter-free norm tail where residency is unknown"
-
-
-def test_verify_norm_spin_rule():
-    """The counter-free norm tail (norm_spin) by default exactly where every warp of the launch is sure to be
-    resident (H200: 132 multiprocessors x 8 warps = 1056) and rows are split over V-slices; never otherwise."""
-    h200 = 132 * tr.RESIDENT_WARPS_PER_SM
-    for n, t in ((1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (2, 8)):
-        cfg = tr.default_verify_config(n, t, 16, 32, 128, pdl=True, resident_warps=h200)
-        assert tr.verify_warps(n, 32, 128, cfg) <= h200, (n, t, cfg)
-        assert cfg.norm_spin == tr.NORM_SPIN, (n, t, cfg)
-        plain = tr.default_verify_config(n, t, 16, 32, 128, pdl=True)
-        assert cfg == dataclasses.replace(plain, norm_spin=cfg.norm_spin), "the launch shape is the same"
-    # 1024 warps at B = 2: not with a few multiprocessors fewer
-    assert not tr.default_verify_config(2, 4, 16, 32, 128, pdl=True, resident_warps=1023).norm_spin
-    assert tr.default_verify_config(2, 4, 16, 32, 128, pdl=True, resident_warps=1024).norm_spin == tr.NORM_SPIN
-    assert not tr.default_verify_config(1, 4, 16, 32, 128, pdl=True, resident_warps=511).norm_spin
-    assert not tr.default_verify_config(64, 256, 16, 32, 128, pdl=True, resident_warps=10 ** 6).norm_spin, \
-        "the three launches have no norm tail to spin in"
-    assert not tr.default_verify_config(1, 4, 16, 2, 8, pdl=True, resident_warps=h200).norm_spin, \
-        "whole rows (bv = V) normalise locally"
-    assert tr.resident_warps(torch.device("cpu")) == 0
-    if not torch.cuda.is_available():
-        assert tr.resident_warps(torch.device("cuda")) == 0, "the interpreter runs programs one after another"
-
-
-@pytest.mark.parametrize("op,config,message", [
-    ("verify", tr.RecurrentConfig(bv=8, num_warps=1, norm_spin=True), "norm_spin applies to the one-launch verify"),
-    ("decode", tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, norm_spin=True),
-     "norm_spin applies to gdn_verify only"),
-], ids=["three-launches", "decode"])
-def test_norm_spin_of_another_path_rejected(op, config, message, device):
-    test_config_fields_of_another_path_rejected(op, config, message, device)
-
-
-def test_norm_spin_refused_where_programs_may_not_be_resident(device):
-    """norm_spin's programs wait for each other: a launch that could not hold them all at once raises (always
-    under the interpreter, which runs programs one after another; on a GPU past its resident warps) instead of
-    hanging."""
-    layer = Layer(device, torch.float32, ratio=2, dv=32, seed=6)
-    cu, idx, mixed, z, a, b = _verify_case(layer, [3, 2], [1, 4])
-    cfg = tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, norm_spin=True)
-    dev = torch.device(device)
-    if tr.resident_warps(dev):  # a GPU: the same launch shape with more sequences than it holds at once
-        n = tr.resident_warps(dev) // (layer.hv * layer.dv // 8) + 1
-        cu, idx, mixed, z, a, b = _verify_case(layer, [1] * n, list(range(n)))
-        layer.conv_state = randn(n, 3, layer.D, g=layer.g, device=device)
-        layer.ssm_state = randn(n, layer.hv, layer.dk, layer.dv, g=layer.g, device=device)
-    T = mixed.shape[0]
-    with pytest.raises(ValueError, match="could wait forever"):
-        tr.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=layer.conv_state, ssm_state=layer.ssm_state,
-                      state_indices=idx, stash=layer.stash(T), config=cfg, **layer.kw())
 
 
 # (ratio, dv, bv, dtype, activation, lengths, slots): one-launch verify configurations
@@ -392,13 +335,10 @@ def test_verify_without_norm(name, device):
     assert not tr._group_counters(torch.device(device), len(lengths) * layer.hv).any()
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton", "triton-one-launch", "triton-qk-prepass", "triton-gram",
-                                  pytest.param("triton-norm-spin", marks=pytest.mark.gpu),
-                                  pytest.param("triton-norm-spin-4-slices", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("impl", ["reference", "triton", "triton-one-launch", "triton-qk-prepass", "triton-gram"])
 def test_verify_then_commit_equals_sequential_decode(impl, device):
     """verify(T_n tokens) outputs == T_n decode steps; commit(a_n) leaves pools == after a_n decode steps;
-    verify itself leaves the pools untouched. Ragged T_n = K_n + 1, K_n in 1..7, a padded row. The norm_spin
-    tails need programs that run concurrently: on the GPU only (the interpreter refuses them)."""
+    verify itself leaves the pools untouched. Ragged T_n = K_n + 1, K_n in 1..7, a padded row."""
     dtype = torch.float32
     layer = Layer(device, dtype, ratio=2, seed=21)
     lengths = [2, 8, 4, 5]
@@ -409,11 +349,7 @@ def test_verify_then_commit_equals_sequential_decode(impl, device):
     cfg = {"triton": tr.RecurrentConfig(bv=16, num_warps=1),  # the three launches whatever the default
            "triton-one-launch": tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True),
            "triton-qk-prepass": tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, qk_prepass=True),
-           "triton-gram": tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, qk_prepass=True, gram=True),
-           "triton-norm-spin": tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, qk_prepass=True,
-                                                  norm_spin=True),
-           "triton-norm-spin-4-slices": tr.RecurrentConfig(bv=4, num_warps=1, one_launch=True,
-                                                           norm_spin=True)}.get(impl)
+           "triton-gram": tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, qk_prepass=True, gram=True)}.get(impl)
     c_v, s_v = layer.pools()
     stash = layer.stash(sum(lengths))
     out = ops.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=c_v, ssm_state=s_v, state_indices=idx,
@@ -713,157 +649,3 @@ def test_one_launch_verify_pdl_chain_in_graph():
         assert_close(outs[i], want[i], 2e-2, f"step {i}")
     assert_close(ssm_g, ssm_r, 1e-4, "state")
     assert torch.equal(conv_g, conv_r), "conv windows"
-
-
-# ---- the counter-free norm tail (RecurrentConfig.norm_spin), on the GPU only: its programs wait for each other
-
-def _spin_words(n_rows: int, slices: int) -> torch.Tensor:
-    """The words buffer the launches of this process use for `slices` V-slices (a view, not a copy)."""
-    return tr._norm_words(torch.device("cuda", torch.cuda.current_device()), n_rows, slices).view(-1, slices)
-
-
-SPIN_CASES = [  # (lengths, slots, explicit config or None for the default rule): B = 1 / 2 one-launch shapes
-    ([2], [1], None),                  # gram, 8 columns (T = 2 default)
-    ([4], [2], None),                  # q / k pre-kernel, 8 columns (T = 4 default)
-    ([2, 2], [0, 3], None),            # gram, 16 columns x 2 warps (B = 2, T = 4 default)
-    ([3, 5], [4, 0], None),            # ragged, pre-kernel: 4-token chunks, the second sequence in two
-    ([1, 7], [3, -1], None),           # ragged, padded row (no word flips), two chunks
-    ([11], [2], tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, pdl=True, qk_prepass=True, norm_spin=True)),
-    ([4], [1], tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, norm_spin=True)),  # no PDL, no pre-kernel
-    ([2, 2], [3, 0], tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True, pdl=True, norm_spin=True)),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("lengths,slots,config", SPIN_CASES, ids=lambda v: None)
-def test_verify_norm_spin_matches_counter_tail(lengths, slots, config):
-    """The counter-free norm tail == the counter tail up to the fp32 rounding of the sum of squares' order (at most
-    a bf16 ulp; bit for bit in run S12-V, when the counter tail added the same partials in the same order), the
-    same bits twice in a row (the second launch flips every word back: the order of arrival does not matter);
-    == the reference; padded rows zero; the stash equal bit for bit. Every word of the live rows flips sign per
-    launch (each program published: the spin tail is what ran), the padded rows' words stay."""
-    B, T = len(lengths), sum(lengths)
-    kw, (conv0, ssm0), tokens = _real_layer(32, 5, seed=100 + T + B)
-    mixed, z, a, b = tokens(T)
-    cu = cu_seqlens(lengths, "cuda")
-    idx = torch.tensor(slots, dtype=torch.int32, device="cuda")
-    live = torch.cat([torch.full((n,), s >= 0) for n, s in zip(lengths, slots)]).to("cuda")
-    default = tr.default_verify_config(B, T, 16, 32, 128, pdl=True,
-                                       resident_warps=tr.resident_warps(torch.device("cuda")))
-    if config is None:
-        assert default.one_launch and default.norm_spin == tr.NORM_SPIN, f"the default takes it here: {default}"
-    spin = config or dataclasses.replace(default, norm_spin=True)
-    counter = dataclasses.replace(spin, norm_spin=False)
-    words = _spin_words(T * 32, 128 // spin.bv)
-    runs = {}
-    for name, cfg in [("reference", None), ("counter", counter), ("spin", spin), ("spin again", spin),
-                      ("default", None if config is None else spin)]:
-        before = words[:T * 32].clone()
-        st = ref.VerifyStash.empty(T, conv_dim=mixed.shape[1], num_k_heads=16, head_k_dim=128, num_v_heads=32,
-                                   head_v_dim=128, dtype=torch.bfloat16, device="cuda")
-        ops = ref if name == "reference" else tr
-        out = ops.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=conv0, ssm_state=ssm0, state_indices=idx,
-                             stash=st, **kw, **({} if cfg is None else {"config": cfg}))
-        torch.cuda.synchronize()
-        flipped = ((words[:T * 32] < 0) != (before < 0)).view(T, 32, -1)
-        if name.startswith("spin") or (name == "default" and (config or default).norm_spin):
-            assert flipped[live].all(), f"{name}: every slice of every live row published"
-        assert not flipped[~live].any(), f"{name}: padded rows publish nothing"
-        runs[name] = (out, st)
-    want, (o_c, st_c) = runs.pop("reference")[0], runs.pop("counter")
-    assert_close(o_c, want, 2e-2, "counter tail vs reference")
-    assert (o_c[~live] == 0).all()
-    o_s = runs["spin"][0]
-    assert_close(o_s, want, 2e-2, f"{lengths} spin tail vs reference")
-    assert_close(o_s, o_c, 8e-3, f"{lengths} spin tail vs counter tail")
-    for name, (out, st) in runs.items():
-        spun = name != "default" or (config or default).norm_spin
-        assert torch.equal(out, o_s if spun else o_c), f"{lengths} {name}: not the bits of the same tail's first launch"
-        for field in ("x", "g", "delta", "k"):
-            got, ref_ = getattr(st, field)[:T], getattr(st_c, field)[:T]
-            assert torch.equal(got[live], ref_[live]), f"{name}: stash.{field}"
-    assert not tr._group_counters(torch.device("cuda", torch.cuda.current_device()), B * 32).any()
-
-
-@pytest.mark.gpu
-def test_verify_norm_spin_graph_replays():
-    """norm_spin verifies of three shapes (the default launch shapes at B = 1, T = 4 / 2 sharing the words of 16-slice
-    rows, B = 2 of 8-slice rows) and a commit captured in one CUDA graph, replayed five times: every replay == the
-    eager calls bit for bit (the words need no reset: each launch flips the sign of its rows' words, whatever the
-    replay count)."""
-    kw, (conv0, ssm0), tokens = _real_layer(32, 6, seed=77)
-    cases = []
-    for lengths, slots in (([4], [2]), ([2], [5]), ([2, 2], [0, 3])):
-        T = sum(lengths)
-        cfg = dataclasses.replace(tr.default_verify_config(len(lengths), T, 16, 32, 128, pdl=True), norm_spin=True)
-        st = ref.VerifyStash.empty(T, conv_dim=tokens(1)[0].shape[1], num_k_heads=16, head_k_dim=128,
-                                   num_v_heads=32, head_v_dim=128, dtype=torch.bfloat16, device="cuda")
-        cases.append((tokens(T), cu_seqlens(lengths, "cuda"), torch.tensor(slots, dtype=torch.int32, device="cuda"),
-                      st, cfg))
-    conv, ssm = conv0.clone(), ssm0.clone()
-    acc = torch.tensor([3], dtype=torch.int32, device="cuda")
-
-    def step():
-        outs = [tr.gdn_verify(*t, cu_seqlens=cu, conv_state=conv, ssm_state=ssm, state_indices=idx, stash=st,
-                              config=cfg, **kw) for t, cu, idx, st, cfg in cases]
-        tr.gdn_commit(acc, cu_seqlens=cases[0][1], state_indices=cases[0][2], conv_state=conv, ssm_state=ssm,
-                      stash=cases[0][3])
-        return outs
-    eager = []
-    for _ in range(3):  # (the commit moves slot 2 on: each step verifies against the state the one before left)
-        eager.append([o.clone() for o in step()])
-    conv.copy_(conv0)
-    ssm.copy_(ssm0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    conv.copy_(conv0)
-    ssm.copy_(ssm0)
-    for replay in range(5):
-        if replay == 3:  # start over from the first step's pools
-            conv.copy_(conv0)
-            ssm.copy_(ssm0)
-        graph.replay()
-        torch.cuda.synchronize()
-        for i, (o, e) in enumerate(zip(outs, eager[replay % 3])):
-            assert torch.equal(o, e), f"replay {replay}, verify {i}"
-
-
-@triton.jit
-def _words_probe(parts, old, words, sums, ready, skip_row, skip_slice, TB: tl.constexpr, NS: tl.constexpr):
-    """One program: tag every partial (row r, slice i) against its row's old word as the spin tail publishes it
-    (but slot (skip_row, skip_slice): left as it was), then read the rows back as the spin tail does."""
-    r = tl.arange(0, TB)
-    old_r = tl.load(old + r)
-    for i in tl.static_range(NS):
-        part = tl.load(parts + r * NS + i)
-        keep = (r == skip_row) & (i == skip_slice)
-        tl.store(words + r * NS + i, tr._tag_partial(part, old_r), mask=~keep)
-    total, ok = tr._spin_sum(words, r, r < TB, old_r >= 0, NS)
-    tl.store(sums + r, total)
-    tl.store(ready + r, ok.to(tl.int32))
-
-
-def test_norm_spin_words_round_trip(device):
-    """The spin tail's tagged words (no concurrency needed: one program publishes, then reads): each row's sum is
-    its slices' partials added slice after slice, bit for bit (the values survive the tag: 0, a large and a tiny
-    one, NaN); a row is ready only once every slice's word carries the new sign, whichever sign the last launch
-    left (rows of both kinds here)."""
-    TB, NS = 4, 4
-    parts = torch.rand(TB, NS, generator=gen(3)) * 10
-    parts[0, 1], parts[1, 2], parts[2, 0], parts[3, 3] = 0.0, 3.0e38, 1e-40, float("nan")
-    old = torch.tensor([0, -5, 7, -2147483648], dtype=torch.int32)  # rows whose words the last launch left >= 0, < 0
-    want = ((parts[:, 0] + parts[:, 1]) + parts[:, 2]) + parts[:, 3]
-    parts, old = parts.to(device), old.to(device)
-    for skip in (-1, 2):
-        words = torch.empty(TB, NS, dtype=torch.int32, device=device)
-        sums = torch.empty(TB, dtype=torch.float32, device=device)
-        ready = torch.empty(TB, dtype=torch.int32, device=device)
-        _words_probe[(1,)](parts, old, words, sums, ready, skip, 1, TB=TB, NS=NS)
-        flipped = (words < 0) == (old >= 0)[:, None]
-        assert flipped.sum().item() == TB * NS - (skip >= 0), "every published word flipped its row's sign"
-        if skip < 0:
-            assert torch.equal(sums.cpu()[:3], want[:3]) and sums[3].isnan(), "the sums, slice after slice"
-            assert ready.tolist() == [1, 1, 1, 1]
-        else:
-            assert ready.tolist() == [1, 1, 0, 1], "a row with a slice not yet published is not ready"

@@ -33,9 +33,7 @@ Verify has two forms, picked on the host from the shapes (default_verify_config)
   (_verify_fused_kernel, programmatic on 9.0+): per (sequence, value head, V-slice) the conv, norms and
   gates of the sequence's tokens, the T_n delta steps and the stash, the gated norm of split rows by the
   group's last program on a per-(sequence, value head) counter (none with gated_norm=False: each program
-  stores its own slice of o; or, with RecurrentConfig.norm_spin where every program is resident at once, no
-  counter: each program publishes its slices' partial sums of squares and waits for the others' to normalise
-  its own slice). The pools are only read, so nothing else needs coordinating. With
+  stores its own slice of o). The pools are only read, so nothing else needs coordinating. With
   RecurrentConfig.qk_prepass the q / k half of that prologue runs once per token and key head in a pre-kernel
   launched just before (the pre-pass below, q / k heads only). With
   RecurrentConfig.gram each unrolled chunk of tokens comes from the state it starts with and the tokens' q / k
@@ -82,16 +80,7 @@ class RecurrentConfig:
     the tokens' q / k dot products (the chunked prefill's algebra on TB tokens) instead of token after token: the
     2 TB reductions over the state slice are independent, only a scalar x vector substitution is sequential, and
     the state is not updated at all unless another chunk follows (the same delta and outputs up to fp32 rounding;
-    the commit is unchanged).
-    norm_spin (one-launch gdn_verify with the gated norm of rows split over V-slices; nothing to do without the
-    norm or with whole rows): the norm's tail without the group counter. Each program publishes its slices'
-    partial sums of squares (one word per (token, value head, V-slice), tagged by its sign for this launch: no
-    reset), waits until every slice of its rows has published, adds them in one fixed order (every program of a
-    row the same bits) and normalises its own slice: one L2 round trip after the last partial instead of three
-    dependent ones (store fence, counter, the last program's loads). The same output as the counter tail up to the
-    fp32 rounding of the sum's order. Its programs wait for each other, so it is only allowed where they are sure
-    to be resident together (resident_warps; otherwise the launch raises). Measured slower (session 12, NORM_SPIN):
-    off by default."""
+    the commit is unchanged)."""
 
     bv: int = 32
     num_warps: int = 4
@@ -101,7 +90,6 @@ class RecurrentConfig:
     state_after_release: bool = False
     qk_prepass: bool = False
     gram: bool = False
-    norm_spin: bool = False
 
 
 def default_recurrent_config(num_programs_bv32: int, v: int) -> RecurrentConfig:
@@ -137,8 +125,7 @@ def default_decode_config(n: int, hk: int, hv: int, v: int, pdl: bool = False) -
     return default_tokens_config(n * hv * max(v // 32, 1), v)
 
 
-def default_verify_config(n: int, t: int, hk: int, hv: int, v: int, pdl: bool = False,
-                          resident_warps: int = 0) -> RecurrentConfig:
+def default_verify_config(n: int, t: int, hk: int, hv: int, v: int, pdl: bool = False) -> RecurrentConfig:
     """gdn_verify of t tokens over n sequences (host-side rule from shapes and PDL support only, so graph
     capture sees one path): one launch (_verify_fused_kernel) up to VERIFY_ONE_LAUNCH_MAX_ROWS (sequence,
     value head) rows at up to VERIFY_MAX_CHUNK tokens per sequence on average, where the three dependent
@@ -156,45 +143,17 @@ def default_verify_config(n: int, t: int, hk: int, hv: int, v: int, pdl: bool = 
     7.54 us with 16-column two-warp programs against 8.40 for the default and 7.83 for 8 columns); from 3 tokens it
     was slower (T = 3 / 4 / 8: 8.3 / 8.5 / 14.7 us with the pre-kernel
     against 7.6 / 8.2 / 11.2: its TB^2 dot products and registers outgrow what it saves; 4-column programs were
-    slower everywhere: T = 4 9.28 us with the pre-kernel).
-    The norm tail without the counter (norm_spin) where NORM_SPIN says so (not now: it measured slower), every
-    program of the launch is sure to be resident (`resident_warps`, from the device: resident_warps(); 0 =
-    unknown: never) and rows are split."""
+    slower everywhere: T = 4 9.28 us with the pre-kernel)."""
     if n * hv <= VERIFY_ONE_LAUNCH_MAX_ROWS and t <= VERIFY_MAX_CHUNK * n:
         if verify_chunk(t, n) == 2:
             wide = n * hv > 32
-            cfg = RecurrentConfig(bv=min(16 if wide else 8, v), num_warps=2 if wide else 1, one_launch=True,
-                                  pdl=pdl, gram=True)
-        elif t >= 2 * n:
-            cfg = RecurrentConfig(bv=min(8, v), num_warps=1, one_launch=True, pdl=pdl, qk_prepass=pdl and t >= 3 * n)
-        else:
-            cfg = RecurrentConfig(bv=min(16, v), num_warps=2, one_launch=True, pdl=pdl)
-        spin = NORM_SPIN and cfg.bv < v and verify_warps(n, hv, v, cfg) <= resident_warps
-        return dataclasses.replace(cfg, norm_spin=True) if spin else cfg
+            return RecurrentConfig(bv=min(16 if wide else 8, v), num_warps=2 if wide else 1, one_launch=True,
+                                   pdl=pdl, gram=True)
+        if t >= 2 * n:
+            return RecurrentConfig(bv=min(8, v), num_warps=1, one_launch=True, pdl=pdl,
+                                   qk_prepass=pdl and t >= 3 * n)
+        return RecurrentConfig(bv=min(16, v), num_warps=2, one_launch=True, pdl=pdl)
     return default_tokens_config(n * hv * max(v // 32, 1), v)
-
-
-def verify_warps(n: int, hv: int, v: int, cfg: RecurrentConfig) -> int:
-    """Warps of a one-launch gdn_verify over n sequences (one program per (sequence, value head, V-slice))."""
-    return n * hv * (v // cfg.bv) * cfg.num_warps
-
-
-def resident_warps(device: torch.device) -> int:
-    """Warps of one kernel that `device` is sure to hold at once, whatever the kernel (a lower bound for
-    RecurrentConfig.norm_spin, whose programs wait for each other): RESIDENT_WARPS_PER_SM per multiprocessor
-    (what its 64K registers hold at the 255 registers per thread that is every kernel's ceiling; the verify
-    kernel's shared memory is < 1 KB). 0 where programs do not run concurrently: not CUDA, or Triton's
-    interpreter (it runs them one after another). Assumes the kernels before and after it in the stream leave
-    room as they finish (PDL: a dependent launches only once every program of this one is running) and no
-    other stream or process keeps multiprocessors busy for good (MPS partitions are not seen here)."""
-    if device.type != "cuda" or _interpreted():
-        return 0
-    return torch.cuda.get_device_properties(device).multi_processor_count * RESIDENT_WARPS_PER_SM
-
-
-def _interpreted() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-    return isinstance(_verify_fused_kernel, InterpretedFunction)
 
 
 def verify_chunk(t: int, n: int) -> int:
@@ -218,14 +177,6 @@ PDL_MAX_ROWS = 64
 VERIFY_ONE_LAUNCH_MAX_ROWS = 64
 # ... and up to this many tokens per sequence on average (the unrolled chunk of _verify_fused_kernel).
 VERIFY_MAX_CHUNK = 8
-# Whether the default verify takes the counter-free norm tail (RecurrentConfig.norm_spin) where it is allowed: no.
-# H200 (session 12, run S12-V, B = 1, same run, 3 repeats): T = 4 9.86 us against 8.45 with the counter (16-column
-# one-warp programs with it 8.85; without any norm 6.55), T = 2 7.24 against 6.12; slower by as much at B = 2.
-# Suspected: every program of a row polls every slice's word of its rows, 64 scalar volatile loads an iteration
-# on the same few L2 lines the partials are published to (half as many programs per row were 1 us faster).
-NORM_SPIN = False
-# Warps per multiprocessor resident together whatever their registers: 65536 / (32 threads x 256).
-RESIDENT_WARPS_PER_SM = 8
 
 
 # ---- shared device pieces -----------------------------------------------------------------------
@@ -332,43 +283,6 @@ def _gated_rms(ot, zt, w, eps, V: tl.constexpr, SIGMOID: tl.constexpr):
     else:
         gate = silu_fast(zt)
     return y * gate
-
-
-@triton.jit
-def _gated_rms_ss(ot, ss, zt, w, eps, V: tl.constexpr, SIGMOID: tl.constexpr):
-    """_gated_rms of rows (or of a slice of their columns) whose sums of squares ss [H] are given."""
-    y = ot * tl.rsqrt(ss / V + eps)[:, None] * w[None, :]
-    if SIGMOID:
-        gate = sigmoid(zt)
-    else:
-        gate = silu_fast(zt)
-    return y * gate
-
-
-@triton.jit
-def _tag_partial(part, old):
-    """The norm_spin word of a partial sum of squares (>= 0, or NaN): its bits, complemented where the slot's
-    `old` word was not (so the sign bit tells this launch's word from the last one's, and the value survives)."""
-    bits = part.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    return tl.where(old < 0, bits, -1 - bits)
-
-
-@triton.jit
-def _spin_sum(ss, rows, m, want_neg, NS: tl.constexpr):
-    """Sums of squares of verify rows (flat (token, value head) indices `rows`, mask m) from the norm_spin words of
-    their NS V-slices (_tag_partial), added slice after slice: one order, so every program of a row gets the same
-    bits. Also whether every slice's word of every row carries the sign want_neg (this launch's): all published."""
-    ready = rows >= 0
-    total = tl.zeros(rows.shape, dtype=tl.float32)
-    for i in tl.static_range(NS):
-        word = tl.load(ss + rows * NS + i, mask=m, other=0, volatile=True)
-        ready = ready & (((word < 0) == want_neg) | (m == 0))  # (rows off the mask are ready)
-        part = tl.where(word < 0, -1 - word, word).to(tl.float32, bitcast=True)
-        if i == 0:
-            total = part
-        else:
-            total = total + part
-    return total, ready
 
 
 # ---- gates --------------------------------------------------------------------------------------
@@ -744,22 +658,16 @@ def _verify_rec_kernel(qn, st_k, vn, st_g, bn, ssm, idx, cu, o_tmp, st_d, HK, HV
 
 
 @triton.jit
-def _store_o_delta(o, delta, row, live, ov, z_c, w, eps, out, o_tmp, st_d, ss, j, old, r: tl.constexpr,
-                   V: tl.constexpr, BV: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, SPIN: tl.constexpr):
+def _store_o_delta(o, delta, row, live, ov, z_c, w, eps, out, o_tmp, st_d, r: tl.constexpr, V: tl.constexpr,
+                   BV: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr):
     """A verify token's read-out (normed here for whole rows, else its slice to o_tmp, which is the output
-    itself without the norm) and its stash delta. SPIN (norm_spin): also the slice's partial sum of squares,
-    published as the word (row, j) of ss (_tag_partial against the slot's `old` word; a relaxed exchange: the
-    value itself is the message)."""
+    itself without the norm) and its stash delta."""
     o = tl.where(live, o, 0.0).to(out.dtype.element_ty)  # rounded to the activation dtype, as o_tmp
     if NORM and BV == V:
         y = _gated_rms(o.to(tl.float32)[None, :], z_c[r][None, :], w, eps, V, SIGMOID)
         tl.store(out + row * V + ov[None, :], y.to(out.dtype.element_ty))
     else:
         tl.store(o_tmp + row * V + ov, o)
-        if SPIN:
-            of32 = o.to(tl.float32)
-            tl.atomic_xchg(ss + row * (V // BV) + j, _tag_partial(tl.sum(of32 * of32, axis=0), old), mask=live,
-                           sem="relaxed", scope="gpu")
     tl.store(st_d + row * V + ov, delta, mask=(ov >= 0) & live)
 
 
@@ -779,12 +687,12 @@ def _stash_inputs(st_x, st_g, st_k, t, row, D, cv, cq, ck, ok, v_in, gt, kh, q_x
 
 @triton.jit(do_not_specialize=["SLOTS"])
 def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, A_log, dt_bias, norm_w,
-                         conv_state, ssm, idx, cu, o_tmp, out, st_x, st_k, st_g, st_d, counters, ss, scale, eps,
+                         conv_state, ssm, idx, cu, o_tmp, out, st_x, st_k, st_g, st_d, counters, scale, eps,
                          HK, HV, D, SLOTS, qn,
                          R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
                          TB: tl.constexpr, SIGMOID: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
                          TRIGGER: tl.constexpr = False, QK_IN: tl.constexpr = False, GRAM: tl.constexpr = False,
-                         NORM: tl.constexpr = True, SPIN: tl.constexpr = False):
+                         NORM: tl.constexpr = True):
     """Verify in one launch (small batches), per (sequence, value head, V-slice): the pre-pass, the
     recurrence and the finish of the three-launch path in one program, the same math in the same order.
 
@@ -802,15 +710,7 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
     pre-pass launched just before (_verify_prep_kernel, QK_ONLY: once per token and key head instead of in each
     of a key head's programs), which also wrote k and the q / k channels of stash.x. Everything else is read
     before griddepcontrol.wait: the pre-pass let this kernel launch only after its own wait (what was written
-    before it is complete), so only qn / stash.k wait for it.
-    SPIN (RecurrentConfig.norm_spin; every program of the launch resident at once, checked on the host): no
-    counter. At a chunk's start each program loads its own words of the chunk's rows in ss (as the last launch
-    left them: a row's words always share their sign) and its z slice; each token's partial sum of squares goes
-    out as soon as the token's o is known (_store_o_delta: the word's sign flipped); at the chunk's end the
-    program polls its rows' words of every slice until all carry the flipped sign, adds them in slice order
-    (_spin_sum) and normalises its own slice. The words are touched only after griddepcontrol.wait, or with QK_IN
-    after the pre-pass's own wait (which let this kernel start): the launch before that last flipped them is
-    complete."""
+    before it is complete), so only qn / stash.k wait for it."""
     j = tl.program_id(0)
     nh = tl.program_id(1)
     n = nh // HV
@@ -843,9 +743,6 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
     dtb = tl.load(dt_bias + hv).to(tl.float32)
     of = tl.arange(0, V)
     w = tl.load(norm_w + of).to(tl.float32)
-    split_norm: tl.constexpr = NORM and BV < V  # the rows' norm needs every V-slice of them
-    if SPIN:
-        w_sl = tl.load(norm_w + ov).to(tl.float32)
     q_taps = ()
     k_taps = ()
     v_taps = ()
@@ -893,18 +790,6 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
             if NORM and BV == V:
                 z_c = z_c + (tl.load(z + t * s_z_t + hv * s_z_h + of, mask=(of >= 0) & valid, other=0.0)
                              .to(tl.float32),)
-        old_s = ()  # SPIN: this program's slot words of the chunk's rows, as the last launch left them
-        if SPIN:
-            sr = tl.arange(0, TB)
-            s_row = (bos64 + c + sr) * HV + hv
-            s_m = c + sr < Tn
-            s_m2 = s_m[:, None] & (ov[None, :] >= 0)
-            old_v = tl.load(ss + s_row * (V // BV) + j, mask=s_m, other=0, volatile=True)
-            for r in tl.static_range(TB):
-                old_s = old_s + (tl.load(ss + ((bos64 + c + r) * HV + hv) * (V // BV) + j, mask=c + r < Tn, other=0,
-                                         volatile=True),)
-            z_sl = tl.load(z + (bos64 + c + sr)[:, None] * s_z_t + hv * s_z_h + ov[None, :], mask=s_m2,
-                           other=0.0).to(tl.float32)
         if QK_IN:  # the pre-pass's rows (after it completed: the only reads that wait for it)
             if PDL:
                 gdc_wait()
@@ -964,8 +849,7 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                                   q_x, k_x, live, hk, HK, j == 0, lead_k, K, W - 1 + r, QK_IN)
             elif valid:
                 S, o, delta = _delta_step(S, kh, qh, vv, gt, bt)
-                _store_o_delta(o, delta, t * HV + hv, live, ov, z_c, w, eps, out, o_tmp, st_d, ss, j,
-                               old_s[r] if SPIN else 0, r, V, BV, SIGMOID, NORM, SPIN)
+                _store_o_delta(o, delta, t * HV + hv, live, ov, z_c, w, eps, out, o_tmp, st_d, r, V, BV, SIGMOID, NORM)
                 _stash_inputs(st_x, st_g, st_k, t, t * HV + hv, D, cv, cq, ck, ok, v_x[W - 1 + r], gt, kh,
                               q_x, k_x, live, hk, HK, j == 0, lead_k, K, W - 1 + r, QK_IN)
         if GRAM:
@@ -988,42 +872,29 @@ def _verify_fused_kernel(x, s_x_t, z, s_z_t, s_z_h, a, s_a_t, b, s_b_t, conv_w, 
                 o += tl.sum(q_r[r] * k_r[r], axis=0) * delta
                 d_r = d_r + (delta,)
                 if in_seq:
-                    _store_o_delta(o, delta, (bos64 + c + r) * HV + hv, live, ov, z_c, w, eps, out, o_tmp, st_d,
-                                   ss, j, old_s[r] if SPIN else 0, r, V, BV, SIGMOID, NORM, SPIN)
+                    _store_o_delta(o, delta, (bos64 + c + r) * HV + hv, live, ov, z_c, w, eps, out, o_tmp, st_d, r,
+                                   V, BV, SIGMOID, NORM)
             if c + TB < Tn:  # another chunk follows: the state after this one (every token of it valid)
                 S = S * tl.exp(cg_r[TB - 1])
                 for i in tl.static_range(TB):
                     S += k_r[i][:, None] * (tl.exp(cg_r[TB - 1] - cg_r[i]) * d_r[i])[None, :]
-        if SPIN:  # the chunk's rows: every slice's partial sum of squares, then this program's slice of the norm
-            if live:
-                tl.debug_barrier()  # the program's o_tmp stores precede their reload by other threads of it
-                ot = tl.load(o_tmp + s_row[:, None] * V + ov[None, :], mask=s_m2, other=0.0).to(tl.float32)
-                want_neg = old_v >= 0  # the sign of the words this launch publishes (each flips its slot's)
-                ssq, ready = _spin_sum(ss, s_row, s_m, want_neg, V // BV)
-                while tl.min(ready.to(tl.int32), axis=0) == 0:  # the other slices' programs are all resident
-                    ssq, ready = _spin_sum(ss, s_row, s_m, want_neg, V // BV)
-                y = _gated_rms_ss(ot, ssq, z_sl, w_sl, eps, V, SIGMOID)
-                tl.store(out + s_row[:, None] * V + ov[None, :], y.to(out.dtype.element_ty), mask=s_m2)
-    if split_norm:  # (without the norm every program stored its own slice of the output: nothing to meet for)
+    if NORM and BV < V:  # (without the norm every program stored its own slice of the output: nothing to meet for)
         tr_ = tl.arange(0, TB)
-        if not SPIN:  # (SPIN: normalised chunk by chunk above)
-            if live:
-                tl.debug_barrier()  # every thread's o_tmp stores precede the release below
-                cnt = counters + n * HV + hv
-                arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-                if arrived == V // BV - 1:  # the last slice of the head: its o_tmp rows are complete
-                    tl.store(cnt, 0)
-                    for c in range(0, Tn, TB):
-                        tt = bos64 + c + tr_
-                        m = ((c + tr_)[:, None] < Tn) & (of[None, :] >= 0)
-                        ot = tl.load(o_tmp + (tt[:, None] * HV + hv) * V + of[None, :], mask=m, other=0.0,
-                                     cache_modifier=".cg").to(tl.float32)
-                        zt = tl.load(z + tt[:, None] * s_z_t + hv * s_z_h + of[None, :], mask=m,
-                                     other=0.0).to(tl.float32)
-                        y = _gated_rms(ot, zt, w, eps, V, SIGMOID)
-                        tl.store(out + (tt[:, None] * HV + hv) * V + of[None, :], y.to(out.dtype.element_ty),
-                                 mask=m)
-        if not live:  # a padded row: zeros (no counter, no word published)
+        if live:
+            tl.debug_barrier()  # every thread's o_tmp stores precede the release below
+            cnt = counters + n * HV + hv
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if arrived == V // BV - 1:  # the last slice of the head: its o_tmp rows are complete
+                tl.store(cnt, 0)
+                for c in range(0, Tn, TB):
+                    tt = bos64 + c + tr_
+                    m = ((c + tr_)[:, None] < Tn) & (of[None, :] >= 0)
+                    ot = tl.load(o_tmp + (tt[:, None] * HV + hv) * V + of[None, :], mask=m, other=0.0,
+                                 cache_modifier=".cg").to(tl.float32)
+                    zt = tl.load(z + tt[:, None] * s_z_t + hv * s_z_h + of[None, :], mask=m, other=0.0).to(tl.float32)
+                    y = _gated_rms(ot, zt, w, eps, V, SIGMOID)
+                    tl.store(out + (tt[:, None] * HV + hv) * V + of[None, :], y.to(out.dtype.element_ty), mask=m)
+        else:  # a padded row: zeros, no counter
             for c in range(0, Tn, TB):
                 tt = bos64 + c + tr_
                 m = ((c + tr_)[:, None] < Tn) & (ov[None, :] >= 0)
@@ -1065,20 +936,10 @@ def _group_counters(device: torch.device, groups: int) -> torch.Tensor:
     return _zeroed_counters(device, next_pow2(max(groups, 4096)))
 
 
-def _norm_words(device: torch.device, rows: int, slices: int) -> torch.Tensor:
-    """The norm_spin tail's words, one per (token, value head) row and V-slice, for at least `rows` rows. Each
-    launch flips the sign of every word of the rows it normalises (all slices of a row: a row's words always
-    share their sign, which tells a launch the words it waits for), so none is reset. Shared by all calls on a
-    device with this many slices (calls on one device are stream-ordered in the engine; two gdn_verify launches
-    must not run concurrently: one could wait forever)."""
-    return _zeroed_counters(device, next_pow2(max(rows, 4096)) * slices, slices)
-
-
 @functools.cache
-def _zeroed_counters(device: torch.device, size: int, slices: int = 0) -> torch.Tensor:
+def _zeroed_counters(device: torch.device, size: int) -> torch.Tensor:
     # The one cache in the ops: the op's signature has no workspace, and zeroing a fresh buffer on every
-    # call would add back the launch that the one-launch path removes. `slices` keys the norm_spin words apart
-    # from the counters (which every launch leaves at zero) and from words of another slice count.
+    # call would add back the launch that the one-launch path removes.
     return torch.zeros(size, dtype=torch.int32, device=device)
 
 
@@ -1133,25 +994,15 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
     if T == 0 or N == 0:
         return out
     if verify:
-        resident = resident_warps(mixed_qkv.device)
-        cfg = config or default_verify_config(N, T, HK, HV, V, pdl=has_pdl(mixed_qkv.device), resident_warps=resident)
+        cfg = config or default_verify_config(N, T, HK, HV, V, pdl=has_pdl(mixed_qkv.device))
         check(not cfg.state_after_release, op, "config state_after_release applies to gdn_decode only")
         check(cfg.one_launch or not cfg.qk_prepass, op, "config qk_prepass applies to the one-launch verify only")
         check(cfg.one_launch or not cfg.gram, op, "config gram applies to the one-launch verify only")
-        check(cfg.one_launch or not cfg.norm_spin, op, "config norm_spin applies to the one-launch verify only")
     else:
         cfg = config or default_decode_config(N, HK, HV, V, pdl=has_pdl(mixed_qkv.device))
         check(not cfg.qk_prepass, op, "config qk_prepass applies to gdn_verify only")
         check(not cfg.gram, op, "config gram applies to gdn_verify only")
-        check(not cfg.norm_spin, op, "config norm_spin applies to gdn_verify only")
     check(V % cfg.bv == 0, op, f"config bv={cfg.bv} must divide V={V}")
-    if cfg.norm_spin:  # its programs wait for each other: all of them must be running at once
-        warps = verify_warps(N, HV, V, cfg)
-        check(warps <= resident, op,
-              f"config norm_spin needs all {warps} warps of the launch resident at once, and {mixed_qkv.device} is "
-              f"sure of {resident} (" + ("its multiprocessors x RESIDENT_WARPS_PER_SM" if resident else
-                                         "programs do not run concurrently: not CUDA, or Triton's interpreter") +
-              "): it could wait forever")
     check(cfg.one_launch or not (cfg.pdl or cfg.state_after_release), op,
           "config pdl / state_after_release apply to the one-launch paths only")
     check(not cfg.pdl or has_pdl(mixed_qkv.device), op,
@@ -1160,8 +1011,6 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
     o_tmp = out if not gated_norm else torch.empty((T, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     if cfg.one_launch and verify:
         qn = o_tmp  # an argument the kernel does not read without the pre-pass
-        spin = gated_norm and cfg.bv < V and cfg.norm_spin  # (nothing to spin for without a norm of split rows)
-        ss = _norm_words(mixed_qkv.device, T * HV, V // cfg.bv) if spin else o_tmp  # (o_tmp: not read)
         if cfg.qk_prepass:
             qn = torch.empty((T, HK, K), dtype=torch.float32, device=mixed_qkv.device)
             _verify_prep_kernel[(T, 2 * HK)](
@@ -1172,10 +1021,10 @@ def _layer_tokens(mixed_qkv, z, a, b, conv_weight, A_log, dt_bias, norm_weight, 
         _verify_fused_kernel[(V // cfg.bv, N * HV)](
             mixed_qkv, mixed_qkv.stride(0), z3, z3.stride(0), z3.stride(1), a, a.stride(0), b, b.stride(0),
             conv_weight, A_log, dt_bias, norm_weight, conv_state, ssm_state, state_indices, cu_seqlens, o_tmp, out,
-            stash.x, stash.k, stash.g, stash.delta, _group_counters(mixed_qkv.device, N * HV), ss, float(scale),
+            stash.x, stash.k, stash.g, stash.delta, _group_counters(mixed_qkv.device, N * HV), float(scale),
             float(eps), HK, HV, D, ssm_state.shape[0], qn, R=HV // HK, K=K, V=V, BV=cfg.bv, W=W,
             TB=verify_chunk(T, N), SIGMOID=sigmoid_gate, PDL=cfg.pdl, PREFETCH=cfg.prefetch,
-            TRIGGER=has_pdl(mixed_qkv.device), QK_IN=cfg.qk_prepass, GRAM=cfg.gram, NORM=gated_norm, SPIN=spin,
+            TRIGGER=has_pdl(mixed_qkv.device), QK_IN=cfg.qk_prepass, GRAM=cfg.gram, NORM=gated_norm,
             num_warps=cfg.num_warps,
             **({"launch_pdl": True} if cfg.pdl else {}))
         return out
