@@ -70,8 +70,8 @@ STATE_BYTES = HV * DK * DV * 4
 SCALE = DK ** -0.5
 # 32x1000: lengths off the 64-token chunk, so every sequence ends in a partial chunk (the prep's pointer-load body
 # in the TMA prep, PREP8 "tma-r168")
-PREFILL = {"1x32768": [32768], "4x8192": [8192] * 4, "8x1024": [1024] * 8, "32x1024": [1024] * 32,
-           "32x1000": [1000] * 32}
+PREFILL = {"1x32768": [32768], "2x16384": [16384] * 2, "4x8192": [8192] * 4, "8x1024": [1024] * 8,
+           "32x1024": [1024] * 32, "32x1000": [1000] * 32}
 DECODE_B = [1, 16, 64, 256, 512]
 VERIFY = [(2, 1), (2, 64), (4, 1), (4, 64)]
 DEV = "cuda"

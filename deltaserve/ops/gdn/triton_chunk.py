@@ -367,7 +367,7 @@ PREP_ON_DEFAULT_STATE = types.MappingProxyType({
 
 
 def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.dtype, k: int | None = None,
-                         tokens: int | None = None, gluon: bool = False) -> ChunkConfig:
+                         tokens: int | None = None, gluon: bool = False, sms: int = 132) -> ChunkConfig:
     """The fastest configuration measured on the H200 and verified there (docs/PERFORMANCE.md): the
     one-kernel tensor-core prep; 64-column state slices (2 stages) once there are >= 128 (sequence,
     value head) pairs to fill the SMs (5 % faster at 4 x 8192 and 32 x 1024), else 32 columns
@@ -398,13 +398,20 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     (session 11, final run S11-7, 1 x 32768, three same-run measurements: 42.4 / 42.6 / 42.5 ns/token against
     45.3 / 45.0 / 45.9; chain 27.0 against 23.8, prep 17.4 against 19.6), so it is on for every Gluon chain;
     k_in_chain stays a batch choice at one sequence (alone 44.3 / 44.5 against 45.0 / 45.9, on top of u_in_chain
-    not measured). The prep of every Gluon chain is the Gluon prep (gluon_prep; session 12, run S12-1, the prep alone
-    in the same run, 3 repeats: 1 x 32768 17.3 -> 14.0, 4 x 8192 16.8 -> 13.3 ns/token, every buffer bit for bit)."""
+    not measured). The Gluon chain (one CTA per SM at either width) takes 64-column slices wherever 32-column ones
+    would need more than one wave of the device's `sms` SMs, so from 2 sequences at 32 value heads (session 12, helper
+    conc12, same run, outputs bit for bit: 2 x 16384 41.3 -> 30.8, 2 x 8192 42.8 -> 32.2, 3 x 8192 40.7 -> 36.7
+    ns/token; one sequence stays at 32 columns: 64 are 48.2 against 41.8 at 1 x 32768). The prep of every Gluon
+    chain is the Gluon prep (gluon_prep; session 12, run S12-1, the prep alone in the same run, 3 repeats: 1 x 32768
+    17.3 -> 14.0, 4 x 8192 16.8 -> 13.3 ns/token, every buffer bit for bit)."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
-    bv = 64 if num_seqs * num_v_heads >= 128 and v >= 64 else min(32, v)
     fast = dtype == torch.bfloat16 and (k or v, v) in CHUNK_LAYOUT_DIMS
     padded_rows = None if tokens is None else (triton.cdiv(tokens, CHUNK) + num_seqs) * CHUNK
     chunk = fast and (padded_rows is None or padded_rows <= tokens + tokens // 4 + CHUNK)
+    if chunk and gluon:  # one CTA per (32-column slice, sequence, value head): more than one wave -> 64 columns
+        bv = 64 if num_seqs * num_v_heads * (v // 32) > sms and v >= 64 else min(32, v)
+    else:
+        bv = 64 if num_seqs * num_v_heads >= 128 and v >= 64 else min(32, v)
     return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2", layout="chunk" if chunk else "token",
                        chain="gluon" if chunk and gluon else "triton", u_in_chain=chunk and gluon,
                        k_in_chain=chunk and gluon and bv == 64, o_tma=chunk and gluon, gluon_prep=chunk and gluon,
@@ -1304,7 +1311,13 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     check_same_device(op, q, k, v, g, beta, cu_seqlens, ssm_state, state_indices, has_initial_state)
     if gates_in_kernel:
         check(A_log.shape == (HV,) and dt_bias.shape == (HV,), op, f"A_log and dt_bias must be [{HV}]")
-    cfg = config or default_chunk_config(N, HV, V, q.dtype, k=K, tokens=T, gluon=gluon_chain.supported(q.device))
+    if config is None:
+        gluon = gluon_chain.supported(q.device)
+        cfg = default_chunk_config(N, HV, V, q.dtype, k=K, tokens=T, gluon=gluon,
+                                   **({"sms": torch.cuda.get_device_properties(q.device).multi_processor_count}
+                                      if gluon else {}))
+    else:
+        cfg = config
     check(V % cfg.bv == 0, op, f"config bv={cfg.bv} must divide V={V}")
     check(cfg.prec in PRECISIONS, op, f"config prec={cfg.prec!r} is not one of {PRECISIONS}")
     check(cfg.merge_prec in MERGE_PRECISIONS, op,
