@@ -219,6 +219,7 @@ def test_state_stages_fit_the_operand_dtype():
     assert tc.ChunkConfig(bv=64).state_stages() == 2
     assert tc.ChunkConfig(prec="tf32").state_stages() == 2
     assert tc.ChunkConfig(prec="ieee").state_stages() == 2
+    assert tc.ChunkConfig(u_in_chain=True).state_stages() == 2  # + U's limbs and v's rows: 241 KB at 3 (S12-F)
     assert tc.ChunkConfig(prec="tf32", stages_state=1).state_stages() == 1
 
 

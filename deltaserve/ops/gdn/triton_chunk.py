@@ -201,10 +201,12 @@ class ChunkConfig:
 
     def state_stages(self) -> int:
         """Pipeline depth of the state kernel; 0 means 3 with bf16 operand tiles and slices of <= 32
-        columns, else 2 (3 stages of fp32 W / P tiles, or of 64-column slices, exceed the H200's 227 KiB of
-        shared memory). One stage (no pipelining) is refused for the untransposed kernel: on the H200 it
-        computed wrong values (32 columns) or faulted (16 columns), session-4 run 1."""
-        return self.stages_state or (3 if self.prec.startswith("bf16") and self.bv <= 32 else 2)
+        columns, else 2 (3 stages of fp32 W / P tiles, of 64-column slices, or of the u_in_chain inputs (U's
+        factor limbs and v's rows: 246,904 B at 32 columns, run S12-F) exceed the H200's 227 KiB of shared
+        memory). One stage (no pipelining) is refused for the untransposed kernel: on the H200 it computed wrong
+        values (32 columns) or faulted (16 columns), session-4 run 1. (The Gluon chain keeps its own ring.)"""
+        return self.stages_state or (3 if self.prec.startswith("bf16") and self.bv <= 32 and not self.u_in_chain
+                                     else 2)
 
 
 # Whole-op candidates for the bf16 default, named as the benchmark and the GPU tests report them. The first
