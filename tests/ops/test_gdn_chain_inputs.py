@@ -123,15 +123,15 @@ def test_u_in_chain_needs_the_chunk_layout_hoist_prep(device):
 def test_chain_inputs_default_rule():
     """The default forms U in the chain with the Gluon chain (session 10: on 64-column slices, the batches; session
     11, with the outputs' TMA stores: for one sequence's 32-column slices too), not with the Triton chain; k_in_chain
-    only on 64-column slices (>= 128 (sequence, value head) pairs)."""
+    likewise (session 10: the batches; session 12, behind the Gluon prep: one sequence too)."""
     assert _default(4, 32, gluon=True).u_in_chain
     assert _default(32, 32, gluon=True).u_in_chain
     assert _default(1, 32, gluon=True).u_in_chain and _default(1, 32, gluon=True).bv == 32
     assert not _default(4, 32).u_in_chain
     assert not tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, tokens=256, gluon=True).u_in_chain  # token
     assert not tc.default_chunk_config(4, 32, 128, torch.float32, k=128, gluon=True).u_in_chain
-    # k_in_chain likewise (H200, run S10-7: faster for batches, slower for one sequence)
-    assert _default(4, 32, gluon=True).k_in_chain and not _default(1, 32, gluon=True).k_in_chain
+    # k_in_chain likewise (H200: run S10-7 for batches; run S12-4 for one sequence behind the Gluon prep)
+    assert _default(4, 32, gluon=True).k_in_chain and _default(1, 32, gluon=True).k_in_chain
     assert not _default(4, 32).k_in_chain
     assert not tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, tokens=256, gluon=True).k_in_chain
 

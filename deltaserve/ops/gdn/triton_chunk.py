@@ -405,7 +405,10 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     conc12, same run, outputs bit for bit: 2 x 16384 41.3 -> 30.8, 2 x 8192 42.8 -> 32.2, 3 x 8192 40.7 -> 36.7
     ns/token; one sequence stays at 32 columns: 64 are 48.2 against 41.8 at 1 x 32768). The prep of every Gluon
     chain is the Gluon prep (gluon_prep; session 12, run S12-1, the prep alone in the same run, 3 repeats: 1 x 32768
-    17.3 -> 14.0, 4 x 8192 16.8 -> 13.3 ns/token, every buffer bit for bit)."""
+    17.3 -> 14.0, 4 x 8192 16.8 -> 13.3 ns/token, every buffer bit for bit). Behind the Gluon prep k_in_chain pays at
+    one sequence too (session 12, 1 x 32768, same run, 3 repeats: 41.5 / 42.2 / 42.4 ns/token against 43.4 / 43.6 /
+    43.6 without it and 42.2 / 42.6 / 42.6 with the Triton prep; run S12-4; the 8k test's errors identical, S12-1), so
+    it is on for every Gluon chain."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
     fast = dtype == torch.bfloat16 and (k or v, v) in CHUNK_LAYOUT_DIMS
     padded_rows = None if tokens is None else (triton.cdiv(tokens, CHUNK) + num_seqs) * CHUNK
@@ -416,7 +419,7 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
         bv = 64 if num_seqs * num_v_heads >= 128 and v >= 64 else min(32, v)
     return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2", layout="chunk" if chunk else "token",
                        chain="gluon" if chunk and gluon else "triton", u_in_chain=chunk and gluon,
-                       k_in_chain=chunk and gluon and bv == 64, o_tma=chunk and gluon, gluon_prep=chunk and gluon,
+                       k_in_chain=chunk and gluon, o_tma=chunk and gluon, gluon_prep=chunk and gluon,
                        **(dict(PREP8_DEFAULT) if fast else {}))
 
 
