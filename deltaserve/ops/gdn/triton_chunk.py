@@ -399,8 +399,8 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     24.8 -> 21.1, 26.2 -> 25.0; outputs bit for bit). With those TMA stores u_in_chain pays at one sequence too
     (session 11, final run S11-7, 1 x 32768, three same-run measurements: 42.4 / 42.6 / 42.5 ns/token against
     45.3 / 45.0 / 45.9; chain 27.0 against 23.8, prep 17.4 against 19.6), so it is on for every Gluon chain;
-    k_in_chain stays a batch choice at one sequence (alone 44.3 / 44.5 against 45.0 / 45.9, on top of u_in_chain
-    not measured). The Gluon chain (one CTA per SM at either width) takes 64-column slices wherever 32-column ones
+    k_in_chain stayed a batch choice then (at one sequence alone 44.3 / 44.5 against 45.0 / 45.9, on top of
+    u_in_chain not measured). The Gluon chain (one CTA per SM at either width) takes 64-column slices wherever 32-column ones
     would need more than one wave of the device's `sms` SMs, so from 2 sequences at 32 value heads (session 12, helper
     conc12, same run, outputs bit for bit: 2 x 16384 41.3 -> 30.8, 2 x 8192 42.8 -> 32.2, 3 x 8192 40.7 -> 36.7
     ns/token; one sequence stays at 32 columns: 64 are 48.2 against 41.8 at 1 x 32768). The prep of every Gluon
