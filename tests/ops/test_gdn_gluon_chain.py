@@ -76,6 +76,14 @@ def test_o_tma_needs_the_gluon_chain(device):
         _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=cfg)
 
 
+def test_gluon_chain_head_counts():
+    """The value-head counts the Gluon chain takes: Lb's fp32 rows 16-byte aligned and the e^{G_last} box of a ring
+    stage exactly 128 bytes (TMA's shared-memory alignment; the 64-byte box at 16 heads faulted on the H200)."""
+    assert [h for h in range(1, 80) if gc.heads_supported(h)] == [4, 8, 16] + list(range(32, 80, 4))
+    assert gc.lb_box(16) == [2, 16] and gc.lb_box(48) == [1, 32] and gc.lb_box(4) == [8, 4]
+    assert all(r * c * 4 == 128 for r, c in map(gc.lb_box, (4, 8, 16, 32, 48, 64)))
+
+
 def test_supported_is_false_off_hopper(monkeypatch):
     assert not gc.supported(torch.device("cpu"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

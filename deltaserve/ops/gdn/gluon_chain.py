@@ -66,7 +66,8 @@ def _load_stage(descs, bufs, bar, s, c, c0, bos, L, hv, hk, col, HK, HV, K: gl.c
     w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc, kr_desc = descs
     w_s, k_s, q_s, p_s, u_s, c_s, l_s, v_s = bufs
     BVC: gl.constexpr = v_desc.block_type.shape[1]
-    NL: gl.constexpr = l_desc.block_type.shape[1]
+    LC: gl.constexpr = l_desc.block_type.shape[1]  # the e^{G_last} box: LC heads of 32 // LC chunks (128 bytes)
+    NL: gl.constexpr = l_desc.block_type.shape[0] * LC
     if TU:
         nbytes: gl.constexpr = (3 * BT * K + 3 * BT * BT + NU * BT * BVC) * 2 + (2 * BT + NL) * 4
     else:
@@ -95,7 +96,7 @@ def _load_stage(descs, bufs, bar, s, c, c0, bos, L, hv, hk, col, HK, HV, K: gl.c
             tma.async_copy_global_to_shared(u_desc, [hrow * BT, col + h * BVC], bar, u_s.index(s * NU + h),
                                             pred=pred)
     tma.async_copy_global_to_shared(c_desc, [hrow * 2, 0], bar, c_s.index(s), pred=pred)
-    tma.async_copy_global_to_shared(l_desc, [ch, hv - hv % NL], bar, l_s.index(s), pred=pred)
+    tma.async_copy_global_to_shared(l_desc, [ch, hv - hv % LC], bar, l_s.index(s), pred=pred)
 
 
 @gluon.jit
@@ -196,7 +197,8 @@ def _chain_columns(HALF: gl.constexpr, NU: gl.constexpr, STAGES: gl.constexpr, b
     w_s, k_s, q_s, p_s, u_s, c_s, l_s, v_s = bufs
     sh_s, sl_s, vn_s, dh_s, dl_s = scratch
     BVC: gl.constexpr = v_s.type.shape[2]
-    NL: gl.constexpr = l_s.type.shape[2]
+    LC: gl.constexpr = l_s.type.shape[2]
+    NL: gl.constexpr = l_s.type.shape[1] * LC  # the stage's e^{G_last} box, flat: this head's at hv % LC
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BVC, 16])
     rows_l: gl.constexpr = gl.SliceLayout(1, acc_l)
@@ -218,7 +220,7 @@ def _chain_columns(HALF: gl.constexpr, NU: gl.constexpr, STAGES: gl.constexpr, b
     ov = col + HALF * BVC + gl.arange(0, BVC, layout=cols_l)
     o_col = hv * V + col + HALF * BVC  # the first of this warpgroup's columns in o's [T, HV * V] rows
     rows = gl.arange(0, BT, layout=rows_l)
-    mine = gl.arange(0, NL, layout=one_l) == hv % NL
+    mine = gl.arange(0, NL, layout=one_l) == hv % LC
     sp = ssm + slot * (HV * K * V) + hv * (K * V) + ok[:, None] * V + ov[None, :]
     S = gl.load(sp, mask=(ok[:, None] >= 0) & (ov[None, :] >= 0) & (live & init), other=0.0)
     prev = gl.zeros([BT, BVC], o.dtype.element_ty, acc_l)  # the outputs not stored yet (none before chunk 0)
@@ -351,6 +353,19 @@ def _chain_kernel(w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc
         mbarrier.invalidate(empty.index(i))
 
 
+def heads_supported(hv: int) -> bool:
+    """Whether the chain's TMA box of e^{G_last} (`lb_box`) fits hv value heads: Lb's [chunks, hv] fp32 rows
+    16-byte aligned and the box exactly 128 bytes, as TMA needs of each ring stage's shared-memory address (a
+    64-byte box at 16 heads put every second stage off that alignment: "misaligned address" on the H200)."""
+    return hv % 4 == 0 and (hv >= 32 or 32 % hv == 0)
+
+
+def lb_box(hv: int) -> list[int]:
+    """The TMA box over Lb [chunks, hv] that a ring stage holds: 32 heads of one chunk, or, with fewer heads,
+    all of them for 32 // hv chunks (only the first row is read)."""
+    return [32 // min(hv, 32), min(hv, 32)]
+
+
 def _desc(t: torch.Tensor, block: list[int], dtype) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
 
@@ -377,7 +392,7 @@ def chain_descriptors(q: torch.Tensor, bufs: dict, bvc: int) -> tuple:
             _rows_desc(q, K),
             _desc(bufs["Pb"], [CHUNK, CHUNK], gl.bfloat16),
             _desc(bufs["Cb"].reshape(-1, CHUNK), [2, CHUNK], gl.float32),
-            _desc(bufs["Lb"], [1, min(HV, 32)], gl.float32),
+            _desc(bufs["Lb"], lb_box(HV), gl.float32),
             _rows_desc(bufs["v"], bvc) if tu else u_desc,
             _rows_desc(bufs["k"], K) if "k" in bufs else _desc(bufs["Kb"], [CHUNK, K], gl.bfloat16))
 
@@ -389,7 +404,7 @@ def smem_bytes(bv: int, ws: bool, stages: int, tu: bool, hv: int, o_tiles: int =
     nu = 2 if ws else 1
     bvc = bv // nu
     u = 2 * CHUNK * CHUNK * 2 + nu * CHUNK * bvc * 2 if tu else nu * CHUNK * bvc * 4
-    stage = 3 * CHUNK * K * 2 + CHUNK * CHUNK * 2 + u + 2 * CHUNK * 4 + min(hv, 32) * 4
+    stage = 3 * CHUNK * K * 2 + CHUNK * CHUNK * 2 + u + 2 * CHUNK * 4 + 32 * 4
     scratch = nu * (2 * K * bvc * 2 + 3 * CHUNK * bvc * 2)
     return stages * (stage + 16) + scratch + nu * o_tiles * CHUNK * bvc * 2
 

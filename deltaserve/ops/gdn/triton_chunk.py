@@ -1317,7 +1317,8 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     if gates_in_kernel:
         check(A_log.shape == (HV,) and dt_bias.shape == (HV,), op, f"A_log and dt_bias must be [{HV}]")
     if config is None:
-        gluon = gluon_chain.supported(q.device)
+        # (head counts the Gluon chain's boxes do not fit take the Triton chain: the same products, bit for bit)
+        gluon = gluon_chain.supported(q.device) and gluon_chain.heads_supported(HV)
         cfg = default_chunk_config(N, HV, V, q.dtype, k=K, tokens=T, gluon=gluon,
                                    **({"sms": torch.cuda.get_device_properties(q.device).multi_processor_count}
                                       if gluon else {}))
@@ -1373,10 +1374,12 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     check(not cfg.o_tma or cfg.chain == "gluon", op,
           f"config o_tma is a choice of the Gluon chain (chain='gluon'), got chain={cfg.chain!r}")
     check(cfg.chain == "triton" or (cfg.layout == "chunk" and gluon_chain.supported(q.device)
-                                     and (K, V) == gluon_chain.DIMS and cfg.bv in gluon_chain.BVS), op,
+                                     and (K, V) == gluon_chain.DIMS and cfg.bv in gluon_chain.BVS
+                                     and gluon_chain.heads_supported(HV)), op,
           f"config chain='gluon' needs layout='chunk', a CUDA device of compute capability 9.0, head dims "
-          f"{gluon_chain.DIMS} and bv in {gluon_chain.BVS}, got layout={cfg.layout!r}, device {q.device}, "
-          f"({K}, {V}), bv={cfg.bv}")
+          f"{gluon_chain.DIMS}, bv in {gluon_chain.BVS} and a value-head count that is a multiple of 4 and either "
+          f">= 32 or a divisor of 32, got layout={cfg.layout!r}, device {q.device}, ({K}, {V}), bv={cfg.bv}, "
+          f"{HV} value heads")
     check(not cfg.gluon_prep or gluon_chain.supported(q.device), op,
           f"config gluon_prep needs a CUDA device of compute capability 9.0 (Gluon, wgmma, TMA), got device {q.device}")
     check(not cfg.split_output or (not cfg.state_t and cfg.bv_out >= 16 and V % min(cfg.bv_out, V) == 0), op,
