@@ -75,6 +75,8 @@ PREFILL = {"1x32768": [32768], "2x16384": [16384] * 2, "4x8192": [8192] * 4, "8x
 DECODE_B = [1, 16, 64, 256, 512]
 VERIFY = [(2, 1), (2, 64), (4, 1), (4, 64)]
 DEV = "cuda"
+# SMs of the device the op runs on (what its default configuration reads; 132 without CUDA, as its default)
+SMS = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
 
 
 def fla():
@@ -228,14 +230,15 @@ def prefill_cases(sweep: bool) -> list[Case]:
     for name, lengths in PREFILL.items():
         T, N = sum(lengths), len(lengths)
         # the configuration `ours` runs (the Gluon chain where the device has it), so "ours: state kernel" is its chain
-        base = tc.default_chunk_config(N, HV, DV, torch.bfloat16, k=DK, tokens=T,
+        # (with the longest length, as the engine passes it: max_seqlen; SMS: the device's)
+        base = tc.default_chunk_config(N, HV, DV, torch.bfloat16, k=DK, tokens=T, max_seqlen=max(lengths), sms=SMS,
                                        gluon=torch.cuda.is_available() and gluon_chain.supported(torch.device(DEV)))
 
         def ours(calls, lengths=lengths, cfg=None):
             d = prefill_inputs(lengths)
             return lambda i: tc.chunk_gated_delta_rule(
                 d["q"], d["k"], d["v"], d["g"], d["beta"], scale=SCALE, cu_seqlens=d["cu"], ssm_state=d["pool"],
-                state_indices=d["idx"], has_initial_state=d["has_init"], config=cfg)
+                state_indices=d["idx"], has_initial_state=d["has_init"], config=cfg, max_seqlen=max(lengths))
 
         def ours_gates(calls, lengths=lengths):
             d = prefill_inputs(lengths)
@@ -305,9 +308,17 @@ def prefill_cases(sweep: bool) -> list[Case]:
             prep8[pname].append(Case("prefill", name, f"ours prep8 {pname}", 3,
                                      lambda c, cfg=cfg, f=ours: f(c, cfg=cfg), tokens=T))
         # session 12: the Gluon prep (ChunkConfig.gluon_prep) against the Triton prep it reproduces bit for bit
-        for flag in ("gluon_prep", "u_in_chain", "k_in_chain") if base.layout == "chunk" and base.hoist else ():
-            cfg = dataclasses.replace(base, **{flag: not getattr(base, flag)})
-            label = f"{'without' if getattr(base, flag) else 'with'} {flag}"
+        # session 13: the transposed chain (batches) against the untransposed one; without u_in_chain (which the
+        # transposed chain needs) on the untransposed one
+        untransposed = dict(chain="gluon", bv=64) if base.chain == "gluon_t" else {}
+        flags = ("gluon_prep", "u_in_chain", "k_in_chain") + (("chain",) if untransposed else ())
+        for flag in flags if base.layout == "chunk" and base.hoist else ():
+            if flag == "chain":
+                cfg, label = dataclasses.replace(base, **untransposed), "untransposed chain"
+            else:
+                cfg = dataclasses.replace(base, **{flag: not getattr(base, flag)},
+                                          **(untransposed if flag == "u_in_chain" else {}))
+                label = f"{'without' if getattr(base, flag) else 'with'} {flag}"
             u_chain.append(Case("prefill", name, f"ours {label}", 3, lambda c, cfg=cfg, f=ours: f(c, cfg=cfg),
                                 tokens=T))
             for which in ("prep", "state"):

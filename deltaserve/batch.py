@@ -46,6 +46,9 @@ class ForwardBatch:
     # step is still sampling", read on the device from last_tokens[state_slots[row]] (int64 per slot).
     # None: every input id is a token.
     last_tokens: torch.Tensor | None = None
+    # The longest prefill chunk's token count (host int, from the scheduler's lengths): the chunked prefill's kernel
+    # choice reads it (its cu_seqlens live on the device). None: not known.
+    max_prefill_len: int | None = None
 
     def decode_slots(self) -> torch.Tensor:
         """State slots of the decode sequences."""
@@ -73,7 +76,7 @@ class ForwardBatch:
             cu_seqlens=self.cu_seqlens[: n + 1], seq_lens=self.seq_lens[:n], state_slots=self.state_slots[:n],
             has_initial_state=self.has_initial_state[:n], slot_mapping=self.slot_mapping[:t],
             block_tables=self.block_tables[:n], num_prefills=n, num_prefill_tokens=t, decode_state_slots=None,
-            last_tokens=None,
+            last_tokens=None, max_prefill_len=self.max_prefill_len,
         )
 
 

@@ -109,7 +109,8 @@ class GatedDeltaNet(nn.Module):
             o = k.chunk_gated_delta_rule(
                 q.view(P, self.nk, self.dk), key.view(P, self.nk, self.dk), v.view(P, self.nv, self.dv), g, beta,
                 scale=self.scale, cu_seqlens=batch.cu_seqlens[: n_pre + 1], ssm_state=ssm_state,
-                state_indices=batch.state_slots[:n_pre], has_initial_state=batch.has_initial_state[:n_pre])
+                state_indices=batch.state_slots[:n_pre], has_initial_state=batch.has_initial_state[:n_pre],
+                max_seqlen=batch.max_prefill_len)
             outs.append(k.rms_norm_gated(o, z[:P], self.norm_weight, self.eps, activation=self.norm_activation))
         if P < T:
             # decode tokens: conv update, gates, q/k L2 norm, delta rule and gated norm in one op

@@ -248,6 +248,7 @@ class ModelRunner:
             input_ids=input_ids, positions=tok[1], slot_mapping=tok[2], cu_seqlens=seq[0], seq_lens=seq[1],
             state_slots=seq[2], has_initial_state=seq[3].bool(), block_tables=tables,
             num_prefills=num_prefills, num_prefill_tokens=cu[num_prefills], decode_state_slots=seq[4],
+            max_prefill_len=max((cu[i + 1] - cu[i] for i in range(num_prefills)), default=0),
         )
 
     # ---- one step -----------------------------------------------------------------------------

@@ -174,7 +174,7 @@ def test_chain_inputs_real_shape_gpu(chain, flags):
     from .test_gpu import TOL_BF16, _report
 
     q, k, v, g, beta, pool, kw = _real_shape_mixed_batch()
-    base = dataclasses.replace(_default(5, 32, gluon=True), chain=chain, u_in_chain=False, k_in_chain=False,
+    base = dataclasses.replace(_default(5, 32, gluon=True), chain=chain, bv=64, u_in_chain=False, k_in_chain=False,
                                o_tma=chain == "gluon")
     if chain == "gluon" and not tc.gluon_chain.supported(q.device):
         pytest.skip("the Gluon chain needs compute capability 9.0")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deltaserve.config import ModelConfig
 from deltaserve.engine.interfaces import NewSequence, ScheduledChunk, SchedulerOutput
 from deltaserve.models.loader import load_model
 from deltaserve.ops import select_kernels
@@ -42,6 +43,7 @@ def test_batch_layout_packs_prefills_first(model):
     runner._apply_changes(out)
     batch = runner.build_batch(sorted(out.chunks, key=runner.is_decode))
     assert batch.num_prefills == 1 and batch.num_prefill_tokens == 5 and batch.num_decodes == 1
+    assert batch.max_prefill_len == 5  # the chunked prefill's kernel choice reads it (host int)
     assert batch.input_ids.tolist() == b[:5] + [runner._seqs[0].token_ids[6]]
     assert batch.positions.tolist() == [0, 1, 2, 3, 4, 6]
     assert batch.cu_seqlens.tolist() == [0, 5, 6] and batch.seq_lens.tolist() == [5, 7]
@@ -145,7 +147,9 @@ def test_gpu_cache_budget_is_positive_and_below_free_memory(tiny_model):
 
     path = tiny_model(TinySpec(family="qwen3_5", layout="text", ratio=2, seed=3))
     dev = torch.device("cuda")
-    net = load_model(path, device=dev, dtype=torch.bfloat16, kernels=select_kernels(dev), show_progress=False)
+    # the kernels for the model's shapes, as the engine selects them (its head dims 16 take the reference prefill)
+    kernels = select_kernels(dev, shapes=ModelConfig.from_hf(path).kernel_shapes)
+    net = load_model(path, device=dev, dtype=torch.bfloat16, kernels=kernels, show_progress=False)
     budget = profile_gpu_cache_budget(net, device=dev, dtype=torch.bfloat16, max_num_batched_tokens=512,
                                       max_num_seqs=8, block_size=16, utilization=0.5)
     free, total = torch.cuda.mem_get_info(dev)

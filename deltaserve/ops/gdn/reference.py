@@ -96,17 +96,33 @@ def _chunk_one_sequence(
     return out.reshape(H, n * chunk_size, -1)[:, :L], state
 
 
+def check_max_seqlen(op: str, max_seqlen: int | None, bounds: list[int] | None = None) -> None:
+    """The prefill ops' max_seqlen hint: None or a non-negative int, and (given the host cu_seqlens) at least every
+    sequence's length (a smaller one would steer the GPU op's kernel choice by a wrong picture of the batch)."""
+    if max_seqlen is None:
+        return
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ValueError(f"{op}: max_seqlen must be None or a non-negative int, got {max_seqlen!r}")
+    if bounds is not None:
+        longest = max((e - s for s, e in zip(bounds, bounds[1:])), default=0)
+        if max_seqlen < longest:
+            raise ValueError(f"{op}: max_seqlen={max_seqlen} is less than the longest sequence ({longest} tokens)")
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     *, scale: float, cu_seqlens: torch.Tensor, ssm_state: torch.Tensor,
     state_indices: torch.Tensor, has_initial_state: torch.Tensor,
-    use_qk_l2norm_in_kernel: bool = True, chunk_size: int = 64,
+    use_qk_l2norm_in_kernel: bool = True, chunk_size: int = 64, max_seqlen: int | None = None,
 ) -> torch.Tensor:
     """Prefill over packed sequences. Sequence n starts from ssm_state[state_indices[n]] when
-    has_initial_state[n] is true (else from zero) and writes its final state back to that slot."""
+    has_initial_state[n] is true (else from zero) and writes its final state back to that slot.
+    max_seqlen: the longest sequence's length if the caller knows it (host int): a hint the GPU op's kernel
+    choice uses (it cannot read cu_seqlens without a sync); here it is checked against cu_seqlens."""
     HV = v.shape[1]
     out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     bounds = cu_seqlens.tolist()
+    check_max_seqlen("chunk_gated_delta_rule", max_seqlen, bounds)
     slots = state_indices.tolist()
     has_init = has_initial_state.tolist()
     for n, slot in enumerate(slots):
@@ -226,13 +242,15 @@ def gdn_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     *, A_log: torch.Tensor, dt_bias: torch.Tensor, scale: float, cu_seqlens: torch.Tensor,
     ssm_state: torch.Tensor, state_indices: torch.Tensor, has_initial_state: torch.Tensor,
+    max_seqlen: int | None = None,
 ) -> torch.Tensor:
     """chunk_gated_delta_rule with the gates computed from their pre-activations (gdn_gating) and the
     q/k L2 norm applied: the prefill core of a GDN layer. Same layouts and pool contract."""
     g, beta = gdn_gating(A_log, a, dt_bias, b)
     return chunk_gated_delta_rule(
         q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens, ssm_state=ssm_state,
-        state_indices=state_indices, has_initial_state=has_initial_state, use_qk_l2norm_in_kernel=True)
+        state_indices=state_indices, has_initial_state=has_initial_state, use_qk_l2norm_in_kernel=True,
+        max_seqlen=max_seqlen)
 
 
 def _split_qkv(x: torch.Tensor, hk: int, hv: int, dk: int, dv: int):

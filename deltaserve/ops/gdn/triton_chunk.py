@@ -68,7 +68,8 @@ from ..triton_common import (
     check, check_head_dim, check_index, check_last_contiguous, check_pool, check_same_device, chunk_offsets,
     locate_chunk, next_pow2, sigmoid, softplus,
 )
-from . import gluon_chain, gluon_prep
+from . import gluon_chain, gluon_chain_t, gluon_prep
+from .reference import check_max_seqlen
 from .triton_ut import LOG2E, decay_tile, load_chunk_rows, rstd_from_gram, ut_inverse_wide
 
 CHUNK = 64
@@ -81,7 +82,7 @@ UT_PRECISIONS = ("fp16", "tf32")
 LAYOUTS = ("token", "chunk")
 # The chain (state kernel) behind the chunk layout: "triton" (`_chunk_state_tma_kernel`) or "gluon"
 # (`gluon_chain`, Hopper only: asynchronous wgmma, warp-specialised, bf16 at head dims 128, bv 32 or 64).
-CHAINS = ("triton", "gluon")
+CHAINS = ("triton", "gluon", "gluon_t")
 # (K, V) head dims at which the chunk layout's TMA state kernel and the prep's whole-tile inverse / lean
 # factors are verified on the H200 (session 7: bitwise equal to the token layout at 128; at K = 16 / V = 32
 # the TMA kernel's compiled products were wrong there and a wide-inverse prep faulted, while both are exact
@@ -146,7 +147,10 @@ class ChunkConfig:
     rows are strided and masked: pointer stores there).
     chain (layout "chunk", CHAINS): the state kernel behind the chunk layout: "triton" or "gluon"
     (`gluon_chain.launch_chain`: the same products, the state bit for bit; bv / 2 columns per consumer
-    warpgroup; session 8: 23.4-24.3 / 18.2-19.9 ns/token at 1 x 32768 / 4 x 8192 against 30.9 / 26.8).
+    warpgroup; session 8: 23.4-24.3 / 18.2-19.9 ns/token at 1 x 32768 / 4 x 8192 against 30.9 / 26.8), or
+    "gluon_t" (`gluon_chain_t.launch_chain_t`, u_in_chain and o_tma only: the same products with the state
+    transposed in registers, bv / 64 consumers of 64 columns; fp32 rounding away from the others, state within
+    ~1e-7; session 13: the chain alone at 4 x 8192 1.21x, at 1 x 32768 0.56-0.70x).
     u_in_chain (hoist prep, chunk layout, bf16x2): the prep stores U's factor T diag(beta) as two bf16 limbs
     (16 KB per chunk and value head) instead of U in fp32 (32 KB) and does not read v; the chain forms
     U = hi V + lo V from them and the chunk's rows of v (two more tensor-core products per chunk, off the
@@ -290,9 +294,11 @@ PREP7_FIELDS = ("ut", "ut_prec", "lean", "wu_cols", "maxnreg_tc")
 def prep7_config(name: str, base: ChunkConfig) -> ChunkConfig:
     """`base` (the shape's configuration) with the prep fields of PREP7[name], and without the session-8 prep
     changes (PREP8_FIELDS: the PREP7 entries are measured on the session-7 prep), so without the chain inputs
-    that need the hoist / TMA prep (u_in_chain, k_in_chain)."""
+    that need the hoist / TMA prep (u_in_chain, k_in_chain; a transposed chain, which needs u_in_chain, becomes the
+    untransposed Gluon chain on 64-column slices)."""
+    chain = dict(chain="gluon", bv=64) if base.chain == "gluon_t" else {}
     return dataclasses.replace(base, **{f: getattr(PREP7[name], f) for f in PREP8_FIELDS}, u_in_chain=False,
-                               k_in_chain=False)
+                               k_in_chain=False, **chain)
 
 
 # Session 8 (prep8): the bf16 default prep (PREP7 "wide-fp16-lean") with its latency cut, each on the default state
@@ -368,8 +374,24 @@ PREP_ON_DEFAULT_STATE = types.MappingProxyType({
 })
 
 
+def balanced(num_seqs: int, tokens: int | None, max_seqlen: int | None) -> bool:
+    """Whether a batch's longest sequence is known to be at most BALANCE x the mean length. The transposed chain
+    gives a (sequence, value head) one program where the untransposed one gives it two to four: fine where every
+    program has about the same chunks to run, slower where one long sequence is the whole time (its ~2x longer
+    step). Without the lengths (max_seqlen None, as a caller without host lengths passes) it is not assumed."""
+    return tokens is not None and max_seqlen is not None and max_seqlen * num_seqs <= BALANCE * tokens
+
+
+BALANCE = 2
+# The transposed chain (chain "gluon_t", one CTA per (sequence, value head)) from this fraction of the SMs filled:
+# session 13 (run S13-4, chain alone, same run): 3 x 8192 (96 CTAs on 132 SMs) 1.26x, 4 x 8192 1.21x, 8 x 4096 1.18x,
+# 32 x 1024 1.20x; 2 x 16384 (64 CTAs) 0.61x (S13-3).
+TRANSPOSED_MIN_SM_FRACTION = 2 / 3
+
+
 def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.dtype, k: int | None = None,
-                         tokens: int | None = None, gluon: bool = False, sms: int = 132) -> ChunkConfig:
+                         tokens: int | None = None, gluon: bool = False, sms: int = 132,
+                         max_seqlen: int | None = None) -> ChunkConfig:
     """The fastest configuration measured on the H200 and verified there (docs/PERFORMANCE.md): the
     one-kernel tensor-core prep; 64-column state slices (2 stages) once there are >= 128 (sequence,
     value head) pairs to fill the SMs (5 % faster at 4 x 8192 and 32 x 1024), else 32 columns
@@ -413,12 +435,16 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     fast = dtype == torch.bfloat16 and (k or v, v) in CHUNK_LAYOUT_DIMS
     padded_rows = None if tokens is None else (triton.cdiv(tokens, CHUNK) + num_seqs) * CHUNK
     chunk = fast and (padded_rows is None or padded_rows <= tokens + tokens // 4 + CHUNK)
+    chain = "gluon" if chunk and gluon else "triton"
     if chunk and gluon:  # one CTA per (32-column slice, sequence, value head): more than one wave -> 64 columns
         bv = 64 if num_seqs * num_v_heads * (v // 32) > sms and v >= 64 else min(32, v)
+        if v == 128 and num_seqs * num_v_heads >= TRANSPOSED_MIN_SM_FRACTION * sms and balanced(num_seqs, tokens,
+                                                                                                  max_seqlen):
+            chain, bv = "gluon_t", 128  # whole heads' states transposed in two consumers' registers
     else:
         bv = 64 if num_seqs * num_v_heads >= 128 and v >= 64 else min(32, v)
     return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2", layout="chunk" if chunk else "token",
-                       chain="gluon" if chunk and gluon else "triton", u_in_chain=chunk and gluon,
+                       chain=chain, u_in_chain=chunk and gluon,
                        k_in_chain=chunk and gluon, o_tma=chunk and gluon, gluon_prep=chunk and gluon,
                        **(dict(PREP8_DEFAULT) if fast else {}))
 
@@ -1293,7 +1319,7 @@ def _chunk_state_t_kernel(
 
 
 def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, cu_seqlens, ssm_state,
-                   state_indices, has_initial_state, use_qk_l2norm_in_kernel, config, op):
+                   state_indices, has_initial_state, use_qk_l2norm_in_kernel, config, op, max_seqlen=None):
     check(q.dim() == 3 and k.shape == q.shape and v.dim() == 3 and v.shape[0] == q.shape[0], op,
           f"q, k must be [T, HK, K] and v [T, HV, V], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     T, HK, K = q.shape
@@ -1316,10 +1342,11 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     check_same_device(op, q, k, v, g, beta, cu_seqlens, ssm_state, state_indices, has_initial_state)
     if gates_in_kernel:
         check(A_log.shape == (HV,) and dt_bias.shape == (HV,), op, f"A_log and dt_bias must be [{HV}]")
+    check_max_seqlen(op, max_seqlen)
     if config is None:
         # (head counts the Gluon chain's boxes do not fit take the Triton chain: the same products, bit for bit)
         gluon = gluon_chain.supported(q.device) and gluon_chain.heads_supported(HV)
-        cfg = default_chunk_config(N, HV, V, q.dtype, k=K, tokens=T, gluon=gluon,
+        cfg = default_chunk_config(N, HV, V, q.dtype, k=K, tokens=T, gluon=gluon, max_seqlen=max_seqlen,
                                    **({"sms": torch.cuda.get_device_properties(q.device).multi_processor_count}
                                       if gluon else {}))
     else:
@@ -1371,10 +1398,18 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
           f"got solve={cfg.solve!r}, state_t={cfg.state_t}, split_output={cfg.split_output}, prec={cfg.prec!r}, "
           f"dtype {q.dtype}")
     check(cfg.chain in CHAINS, op, f"config chain={cfg.chain!r} is not one of {CHAINS}")
-    check(not cfg.o_tma or cfg.chain == "gluon", op,
+    check(not cfg.o_tma or cfg.chain in ("gluon", "gluon_t"), op,
           f"config o_tma is a choice of the Gluon chain (chain='gluon'), got chain={cfg.chain!r}")
-    check(cfg.chain == "triton" or (cfg.layout == "chunk" and gluon_chain.supported(q.device)
-                                     and (K, V) == gluon_chain.DIMS and cfg.bv in gluon_chain.BVS
+    check(cfg.chain != "gluon_t" or (cfg.layout == "chunk" and gluon_chain.supported(q.device)
+                                     and (K, V) == gluon_chain.DIMS and cfg.bv in gluon_chain_t.BVS
+                                     and cfg.u_in_chain and cfg.o_tma and gluon_chain.heads_supported(HV)), op,
+          f"config chain='gluon_t' needs layout='chunk', a CUDA device of compute capability 9.0, head dims "
+          f"{gluon_chain.DIMS}, bv in {gluon_chain_t.BVS}, u_in_chain, o_tma (its only output path) and a "
+          f"value-head count that is a multiple of 4 and either >= 32 or a divisor of 32, got layout={cfg.layout!r}, "
+          f"device {q.device}, ({K}, {V}), bv={cfg.bv}, u_in_chain={cfg.u_in_chain}, o_tma={cfg.o_tma}, "
+          f"{HV} value heads")
+    check(cfg.chain != "gluon" or (cfg.layout == "chunk" and gluon_chain.supported(q.device)
+                                   and (K, V) == gluon_chain.DIMS and cfg.bv in gluon_chain.BVS
                                      and gluon_chain.heads_supported(HV)), op,
           f"config chain='gluon' needs layout='chunk', a CUDA device of compute capability 9.0, head dims "
           f"{gluon_chain.DIMS}, bv in {gluon_chain.BVS} and a value-head count that is a multiple of 4 and either "
@@ -1518,6 +1553,10 @@ def _launch_state(q, k, v, o, bufs, cu_seqlens, ssm_state, state_indices, has_in
         _launch_state_split(q, k, v, bufs, split, cu_seqlens, ssm_state, state_indices, has_init, cfg)
         _launch_out(q, v, o, bufs, split, cu_seqlens, state_indices, cfg)
         return
+    if cfg.chain == "gluon_t":
+        gluon_chain_t.launch_chain_t(q, o, bufs, cu_seqlens, ssm_state, state_indices, has_init,
+                                     consumers=cfg.bv // gluon_chain_t.COLS)
+        return
     if cfg.layout == "chunk" and cfg.chain == "gluon":
         gluon_chain.launch_chain(q, o, bufs, cu_seqlens, ssm_state, state_indices, has_init, cfg.bv, ws=True,
                                  o_tma=cfg.o_tma)
@@ -1601,6 +1640,7 @@ def chunk_gated_delta_rule(
     *, scale: float, cu_seqlens: torch.Tensor, ssm_state: torch.Tensor,
     state_indices: torch.Tensor, has_initial_state: torch.Tensor,
     use_qk_l2norm_in_kernel: bool = True, chunk_size: int = CHUNK, config: ChunkConfig | None = None,
+    max_seqlen: int | None = None,
 ) -> torch.Tensor:
     """reference.chunk_gated_delta_rule on the GPU. Domain of the default bf16 configuration's fp16 inverse
     (ChunkConfig.ut_prec): g <= 0 and 0 <= beta <= 2 with the in-kernel q/k norms, where every entry of the
@@ -1610,16 +1650,16 @@ def chunk_gated_delta_rule(
     return _chunk_forward(q, k, v, g, beta, gates_in_kernel=False, A_log=None, dt_bias=None, scale=scale,
                           cu_seqlens=cu_seqlens, ssm_state=ssm_state, state_indices=state_indices,
                           has_initial_state=has_initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                          config=config, op="chunk_gated_delta_rule")
+                          config=config, op="chunk_gated_delta_rule", max_seqlen=max_seqlen)
 
 
 def gdn_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     *, A_log: torch.Tensor, dt_bias: torch.Tensor, scale: float, cu_seqlens: torch.Tensor,
     ssm_state: torch.Tensor, state_indices: torch.Tensor, has_initial_state: torch.Tensor,
-    config: ChunkConfig | None = None,
+    config: ChunkConfig | None = None, max_seqlen: int | None = None,
 ) -> torch.Tensor:
     return _chunk_forward(q, k, v, a, b, gates_in_kernel=True, A_log=A_log, dt_bias=dt_bias, scale=scale,
                           cu_seqlens=cu_seqlens, ssm_state=ssm_state, state_indices=state_indices,
                           has_initial_state=has_initial_state, use_qk_l2norm_in_kernel=True, config=config,
-                          op="gdn_prefill")
+                          op="gdn_prefill", max_seqlen=max_seqlen)

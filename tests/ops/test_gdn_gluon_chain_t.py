@@ -1,0 +1,189 @@
+"""The transposed Gluon chain (deltaserve/ops/gdn/gluon_chain_t.py): the state held as S^T in the consumers'
+registers. On a CPU machine it is compiled for sm_90 and its resources checked; the `gpu` tests run it against the
+untransposed Gluon chain on the same prep buffers (the same products in another accumulation order: states within
+fp32 rounding, outputs within bf16 rounding) and the fp32 reference, eager and inside a CUDA graph, and check where
+the default configuration takes it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import triton
+
+from deltaserve.ops.gdn import gluon_chain as gc
+from deltaserve.ops.gdn import gluon_chain_t as gt
+from deltaserve.ops.gdn import reference as ref
+from deltaserve.ops.gdn import triton_chunk as tc
+
+from .helpers import assert_close, compile_for_sm90, rel_err
+
+H200_SMEM = 232448
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(_BIN, "cuobjdump")), reason="Triton ships no CUDA binutils here")
+@pytest.mark.parametrize("consumers", [1, 2])
+def test_chain_t_compiles_for_sm90(consumers):
+    """44 wgmma per consumer and chunk (8 of them 64 x 128: the state update), tiles by TMA, outputs by TMA stores,
+    setmaxnreg for the consumers, within the H200's shared memory; at most a couple of scalar spills (the loop's
+    products and the state stay in registers)."""
+    res = compile_for_sm90("_gluon_chain_t_compile.py", consumers)
+    assert res["hgmma"] == 44 * consumers and res["hgmma_n128"] == 8 * consumers, res
+    assert res["tma"] > 0 and res["tma_stores"] == consumers and res["setmaxnreg"] > 0, res
+    assert res["spills"] <= 2 * consumers, f"register spills: {res['spills']} local stores"
+    assert res["smem"] <= H200_SMEM, f"{res['smem']} bytes of shared memory"
+
+
+def test_default_config_takes_the_transposed_chain_for_full_balanced_batches():
+    """From two thirds of the SMs filled with (sequence, value head) programs (session 13: 3 x 8192 1.26x, 4 x 8192
+    1.21x, 2 x 16384 0.61x the untransposed chain alone), at head dim 128 with the Gluon chain only, and only where the
+    caller's max_seqlen shows the longest sequence at most twice the mean (one long sequence among short ones would be
+    the whole time, at one program per head)."""
+    def cfg(n, hv=32, length=1000, **kw):
+        return tc.default_chunk_config(n, hv, 128, torch.bfloat16, k=128, gluon=True, tokens=n * length,
+                                       max_seqlen=length, **kw)
+
+    assert [(cfg(n).chain, cfg(n).bv) for n in (1, 2, 3, 4, 32)] == [
+        ("gluon", 32), ("gluon", 64), ("gluon_t", 128), ("gluon_t", 128), ("gluon_t", 128)]
+    assert cfg(4).u_in_chain and cfg(4).o_tma and cfg(4).k_in_chain and cfg(4).gluon_prep
+    assert cfg(6, hv=16).chain == "gluon_t" and cfg(5, hv=16).chain == "gluon"
+    assert cfg(3, sms=264).chain == "gluon"  # a bigger device: 96 programs fill a third of it
+    assert tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128).chain == "triton"  # no Gluon here
+    # unknown or unbalanced lengths: the untransposed chain
+    assert tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, tokens=4000, gluon=True).chain == "gluon"
+    skewed = tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, tokens=8492, gluon=True, max_seqlen=8192)
+    assert (skewed.chain, skewed.bv) == ("gluon", 64)
+    assert tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, tokens=8000, gluon=True,
+                                   max_seqlen=4000).chain == "gluon_t"  # exactly twice the mean
+    assert tc.default_chunk_config(4, 32, 64, torch.bfloat16, k=64, gluon=True).chain != "gluon_t"
+    # a PREP7 prep (no u_in_chain) on such a base keeps the untransposed chain
+    p7 = tc.prep7_config("wide-fp16-lean", cfg(4))
+    assert (p7.chain, p7.bv, p7.u_in_chain) == ("gluon", 64, False)
+
+
+def test_transposed_chain_refusal_names_what_is_missing(device):
+    """A configuration naming the transposed chain without what it needs is refused, the message naming every
+    requirement and what the configuration has (on a CPU machine the device is one of them)."""
+    from .test_gdn_chunk import _batch, _run
+
+    d = _batch([5, 70], 2, torch.bfloat16, device, seed=3)
+    cfg = dataclasses.replace(tc.default_chunk_config(2, 2, 32, torch.bfloat16, k=16), chain="gluon_t")
+    with pytest.raises(ValueError, match="chain='gluon_t' needs") as err:
+        _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=cfg)
+    assert "u_in_chain=False" in str(err.value) and "bv=32" in str(err.value)
+
+
+@pytest.mark.parametrize("bad,match", [(70, "less than the longest"), (-1, "non-negative int"),
+                                       (2.5, "non-negative int")])
+def test_max_seqlen_hint_is_checked(bad, match, device):
+    """max_seqlen is a hint for the GPU op's kernel choice: both ops refuse a malformed one; the reference (which
+    reads cu_seqlens on the host anyway) also one shorter than the longest sequence. A right one changes nothing."""
+    from .test_gdn_chunk import _batch, _run
+
+    d = _batch([5, 71], 2, torch.float32, device, seed=3)
+    if not isinstance(bad, int) or bad < 0:
+        with pytest.raises(ValueError, match=match):
+            _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), max_seqlen=bad)
+    with pytest.raises(ValueError, match=match):
+        _run(ref.chunk_gated_delta_rule, d, d["pool"].clone(), max_seqlen=bad)
+    p1, p2 = d["pool"].clone(), d["pool"].clone()
+    assert torch.equal(_run(ref.chunk_gated_delta_rule, d, p1, max_seqlen=71),
+                       _run(ref.chunk_gated_delta_rule, d, p2)) and torch.equal(p1, p2)
+
+
+# ---- GPU --------------------------------------------------------------------------------------------------
+
+def _prep_u(q, k, v, g, beta, kw, N):
+    """The prep's chunk-layout buffers with U's factor limbs and v's rows (u_in_chain) and k's rows (k_in_chain)."""
+    from .test_gpu import D
+
+    cfg = dataclasses.replace(tc.default_chunk_config(N, v.shape[1], D, torch.bfloat16, k=D, gluon=True),
+                              layout="chunk", u_in_chain=True, k_in_chain=True)
+    return tc._launch_prep(q, k, v, g, beta, False, None, None, D ** -0.5, kw["cu_seqlens"], N, True, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("consumers", [1, 2])
+def test_chain_t_matches_the_gluon_chain_gpu(consumers):
+    """The mixed real-shape batch (lengths 1..1000 with partial chunks, an empty sequence, a padded row, slots out of
+    order, some without initial state): the transposed chain against the untransposed one on the same buffers and
+    against the fp32 reference; the padded row's outputs zeros, unused slots untouched."""
+    from .test_gdn_gluon_chain import _mixed
+    from .test_gpu import TOL_BF16, D, _report
+
+    if not gc.supported(torch.device("cuda")):
+        pytest.skip("the Gluon chains need compute capability 9.0")
+    lengths, q, k, v, g, beta, pool, kw = _mixed()
+    bufs = _prep_u(q, k, v, g, beta, kw, len(lengths))
+    has_init = kw["has_initial_state"].view(torch.uint8)
+    o_u, o_t = (torch.full(v.shape, 7.0, dtype=v.dtype, device="cuda") for _ in range(2))
+    p_u, p_t, p_r = pool.clone(), pool.clone(), pool.clone()
+    gc.launch_chain(q, o_u, bufs, kw["cu_seqlens"], p_u, kw["state_indices"], has_init, 64, ws=True, o_tma=True)
+    gt.launch_chain_t(q, o_t, bufs, kw["cu_seqlens"], p_t, kw["state_indices"], has_init, consumers=consumers)
+    o_r = ref.chunk_gated_delta_rule(q, k, v, g, beta, scale=D ** -0.5, ssm_state=p_r, **kw)
+    torch.cuda.synchronize()
+    _report(test="gluon_chain_t", consumers=consumers, out_rel=rel_err(o_t, o_u), state_rel=rel_err(p_t, p_u),
+            out_vs_ref=rel_err(o_t, o_r), state_vs_ref=rel_err(p_t, p_r))
+    assert_close(p_t, p_u, 1e-5, "state vs the untransposed chain (the same products)")
+    assert_close(o_t, o_u, 1e-2, "output vs the untransposed chain")
+    assert_close(o_t, o_r, TOL_BF16, "output vs reference")
+    assert_close(p_t, p_r, TOL_BF16, "state vs reference")
+    cu = kw["cu_seqlens"].tolist()
+    assert (o_t[cu[2]:cu[3]] == 0).all(), "the padded sequence's outputs are zeros"
+    assert torch.equal(p_t[[5, 7, 8]], pool[[5, 7, 8]]), "the slots of the empty sequence and unused ones untouched"
+
+
+@pytest.mark.gpu
+def test_chain_t_graph_equals_eager_gpu():
+    from .test_gdn_gluon_chain import _mixed
+
+    if not gc.supported(torch.device("cuda")):
+        pytest.skip("the Gluon chains need compute capability 9.0")
+    lengths, q, k, v, g, beta, pool, kw = _mixed()
+    bufs = _prep_u(q, k, v, g, beta, kw, len(lengths))
+    has_init = kw["has_initial_state"].view(torch.uint8)
+    cu, idx = kw["cu_seqlens"], kw["state_indices"]
+    o_e, o_g = torch.zeros_like(v), torch.zeros_like(v)
+    p_e, p_g, p_w = pool.clone(), pool.clone(), pool.clone()
+    gt.launch_chain_t(q, o_e, bufs, cu, p_e, idx, has_init)
+    gt.launch_chain_t(q, o_g, bufs, cu, p_w, idx, has_init)  # warm
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gt.launch_chain_t(q, o_g, bufs, cu, p_g, idx, has_init)
+    p_g.copy_(pool)
+    o_g.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o_g, o_e) and torch.equal(p_g, p_e)
+
+
+@pytest.mark.gpu
+def test_default_op_takes_the_transposed_chain_gpu():
+    """The op on a full batch (4 x 1000 tokens at 32 value heads) runs the transposed chain by default and matches the
+    reference and the op forced onto the untransposed chain."""
+    from .test_gpu import HK, HV, TOL_BF16, D, _inputs, _report
+
+    if not gc.supported(torch.device("cuda")):
+        pytest.skip("the Gluon chains need compute capability 9.0")
+    lengths = [1000, 1000, 1000, 999]
+    q, k, v, g, beta = _inputs(lengths, HK, HV, seed=61)
+    pool = torch.randn(4, HV, D, D).mul(0.1).cuda()
+    kw = dict(scale=D ** -0.5, cu_seqlens=torch.tensor([0, 1000, 2000, 3000, 3999], dtype=torch.int32, device="cuda"),
+              state_indices=torch.tensor([2, 0, 3, 1], dtype=torch.int32, device="cuda"),
+              has_initial_state=torch.tensor([1, 1, 0, 1], dtype=torch.bool, device="cuda"))
+    cfg = tc.default_chunk_config(4, HV, D, torch.bfloat16, k=D, tokens=3999, gluon=True, max_seqlen=1000,
+                                  sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    assert cfg.chain == "gluon_t"
+    p_d, p_u, p_r = pool.clone(), pool.clone(), pool.clone()
+    o_d = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_d, max_seqlen=1000, **kw)
+    o_u = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_u, config=dataclasses.replace(cfg, chain="gluon",
+                                                                                                 bv=64), **kw)
+    o_r = ref.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_r, **kw)
+    _report(test="default_op_chain_t", out_rel=rel_err(o_d, o_u), state_rel=rel_err(p_d, p_u),
+            out_vs_ref=rel_err(o_d, o_r), state_vs_ref=rel_err(p_d, p_r))
+    assert_close(p_d, p_u, 1e-5, "state vs the untransposed chain")
+    assert_close(o_d, o_r, TOL_BF16, "output vs reference")
+    assert_close(p_d, p_r, TOL_BF16, "state vs reference")
