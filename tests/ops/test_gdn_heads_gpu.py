@@ -56,6 +56,30 @@ def test_chunk_heads(hk, hv, lengths):
         assert (o_tri[pad] == 0).all(), "the padded row's outputs are zeros"
 
 
+@pytest.mark.parametrize("hk,hv", HEADS)
+def test_chunk_heads_balanced_batch(hk, hv):
+    """A balanced batch (6 sequences of 250-320 tokens, their longest passed as max_seqlen, as the engine does):
+    on the H200 the transposed chain where the head count allows, else the untransposed or Triton one."""
+    from deltaserve.ops.gdn import gluon_chain as gc
+    from deltaserve.ops.gdn import triton_chunk as tc
+
+    lengths = [300, 257, 320, 250, 299, 318]
+    q, k, v, g, beta, pool, kw = _prefill_case(lengths, hk, hv, seed=hv * 3 + hk)
+    cfg = tc.default_chunk_config(len(lengths), hv, D, torch.bfloat16, k=D, tokens=sum(lengths), max_seqlen=320,
+                                  gluon=gc.supported(torch.device("cuda")) and gc.heads_supported(hv),
+                                  sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    p_ref, p_tri = pool.clone(), pool.clone()
+    o_ref = ref.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_ref, **kw)
+    o_tri = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_tri, max_seqlen=320, **kw)
+    torch.cuda.synchronize()
+    _report(test="chunk_heads_balanced", hk=hk, hv=hv, chain=cfg.chain, out_rel=rel_err(o_tri, o_ref),
+            state_rel=rel_err(p_tri, p_ref))
+    assert_close(o_tri, o_ref, TOL_BF16, "output")
+    assert_close(p_tri, p_ref, TOL_BF16, "state")
+    pad = slice(sum(lengths[:2]), sum(lengths[:3]))
+    assert (o_tri[pad] == 0).all(), "the padded row's outputs are zeros"
+
+
 @pytest.mark.parametrize("hk,hv", [(16, 16), (16, 48)])
 def test_gdn_prefill_heads(hk, hv):
     """gdn_prefill (the gates from their pre-activations in the prep) at the published head counts."""

@@ -273,8 +273,9 @@ def _chain_columns(HALF: gl.constexpr, NU: gl.constexpr, STAGES: gl.constexpr, b
 
 @gluon.jit
 def _ws_load(descs, bufs, ready, empty, cu, coff, HK, HV, R: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
-             BT: gl.constexpr, STAGES: gl.constexpr, TU: gl.constexpr, KR: gl.constexpr):
-    """The producer warp: chunk after chunk, once both halves released a stage, its copies."""
+             BT: gl.constexpr, STAGES: gl.constexpr, TU: gl.constexpr, KR: gl.constexpr, NU: gl.constexpr = 2):
+    """The producer: chunk after chunk, once every consumer released a stage, its copies (NU column blocks of v's
+    rows, one per consumer; `gluon_chain_t` uses it too)."""
     j = gl.program_id(0)
     nh = gl.program_id(1)
     n = nh // HV
@@ -287,7 +288,7 @@ def _ws_load(descs, bufs, ready, empty, cu, coff, HK, HV, R: gl.constexpr, K: gl
     for c in range(nch):
         s = c % STAGES
         mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
-        _load_stage(descs, bufs, ready.index(s), s, c, c0, bos, L, hv, hv // R, j * (2 * BVC), HK, HV, K, V, BT, 2,
+        _load_stage(descs, bufs, ready.index(s), s, c, c0, bos, L, hv, hv // R, j * (NU * BVC), HK, HV, K, V, BT, NU,
                     TU, KR, True)
 
 

@@ -126,24 +126,6 @@ def _consumer(HALF: gl.constexpr, NC: gl.constexpr, STAGES: gl.constexpr, bufs, 
 
 
 @gluon.jit
-def _producer(descs, bufs, ready, empty, cu, coff, HK, HV, R: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
-              BT: gl.constexpr, STAGES: gl.constexpr, NC: gl.constexpr, KR: gl.constexpr):
-    j = gl.program_id(0)
-    nh = gl.program_id(1)
-    n = nh // HV
-    hv = nh % HV
-    bos = gl.load(cu + n)
-    L = gl.load(cu + n + 1) - bos
-    nch = gl.cdiv(L, BT)
-    c0 = gl.load(coff + n)
-    for c in range(nch):
-        s = c % STAGES
-        mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
-        gc._load_stage(descs, bufs, ready.index(s), s, c, c0, bos, L, hv, hv // R, j * (NC * 64), HK, HV, K, V, BT,
-                       NC, True, KR, True)
-
-
-@gluon.jit
 def _chain_t_kernel(w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc, kr_desc, o_desc, o, ssm, cu, coff,
                     idx, has_init, HK, HV, R: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr,
                     STAGES: gl.constexpr, NC: gl.constexpr, KR: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -167,13 +149,13 @@ def _chain_t_kernel(w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_de
     # state and every product's accumulator)
     if NC == 2:
         gl.warp_specialize([
-            (_producer, (descs, bufs, ready, empty, cu, coff, HK, HV, R, K, V, BT, STAGES, NC, KR)),
+            (gc._ws_load, (descs, bufs, ready, empty, cu, coff, HK, HV, R, K, V, BT, STAGES, True, KR, NC)),
             (_consumer, (0, NC, STAGES, bufs, o_s, ready, empty, o, o_desc, ssm, cu, idx, has_init, HV, K, V, BT)),
             (_consumer, (1, NC, STAGES, bufs, o_s, ready, empty, o, o_desc, ssm, cu, idx, has_init, HV, K, V, BT)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
-            (_producer, (descs, bufs, ready, empty, cu, coff, HK, HV, R, K, V, BT, STAGES, NC, KR)),
+            (gc._ws_load, (descs, bufs, ready, empty, cu, coff, HK, HV, R, K, V, BT, STAGES, True, KR, NC)),
             (_consumer, (0, NC, STAGES, bufs, o_s, ready, empty, o, o_desc, ssm, cu, idx, has_init, HV, K, V, BT)),
         ], [4], [CONSUMER_REGS])
     for i in gl.static_range(STAGES):

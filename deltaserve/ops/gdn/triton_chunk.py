@@ -430,7 +430,10 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     17.3 -> 14.0, 4 x 8192 16.8 -> 13.3 ns/token, every buffer bit for bit). Behind the Gluon prep k_in_chain pays at
     one sequence too (session 12, 1 x 32768, same run, 3 repeats: 41.5 / 42.2 / 42.4 ns/token against 43.4 / 43.6 /
     43.6 without it and 42.2 / 42.6 / 42.6 with the Triton prep; run S12-4; the 8k test's errors identical, S12-1), so
-    it is on for every Gluon chain."""
+    it is on for every Gluon chain. Where (sequences x value heads) fill TRANSPOSED_MIN_SM_FRACTION of the SMs and
+    `max_seqlen` shows a balanced batch (`balanced`), the transposed chain (chain "gluon_t", 128 columns per program;
+    session 13, run S13-5, same run as FLA: whole op 4 x 8192 33.0 -> 29.5, 32 x 1024 34.9 -> 30.7 ns/token; chain
+    alone 3 x 8192 1.26x; slower with 64 programs or one long sequence among short ones: 0.61-0.63x)."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
     fast = dtype == torch.bfloat16 and (k or v, v) in CHUNK_LAYOUT_DIMS
     padded_rows = None if tokens is None else (triton.cdiv(tokens, CHUNK) + num_seqs) * CHUNK
