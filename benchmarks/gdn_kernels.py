@@ -70,8 +70,9 @@ STATE_BYTES = HV * DK * DV * 4
 SCALE = DK ** -0.5
 # 32x1000: lengths off the 64-token chunk, so every sequence ends in a partial chunk (the prep's pointer-load body
 # in the TMA prep, PREP8 "tma-r168")
+# 8192+3x128: one long chunk beside short prompts (a skewed batch: the transposed chain is not taken, session 13)
 PREFILL = {"1x32768": [32768], "2x16384": [16384] * 2, "4x8192": [8192] * 4, "8x1024": [1024] * 8,
-           "32x1024": [1024] * 32, "32x1000": [1000] * 32}
+           "32x1024": [1024] * 32, "32x1000": [1000] * 32, "8192+3x128": [8192, 128, 128, 128]}
 DECODE_B = [1, 16, 64, 256, 512]
 VERIFY = [(2, 1), (2, 64), (4, 1), (4, 64)]
 DEV = "cuda"
