@@ -12,7 +12,13 @@ and a chunk tile from the ring as the shared-memory B operand:
 The state never goes through shared memory (no store + proxy fence between the products of a step, as the
 untransposed chain needs for its B operands) and the products are 64 x 64 / 64 x 128 tiles instead of
 64 x 16 / 128 x 16. A wgmma's M is 64, so a consumer has 64 columns: a program is one (64 * NC columns,
-sequence, value head), NC consumers fed by one TMA warp through the same ring as `gluon_chain`.
+sequence, value head), NC consumers fed through `gluon_chain`'s ring by its producer (`_ws_load`, here the default
+partition, whose warps give their registers to the consumers).
+
+Its step is longer than the untransposed chain's (~3.6 us for two consumers against 1.6-2.2), but a program covers
+128 columns instead of 32-64: it pays where the programs fill the SMs and have about the same number of chunks
+(session 13, chain alone: 4 x 8192 1.21x, 32 x 1024 1.20x; 2 x 16384 0.61x; docs/PERFORMANCE.md), which is
+where `triton_chunk.default_chunk_config` takes it.
 """
 
 from __future__ import annotations
