@@ -94,6 +94,36 @@ def test_max_seqlen_hint_is_checked(bad, match, device):
                        _run(ref.chunk_gated_delta_rule, d, p2)) and torch.equal(p1, p2)
 
 
+def test_gdn_layer_passes_the_longest_prefill_to_the_op(tiny_model):
+    """The GDN layer hands ForwardBatch.max_prefill_len (the runner's longest prefill chunk) to the chunked prefill as
+    max_seqlen: without it the op cannot take the transposed chain. A mixed batch (prefills of 5 and 3 tokens, one
+    decode): the prefill op sees 5."""
+    from deltaserve.models.loader import load_model
+    from deltaserve.ops import select_kernels
+    from tests.conftest import TinySpec
+
+    from .test_rms_norm_linear import _batch
+
+    k = select_kernels("cpu")
+    seen = []
+
+    def chunk(*args, **kw):
+        seen.append(kw.get("max_seqlen"))
+        return ref.chunk_gated_delta_rule(*args, **kw)
+
+    path = tiny_model(TinySpec(family="qwen3_5", layout="text", ratio=2, seed=3))
+    kernels = dataclasses.replace(k, chunk_gated_delta_rule=chunk)
+    model = load_model(path, device="cpu", dtype=torch.float32, kernels=kernels, show_progress=False)
+    gdn = model.layers[0].linear_attn
+    batch = dataclasses.replace(_batch([([1, 2, 3, 4, 5], 0, 0), ([6, 7, 8], 0, 1), ([9], 4, 2)], "cpu"),
+                                max_prefill_len=5)
+    x = torch.randn(9, gdn.in_proj.in_features, generator=torch.Generator().manual_seed(0))
+    ssm = torch.zeros(3, gdn.nv, gdn.dk, gdn.dv)
+    conv = torch.zeros(3, gdn.conv_weight.shape[1] - 1, gdn.conv_dim)
+    gdn(x, batch, ssm, conv)
+    assert seen == [5]
+
+
 # ---- GPU --------------------------------------------------------------------------------------------------
 
 def _prep_u(q, k, v, g, beta, kw, N):
