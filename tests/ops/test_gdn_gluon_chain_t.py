@@ -37,31 +37,56 @@ def test_chain_t_compiles_for_sm90(consumers):
     assert res["smem"] <= H200_SMEM, f"{res['smem']} bytes of shared memory"
 
 
-def test_default_config_takes_the_transposed_chain_for_full_balanced_batches():
-    """From two thirds of the SMs filled with (sequence, value head) programs (session 13: 3 x 8192 1.26x, 4 x 8192
-    1.21x, 2 x 16384 0.61x the untransposed chain alone), at head dim 128 with the Gluon chain only, and only where the
-    caller's max_seqlen shows the longest sequence at most twice the mean (one long sequence among short ones would be
-    the whole time, at one program per head)."""
-    def cfg(n, hv=32, length=1000, **kw):
-        return tc.default_chunk_config(n, hv, 128, torch.bfloat16, k=128, gluon=True, tokens=n * length,
-                                       max_seqlen=length, **kw)
+def test_default_config_picks_the_chain_by_its_estimate():
+    """With the caller's longest length (max_seqlen) the Gluon chain and its width come from chain_step_estimate:
+    the transposed chain where sequences of about the longest length fill the SMs (session 13: 3 x 8192 1.26x, 4 x 8192
+    1.21x the untransposed chain alone), 64 columns where they fill them only at that width (2 x 16384: the transposed
+    chain 0.61x), 32 where one long sequence is the critical path (session 14, S14-B: 8192 + 3 x 128 42.6 ns/token
+    against 49.4 at 64 columns and 67.9 transposed; 2 x 8192 + 2 x 1024 33.4 at 64 columns against 38.7 transposed).
+    Head dim 128 and the Gluon chain only; without max_seqlen the untransposed chain by the wave rule."""
+    def pick(lengths, hv=32, **kw):
+        cfg = tc.default_chunk_config(len(lengths), hv, 128, torch.bfloat16, k=128, gluon=True, tokens=sum(lengths),
+                                      max_seqlen=max(lengths), **kw)
+        return cfg.chain, cfg.bv
 
-    assert [(cfg(n).chain, cfg(n).bv) for n in (1, 2, 3, 4, 32)] == [
+    assert [pick([1000] * n) for n in (1, 2, 3, 4, 32)] == [
         ("gluon", 32), ("gluon", 64), ("gluon_t", 128), ("gluon_t", 128), ("gluon_t", 128)]
-    assert cfg(4).u_in_chain and cfg(4).o_tma and cfg(4).k_in_chain and cfg(4).gluon_prep
-    assert cfg(6, hv=16).chain == "gluon_t" and cfg(5, hv=16).chain == "gluon"
-    assert cfg(3, sms=264).chain == "gluon"  # a bigger device: 96 programs fill a third of it
+    assert pick([32768]) == ("gluon", 32) and pick([16384] * 2) == ("gluon", 64)
+    assert pick([8192] * 4) == ("gluon_t", 128) and pick([1024] * 8) == ("gluon_t", 128)
+    assert pick([8192, 128, 128, 128]) == ("gluon", 32) and pick([128, 128, 128, 8192]) == ("gluon", 32)
+    assert pick([8192, 8192, 1024, 1024]) == ("gluon", 64)
+    cfg = tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, gluon=True, tokens=4000, max_seqlen=1000)
+    assert cfg.u_in_chain and cfg.o_tma and cfg.k_in_chain and cfg.gluon_prep
+    # 16 value heads: a (sequence, value head) program fills fewer SMs; 64: a 32-column slice of one sequence fills two
+    # waves
+    assert pick([1000] * 4, hv=16) == ("gluon", 64) and pick([1000] * 5, hv=16) == ("gluon_t", 128)
+    assert pick([32768], hv=64) == ("gluon", 64)
+    assert pick([1000] * 3, sms=264) == ("gluon", 64)  # a bigger device: 192 64-column programs in one wave
     assert tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128).chain == "triton"  # no Gluon here
-    # unknown or unbalanced lengths: the untransposed chain
-    assert tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, tokens=4000, gluon=True).chain == "gluon"
-    skewed = tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, tokens=8492, gluon=True, max_seqlen=8192)
-    assert (skewed.chain, skewed.bv) == ("gluon", 64)
-    assert tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, tokens=8000, gluon=True,
-                                   max_seqlen=4000).chain == "gluon_t"  # exactly twice the mean
-    assert tc.default_chunk_config(4, 32, 64, torch.bfloat16, k=64, gluon=True).chain != "gluon_t"
+    # unknown lengths: the untransposed chain, 64 columns past one wave of 32-column programs
+    unknown = tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, tokens=4000, gluon=True)
+    assert (unknown.chain, unknown.bv) == ("gluon", 64)
+    assert tc.default_chunk_config(4, 32, 64, torch.bfloat16, k=64, gluon=True, tokens=4000,
+                                   max_seqlen=1000).chain != "gluon_t"
     # a PREP7 prep (no u_in_chain) on such a base keeps the untransposed chain
-    p7 = tc.prep7_config("wide-fp16-lean", cfg(4))
+    p7 = tc.prep7_config("wide-fp16-lean", tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, gluon=True,
+                                                                    tokens=4000, max_seqlen=1000))
     assert (p7.chain, p7.bv, p7.u_in_chain) == ("gluon", 64, False)
+
+
+def test_chain_step_estimate_counts_waves_and_the_critical_path():
+    """The estimate's two bounds: the longest sequences' programs in waves of one CTA per SM, and all programs' chunk
+    steps spread over the SMs."""
+    est = tc.chain_step_estimate
+    step32, step64 = tc.CHAIN_STEP_US[("gluon", 32)], tc.CHAIN_STEP_US[("gluon", 64)]
+    # one 8192-token sequence at 32 value heads: 128 programs of 128 chunks, one wave
+    assert est("gluon", 32, 32, 128, 8192, 8192, 132) == pytest.approx(128 * step32)
+    # two of them: 256 programs, two waves of 128 chunk steps
+    assert est("gluon", 32, 32, 128, 16384, 8192, 132) == pytest.approx(256 * step32)
+    # two of them at 64 columns: 128 programs, one wave
+    assert est("gluon", 64, 32, 128, 16384, 8192, 132) == pytest.approx(128 * step64)
+    # two of them and 4096 tokens of short sequences: the spread bound, (2 x 128 + 64) chunks x 64 programs over 132 SMs
+    assert est("gluon", 64, 32, 128, 2 * 8192 + 4096, 8192, 132) == pytest.approx(step64 * (2 * 128 + 64) * 64 / 132)
 
 
 def test_transposed_chain_refusal_names_what_is_missing(device):

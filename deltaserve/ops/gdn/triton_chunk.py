@@ -374,19 +374,34 @@ PREP_ON_DEFAULT_STATE = types.MappingProxyType({
 })
 
 
-def balanced(num_seqs: int, tokens: int | None, max_seqlen: int | None) -> bool:
-    """Whether a batch's longest sequence is known to be at most BALANCE x the mean length. The transposed chain
-    gives a (sequence, value head) one program where the untransposed one gives it two to four: fine where every
-    program has about the same chunks to run, slower where one long sequence is the whole time (its ~2x longer
-    step). Without the lengths (max_seqlen None, as a caller without host lengths passes) it is not assumed."""
-    return tokens is not None and max_seqlen is not None and max_seqlen * num_seqs <= BALANCE * tokens
+# Microseconds per chunk step of a Gluon chain program on the H200, as (chain, bv) -> us: the whole op less its prep
+# over the chunks of the longest program (session 14, run S14-B: 32 columns 1.82-1.89 us at 1 x 32768, 4 x 8192 and
+# 8192 + 3 x 128; 64 columns 2.37-2.62 at 4 x 8192, 6 x 4096, 2 x 8192 + 2 x 1024 and 8192 + 3 x 128; the transposed
+# chain 3.6-4.7 with the load, 3.65 at 6 x 4096 and 4.4 at 4 x 8192). A program is one CTA per SM, so the chain's time
+# is its programs' chunk steps packed into waves of `sms` (chain_step_estimate). Run S14-C timed the three chains on 27
+# batches (16 / 32 / 48 / 64 value heads, one to 32 sequences, balanced and skewed): the estimate's pick was the
+# fastest in 25 and within 1.6 % of it in the other two.
+CHAIN_STEP_US = types.MappingProxyType({("gluon", 32): 1.85, ("gluon", 64): 2.55, ("gluon_t", 128): 3.8})
 
 
-BALANCE = 2
-# The transposed chain (chain "gluon_t", one CTA per (sequence, value head)) from this fraction of the SMs filled:
-# session 13 (run S13-4, chain alone, same run): 3 x 8192 (96 CTAs on 132 SMs) 1.26x, 4 x 8192 1.21x, 8 x 4096 1.18x,
-# 32 x 1024 1.20x; 2 x 16384 (64 CTAs) 0.61x (S13-3).
-TRANSPOSED_MIN_SM_FRACTION = 2 / 3
+def chain_step_estimate(chain: str, bv: int, num_v_heads: int, v: int, tokens: int, max_seqlen: int,
+                        sms: int) -> float:
+    """Estimated microseconds of a Gluon chain over a batch known only by its token count and longest length: the
+    batch taken as k = tokens // max_seqlen sequences of the longest length (the critical path: their programs in
+    waves of `sms`, one CTA per SM) plus the remaining tokens as short work filling spare slots, and no less than
+    all programs' chunk steps spread over the SMs. Ranks the chains as measured (session 14, run S14-B, whole op,
+    ns/token: 8192 + 3 x 128 bv32 42.6 / bv64 49.4 / transposed 67.9; 2 x 8192 + 2 x 1024 33.4 / 40.8 / 38.7 for
+    bv64 / bv32 / transposed; 8 x 1024 transposed 32.4 / bv64 36.0 / bv32 44.8; 1 x 32768 bv32; 2 x 16384 bv64)."""
+    step = CHAIN_STEP_US[(chain, bv)]
+    programs = num_v_heads * (v // bv)  # per sequence
+    longest = triton.cdiv(max_seqlen, CHUNK)
+    k = max(tokens // max(max_seqlen, 1), 1)
+    rest = max(tokens - k * max_seqlen, 0) / CHUNK
+    critical = longest * triton.cdiv(k * programs, sms)
+    spread = (k * longest + rest) * programs / sms
+    return step * max(critical, spread)
+
+
 
 
 def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.dtype, k: int | None = None,
@@ -430,20 +445,24 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     17.3 -> 14.0, 4 x 8192 16.8 -> 13.3 ns/token, every buffer bit for bit). Behind the Gluon prep k_in_chain pays at
     one sequence too (session 12, 1 x 32768, same run, 3 repeats: 41.5 / 42.2 / 42.4 ns/token against 43.4 / 43.6 /
     43.6 without it and 42.2 / 42.6 / 42.6 with the Triton prep; run S12-4; the 8k test's errors identical, S12-1), so
-    it is on for every Gluon chain. Where (sequences x value heads) fill TRANSPOSED_MIN_SM_FRACTION of the SMs and
-    `max_seqlen` shows a balanced batch (`balanced`), the transposed chain (chain "gluon_t", 128 columns per program;
-    session 13, run S13-5, same run as FLA: whole op 4 x 8192 33.0 -> 29.5, 32 x 1024 34.9 -> 30.7 ns/token; chain
-    alone 3 x 8192 1.26x; slower with 64 programs or one long sequence among short ones: 0.61-0.63x)."""
+    it is on for every Gluon chain. Where the caller gives the longest length (`max_seqlen`) the chain and its width
+    are the fastest by `chain_step_estimate` (session 14): the transposed chain (chain "gluon_t", 128 columns per
+    program; session 13, run S13-5, same run as FLA: whole op 4 x 8192 33.0 -> 29.5, 32 x 1024 34.9 -> 30.7 ns/token)
+    where sequences of about the longest length fill the SMs, 64 columns where they fill them only at that width, 32
+    where one long sequence is the critical path (8192 + 3 x 128: 49.4 -> 42.6 ns/token against 64 columns, S14-B).
+    Without it, the untransposed chain at the width above (one long sequence among short ones runs 0.62x on the
+    transposed chain, which gives a (sequence, value head) one program)."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
     fast = dtype == torch.bfloat16 and (k or v, v) in CHUNK_LAYOUT_DIMS
     padded_rows = None if tokens is None else (triton.cdiv(tokens, CHUNK) + num_seqs) * CHUNK
     chunk = fast and (padded_rows is None or padded_rows <= tokens + tokens // 4 + CHUNK)
     chain = "gluon" if chunk and gluon else "triton"
     if chunk and gluon:  # one CTA per (32-column slice, sequence, value head): more than one wave -> 64 columns
-        bv = 64 if num_seqs * num_v_heads * (v // 32) > sms and v >= 64 else min(32, v)
-        if v == 128 and num_seqs * num_v_heads >= TRANSPOSED_MIN_SM_FRACTION * sms and balanced(num_seqs, tokens,
-                                                                                                  max_seqlen):
-            chain, bv = "gluon_t", 128  # whole heads' states transposed in two consumers' registers
+        if v == 128 and tokens is not None and max_seqlen is not None:  # the lengths known: the fastest estimate
+            chain, bv = min(CHAIN_STEP_US, key=lambda cb: chain_step_estimate(*cb, num_v_heads, v, tokens, max_seqlen,
+                                                                              sms))
+        else:  # one CTA per (32-column slice, sequence, value head): more than one wave -> 64 columns
+            bv = 64 if num_seqs * num_v_heads * (v // 32) > sms and v >= 64 else min(32, v)
     else:
         bv = 64 if num_seqs * num_v_heads >= 128 and v >= 64 else min(32, v)
     return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2", layout="chunk" if chunk else "token",
