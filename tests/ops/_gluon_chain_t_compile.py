@@ -19,7 +19,7 @@ from deltaserve.ops.gdn import gluon_chain as gc
 from deltaserve.ops.gdn import gluon_chain_t as gt
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _gluon_compile import sass_and_registers  # noqa: E402
+from _gluon_compile import sass_and_registers, wgmma_serialized  # noqa: E402
 
 
 def main() -> int:
@@ -46,7 +46,8 @@ def main() -> int:
     sass, regs = sass_and_registers(c)
     print(json.dumps(dict(smem=c.metadata.shared, spills=sass.count("STL"), hgmma=sass.count("HGMMA"),
                           hgmma_n128=sass.count("HGMMA.64x128x16"), tma=sass.count("UTMALDG"),
-                          tma_stores=sass.count("UTMASTG"), setmaxnreg=sass.count("USETMAXREG"), regs=regs)))
+                          tma_stores=sass.count("UTMASTG"), setmaxnreg=sass.count("USETMAXREG"), regs=regs,
+                          serialized=wgmma_serialized(c))))
     return 0
 
 

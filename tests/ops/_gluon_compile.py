@@ -43,6 +43,20 @@ def sass_and_registers(compiled) -> tuple[str, int]:
     return sass, int(regs.group(1)) if regs else -1
 
 
+def wgmma_serialized(compiled) -> bool:
+    """Whether ptxas serialises the kernel's wgmma (advisory C7512: each product waited for before the next issues,
+    e.g. for "insufficient register resources"): nothing in the compiled kernel shows it but the SASS's one
+    WARPGROUP.DEPBAR per HGMMA, and it cost the transposed chain up to 1.4x (session 14)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    try:
+        log = subprocess.run([os.path.join(BIN, "ptxas"), "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True)
+    finally:
+        os.unlink(f.name)
+    return "C7512" in log.stdout + log.stderr
+
+
 def main() -> int:
     bv, ws = int(sys.argv[1]), sys.argv[2] == "1"
     tu = len(sys.argv) > 3 and sys.argv[3] == "1"
@@ -83,7 +97,8 @@ def main() -> int:
     print(json.dumps(dict(smem=c.metadata.shared, warps=c.metadata.num_warps, spills=sass.count("STL"),
                           hgmma=sass.count("HGMMA"), tma=sass.count("UTMALDG"), setmaxnreg=sass.count("USETMAXREG"),
                           regs=regs, o_tiles=ot, tma_stores=sass.count("UTMASTG"),
-                          membar=sass.count("MEMBAR"), est_smem=gc.smem_bytes(bv, ws, stages, tu, HV, ot))))
+                          membar=sass.count("MEMBAR"), est_smem=gc.smem_bytes(bv, ws, stages, tu, HV, ot),
+                          serialized=wgmma_serialized(c))))
     return 0
 
 

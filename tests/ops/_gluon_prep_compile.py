@@ -21,7 +21,7 @@ from triton.runtime.jit import mangle_type
 from deltaserve.ops.gdn import gluon_prep as gp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _gluon_compile import sass_and_registers  # noqa: E402 (after the path it needs)
+from _gluon_compile import sass_and_registers, wgmma_serialized  # noqa: E402 (after the path it needs)
 
 
 def main() -> int:
@@ -56,7 +56,8 @@ def main() -> int:
                 f.write(text)
     print(json.dumps(dict(kr=kr, gates=gates, a_smem=a_smem, maxnreg=maxnreg, regs=regs,
                           spills=sass.count("STL"), smem=c.metadata.shared, hgmma=sass.count("HGMMA"),
-                          tma_loads=sass.count("UTMALDG"), tma_stores=sass.count("UTMASTG"))))
+                          tma_loads=sass.count("UTMALDG"), tma_stores=sass.count("UTMASTG"),
+                          serialized=wgmma_serialized(c))))
     return 0
 
 

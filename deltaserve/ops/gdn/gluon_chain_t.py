@@ -5,9 +5,9 @@ the decay factors; K rows from k or the padded copy), same products and precisio
 the state in two bf16 limbs), computed transposed. A consumer warpgroup owns 64 state columns as X = S^T
 [64, K] fp32 in registers, so every product that carries the state has it (or V_new) as the register A operand
 and a chunk tile from the ring as the shared-memory B operand:
-    U^T     = V^T hi^T + V^T lo^T                 (A: the v tile, transposed view; B: U's factor limbs, transposed)
-    V_new^T = U^T - (X_hi W^T + X_lo W^T)
-    O^T     = (X_hi Q^T) e^G rq + bf16(V_new^T) P^T
+    V_new^T = V^T hi^T + V^T lo^T + (-X)_hi W^T + (-X)_lo W^T   (A: the v tile, transposed view, then -X's limbs;
+                                                                 B: U's factor limbs transposed, then W^T)
+    O^T     = -((-X)_hi Q^T) e^G rq + bf16(V_new^T) P^T
     X      <- e^{G_last} X + (V_new d)^T_hi K + (V_new d)^T_lo K,   d = e^{G_last - G} rk
 The state never goes through shared memory (no store + proxy fence between the products of a step, as the
 untransposed chain needs for its B operands) and the products are 64 x 64 / 64 x 128 tiles instead of
@@ -15,10 +15,16 @@ untransposed chain needs for its B operands) and the products are 64 x 64 / 64 x
 sequence, value head), NC consumers fed through `gluon_chain`'s ring by its producer (`_ws_load`, here the default
 partition, whose warps give their registers to the consumers).
 
-Its step is longer than the untransposed chain's (~3.6 us for two consumers against 1.6-2.2), but a program covers
-128 columns instead of 32-64: it pays where the programs fill the SMs and have about the same number of chunks
-(session 13, chain alone: 4 x 8192 1.21x, 32 x 1024 1.20x; 2 x 16384 0.61x; docs/PERFORMANCE.md), which is
-where `triton_chunk.default_chunk_config` takes it.
+V_new^T accumulates in U^T's registers, from the limbs of -X (negation is exact, so -X_hi Q^T is -(X_hi Q^T) bit
+for bit): with U^T and X W^T in two accumulators ptxas had too few registers to pipeline the products and waited
+for every wgmma before issuing the next (advisory C7512; tests/ops/test_gdn_gluon_chain_t.py now fails on it).
+Pipelined, the chain alone is 1.06-1.20x faster with two consumers and 1.38x with one (session 14, run S14-E).
+
+With two consumers (128 columns per program) its step is ~3.0-3.8 us against the untransposed chain's 1.8-1.9 for 32
+columns, with one (64 columns) ~2.1-2.3 against 2.4-2.6 for the untransposed chain's 64: the one-consumer form
+replaces the untransposed chain at 64 columns, the two-consumer form pays where (sequence, value head) programs fill
+the SMs, and 32-column untransposed programs stay the fastest where one long sequence is the critical path; where
+each is taken is `triton_chunk.chain_step_estimate`'s call (session 14, runs S14-C / S14-F; docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -89,22 +95,23 @@ def _consumer(HALF: gl.constexpr, NC: gl.constexpr, STAGES: gl.constexpr, bufs, 
             vs.store(gl.where((rows_b < left)[:, None], xv, gl.zeros_like(xv)))
             fence_async_shared()
         vt = vs.permute((1, 0))  # [64 columns, 64 tokens]
-        ut = warpgroup_mma(vt, u_s.index(2 * s).permute((1, 0)), zero64, is_async=True)
-        ut = warpgroup_mma(vt, u_s.index(2 * s + 1).permute((1, 0)), ut, is_async=True)
-        xh = X.to(gl.bfloat16)
-        xl = (X - xh.to(gl.float32)).to(gl.bfloat16)
+        vn = warpgroup_mma(vt, u_s.index(2 * s).permute((1, 0)), zero64, is_async=True)
+        vn = warpgroup_mma(vt, u_s.index(2 * s + 1).permute((1, 0)), vn, is_async=True)
+        # the limbs of -X, so that V_new^T = U^T - X W^T accumulates in U^T's registers (a second accumulator left
+        # too few registers for ptxas to pipeline the products: it serialised every wgmma, session 14)
+        xh = (-X).to(gl.bfloat16)
+        xl = (-X - xh.to(gl.float32)).to(gl.bfloat16)
         xh_a = gl.convert_layout(xh, a64)
         xl_a = gl.convert_layout(xl, a64)
         wt = w_s.index(s).permute((1, 0))  # [K, 64 tokens]
-        ws = warpgroup_mma(xh_a, wt, zero64, is_async=True)
-        ws = warpgroup_mma(xl_a, wt, ws, is_async=True)
-        qs = warpgroup_mma(xh_a, q_s.index(s).permute((1, 0)), zero64, is_async=True)
+        vn = warpgroup_mma(xh_a, wt, vn, is_async=True)
+        vn = warpgroup_mma(xl_a, wt, vn, is_async=True)
+        qs = warpgroup_mma(xh_a, q_s.index(s).permute((1, 0)), zero64, is_async=True)  # -(X_hi Q^T), exactly
         cf = c_s.index(s)._reinterpret(gl.float32, [2 * BT], flat_l)
         d = cf.slice(0, BT).load(tok_l)
         eq = cf.slice(BT, BT).load(tok_l)
         decay = gl.sum(gl.where(mine, l_s.index(s)._reinterpret(gl.float32, [NL], flat_l).load(one_l), 0.0), axis=0)
-        ut, ws, qs = warpgroup_mma_wait(num_outstanding=0, deps=(ut, ws, qs))
-        vn = ut - ws
+        vn, qs = warpgroup_mma_wait(num_outstanding=0, deps=(vn, qs))
         vd = vn * d[None, :]
         dh = vd.to(gl.bfloat16)
         dl = (vd - dh.to(gl.float32)).to(gl.bfloat16)
@@ -115,7 +122,7 @@ def _consumer(HALF: gl.constexpr, NC: gl.constexpr, STAGES: gl.constexpr, bufs, 
                            is_async=True)
         X, pv = warpgroup_mma_wait(num_outstanding=0, deps=(X, pv))
         mbarrier.arrive(empty.index(s), count=1)  # every product that read the stage is complete
-        out = gl.where(live, qs * eq[None, :] + pv, 0.0).to(o.dtype.element_ty)  # O^T [64 columns, 64 tokens]
+        out = gl.where(live, -qs * eq[None, :] + pv, 0.0).to(o.dtype.element_ty)  # O^T [64 columns, 64 tokens]
         ob = o_s.index(HALF * 2 + c % 2)
         tma.store_wait(1)  # the store that read this tile (two chunks ago) is done
         ob.permute((1, 0)).store(out)

@@ -375,13 +375,15 @@ PREP_ON_DEFAULT_STATE = types.MappingProxyType({
 
 
 # Microseconds per chunk step of a Gluon chain program on the H200, as (chain, bv) -> us: the whole op less its prep
-# over the chunks of the longest program (session 14, run S14-B: 32 columns 1.82-1.89 us at 1 x 32768, 4 x 8192 and
-# 8192 + 3 x 128; 64 columns 2.37-2.62 at 4 x 8192, 6 x 4096, 2 x 8192 + 2 x 1024 and 8192 + 3 x 128; the transposed
-# chain 3.6-4.7 with the load, 3.65 at 6 x 4096 and 4.4 at 4 x 8192). A program is one CTA per SM, so the chain's time
-# is its programs' chunk steps packed into waves of `sms` (chain_step_estimate). Run S14-C timed the three chains on 27
-# batches (16 / 32 / 48 / 64 value heads, one to 32 sequences, balanced and skewed): the estimate's pick was the
-# fastest in 25 and within 1.6 % of it in the other two.
-CHAIN_STEP_US = types.MappingProxyType({("gluon", 32): 1.85, ("gluon", 64): 2.55, ("gluon_t", 128): 3.8})
+# over the chunks of the longest program (session 14, runs S14-E / S14-F: the untransposed chain at 32 columns 1.82-1.89
+# us at 1 x 32768, 4 x 8192 and 8192 + 3 x 128; the transposed chain at 64 columns (one consumer) 2.1-2.3 at 1 x 32768,
+# 2 x 16384, 2 x 8192 and 8192 + 4096, at 128 (two consumers) 3.0 with 64 programs, 3.4-3.8 with the SMs full). The
+# untransposed chain at 64 columns (2.4-2.6 us, the same programs as the transposed one's) is not a candidate: slower
+# than the one-consumer transposed chain at every batch of S14-F. A program is one CTA per SM, so the chain's time is
+# its programs' chunk steps packed into waves of `sms` (chain_step_estimate). Runs S14-C (27 batches, 16 / 32 / 48 /
+# 64 value heads, one to 32 sequences, balanced and skewed) and S14-F (15 more with the one-consumer transposed chain):
+# the estimate's pick was the fastest or within 1.6 % of it in every one.
+CHAIN_STEP_US = types.MappingProxyType({("gluon", 32): 1.85, ("gluon_t", 64): 2.25, ("gluon_t", 128): 3.4})
 
 
 def chain_step_estimate(chain: str, bv: int, num_v_heads: int, v: int, tokens: int, max_seqlen: int,
@@ -389,9 +391,9 @@ def chain_step_estimate(chain: str, bv: int, num_v_heads: int, v: int, tokens: i
     """Estimated microseconds of a Gluon chain over a batch known only by its token count and longest length: the
     batch taken as k = tokens // max_seqlen sequences of the longest length (the critical path: their programs in
     waves of `sms`, one CTA per SM) plus the remaining tokens as short work filling spare slots, and no less than
-    all programs' chunk steps spread over the SMs. Ranks the chains as measured (session 14, run S14-B, whole op,
-    ns/token: 8192 + 3 x 128 bv32 42.6 / bv64 49.4 / transposed 67.9; 2 x 8192 + 2 x 1024 33.4 / 40.8 / 38.7 for
-    bv64 / bv32 / transposed; 8 x 1024 transposed 32.4 / bv64 36.0 / bv32 44.8; 1 x 32768 bv32; 2 x 16384 bv64)."""
+    all programs' chunk steps spread over the SMs. Ranks the chains as measured (session 14, run S14-F, whole op,
+    ns/token, 32 / 64 / 128 columns: 8192 + 3 x 128 42.5 / 47.4 / 59.2; 2 x 16384 40.9 / 30.9 / 36.8; 4 x 8192 41.9
+    / 31.6 / 28.9; 1 x 32768 41.4 / 46.2 / 57.8; 2 x 8192 + 2 x 1024 40.7 / 31.3 / 35.1)."""
     step = CHAIN_STEP_US[(chain, bv)]
     programs = num_v_heads * (v // bv)  # per sequence
     longest = triton.cdiv(max_seqlen, CHUNK)
@@ -446,12 +448,13 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
     one sequence too (session 12, 1 x 32768, same run, 3 repeats: 41.5 / 42.2 / 42.4 ns/token against 43.4 / 43.6 /
     43.6 without it and 42.2 / 42.6 / 42.6 with the Triton prep; run S12-4; the 8k test's errors identical, S12-1), so
     it is on for every Gluon chain. Where the caller gives the longest length (`max_seqlen`) the chain and its width
-    are the fastest by `chain_step_estimate` (session 14): the transposed chain (chain "gluon_t", 128 columns per
-    program; session 13, run S13-5, same run as FLA: whole op 4 x 8192 33.0 -> 29.5, 32 x 1024 34.9 -> 30.7 ns/token)
-    where sequences of about the longest length fill the SMs, 64 columns where they fill them only at that width, 32
-    where one long sequence is the critical path (8192 + 3 x 128: 49.4 -> 42.6 ns/token against 64 columns, S14-B).
-    Without it, the untransposed chain at the width above (one long sequence among short ones runs 0.62x on the
-    transposed chain, which gives a (sequence, value head) one program)."""
+    are the fastest by `chain_step_estimate` (session 14): the transposed chain (chain "gluon_t") with two consumers
+    (128 columns per program; session 13, run S13-5, same run as FLA: whole op 4 x 8192 33.0 -> 29.5, 32 x 1024 34.9
+    -> 30.7 ns/token) where sequences of about the longest length fill the SMs, with one (64 columns) where they fill
+    them only at that width, the untransposed chain at 32 columns where one long sequence is the critical path
+    (8192 + 3 x 128: 42.5 ns/token against 47.4 / 59.2 at 64 / 128 columns, run S14-F). Without it, 64 columns (the
+    one-consumer transposed chain, faster than the untransposed chain's 64-column programs at every batch of S14-F)
+    past one wave of 32-column programs."""
     exact = dtype == torch.float32  # fp32 activations: keep every product in fp32
     fast = dtype == torch.bfloat16 and (k or v, v) in CHUNK_LAYOUT_DIMS
     padded_rows = None if tokens is None else (triton.cdiv(tokens, CHUNK) + num_seqs) * CHUNK
@@ -463,6 +466,8 @@ def default_chunk_config(num_seqs: int, num_v_heads: int, v: int, dtype: torch.d
                                                                               sms))
         else:  # one CTA per (32-column slice, sequence, value head): more than one wave -> 64 columns
             bv = 64 if num_seqs * num_v_heads * (v // 32) > sms and v >= 64 else min(32, v)
+            if bv == 64 and v == 128:  # the same programs, each a shorter step (S14-F)
+                chain = "gluon_t"
     else:
         bv = 64 if num_seqs * num_v_heads >= 128 and v >= 64 else min(32, v)
     return ChunkConfig(bv=bv, prec="ieee" if exact else "bf16x2", layout="chunk" if chunk else "token",
