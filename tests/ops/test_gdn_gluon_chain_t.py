@@ -35,7 +35,7 @@ def test_chain_t_compiles_for_sm90(consumers):
     assert res["hgmma"] == 44 * consumers and res["hgmma_n128"] == 8 * consumers, res
     assert not res["serialized"], "ptxas serialises the wgmma (advisory C7512)"
     assert res["tma"] > 0 and res["tma_stores"] == consumers and res["setmaxnreg"] > 0, res
-    assert res["spills"] <= 4 * (consumers - 1) * 2, f"register spills: {res['spills']} local stores"
+    assert res["spills"] <= 4 * consumers, f"register spills: {res['spills']} local stores"
     assert res["smem"] <= H200_SMEM, f"{res['smem']} bytes of shared memory"
 
 
@@ -248,3 +248,18 @@ def test_default_op_takes_the_transposed_chain_gpu():
     assert_close(p_d, p_u, 1e-5, "state vs the untransposed chain")
     assert_close(o_d, o_r, TOL_BF16, "output vs reference")
     assert_close(p_d, p_r, TOL_BF16, "state vs reference")
+
+
+@pytest.mark.gpu
+def test_chain_t_8k_not_less_accurate_than_fla():
+    """The transposed chain with one and two consumers (forced: one sequence takes the untransposed chain) and the
+    default on the 8k sequence of slow decay: output and final-state errors against the fp32 token recurrence within
+    FLA's on the same inputs (V_new^T accumulates U^T and -X W^T in one accumulator since session 14)."""
+    from .test_gpu import HV, D, check_8k_not_less_accurate_than_fla
+
+    if not gc.supported(torch.device("cuda")):
+        pytest.skip("the Gluon chains need compute capability 9.0")
+    base = tc.default_chunk_config(1, HV, D, torch.bfloat16, k=D, tokens=8192, gluon=True, max_seqlen=8192)
+    configs = {"default": None}
+    configs.update({f"gluon_t bv{bv}": dataclasses.replace(base, chain="gluon_t", bv=bv) for bv in gt.BVS})
+    check_8k_not_less_accurate_than_fla(configs, "chain_t_8k")
