@@ -149,8 +149,10 @@ class ChunkConfig:
     (`gluon_chain.launch_chain`: the same products, the state bit for bit; bv / 2 columns per consumer
     warpgroup; session 8: 23.4-24.3 / 18.2-19.9 ns/token at 1 x 32768 / 4 x 8192 against 30.9 / 26.8), or
     "gluon_t" (`gluon_chain_t.launch_chain_t`, u_in_chain and o_tma only: the same products with the state
-    transposed in registers, bv / 64 consumers of 64 columns; fp32 rounding away from the others, state within
-    ~1e-7; session 13: the chain alone at 4 x 8192 1.21x, at 1 x 32768 0.56-0.70x).
+    transposed in registers, bv / 64 consumers of 64 columns; fp32 rounding away from the others, final states
+    within ~1e-5 of their largest entry, the 8k error against the fp32 recurrence the same; session 14: at 64 columns
+    faster than "gluon" at 64 at every batch measured, at 128 the fastest where (sequence, value head) programs fill
+    the SMs).
     u_in_chain (hoist prep, chunk layout, bf16x2): the prep stores U's factor T diag(beta) as two bf16 limbs
     (16 KB per chunk and value head) instead of U in fp32 (32 KB) and does not read v; the chain forms
     U = hi V + lo V from them and the chunk's rows of v (two more tensor-core products per chunk, off the
