@@ -21,7 +21,7 @@ import tempfile
 
 import torch
 import triton
-from gdn_compile_check import CUOBJDUMP, TARGET, _sig, compile_one
+from gdn_compile_check import CUOBJDUMP, TARGET, _sig, compile_one, info_serialized
 from triton.compiler import ASTSource
 
 from deltaserve.ops.attention import triton as attn_t
@@ -54,8 +54,11 @@ def compile_aligned(label: str, fn, types: dict[str, str], constexprs: dict, num
     regs, local = (int(m.group(1)), int(m.group(4))) if m else (-1, -1)
     # resident programs per SM from registers alone (65536 per SM, 64 warps)
     per_sm = min(64 // num_warps, 65536 // max(1, regs * 32 * num_warps))
-    print(f"{label:58s} regs {regs:3d} local {local:5d} smem {c.metadata.shared:6d} -> {per_sm} per SM by registers")
-    return dict(label=label, ok=True, regs=regs, local=local, smem=c.metadata.shared, per_sm=per_sm)
+    serialized = info_serialized(c.asm["ptx"])
+    print(f"{label:58s} regs {regs:3d} local {local:5d} smem {c.metadata.shared:6d} -> {per_sm} per SM by registers"
+          f"{' (wgmma SERIALISED by ptxas)' if serialized else ''}")
+    return dict(label=label, ok=True, regs=regs, local=local, smem=c.metadata.shared, per_sm=per_sm,
+                serialized=serialized)
 
 
 def one_pass_kernels() -> list[dict]:

@@ -32,6 +32,7 @@ from deltaserve.ops.norm import triton as norm_t
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
 def _sig(fn, types: dict[str, str], constexprs: dict[str, object]) -> dict[str, str]:
@@ -43,6 +44,20 @@ def _sig(fn, types: dict[str, str], constexprs: dict[str, object]) -> dict[str, 
 
 # runtime values: never specialised (do_not_specialize, or floats)
 UNSPECIALISED = ("N", "scale", "eps", "M", "s_ys", "SLOTS")
+
+
+def info_serialized(ptx: str) -> bool:
+    """Whether ptxas serialises the kernel's wgmma (advisory C7512: every product waited for before the next issues;
+    session 14 found it in the transposed chain, 1.06-1.38x of its time)."""
+    if "wgmma" not in ptx:
+        return False
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        log = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    return "C7512" in log.stdout + log.stderr
 
 
 def compile_one(label: str, fn, types: dict[str, str], constexprs: dict[str, object], num_warps: int,
@@ -73,9 +88,10 @@ def compile_one(label: str, fn, types: dict[str, str], constexprs: dict[str, obj
     regs, stack, shared, local = (int(x) for x in m.groups()) if m else (-1, -1, -1, -1)
     ptx = c.asm["ptx"]
     info = dict(label=label, ok=True, regs=regs, stack=stack, local=local, spills=spills, smem=c.metadata.shared,
-                wgmma="wgmma" in ptx, mma="mma.sync" in ptx, secs=secs)
+                wgmma="wgmma" in ptx, mma="mma.sync" in ptx, serialized=info_serialized(ptx), secs=secs)
     print(f"{label:66s} regs {regs:3d} spill stores {spills:4d} smem {c.metadata.shared:6d} "
-          f"wgmma {int(info['wgmma'])} mma {int(info['mma'])} ({secs:.1f}s)")
+          f"wgmma {int(info['wgmma'])}{' SERIALISED' if info['serialized'] else ''} mma {int(info['mma'])} "
+          f"({secs:.1f}s)")
     return info
 
 
