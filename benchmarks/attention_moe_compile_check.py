@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
 import re
 import subprocess
@@ -35,7 +36,11 @@ SM90_SMEM_BYTES = 232448      # the most shared memory one block may use on sm_9
 def compile_aligned(label: str, fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int = 3,
                     aligned: tuple[str, ...] = ()) -> dict:
     """compile_one with the launch-time specialisation of the real shapes: every pointer and the integer
-    arguments in `aligned` marked divisible by 16 (vector loads; without it the registers come out ~2x)."""
+    arguments in `aligned` marked divisible by 16 (vector loads; without it the registers come out ~2x). Constexpr
+    parameters left out take their defaults, as a launch does (compile_one's rule: `gemv_fma NORM router` failed to
+    compile once the kernel gained CONV / CONV_PF, passed as runtime values)."""
+    constexprs = {**{p.name: p.default for p in fn.params
+                     if p.is_constexpr and p.default is not inspect.Parameter.empty}, **constexprs}
     sig = _sig(fn, types, constexprs)
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
              if sig[n].startswith("*") or n in aligned}
@@ -161,7 +166,7 @@ def router_route_kernels() -> list[dict]:
     out = []
     c = _ROUTER
     out.append(compile_aligned(f"gemv_fma NORM router {c.block_n}x{c.block_k} w{c.warps}", lin_t._gemv_fma_kernel,
-                               dict(x=bf, w=bf, y=bf, r=bf, nw=bf, h=bf, s=bf),
+                               dict(x=bf, w=bf, y=bf, r=bf, nw=bf, h=bf, s=bf, eps="fp32", cw=bf, cst=bf, cidx=i32),
                                dict(BM=1, BN=c.block_n, BK=c.block_k, NORM=True, HAS_RES=True, ZC=True, PK=2048,
                                     PDL=True, PF=512), c.warps, c.stages,
                                aligned=("K", "s_xm", "s_wn", "s_ym", "s_rm")))
