@@ -700,6 +700,13 @@ def prefill_io_bytes(lengths: list[int]) -> int:
     return T * (2 * (2 * HK * DK + 2 * HV * DV) + 8 * HV) + 2 * len(lengths) * STATE_BYTES
 
 
+def _us_tbps(r: dict | None) -> str:
+    """A timed case's cell: microseconds and, where the case has state bytes, the state traffic's TB/s."""
+    if not r:
+        return "-"
+    return f"{r['us']:.2f} ({r['state_TBps']:.2f})" if "state_TBps" in r else f"{r['us']:.2f}"
+
+
 def summary(results, ceil) -> str:
     """Markdown tables: ours vs FLA per case, with ratios and fractions of the copy ceiling."""
     by = {(r["group"], r["name"], r["impl"]): r for r in results}
@@ -727,8 +734,11 @@ def summary(results, ceil) -> str:
         lines.append(f"| {n} | {cell(o, 'us', '.2f')} | {cell(o, 'state_TBps', '.2f')}{frac} | {cell(f, 'us', '.2f')} "
                      f"| {cell(f, 'state_TBps', '.2f')} | {ratio} | {cell(lay, 'us', '.2f')} "
                      f"| {cell(unf, 'us', '.2f')} |")
-    lines += ["", "| verify | gdn_verify us | / gdn_decode at same B | gdn_commit us | verify+commit / decode |"
-              " FLA recurrent T tokens us | gated_norm=False: verify us / decode us |", "|---|---|---|---|---|---|---|"]
+    # state traffic (Case.state_bytes / time): verify reads each state once, commit reads and writes it, FLA's
+    # recurrence over the T tokens reads and writes it
+    lines += ["", "| verify | gdn_verify us (state TB/s) | / gdn_decode at same B | gdn_commit us (state TB/s) "
+              "| verify+commit / decode | FLA recurrent T tokens us (state TB/s) | FLA / gdn_verify "
+              "| gated_norm=False: verify us / decode us |", "|---|---|---|---|---|---|---|---|"]
     for T, B in VERIFY:
         n = f"T={T} B={B}"
         v, c = by.get(("verify", n, "ours gdn_verify")), by.get(("verify", n, "ours gdn_commit (all accepted)"))
@@ -736,11 +746,10 @@ def summary(results, ceil) -> str:
         dec = by.get(("decode", f"B={B}", "ours gdn_decode (whole layer, 2 launches)"))
         r1 = f"{v['us'] / dec['us']:.2f}x" if (v and dec) else "-"
         r2 = f"{(v['us'] + c['us']) / dec['us']:.2f}x" if (v and c and dec) else "-"
-        nan = float("nan")
+        rf = f"{f['us'] / v['us']:.2f}x" if (v and f) else "-"
         vn, dn = by.get(("verify", n, VERIFY_NO_NORM)), by.get(("decode", f"B={B}", DECODE_NO_NORM))
         r3 = f"{vn['us']:.2f} / {dn['us']:.2f} = {vn['us'] / dn['us']:.2f}x" if (vn and dn) else "-"
-        lines.append(f"| {n} | {v['us'] if v else nan:.2f} | {r1} | {c['us'] if c else nan:.2f} | {r2} "
-                     f"| {f['us'] if f else float('nan'):.2f} | {r3} |")
+        lines.append(f"| {n} | {_us_tbps(v)} | {r1} | {_us_tbps(c)} | {r2} | {_us_tbps(f)} | {rf} | {r3} |")
     sweeps = [r for r in results if r["group"] != "prefill" and r["impl"] not in ("ours", "fla") and "/" in r["impl"]]
     if sweeps:
         lines += ["", "sweep (launch-config variants):"]
