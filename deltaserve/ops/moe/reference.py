@@ -5,8 +5,6 @@
   w13 [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up), w2 [E, H, I]
   fused_moe: y_t = sum_j weights[t, j] * w2[e] (silu(gate_e x_t) * up_e x_t), e = ids[t, j]
   fused_moe_routed: fused_moe on topk_softmax's choice (one op, so a kernel can fuse the two)
-  rms_norm_route: the router as a pre-norm projection (linear.reference.rms_norm_linear), then
-  topk_softmax on its logits (one op, so the router GEMV can do the routing in its tail)
 Weighted expert outputs are accumulated in fp32 and rounded once.
 """
 
@@ -14,8 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from ..linear.reference import rms_norm_linear
 
 
 def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
@@ -70,18 +66,6 @@ def fused_moe_routed(
     """topk_softmax, then fused_moe on its choice: the MoE block from the router's logits."""
     weights, ids = topk_softmax(router_logits, top_k, renormalize, shared_slices=shared_slices)
     return fused_moe(x, w13, w2, weights, ids)
-
-
-def rms_norm_route(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    top_k: int, renormalize: bool, *, shared_slices: int = 0, zero_centered: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logits, normed, x + residual, topk_weights, topk_ids): rms_norm_linear with the router's weight,
-    then topk_softmax on the logits (in the logits' dtype, as the block computes them)."""
-    logits, normed, total = rms_norm_linear(x, residual, norm_weight, eps, weight, zero_centered=zero_centered)
-    weights, ids = topk_softmax(logits.reshape(-1, weight.shape[0]), top_k, renormalize,
-                                shared_slices=shared_slices)
-    return logits, normed, total, weights, ids
 
 
 # Up to this many (token, expert) pairs, loop over the pairs (few ops each, no sort): the decode case.

@@ -5,26 +5,20 @@ One program takes BT tokens with all their logits in registers; the k choices ar
 taking the lowest index among equal maxima (torch.topk's order for distinct values; for exact ties the
 reference's order is not defined either). The choice is made on the unnormalised exponentials
 exp(x - max) (the softmax order; every value computed alone, so any launch layout gets the same bits),
-and the renormalised weights are e_j / (e_0 + e_1 + ... + e_{k-1}), summed in choice order: the fused
-w13 kernel (triton.py, fused_moe_routed) repeats this math with another layout and must pick the same
-experts with the same weights. (Without renormalisation the weight is e_j over a tree sum of all
-exponentials, whose order depends on the layout: ulp differences possible there.) (One reduction per choice over int64 keys, probability bits
-and index packed, measured slower on an H200: 3.1 against 2.9 us per call at T = 1.) No host sync,
-CUDA-graph capturable.
+and the renormalised weights are e_j / (e_0 + e_1 + ... + e_{k-1}), summed in choice order. (Without
+renormalisation the weight is e_j over a tree sum of all exponentials.) No host sync, CUDA-graph
+capturable.
 
 On Hopper (compute capability >= 9.0) the kernel lets the next kernel start at once (griddepcontrol
-.launch_dependents): fused_moe's first kernel, where it is launched programmatically, then has its launch
-and set-up done while the routing runs, and waits for the routing's output itself. Up to PDL_MAX_TOKENS
-tokens the routing kernel is itself launched programmatically and waits (griddepcontrol.wait) before
-reading the logits: the router GEMV before it (ops/linear's GEMV) releases its successor early, so the
-routing's launch overlaps the GEMV. Session 5, H200, the block as the layer runs it (pre-norm + router
-GEMV, routing, fused_moe): 0.6-1.1 us per call less at T = 1, 2, 4, 8 (26.9 -> 26.3, 42.5 -> 41.6,
-68.9 -> 67.8, 109.9 -> 109.1 us; docs/PERFORMANCE.md). (Session 4, after a GEMV that did not release it
-early, the programmatic launch measured ~0.5 us slower.) Larger batches are unmeasured and keep the
-ordinary launch (from 33 rows the router is cuBLAS, which does not release early).
+.launch_dependents): fused_moe's w13 kernel, launched programmatically, then has its launch and set-up
+done while the routing runs, and waits for the routing's output itself. Up to PDL_MAX_TOKENS tokens the
+routing kernel is itself launched programmatically and waits (griddepcontrol.wait) before reading the
+logits: the router GEMV before it (ops/linear's GEMV) releases its successor early, so the routing's
+launch overlaps the GEMV. From 33 rows the router is cuBLAS, which does not release early, so larger
+batches keep the ordinary launch.
 
-The math lives in `_route_tile`, also called by the router GEMV's last program in ops/linear's
-rms_norm_route (the routing without a kernel of its own; selectable, not a default).
+route_and_shared_w13 is the same routing with extra programs computing the shared slots' w13 rows
+(triton_gemv.gemv_moe_shared_apart).
 """
 
 from __future__ import annotations
@@ -34,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..triton_common import ACTIVATION_DTYPES, check, check_last_contiguous, silu
+from ..triton_common import ACTIVATION_DTYPES, check, check_last_contiguous, pdl_launch, silu
 
 MAX_EXPERTS = 4096
 SMALL_BATCH = 64     # up to this many tokens: one token per program
@@ -42,60 +36,33 @@ SMALL_BATCH = 64     # up to this many tokens: one token per program
 
 @triton.jit
 def _route_tile(logits, weights, ids, rows, row_ok, E, s_l, K: tl.constexpr, M: tl.constexpr,
-                KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr, CG: tl.constexpr = False,
-                KEYS: tl.constexpr = False):
+                KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr):
     """The routing of the tokens `rows` (those with row_ok): logits [*, E (+ the shared gate)] at row
-    stride s_l -> weights (fp32) / ids [*, K + M] contiguous (module docstring). Shared by _route_kernel
-    and the router GEMV's last-program tail (ops/linear/triton.py, rms_norm_route), which must choose the
-    same experts with the same weight bits. CG: read the logits at L2 (.cg), for logits other programs of
-    the same grid have just written. KEYS: one max-reduction per choice over int64 keys (exponential's
-    bits << 32 | EP - 1 - index: the largest value, the lowest index among equal ones) instead of two (the
-    maximum, then the lowest index holding it): the same choice and values; for a tile spread over several
-    warps, where every reduction crosses warps through shared memory (the GEMV's tail)."""
+    stride s_l -> weights (fp32) / ids [*, K + M] contiguous (module docstring)."""
     cols = tl.arange(0, EP)
     row_ptr = logits + rows[:, None].to(tl.int64) * s_l
     lmask = row_ok[:, None] & (cols[None, :] < E)
-    if CG:
-        x = tl.load(row_ptr + cols[None, :], mask=lmask, other=float("-inf"), cache_modifier=".cg")
-    else:
-        x = tl.load(row_ptr + cols[None, :], mask=lmask, other=float("-inf"))
+    x = tl.load(row_ptr + cols[None, :], mask=lmask, other=float("-inf"))
     x = tl.where(row_ok[:, None], x.to(tl.float32), 0.0)        # rows past T: finite, never stored
     x = tl.exp(x - tl.max(x, 1)[:, None])                        # the softmax order, layout-free bits
     kcol = tl.arange(0, KP)
     w_sel = tl.zeros([rows.shape[0], KP], dtype=tl.float32)
     i_sel = tl.zeros([rows.shape[0], KP], dtype=tl.int32)
     total = tl.zeros([rows.shape[0]], dtype=tl.float32)
-    if KEYS:
-        key = (x.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (EP - 1 - cols)[None, :].to(tl.int64)
-        key = tl.where(cols[None, :] < E, key, -1)                     # padding columns never chosen
-        for j in tl.static_range(K):
-            top = tl.max(key, 1)
-            hi = top >> 32
-            best = hi.to(tl.int32).to(tl.float32, bitcast=True)
-            idx = (EP - 1 - (top - (hi << 32))).to(tl.int32)
-            w_sel = tl.where(kcol[None, :] == j, best[:, None], w_sel)
-            i_sel = tl.where(kcol[None, :] == j, idx[:, None], i_sel)
-            total += best                                              # in choice order (docstring)
-            key = tl.where(key == top[:, None], -1, key)               # keys are distinct: one taken
-    else:
-        avail = x
-        for j in tl.static_range(K):
-            best = tl.max(avail, 1)
-            idx = tl.min(tl.where(avail == best[:, None], cols[None, :], EP), 1)
-            w_sel = tl.where(kcol[None, :] == j, best[:, None], w_sel)
-            i_sel = tl.where(kcol[None, :] == j, idx[:, None], i_sel)
-            total += best                                              # in choice order (docstring)
-            avail = tl.where(cols[None, :] == idx[:, None], -1.0, avail)   # taken (exponentials are >= 0)
+    avail = x
+    for j in tl.static_range(K):
+        best = tl.max(avail, 1)
+        idx = tl.min(tl.where(avail == best[:, None], cols[None, :], EP), 1)
+        w_sel = tl.where(kcol[None, :] == j, best[:, None], w_sel)
+        i_sel = tl.where(kcol[None, :] == j, idx[:, None], i_sel)
+        total += best                                              # in choice order (docstring)
+        avail = tl.where(cols[None, :] == idx[:, None], -1.0, avail)   # taken (exponentials are >= 0)
     if RENORM:
         w_sel = w_sel / total[:, None]
     else:
         w_sel = w_sel / tl.sum(x, 1)[:, None]
     if M > 0:
-        gp = logits + rows.to(tl.int64) * s_l + E
-        if CG:
-            gate = tl.load(gp, mask=row_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        else:
-            gate = tl.load(gp, mask=row_ok, other=0.0).to(tl.float32)
+        gate = tl.load(logits + rows.to(tl.int64) * s_l + E, mask=row_ok, other=0.0).to(tl.float32)
         shared_w = 1.0 / (1.0 + tl.exp(-gate))
         is_shared = (kcol[None, :] >= K) & (kcol[None, :] < K + M)
         w_sel = tl.where(is_shared, shared_w[:, None], w_sel)
@@ -162,6 +129,7 @@ def _route_shared_kernel(logits, weights, ids, x, w13, h, T, E, H, I, NR, s_l, s
 
 
 PDL_MAX_TOKENS = 8   # up to this many tokens the routing is launched programmatically (module docstring)
+SHARED_W13_ROWS = 1  # shared-slot w13 rows per extra program of route_and_shared_w13
 
 
 def check_routing(op: str, router_logits: torch.Tensor, top_k: int, shared_slices: int) -> int:
@@ -177,44 +145,54 @@ def check_routing(op: str, router_logits: torch.Tensor, top_k: int, shared_slice
     return E
 
 
-def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
-                 shared_slices: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    return routed(router_logits, top_k, renormalize, shared_slices=shared_slices)
-
-
 def _launch_shape(E: int, T: int) -> tuple[int, int]:
     """Tokens per program and warps of the routing kernel."""
     ep = triton.next_power_of_2(E)
     if T <= SMALL_BATCH:
-        # decode: a token per one-warp program, so the 2k max-reductions are warp shuffles (a 16-row,
-        # 4-warp tile measured 18.6 us per call at T = 1 on an H200, most of it block-wide reductions)
+        # decode: a token per one-warp program, so the 2k max-reductions are warp shuffles (block-wide
+        # reductions of a 16-row, 4-warp tile cost most of an 18.6 us call at T = 1)
         return 1, 1 if ep <= 1024 else 4
     return max(1, min(16, 4096 // ep)), 4
 
 
-def _pdl(router_logits: torch.Tensor, T: int, pdl_wait: bool | None) -> tuple[bool, bool]:
+def _pdl(router_logits: torch.Tensor, T: int) -> tuple[bool, bool]:
     """(release the next kernel early, wait for the kernel before us): module docstring."""
-    pdl = router_logits.is_cuda and torch.cuda.get_device_capability(router_logits.device)[0] >= 9
-    return pdl, pdl and (T <= PDL_MAX_TOKENS if pdl_wait is None else pdl_wait)
+    pdl = pdl_launch(router_logits.device)
+    return pdl, pdl and T <= PDL_MAX_TOKENS
+
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
+                 shared_slices: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    E = check_routing("topk_softmax", router_logits, top_k, shared_slices)
+    T = router_logits.shape[0]
+    width = top_k + shared_slices
+    weights = torch.empty((T, width), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((T, width), dtype=torch.int64, device=router_logits.device)
+    if T == 0:
+        return weights, ids
+    bt, warps = _launch_shape(E, T)
+    pdl, wait = _pdl(router_logits, T)
+    _route_kernel[(triton.cdiv(T, bt),)](
+        router_logits, weights, ids, T, E, router_logits.stride(0), K=top_k, M=shared_slices,
+        KP=triton.next_power_of_2(width), EP=triton.next_power_of_2(E), BT=bt, RENORM=bool(renormalize),
+        PDL=pdl, WAIT=wait, num_warps=warps, **({"launch_pdl": True} if wait else {}))
+    return weights, ids
 
 
 def route_and_shared_w13(router_logits: torch.Tensor, top_k: int, renormalize: bool, shared_slices: int,
-                         x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, *, rows: int = 1,
-                         pdl_wait: bool | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """routed(), and in the same launch the shared slices' w13 GEMV: inter [T * (top_k + M), I] gets, in
+                         x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, *,
+                         out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_softmax, and in the same launch the shared slices' w13 GEMV: inter [T * (top_k + M), I] gets, in
     the rows of every token's shared slots (K .. K + M - 1), SiLU(gate . x) * up . x of experts E .. E + M - 1
-    of w13 [>= E + M, 2I, H] (fused_moe's w13 kernel does the rest). Extra programs of `rows` weight rows
-    each (M * I / rows of them) load their rows before the kernel's wait: constant weights stream while the
-    router GEMV before it runs (fused_moe_routed with GemvMoeConfig.shared_in_route). `out`: the (weights,
-    ids) tensors to write (else new ones)."""
+    of w13 [>= E + M, 2I, H] (the w13 kernel after it does the routed slots). The extra programs
+    (SHARED_W13_ROWS weight rows each) load their rows before the kernel's wait: constant weights stream
+    while the router GEMV before it runs. `out`: the (weights, ids) tensors to write (else new ones)."""
     op = "route_and_shared_w13"
     E = check_routing(op, router_logits, top_k, shared_slices)
     T, H = x.shape
     inter_rows = w13.shape[1] // 2
     width = top_k + shared_slices
     check(shared_slices >= 1, op, "needs shared_slices >= 1")
-    check(rows >= 1 and rows & (rows - 1) == 0, op, f"rows={rows} must be a power of two")
     check(x.dim() == 2 and T == router_logits.shape[0], op, f"x {tuple(x.shape)} must be [T, H] for the logits' T")
     check(w13.dim() == 3 and w13.shape[0] >= E + shared_slices and w13.shape[2] == H and w13.stride(1) == H, op,
           f"w13 must be dense [>= {E + shared_slices}, 2I, {H}], got {tuple(w13.shape)}")
@@ -230,34 +208,12 @@ def route_and_shared_w13(router_logits: torch.Tensor, top_k: int, renormalize: b
     if T == 0:
         return weights, ids
     bt, warps = _launch_shape(E, T)
-    pdl, wait = _pdl(router_logits, T, pdl_wait)
+    pdl, wait = _pdl(router_logits, T)
     nr = triton.cdiv(T, bt)
+    rows = SHARED_W13_ROWS
     _route_shared_kernel[(nr + triton.cdiv(shared_slices * inter_rows, rows),)](
         router_logits, weights, ids, x, w13, inter, T, E, H, inter_rows, nr, router_logits.stride(0), x.stride(0),
         w13.stride(0), w13.stride(1), K=top_k, M=shared_slices, KP=triton.next_power_of_2(width),
         EP=triton.next_power_of_2(E), BT=bt, RENORM=bool(renormalize), PDL=pdl, WAIT=wait, R=rows,
         HB=triton.next_power_of_2(H), num_warps=warps, **({"launch_pdl": True} if wait else {}))
-    return weights, ids
-
-
-def routed(router_logits: torch.Tensor, top_k: int, renormalize: bool, *, shared_slices: int = 0,
-           pdl_wait: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk_softmax with the launch choice open: `pdl_wait` True launches the kernel as a programmatic
-    dependent of the kernel before it (where the device has programmatic dependent launch; it waits for
-    that kernel before reading the logits), False the ordinary way, None (topk_softmax) by the token
-    count (PDL_MAX_TOKENS)."""
-    E = check_routing("topk_softmax", router_logits, top_k, shared_slices)
-    T = router_logits.shape[0]
-    width = top_k + shared_slices
-    weights = torch.empty((T, width), dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty((T, width), dtype=torch.int64, device=router_logits.device)
-    if T == 0:
-        return weights, ids
-    ep = triton.next_power_of_2(E)
-    bt, warps = _launch_shape(E, T)
-    pdl, wait = _pdl(router_logits, T, pdl_wait)
-    _route_kernel[(triton.cdiv(T, bt),)](
-        router_logits, weights, ids, T, E, router_logits.stride(0), K=top_k, M=shared_slices,
-        KP=triton.next_power_of_2(width), EP=ep, BT=bt, RENORM=bool(renormalize), PDL=pdl, WAIT=wait,
-        num_warps=warps, **({"launch_pdl": True} if wait else {}))
     return weights, ids
