@@ -34,6 +34,13 @@ def pdl_launch(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def pdl_launch_args(device: torch.device) -> dict:
+    """Launch arguments of a programmatic dependent launch where the device has it (pdl_launch), for
+    kernels with a PDL constexpr: the kernel becomes resident while its predecessor drains and waits for
+    it (griddepcontrol.wait) before any load."""
+    return dict(PDL=True, launch_pdl=True) if pdl_launch(device) else {}
+
+
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
@@ -106,8 +113,8 @@ def silu_fast(x):
     """silu from libdevice's flush-to-zero approximations (fast_expf, fast_dividef): within a few fp32 ulp of
     silu, for values rounded to 16 bits next. On sm_90 silu's exp and division with their denormal and range
     handling were ~21 SASS instructions per element, a fifth of the one-launch verify (779 of 4056 at T = 4),
-    ~9 with these (session 9: verify T = 4 9.24 -> 8.77 us, decode 5.06 -> 4.77 at B = 1). The interpreter
-    (no libdevice there) computes silu itself."""
+    ~9 with these (verify T = 4 9.24 -> 8.77 us: PYTHONPATH=. python benchmarks/gdn_kernels.py). The
+    interpreter (no libdevice there) computes silu itself."""
     if FAST_MATH:
         return libdevice.fast_dividef(x, 1.0 + libdevice.fast_expf(-x))
     else:

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from deltaserve.ops.attention import reference as ref
+from deltaserve.ops.attention import config as attn_config
 from deltaserve.ops.attention import triton as tri
+from deltaserve.ops.attention import triton_decode
 
 from .helpers import assert_close, cu_seqlens, gen, randn
 
@@ -273,7 +275,7 @@ def test_fused_decode_repeat_and_counters(device):
     first, _ = _check_fused(dec, cfg, TOL[torch.float32], "first")
     again, _ = _check_fused(dec, cfg, TOL[torch.float32], "again")
     assert torch.equal(first, again)
-    assert int(tri._decode_counters(torch.device(device), 8).abs().sum()) == 0
+    assert int(triton_decode.decode_counters(torch.device(device), 8).abs().sum()) == 0
 
 
 def test_fused_decode_path_choice(device, monkeypatch):
@@ -284,12 +286,12 @@ def test_fused_decode_path_choice(device, monkeypatch):
     calls = []
     prologue = tri.attention_prologue
     monkeypatch.setattr(tri, "attention_prologue", lambda *a, **k: calls.append(1) or prologue(*a, **k))
-    monkeypatch.setattr(tri, "FUSED_DECODE_MIN_PAIRS", 11)                       # 5 tokens x 2 KV heads = 10
+    monkeypatch.setattr(attn_config, "FUSED_DECODE_MIN_PAIRS", 11)                       # 5 tokens x 2 KV heads = 10
     small = tri.default_decode_config(5, 2, 64, 4, torch.float32)
     assert not small.last_split_merges and small.min_tiles == 1 and small.prefetch_tiles == 0
     assert tri.default_decode_config(1, 2, 64, 4).prefetch_tiles == 1
     _check_fused(dec, None, TOL[torch.float32], "two launches (merge kernel)")
-    monkeypatch.setattr(tri, "FUSED_DECODE_MIN_PAIRS", 10)
+    monkeypatch.setattr(attn_config, "FUSED_DECODE_MIN_PAIRS", 10)
     assert tri.default_decode_config(5, 2, 64, 4, torch.float32).last_split_merges
     _check_fused(dec, None, TOL[torch.float32], "one launch, default config")
     assert calls == []
