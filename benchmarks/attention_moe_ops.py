@@ -9,24 +9,19 @@ timings against peers run in the same process on the same GPU and inputs.
              for the shapes SDPA can express (equal-length decodes, prefill from empty).
   moe        Qwen3.5-35B-A3B experts (E 256, top-8, H 2048, I 512), T = 1, 8, 16, 64, 256, 4096 tokens:
              topk_softmax + fused_moe; GB/s of expert weights touched (fraction of copy bandwidth) and
-             TFLOP/s. At T <= 8 (the GEMV path) also the grouped-GEMM path forced, for comparison. Peers: torch._grouped_mm (CUTLASS grouped GEMM) with torch sort/gather/index_add around
-             it, and the reference's per-expert torch loop (eager: it syncs, so no graph).
+             TFLOP/s. At T <= 8 (the GEMV path) also the grouped-GEMM path forced, for comparison. Peers:
+             torch._grouped_mm (CUTLASS grouped GEMM) with torch sort/gather/index_add around it, and the
+             reference's per-expert torch loop (eager: it syncs, so no graph).
   ceilings   device-to-device copy bandwidth and bf16 matmul rate, measured in the same run.
   moe decode (--moe-decode, alone): the batch-1..8 decode step's MoE block at the Qwen3.5-35B-A3B shape
              as the layer runs it (257 stored experts: the shared expert folded in as expert 256; top-8 +
-             its slot; H 2048, I 512, bf16): routing + fused_moe, per call and per kernel, for T = 1, 2, 4, 8:
-             the default, and the block as the decoder layer runs it (pre-norm folded into the router GEMV,
-             routing launched programmatically or the ordinary way, fused_moe; checked against the fp32
-             reference on the same router output; and fused_moe_routed with the routing inside the w13
-             kernel, session 5: slower; and rms_norm_route + fused_moe at T = 1, the routing done by the
-             router GEMV's last program, with the router-only rows beside it; session 6: fused_moe_routed
-             as the layer calls it, by default and with each shared-slot variant, GemvMoeConfig.shared_*,
-             the session-5 default repeated at the end), and the
-             torch._grouped_mm pipeline as the peer. Each
-             call in a graph has its own weight copy and the L2 is flushed by a 256 MB read before each
-             replay (as in a decode step, every layer reads its own experts). Bytes = distinct experts x
-             6.29 MB. (The session-5 GEMV variants -- w13 row sums, L2 prefetch hints, a packed w2 tile --
-             were timed with this script at commit 9c6dd5c; all slower, docs/PERFORMANCE.md.)
+             its slot; H 2048, I 512, bf16), per call and per kernel, for T = 1, 2, 4, 8: routing +
+             fused_moe, the router GEMV alone, and the block as the decoder layer runs it (pre-norm folded
+             into the router GEMV, fused_moe_routed) by default and with the shared slots forced kept with
+             the routing or set apart (the rule in ops/moe/config.py), checked against the fp32 reference
+             on the same router output; the torch._grouped_mm pipeline as the peer. Each call in a graph
+             has its own weight copy and the L2 is flushed by a 256 MB read before each replay (as in a
+             decode step, every layer reads its own experts). Bytes = distinct experts x 6.29 MB.
 
 Every time is `triton.testing.do_bench` (median, L2 flushed before each replay) around the replay of a
 CUDA graph holding `calls` invocations on distinct inputs, divided by `calls` (the per-expert torch loop
@@ -35,7 +30,7 @@ Triton cache) and runs the GPU tests, so the timed phase only replays.
 
 Run (GPU):  PYTHONPATH=. python benchmarks/attention_moe_ops.py --out DIR [--sweep] [--workers 8]
             PYTHONPATH=. python benchmarks/attention_moe_ops.py --out DIR --moe-decode [--gpu-tests]
-                [--decode-t 1,2,4,8] [--test-k EXPR]   (session 4: ~95 s of device time for T = 1..8)
+                [--decode-t 1,2,4,8] [--test-k EXPR]
 """
 
 from __future__ import annotations
@@ -53,7 +48,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 from gpu_common import RunLog, ceilings, device_env, graph_of, graph_seconds  # noqa: I001  (benchmarks/ is on sys.path when run)
 
 from deltaserve.ops.activation import reference as act_ref
@@ -61,6 +55,7 @@ from deltaserve.ops.activation import triton as act_t
 from deltaserve.ops.attention import reference as attn_ref
 from deltaserve.ops.attention import triton as attn_t
 from deltaserve.ops.linear import triton as lin_t
+from deltaserve.ops.moe import config as moe_config
 from deltaserve.ops.moe import reference as moe_ref
 from deltaserve.ops.moe import triton as moe_t
 from deltaserve.ops.moe import triton_routing as moe_route
@@ -439,51 +434,6 @@ DECODE_T = [1, 2, 4, 8]
 DECODE_CALLS = 4
 E_STORED, SLOTS = E + 1, TOP_K + 1          # the shared expert as expert 256, in every token's 9th slot
 EXPERT_BYTES = 3 * INTER * H * 2
-OP = moe_t.OnePassMoeConfig
-ONE_PASS_SWEEP = {  # label -> config (all with programmatic launch unless said)
-    "one-pass default, no pdl": replace(moe_t.ONE_PASS_T1, pdl=False),
-    "one-pass default, combine 16 cols 1 warp": replace(moe_t.ONE_PASS_T1, combine_cols=16, combine_warps=1),
-    "one-pass default, combine 64 cols 4 warps": replace(moe_t.ONE_PASS_T1, combine_cols=64, combine_warps=4),
-    "one-pass g16 k128 n256 w4 x4": OP(16, 16, 128, 256, 4, 3, 4, 32, 2, pdl=True),
-}
-
-
-@triton.jit(do_not_specialize=["T"])
-def _route_s3_kernel(logits, weights, ids, T, E, s_l, K: tl.constexpr, M: tl.constexpr, KP: tl.constexpr,
-                     EP: tl.constexpr):
-    """The session-3 routing kernel at decode (one token per one-warp program): two reductions per choice
-    (the maximum, then the lowest index holding it), no programmatic launch."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, EP)
-    x = tl.load(logits + row * s_l + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
-    x = tl.exp(x - tl.max(x, 0))
-    avail = x / tl.sum(x, 0)
-    kcol = tl.arange(0, KP)
-    w_sel = tl.zeros([KP], dtype=tl.float32)
-    i_sel = tl.zeros([KP], dtype=tl.int32)
-    for j in tl.static_range(K):
-        best = tl.max(avail, 0)
-        idx = tl.min(tl.where(avail == best, cols, EP), 0)
-        w_sel = tl.where(kcol == j, best, w_sel)
-        i_sel = tl.where(kcol == j, idx, i_sel)
-        avail = tl.where(cols == idx, -1.0, avail)
-    w_sel = w_sel / tl.sum(tl.where(kcol < K, w_sel, 0.0), 0)
-    gate = tl.load(logits + row * s_l + E).to(tl.float32)
-    is_shared = (kcol >= K) & (kcol < K + M)
-    w_sel = tl.where(is_shared, 1.0 / (1.0 + tl.exp(-gate)), w_sel)
-    i_sel = tl.where(is_shared, E + kcol - K, i_sel)
-    m = kcol < K + M
-    tl.store(weights + row * (K + M) + kcol, w_sel, mask=m)
-    tl.store(ids + row * (K + M) + kcol, i_sel.to(ids.dtype.element_ty), mask=m)
-
-
-def route_s3(logits):
-    T = logits.shape[0]
-    weights = torch.empty((T, SLOTS), dtype=torch.float32, device=DEV)
-    ids = torch.empty((T, SLOTS), dtype=torch.int64, device=DEV)
-    _route_s3_kernel[(T,)](logits, weights, ids, T, E, logits.stride(0), K=TOP_K, M=1,
-                           KP=triton.next_power_of_2(SLOTS), EP=triton.next_power_of_2(E), num_warps=1)
-    return weights, ids
 
 
 @dataclass
@@ -532,145 +482,55 @@ def grouped_mm_decode(x, w13, w2, weights, ids):
     return out.to(x.dtype)
 
 
-def session3_config(T: int):
-    """The session-3 default: w13 launched the ordinary way."""
-    return replace(moe_t.GEMV_T1, pdl_w13=False) if T == 1 else moe_t.GemvMoeConfig()
-
-
-def session4_config(T: int):
-    """The session-4 default (w13 launched programmatically after the routing)."""
-    return moe_t.GEMV_T1 if T == 1 else moe_t.GemvMoeConfig(pdl_w13=True)
-
-
-# session 6: the shared expert's slots set apart from the routing (GemvMoeConfig.shared_*), label -> config;
-# T = 1 on GEMV_T1, T >= 2 on the T >= 2 default (the same sets as attention_moe_compile_check's)
-SHARED_T1 = {
-    "shared_first": replace(moe_t.GEMV_T1, shared_first=True),
-    "shared_in_route": replace(moe_t.GEMV_T1, shared_in_route=True),
-    "shared_in_route rows 2": replace(moe_t.GEMV_T1, shared_in_route=True, shared_rows=2),
-    "shared_in_route + shared_w2": replace(moe_t.GEMV_T1, shared_in_route=True, shared_w2=True),
-    "shared_in_route + shared_w2 16 rows": replace(moe_t.GEMV_T1, shared_in_route=True, shared_w2=True,
-                                                   shared_w2_rows=16),
-    "shared_in_route + shared_w2, w2 2 rows": replace(moe_t.GEMV_T1, shared_in_route=True, shared_w2=True,
-                                                      block_n2=2),
+# the block as the layer calls it (fused_moe_routed), by default and with the shared slots forced to one side
+# of the SHARED_IN_ROUTE_MAX_TOKENS rule (moe/config.py): label suffix -> config by T
+LAYER = "layer: norm + router GEMV + fused_moe_routed, "
+LAYER_CONFIGS = {
+    "default": lambda T: None,
+    "shared slots kept with the routing":
+        lambda T: moe_config.GEMV_T1 if T == 1 else moe_t.GemvMoeConfig(pdl_w13=True),
+    "shared slots apart": lambda T: moe_config.GEMV_T1_SHARED if T == 1
+    else moe_t.GemvMoeConfig(pdl_w13=True, shared_in_route=True),
 }
-_TN = moe_t.GemvMoeConfig(pdl_w13=True)
-SHARED_TN = {
-    "shared_first": replace(_TN, shared_first=True),
-    "shared_in_route": replace(_TN, shared_in_route=True),
-    "shared_in_route + shared_w2 (w2 all experts, 1 row, 4 warps, pdl)":
-        replace(_TN, shared_in_route=True, shared_w2=True, all_experts=True, pdl=True, block_n2=1, warps2=4),
-}
-SHARED_LABEL = "layer: norm + router GEMV + fused_moe_routed, "
-# the block with the routing kernel and fused_moe's GEMV tiles (the default before session 6; its label said
-# "default" until then) and the block as the layer calls it now (fused_moe_routed, default config: at T <= 2
-# the shared slots set apart, GEMV_T1_SHARED at T = 1)
-DEFAULT_LAYER = "layer: norm + router GEMV + route + fused_moe, session-5 default"
-ROUTED_DEFAULT = SHARED_LABEL + "default"
-
-
 # rows also profiled per kernel (the profiler costs ~1 s a row)
-ROUTED_IN_W13 = "layer: norm + router GEMV + fused_moe_routed (routing inside w13)"
-ROUTED_IN_ROUTER = "layer: norm + router GEMV with the routing tail (rms_norm_route) + fused_moe"
-PROFILED = {"default: route + fused_moe", "default: fused_moe only",
-            DEFAULT_LAYER, ROUTED_DEFAULT, ROUTED_IN_W13, ROUTED_IN_ROUTER,
-            "layer: norm + router GEMV + route + fused_moe, routing launched the ordinary way",
-            DEFAULT_LAYER + " (repeat)", *(SHARED_LABEL + k for k in (*SHARED_T1, *SHARED_TN))}
-# rms_norm_route's variants, label suffix -> (config, route_keys) (T = 1 only: other batches run
-# rms_norm_linear + the routing kernel); the same set as attention_moe_compile_check.ROUTER_ROUTE_CONFIGS
-ROUTER_TAIL_CONFIGS = {"": (None, True), ", two reductions per choice": (None, False),
-                       ", 4 warps": (replace(lin_t.default_prenorm_config(1, E_STORED, H), warps=4), True)}
+PROFILED = {"default: route + fused_moe", "default: fused_moe only", *(LAYER + k for k in LAYER_CONFIGS)}
 
 
-def decode_impls(T: int, d: DecodeInputs, one_pass: bool = False) -> dict:
-    """label -> fn(i) for call i (its own weight copy); '+' = routing inside the timed call."""
-    def ours(cfg=None, route="new"):
+def decode_impls(T: int, d: DecodeInputs) -> dict:
+    """label -> fn(i) for call i (its own weight copy); fn.want, where set, is its fp32 reference."""
+    def ours(route: bool):
         def fn(i):
-            if route == "new":
-                w, ids = moe_route.topk_softmax(d.logits[i], TOP_K, True, shared_slices=1)
-            elif route == "s3":
-                w, ids = route_s3(d.logits[i])
-            else:
-                w, ids = d.routed[i]
-            return moe_t.fused_moe(d.x[i], d.w13[i], d.w2[i], w, ids, config=cfg)
+            w, ids = moe_route.topk_softmax(d.logits[i], TOP_K, True, shared_slices=1) if route else d.routed[i]
+            return moe_t.fused_moe(d.x[i], d.w13[i], d.w2[i], w, ids)
         return fn
 
-    impls = {
-        "default: route + fused_moe": ours(None, "new"),
-        "default: fused_moe only": ours(None, None),
-        "route only, default": lambda i: moe_route.topk_softmax(d.logits[i], TOP_K, True, shared_slices=1),
-        "peer: torch._grouped_mm pipeline (routing excluded)":
-            lambda i: grouped_mm_decode(d.x[i], d.w13[i], d.w2[i], *d.routed[i]),
-    }
+    def want():
+        """fp32 reference of call 0 on the same router output and normed rows."""
+        logits, normed, _ = lin_t.rms_norm_linear(d.x[0], d.resid[0], d.norm_w, 1e-6, d.router[0])
+        w, ids = moe_ref.topk_softmax(logits, TOP_K, True, shared_slices=1)
+        return moe_ref.fused_moe(normed.float(), d.w13[0].float(), d.w2[0].float(), w, ids)
 
-    def layer(cfg=None, route_pdl=None):
+    def layer(cfg):
         """The block as the decoder layer runs it: pre-norm folded into the router GEMV (rms_norm_linear,
-        released early), routing, fused_moe on the normed rows."""
-        def fn(i):
-            logits, normed, _ = lin_t.rms_norm_linear(d.x[i], d.resid[i], d.norm_w, 1e-6, d.router[i])
-            w, ids = moe_route.routed(logits, TOP_K, True, shared_slices=1, pdl_wait=route_pdl)
-            return moe_t.fused_moe(normed, d.w13[i], d.w2[i], w, ids, config=cfg)
-
-        def want():
-            """fp32 reference of call 0 on the same router output and normed rows."""
-            logits, normed, _ = lin_t.rms_norm_linear(d.x[0], d.resid[0], d.norm_w, 1e-6, d.router[0])
-            w, ids = moe_ref.topk_softmax(logits, TOP_K, True, shared_slices=1)
-            return moe_ref.fused_moe(normed.float(), d.w13[0].float(), d.w2[0].float(), w, ids)
-
-        fn.want = want
-        return fn
-
-    impls[DEFAULT_LAYER] = layer()
-
-    def layer_routed(i):
-        """The block with the routing inside the w13 kernel (fused_moe_routed, fuse_routing=True)."""
-        logits, normed, _ = lin_t.rms_norm_linear(d.x[i], d.resid[i], d.norm_w, 1e-6, d.router[i])
-        return moe_t.fused_moe_routed(normed, d.w13[i], d.w2[i], logits, TOP_K, True, shared_slices=1,
-                                      fuse_routing=True)
-
-    layer_routed.want = impls[DEFAULT_LAYER].want
-    impls[ROUTED_IN_W13] = layer_routed
-    impls["layer: norm + router GEMV + route + fused_moe, routing launched the ordinary way"] = layer(None, False)
-    impls["layer: norm + router GEMV + route + fused_moe, routing launched programmatically"] = layer(None, True)
-    impls["layer: norm + router GEMV only"] = \
-        lambda i: lin_t.rms_norm_linear(d.x[i], d.resid[i], d.norm_w, 1e-6, d.router[i])[0]
-
-    def layer_tail(cfg=None, keys=True, experts=True):
-        """The block with the routing in the router GEMV's last program (rms_norm_route: router GEMV -> w13
-        -> w2, no routing launch); experts=False: the router alone."""
-        def fn(i):
-            _, normed, _, w, ids = lin_t.rms_norm_route(d.x[i], d.resid[i], d.norm_w, 1e-6, d.router[i], TOP_K,
-                                                        True, shared_slices=1, config=cfg, route_keys=keys)
-            return moe_t.fused_moe(normed, d.w13[i], d.w2[i], w, ids) if experts else w
-        if experts:
-            fn.want = impls[DEFAULT_LAYER].want
-        return fn
-
-    if T == 1:
-        for suffix, (cfg, keys) in ROUTER_TAIL_CONFIGS.items():
-            impls[ROUTED_IN_ROUTER + suffix] = layer_tail(cfg, keys)
-            impls["layer: norm + router GEMV with the routing tail only" + suffix] = layer_tail(cfg, keys, False)
-        impls["layer: norm + router GEMV + route only"] = lambda i: moe_route.routed(
-            lin_t.rms_norm_linear(d.x[i], d.resid[i], d.norm_w, 1e-6, d.router[i])[0], TOP_K, True,
-            shared_slices=1)[0]
-    def layer_shared(cfg):
-        """The block as the layer calls it (fused_moe_routed) with a shared-slot variant."""
+        released early), then fused_moe_routed on the normed rows."""
         def fn(i):
             logits, normed, _ = lin_t.rms_norm_linear(d.x[i], d.resid[i], d.norm_w, 1e-6, d.router[i])
             return moe_t.fused_moe_routed(normed, d.w13[i], d.w2[i], logits, TOP_K, True, shared_slices=1,
                                           config=cfg)
-        fn.want = impls[DEFAULT_LAYER].want
+        fn.want = want
         return fn
 
-    impls[ROUTED_DEFAULT] = layer_shared(None)
-    for label, cfg in (SHARED_T1 if T == 1 else SHARED_TN).items():
-        impls[SHARED_LABEL + label] = layer_shared(cfg)
-    impls[DEFAULT_LAYER + " (repeat)"] = layer()
-    if one_pass:
-        impls["session 3: route + fused_moe"] = ours(session3_config(T), "s3")
-        impls["new route + one-pass default tiles"] = ours(moe_t.ONE_PASS_T1, "new")
-        for label, cfg in ONE_PASS_SWEEP.items():
-            impls[f"new route + {label}"] = ours(cfg, "new")
+    impls = {
+        "default: route + fused_moe": ours(True),
+        "default: fused_moe only": ours(False),
+        "route only, default": lambda i: moe_route.topk_softmax(d.logits[i], TOP_K, True, shared_slices=1),
+        "layer: norm + router GEMV only":
+            lambda i: lin_t.rms_norm_linear(d.x[i], d.resid[i], d.norm_w, 1e-6, d.router[i])[0],
+        "peer: torch._grouped_mm pipeline (routing excluded)":
+            lambda i: grouped_mm_decode(d.x[i], d.w13[i], d.w2[i], *d.routed[i]),
+    }
+    for label, cfg in LAYER_CONFIGS.items():
+        impls[LAYER + label] = layer(cfg(T))
     return impls
 
 
@@ -734,47 +594,43 @@ def decode_worker(index: int, count: int, only: str = "") -> None:
 
 
 def run_moe_decode(args, log, ceil, t_start: float) -> list:
-    """The main rows of every T first (with per-kernel durations), then the one-pass sweep rows (graph time
-    only), so a run cut short by --budget-s keeps the comparisons."""
+    """Every row of every T, with per-kernel durations for the PROFILED rows."""
     timer = FlushTimer()
-    sweep_labels = {f"new route + {k}" for k in ONE_PASS_SWEEP}
     inputs, wants, rows = {}, {}, []
     for T in DECODE_T:
         d = inputs[T] = decode_inputs(T, DECODE_CALLS)
         wants[T] = moe_ref.fused_moe(d.x[0].float(), d.w13[0].float(), d.w2[0].float(), *d.routed[0])
         torch.cuda.empty_cache()
-    for sweep in (False, True):
-        for T in DECODE_T:
-            d = inputs[T]
-            moved = d.distinct * EXPERT_BYTES + 2 * T * H * 2
-            for label, fn in decode_impls(T, d).items():
-                if (label in sweep_labels) != sweep or not selected(args.only, f"T={T} {label}"):
-                    continue
-                if time.time() - t_start > args.budget_s:
-                    log(f"SKIPPED (budget): T={T} {label}")
-                    continue
-                try:
-                    got = fn(0)
-                    if hasattr(fn, "want"):
-                        err = rel_err(got, fn.want())
-                        torch.cuda.empty_cache()
-                    else:
-                        err = None if label.startswith(("route only", "layer")) else rel_err(got, wants[T])
-                    graph = graph_of(fn, DECODE_CALLS)
-                    sec = timer.time(graph, DECODE_CALLS)
-                    kern = timer.kernels(graph, DECODE_CALLS) if not sweep and label in PROFILED else {}
-                    del graph
-                except Exception as exc:
-                    log(f"FAILED T={T} {label}: {type(exc).__name__}: {str(exc)[:300]}")
-                    log.file.write(traceback.format_exc())
-                    continue
-                row = dict(T=T, impl=label, us=sec * 1e6, rel_err_fp32=err, kernels_us=kern,
-                           distinct_experts=d.distinct, sweep=sweep)
-                if not label.startswith(("route only", "layer: norm + router GEMV only")) and "only" not in label:
-                    row["TBps"] = moved / sec / 1e12
-                    row["frac_copy"] = row["TBps"] / ceil["copy_TBps"]
-                rows.append(row)
-                log(json.dumps(row))
+    for T in DECODE_T:
+        d = inputs[T]
+        moved = d.distinct * EXPERT_BYTES + 2 * T * H * 2
+        for label, fn in decode_impls(T, d).items():
+            if not selected(args.only, f"T={T} {label}"):
+                continue
+            if time.time() - t_start > args.budget_s:
+                log(f"SKIPPED (budget): T={T} {label}")
+                continue
+            try:
+                got = fn(0)
+                if hasattr(fn, "want"):
+                    err = rel_err(got, fn.want())
+                    torch.cuda.empty_cache()
+                else:
+                    err = None if label.startswith(("route only", "layer")) else rel_err(got, wants[T])
+                graph = graph_of(fn, DECODE_CALLS)
+                sec = timer.time(graph, DECODE_CALLS)
+                kern = timer.kernels(graph, DECODE_CALLS) if label in PROFILED else {}
+                del graph
+            except Exception as exc:
+                log(f"FAILED T={T} {label}: {type(exc).__name__}: {str(exc)[:300]}")
+                log.file.write(traceback.format_exc())
+                continue
+            row = dict(T=T, impl=label, us=sec * 1e6, rel_err_fp32=err, kernels_us=kern, distinct_experts=d.distinct)
+            if not label.startswith("route only") and "only" not in label:
+                row["TBps"] = moved / sec / 1e12
+                row["frac_copy"] = row["TBps"] / ceil["copy_TBps"]
+            rows.append(row)
+            log(json.dumps(row))
     return rows
 
 
