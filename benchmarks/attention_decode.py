@@ -27,6 +27,7 @@ import torch
 import triton
 
 from deltaserve.ops.attention import triton as attn_t
+from deltaserve.ops.attention import triton_decode as attn_decode
 
 NH, NKV, D, RD, BS = 16, 2, 256, 64, 16
 LAYERS = 10
@@ -40,7 +41,7 @@ SWEEP = {  # label -> config, timed at batch 1 (block_n, max_splits, min_tiles, 
     "bn64 S64 t2 w8": DC(64, 64, 2, 8, 2), "bn64 S64 t2 w4 s3": DC(64, 64, 2, 4, 3),
     "bn64 S64 t1 w4 pf1": DC(64, 64, 1, 4, 2, 1), "bn64 S64 t2 w4 pf2": DC(64, 64, 2, 4, 2, 2),
     "bn64 S64 t4 w4 pf2": DC(64, 64, 4, 4, 2, 2), "bn64 S64 t2 w8 pf2": DC(64, 64, 2, 8, 2, 2),
-    # two launches: the splits' results merged by _merge_splits_kernel (not measured yet)
+    # two launches: the splits' results merged by the merge kernel
     "bn64 S64 t1 w4 mk": DC(64, 64, 1, 4, 2, 0, False), "bn64 S64 t1 w4 pf1 mk": DC(64, 64, 1, 4, 2, 1, False),
     "bn64 S64 t1 w8 pf1 mk": DC(64, 64, 1, 8, 2, 1, False),
 }
@@ -208,7 +209,7 @@ def compile_check() -> int:
         sp = triton.next_power_of_2(c.max_splits)
         ms = min(sp, 8)
         gm = NH // NKV
-        r = compile_one(f"decode_attention {label} {c}", attn_t._decode_attention_kernel, types,
+        r = compile_one(f"decode_attention {label} {c}", attn_decode._decode_attention_kernel, types,
                         dict(NH=NH, NKV=NKV, D=D, RD=RD, G=gm, GM=gm, BLOCK_M=16, BLOCK_N=c.block_n,
                              SPLITS=c.max_splits, SP=sp, MIN_TILES=c.min_tiles, MS=ms,
                              BD=min(D, max(16, 64 * 32 * c.num_warps // (ms * gm))), IEEE=False, PDL=True,
