@@ -1,14 +1,15 @@
-"""Triton embed_rope (same signature as reference.embed_rope): one launch instead of the ~11 small torch
-kernels a forward used to start with (id resolution, gather, position cast, angle product, concatenation,
-cos, sin and two casts), each a kernel boundary at the head of every decode step's graph.
+"""Triton embed_rope (same signature as reference.embed_rope): one launch instead of the reference's ~11
+small torch kernels (id resolution, gather, position cast, angle product, concatenation, cos, sin and two
+casts), each a kernel boundary at the head of every decode step's graph.
 
 One program per token: it resolves the id, copies the embedding row, and writes the token's cos / sin
 rows. cos / sin use libdevice's cosf / sinf, the functions torch's CUDA kernels call, on the same fp32
 angle (one fp32 product), so the tables have the reference's bits (not tl.cos / tl.sin: those lower to
 the approximate PTX instructions, whose error grows with the angle, and angles reach 1e5 rad here).
-Triton's interpreter has no libdevice; there numpy's cos / sin stand in (within an ulp or two of torch's). On Hopper the program lets the next
-kernel (a programmatic dependent, the first layer's projection) become resident at once: it prefetches
-its weights while this runs, and waits for this kernel's writes itself.
+Triton's interpreter has no libdevice; there numpy's cos / sin stand in (within an ulp or two of torch's).
+On Hopper the program lets the next kernel (a programmatic dependent, the first layer's projection)
+become resident at once: it prefetches its weights while this runs, and waits for this kernel's writes
+itself.
 """
 
 from __future__ import annotations
