@@ -54,7 +54,8 @@ class WorkerConfig:
 
 def kernels_summary(kernels: Kernels) -> str:
     """The ops counted by backend, most first, a minority of up to three named: "24 triton, 1 reference
-    (gdn_prefill)"."""
+    (gdn_prefill)". The summary line's only view of the kernels: a summary the ops package gives replaces
+    this body."""
     by_backend: dict[str, list[str]] = collections.defaultdict(list)
     for op, backend in sorted(kernels.backend.items()):
         by_backend[backend].append(op)
