@@ -8,6 +8,7 @@ import dataclasses
 
 import torch
 
+from .cache.plan import pool_shapes
 from .config import ModelConfig
 
 
@@ -99,17 +100,12 @@ class CacheBuffers:
         device: torch.device | str, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32,
         num_attention_layers: int | None = None,
     ) -> "CacheBuffers":
-        n_gdn = len(config.gdn_layer_ids)
-        n_attn = len(config.attention_layer_ids) if num_attention_layers is None else num_attention_layers
-        ssm = torch.zeros(
-            (n_gdn, num_slots, config.linear_num_value_heads, config.linear_key_head_dim,
-             config.linear_value_head_dim), dtype=state_dtype, device=device)
-        conv = torch.zeros(
-            (n_gdn, num_slots, config.linear_conv_kernel_dim - 1, config.gdn_conv_dim), dtype=dtype, device=device)
-        kv = torch.zeros(
-            (n_attn, 2, num_blocks, block_size, config.num_key_value_heads, config.head_dim),
-            dtype=dtype, device=device)
-        return cls(ssm=ssm, conv=conv, kv=kv)
+        """Zeroed pools of the layout cache/plan.py sizes."""
+        shapes = pool_shapes(config, num_slots=num_slots, num_blocks=num_blocks, block_size=block_size,
+                             num_attention_layers=num_attention_layers)
+        return cls(ssm=torch.zeros(shapes.ssm, dtype=state_dtype, device=device),
+                   conv=torch.zeros(shapes.conv, dtype=dtype, device=device),
+                   kv=torch.zeros(shapes.kv, dtype=dtype, device=device))
 
     @property
     def num_slots(self) -> int:

@@ -12,7 +12,6 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-DEFAULT_CPU_CACHE_BYTES = 1 << 30
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -28,16 +28,15 @@ from typing import Any, Iterable
 import torch
 
 from ..cache.manager import HybridCacheManager
-from ..cache.memory import CachePlan, plan_cache
-from ..cache.spec import CacheSpec
+from ..cache.plan import DEFAULT_CPU_CACHE_BYTES, CachePlan
 from ..config import ModelConfig
 from ..env import settings
-from ..models.loader import build_dummy_model, check_load_format, load_model
-from ..ops import select_kernels
+from ..models.loader import check_load_format
 from ..outputs import PositionLogprobs, RequestOutput
+from ..runner.worker import Worker, WorkerConfig
 from ..sampling_params import SamplingParams
 from ..tokenizer import NoTokenizerError, Tokenizer
-from .config import DEFAULT_CPU_CACHE_BYTES, EngineConfig, resolve_device, resolve_dtype
+from .config import EngineConfig, resolve_device, resolve_dtype
 from .detokenizer import IncrementalDetokenizer
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Request, Sequence, SeqStatus
@@ -107,9 +106,11 @@ class LLMEngine:
                   enforce_reference_ops: bool = False, load_format: str = "auto",
                   enforce_eager: bool = False, compile: str | None = None,
                   async_scheduling: bool | None = None, warm_up: bool | None = None) -> "LLMEngine":
-        """Load a checkpoint directory (default: the embedded model), size the cache from the memory budget
-        (GPU: measured; CPU: cpu_cache_bytes) and build the runner. num_gpu_blocks fixes the number of KV
-        blocks on any device (tests, tuning); max_num_seqs / max_model_len may come out lower (logged).
+        """Validate the options into configs, have a Worker (runner/worker.py) do the device half of start-up
+        (load the checkpoint directory, default: the embedded model; select kernels; size the cache from the
+        memory budget, GPU: measured, CPU: cpu_cache_bytes; allocate it; capture graphs), build the engine
+        over the worker's runner and cache plan, and log one summary line. num_gpu_blocks fixes the number
+        of KV blocks on any device (tests, tuning); max_num_seqs / max_model_len may come out lower (logged).
         load_format="dummy": random weights from the config alone (`model` is a directory holding a
         config.json, or a config dict); without a tokenizer.json only token-id prompts work.
         enforce_eager: no CUDA graphs (decode steps are otherwise captured per batch-size bucket on CUDA when
@@ -120,11 +121,7 @@ class LLMEngine:
         async_scheduling: launch each step before reading the previous one's tokens; None: on for CUDA
         devices (on CPU the forward runs in the launching thread, so there is nothing to overlap).
         warm_up: run `warm_up()` before returning; None: on CUDA (on CPU there are no kernels to build)."""
-        from ..runner.cpu_compile import CompiledDecode, resolve_compile_mode
-        from ..runner.cuda_graphs import plan_decode_graphs
-        from ..runner.memory import profile_gpu_cache_budget
-        from ..runner.model_runner import ModelRunner, allocate_cache
-
+        t0 = time.perf_counter()
         config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                               gpu_memory_utilization=gpu_memory_utilization, cpu_cache_bytes=cpu_cache_bytes,
@@ -139,45 +136,29 @@ class LLMEngine:
             path = Path(model) if model is not None else DEFAULT_MODEL_PATH
             model_config = ModelConfig.from_hf(path)
         dev = resolve_device(device)
-        compile_mode = resolve_compile_mode(compile or settings().compile or "auto", dev)
-        dt = resolve_dtype(dtype, model_config, dev)
         limit = model_config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
-        kernels = select_kernels(dev, force_reference=enforce_reference_ops or settings().force_reference_ops,
-                                 shapes=model_config.kernel_shapes)
-        if load_format == "dummy":
-            net = build_dummy_model(model_config, device=dev, dtype=dt, kernels=kernels, seed=seed or 0)
-        else:
-            net = load_model(path, device=dev, dtype=dt, kernels=kernels, config=model_config)
+        worker = Worker(WorkerConfig(
+            model=model_config, model_path=path, load_format=load_format, device=dev,
+            dtype=resolve_dtype(dtype, model_config, dev), max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=config.token_budget, max_model_len=max_model_len or limit, block_size=block_size,
+            gpu_memory_utilization=gpu_memory_utilization, cpu_cache_bytes=cpu_cache_bytes or DEFAULT_CPU_CACHE_BYTES,
+            num_kv_blocks=num_gpu_blocks, seed=seed,
+            force_reference_ops=enforce_reference_ops or settings().force_reference_ops,
+            enforce_eager=enforce_eager, compile=compile or settings().compile or "auto"))
         tokenizer = Tokenizer.from_dir(path) if path is not None else None
-
-        graph_sizes = plan_decode_graphs(dev, kernels, max_batch=min(max_num_seqs, config.token_budget),
-                                         enforce_eager=enforce_eager)
-        budget = (profile_gpu_cache_budget(net, device=dev, dtype=dt, max_num_batched_tokens=config.token_budget,
-                                           max_num_seqs=max_num_seqs, block_size=block_size,
-                                           utilization=gpu_memory_utilization,
-                                           graph_batch_size=max(graph_sizes, default=0))
-                  if dev.type == "cuda" else cpu_cache_bytes or DEFAULT_CPU_CACHE_BYTES)
-        elem = torch.empty((), dtype=dt).element_size()
-        spec = CacheSpec.from_model(model_config, block_size=block_size, kv_dtype_bytes=elem, conv_dtype_bytes=elem)
-        plan = plan_cache(spec, budget_bytes=budget, max_num_seqs=max_num_seqs,
-                          max_model_len=max_model_len or limit, num_blocks=num_gpu_blocks)
-        buffers = allocate_cache(net, num_slots=plan.num_slots, num_blocks=plan.num_blocks, block_size=block_size,
-                                 device=dev, dtype=dt)
-        runner = ModelRunner(net, buffers, device=dev, max_model_len=plan.max_model_len, seed=seed)
-        if graph_sizes:
-            runner.capture_decode_graphs(min(plan.max_num_seqs, config.token_budget))
-        if compile_mode != "off" and not enforce_eager:
-            runner.compiled_decode = CompiledDecode(net, buffers, background=compile_mode == "auto")
+        runner = worker.start()
+        plan = worker.plan
         manager = HybridCacheManager(num_blocks=plan.num_blocks, block_size=block_size, num_slots=plan.num_slots)
         if config.token_budget < plan.max_num_seqs:
             logger.info("max_num_batched_tokens %d < max_num_seqs %d: a full batch decodes over several steps",
                         config.token_budget, plan.max_num_seqs)
         engine = cls(model_config=model_config, tokenizer=tokenizer, runner=runner, cache=manager, plan=plan,
                      config=config, model_path=path)
-        if warm_up if warm_up is not None else dev.type == "cuda":
-            engine.warm_up()
+        warm = engine.warm_up() if (warm_up if warm_up is not None else dev.type == "cuda") else None
+        logger.info("engine ready in %.1f s%s: %s", time.perf_counter() - t0,
+                    "" if warm is None else f" (warm-up {warm:.1f} s)", worker.summary())
         return engine
 
     def warm_up(self) -> float:
@@ -223,7 +204,7 @@ class LLMEngine:
         self.scheduler.num_preempted_total = 0
         assert self.cache.blocks.num_used == 0 and self.cache.slots.num_used == 0, "warm-up left cache in use"
         seconds = time.perf_counter() - t0
-        logger.info("warm-up: kernel variants of several packings built in %.1f s", seconds)
+        logger.debug("warm-up: kernel variants of several packings built in %.1f s", seconds)
         return seconds
 
     # ---- requests ----------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import dataclasses
 from typing import Iterable
 
 from ..cache.manager import HybridCacheManager
-from .interfaces import ScheduledChunk, SchedulerOutput
+from ..step_io import ScheduledChunk, SchedulerOutput
 from .sequence import SeqStatus, Sequence
 
 

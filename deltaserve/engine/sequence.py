@@ -9,8 +9,8 @@ import enum
 
 from ..outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from ..sampling_params import SamplingParams
+from ..step_io import NewSequence
 from .detokenizer import IncrementalDetokenizer
-from .interfaces import NewSequence
 
 
 class SeqStatus(enum.Enum):

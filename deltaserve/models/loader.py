@@ -108,9 +108,9 @@ def load_model(path: str | Path, *, device: torch.device | str, dtype: torch.dty
                 for name in names:
                     expected[name].load(st.get_tensor(by_name[name][0]))
                     bar.update(1)
-    logger.info("loaded %s: %s, %d layers (%d GDN, %d attention), %d MTP layer(s), %s on %s",
-                path.name, config.family, config.num_hidden_layers, len(config.gdn_layer_ids),
-                len(config.attention_layer_ids), mtp_layers, dtype, device)
+    logger.debug("loaded %s: %s, %d layers (%d GDN, %d attention), %d MTP layer(s), %s on %s",
+                 path.name, config.family, config.num_hidden_layers, len(config.gdn_layer_ids),
+                 len(config.attention_layer_ids), mtp_layers, dtype, device)
     return model.eval()
 
 
@@ -126,10 +126,10 @@ def build_dummy_model(config: ModelConfig, *, device: torch.device | str, dtype:
     has) holding seeded random weights created on `device`."""
     model = HybridForCausalLM(config, kernels, dtype=dtype, device=device, mtp_layers=config.mtp_num_layers)
     init_dummy_weights(model, seed=seed)
-    logger.info("dummy weights: %s, %d layers (%d GDN, %d attention), %d MTP layer(s), %.2f GB %s on %s",
-                config.family, config.num_hidden_layers, len(config.gdn_layer_ids), len(config.attention_layer_ids),
-                config.mtp_num_layers, sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9,
-                dtype, device)
+    logger.debug("dummy weights: %s, %d layers (%d GDN, %d attention), %d MTP layer(s), %.2f GB %s on %s",
+                 config.family, config.num_hidden_layers, len(config.gdn_layer_ids), len(config.attention_layer_ids),
+                 config.mtp_num_layers, sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9,
+                 dtype, device)
     return model.eval()
 
 

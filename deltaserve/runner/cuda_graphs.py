@@ -81,10 +81,12 @@ def eager_reason(device: torch.device, kernels: Kernels, *, enforce_eager: bool)
 
 def plan_decode_graphs(device: torch.device, kernels: Kernels, *, max_batch: int, enforce_eager: bool) -> list[int]:
     """The buckets to capture for decode batches of up to max_batch sequences; [] (logged once, with the
-    reason) when decode steps must run eagerly."""
+    reason) when decode steps must run eagerly: at INFO where graphs were possible (a CUDA device, not
+    enforce_eager), else at DEBUG."""
     why = eager_reason(device, kernels, enforce_eager=enforce_eager)
     if why is not None:
-        logger.info("decode steps run eagerly (no CUDA graphs): %s", why)
+        expected = enforce_eager or torch.device(device).type != "cuda"
+        logger.log(logging.DEBUG if expected else logging.INFO, "decode steps run eagerly (no CUDA graphs): %s", why)
         return []
     return capture_sizes(max_batch)
 
@@ -195,8 +197,8 @@ class DecodeGraphs:
         self.capture_seconds = time.perf_counter() - start
         torch.cuda.empty_cache()                    # drop the warm-ups' cached blocks; the graphs' pool stays
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
-        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s; graph memory %.0f MiB",
-                    len(self._graphs), _ranges(self.sizes), self.capture_seconds, self.pool_bytes / MiB)
+        logger.debug("captured %d decode CUDA graphs (batch sizes %s) in %.1f s; graph memory %.0f MiB",
+                     len(self._graphs), _ranges(self.sizes), self.capture_seconds, self.pool_bytes / MiB)
 
     def replay(self, input_ids: list[int], positions: list[int], slot_mapping: list[int], seq_lens: list[int],
                state_slots: list[int], block_tables: np.ndarray) -> torch.Tensor:

@@ -1,25 +1,32 @@
-"""How many bytes the cache pools may take: on the GPU, measured after a warm-up forward of the largest
-step the scheduler will ever issue (and, with CUDA graphs, a decode forward of the largest graph bucket,
-whose activations the graphs' private pool keeps for good); on the CPU, a configured size. The byte count
-goes to cache/memory.py, which turns it into slot and block counts."""
+"""Device memory, measured and allocated: the cache budget on a GPU (what a warm-up forward of the largest
+step the scheduler will ever issue leaves, and, with CUDA graphs, a decode forward of the largest graph
+bucket, whose activations the graphs' private pool keeps for good) and the pools themselves. The
+arithmetic on those byte counts (budget, slot and block counts) is cache/plan.py's."""
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from ..batch import ForwardBatch
+from ..batch import CacheBuffers, ForwardBatch
+from ..cache.plan import MiB, gpu_cache_budget, pool_shapes
 from ..models.qwen3_next import HybridForCausalLM
 from .cuda_graphs import capture_sizes, padded_decode_batch
-from .model_runner import allocate_cache
 
-logger = logging.getLogger(__name__)
-
-MiB = 1 << 20
 # Per captured graph, on top of the measured activations: the pool's segment rounding and each graph's
 # live output. Measured on an H200: 11 graphs of a 4-layer hidden-64 model (activations < 1 MiB) held 68 MiB.
 GRAPH_SLACK_BYTES = 8 * MiB
+
+
+def allocate_cache(model: HybridForCausalLM, *, num_slots: int, num_blocks: int, block_size: int,
+                   device: torch.device, dtype: torch.dtype) -> CacheBuffers:
+    """The pools (cache/plan.py's layout; fp32 state, `dtype` conv windows and K/V). On CPU they are left
+    uninitialised (pages are only touched once used; nothing reads a slot or block position before
+    writing it)."""
+    shapes = pool_shapes(model.config, num_slots=num_slots, num_blocks=num_blocks, block_size=block_size)
+    make = torch.zeros if device.type == "cuda" else torch.empty
+    return CacheBuffers(ssm=make(shapes.ssm, dtype=torch.float32, device=device),
+                        conv=make(shapes.conv, dtype=dtype, device=device),
+                        kv=make(shapes.kv, dtype=dtype, device=device))
 
 
 def dummy_prefill_batch(num_tokens: int, block_size: int, device: torch.device) -> ForwardBatch:
@@ -69,13 +76,6 @@ def profile_gpu_cache_budget(model: HybridForCausalLM, *, device: torch.device, 
     del scratch
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    not_torch = (total - free) - torch.cuda.memory_reserved(device)   # CUDA context, other processes
-    budget = int(total * utilization - peak - max(not_torch, 0) - graphs)
-    logger.info("GPU memory: total %.0f MiB x %.2f, weights + activation peak %.0f MiB, outside torch %.0f MiB, "
-                "CUDA graphs ~%.0f MiB -> %.0f MiB for the cache", total / MiB, utilization, peak / MiB,
-                not_torch / MiB, graphs / MiB, budget / MiB)
-    if budget <= 0:
-        raise ValueError(f"no GPU memory left for the cache: {total / MiB:.0f} MiB x {utilization} is less than the "
-                         f"{(peak + not_torch + graphs) / MiB:.0f} MiB the model needs (raise gpu_memory_utilization, "
-                         "lower max_num_batched_tokens, or free the GPU)")
-    return budget
+    return gpu_cache_budget(total_bytes=total, utilization=utilization, peak_bytes=peak,
+                            outside_torch_bytes=(total - free) - torch.cuda.memory_reserved(device),  # context, others
+                            graph_bytes=graphs)

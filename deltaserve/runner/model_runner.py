@@ -6,9 +6,9 @@ the sequence was freed. It knows nothing about request lifecycles. All host work
 happens before the forward, host tensors reach the device from pinned memory (no sync), and the only
 host sync after it is reading the sampled tokens (and logprobs).
 
-On CUDA with Triton ops, decode-only steps of up to the largest captured bucket replay a CUDA graph
-(runner/cuda_graphs.py, captured by `capture_decode_graphs` once the cache exists); prefill and mixed
-steps, and larger decode batches, run eagerly.
+The runner is built by runner/worker.py, which also has it capture its decode CUDA graphs once the cache
+exists: on CUDA with Triton ops, decode-only steps of up to the largest captured bucket replay a graph
+(runner/cuda_graphs.py); prefill and mixed steps, and larger decode batches, run eagerly.
 
 A step is `launch` (pack, queue the forward, the logits and the sampler; returns a StepHandle at once on
 CUDA) then `collect` (wait for the tokens, append them, build the logprob entries); `execute` does both.
@@ -28,8 +28,8 @@ import torch
 
 from ..batch import CacheBuffers, ForwardBatch
 from ..env import settings
-from ..engine.interfaces import NewSequence, RunnerOutput, ScheduledChunk, SchedulerOutput
 from ..models.qwen3_next import HybridForCausalLM
+from ..step_io import NewSequence, RunnerOutput, ScheduledChunk, SchedulerOutput
 from .cuda_graphs import DecodeGraphs, capture_sizes
 from .sampler import PendingLogprobs, PendingSample, Sampler, SamplingRow, log_softmax, to_device, top_logprobs
 
@@ -71,16 +71,6 @@ class _LogitRows:
     sample_rows: list[int]                           # index into rows of each sampling sequence
     samples: list[tuple[int, _SeqState]]             # (seq id, state) of each sampling sequence
     prompt_parts: list[tuple[int, _SeqState, int, int, int]]  # seq id, state, first row, count, chunk start
-
-
-def allocate_cache(model: HybridForCausalLM, *, num_slots: int, num_blocks: int, block_size: int,
-                   device: torch.device, dtype: torch.dtype) -> CacheBuffers:
-    """The pools, laid out by CacheBuffers.allocate. On CPU they are left uninitialised (pages are only
-    touched once used; nothing reads a slot or block position before writing it)."""
-    layout = CacheBuffers.allocate(model.config, num_slots=num_slots, num_blocks=num_blocks, block_size=block_size,
-                                   device="meta", dtype=dtype)
-    make = torch.zeros if device.type == "cuda" else torch.empty
-    return CacheBuffers(*(make(t.shape, dtype=t.dtype, device=device) for t in (layout.ssm, layout.conv, layout.kv)))
 
 
 def _temperature_sample_op(device: torch.device):

@@ -1,16 +1,17 @@
-"""Pool sizing from a memory budget: bytes per block / slot match the buffers, concurrency and context
-length are clamped (with a warning) instead of refusing to start, impossible budgets raise."""
+"""Memory planning (cache/plan.py): bytes per block / slot match the buffers both allocators make, the GPU
+budget sets aside what the process needs, pool sizing clamps concurrency and context length (with a
+warning) instead of refusing to start, impossible budgets raise."""
 
 from __future__ import annotations
 
 import logging
+import types
 
 import pytest
 import torch
 
 from deltaserve.batch import CacheBuffers
-from deltaserve.cache.memory import plan_cache
-from deltaserve.cache.spec import CacheSpec
+from deltaserve.cache.plan import CacheSpec, MiB, gpu_cache_budget, plan_cache
 from deltaserve.config import ModelConfig
 
 CFG = ModelConfig.from_dict(dict(
@@ -21,13 +22,33 @@ CFG = ModelConfig.from_dict(dict(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_spec_bytes_match_allocated_buffers(dtype):
+@pytest.mark.parametrize("allocate", ["CacheBuffers.allocate", "runner allocate_cache"])
+def test_spec_bytes_match_allocated_buffers(dtype, allocate):
     bs = 16
     spec = CacheSpec.from_model(CFG, block_size=bs, kv_dtype_bytes=dtype.itemsize, conv_dtype_bytes=dtype.itemsize)
-    buf = CacheBuffers.allocate(CFG, num_slots=3, num_blocks=5, block_size=bs, device="meta", dtype=dtype)
+    if allocate == "CacheBuffers.allocate":
+        buf = CacheBuffers.allocate(CFG, num_slots=3, num_blocks=5, block_size=bs, device="meta", dtype=dtype)
+    else:
+        from deltaserve.runner.memory import allocate_cache
+
+        model = types.SimpleNamespace(config=CFG)
+        buf = allocate_cache(model, num_slots=3, num_blocks=5, block_size=bs, device=torch.device("cpu"), dtype=dtype)
     assert spec.kv_block_bytes * 5 == buf.kv.numel() * buf.kv.element_size()
     assert spec.state_slot_bytes * 3 == (buf.ssm.numel() * buf.ssm.element_size()
                                          + buf.conv.numel() * buf.conv.element_size())
+    assert (buf.num_slots, buf.num_blocks, buf.block_size) == (3, 5, bs)
+
+
+def test_gpu_budget_sets_aside_what_the_process_needs_besides_the_pools():
+    budget = gpu_cache_budget(total_bytes=1000 * MiB, utilization=0.9, peak_bytes=300 * MiB,
+                              outside_torch_bytes=50 * MiB, graph_bytes=20 * MiB)
+    assert budget == 530 * MiB
+    # memory outside torch can read negative (freed by another process meanwhile): never adds to the budget
+    assert gpu_cache_budget(total_bytes=1000 * MiB, utilization=0.5, peak_bytes=100 * MiB,
+                            outside_torch_bytes=-10 * MiB, graph_bytes=0) == 400 * MiB
+    with pytest.raises(ValueError, match="no GPU memory left for the cache"):
+        gpu_cache_budget(total_bytes=1000 * MiB, utilization=0.3, peak_bytes=250 * MiB, outside_torch_bytes=50 * MiB,
+                         graph_bytes=0)
 
 
 def _spec(slot=1000, block=100, bs=16):

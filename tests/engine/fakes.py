@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from deltaserve.config import ModelConfig
-from deltaserve.engine.interfaces import RunnerOutput, SchedulerOutput
+from deltaserve.step_io import RunnerOutput, SchedulerOutput
 
 VOCAB = 97
 

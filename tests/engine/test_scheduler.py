@@ -8,7 +8,7 @@ import random
 import pytest
 
 from deltaserve.cache.manager import HybridCacheManager
-from deltaserve.cache.memory import CachePlan
+from deltaserve.cache.plan import CachePlan
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig

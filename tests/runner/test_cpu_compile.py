@@ -14,7 +14,8 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.models.loader import load_model
 from deltaserve.ops import REFERENCE_OPS, select_kernels
 from deltaserve.runner import cpu_compile as cc
-from deltaserve.runner.model_runner import ModelRunner, allocate_cache
+from deltaserve.runner.memory import allocate_cache
+from deltaserve.runner.model_runner import ModelRunner
 from tests.conftest import TinySpec, random_ids
 
 G = torch.Generator().manual_seed(0)
@@ -99,7 +100,7 @@ def bf16_model_path(tiny_model, tmp_path_factory):
 def test_decode_twin_eager_equals_model(bf16_model_path):
     """The twin's ops and bf16 reads, run eagerly (no compile here), reproduce the model's decode step: hidden
     states, logits and the pool updates, for one sequence and for three."""
-    from deltaserve.engine.interfaces import NewSequence, ScheduledChunk, SchedulerOutput
+    from deltaserve.step_io import NewSequence, ScheduledChunk, SchedulerOutput
 
     model = load_model(bf16_model_path, device="cpu", dtype=torch.float32, kernels=select_kernels("cpu"),
                        show_progress=False)

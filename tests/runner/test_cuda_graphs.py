@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.engine.interfaces import NewSequence, ScheduledChunk, SchedulerOutput
 from deltaserve.models.loader import load_model
 from deltaserve.ops import REFERENCE_OPS, Kernels, select_kernels
 from deltaserve.runner import cuda_graphs
 from deltaserve.runner.cuda_graphs import DECODE_PATH_OPS, bucket_for, capture_sizes, eager_reason, padded_decode_batch
-from deltaserve.runner.model_runner import ModelRunner, allocate_cache
+from deltaserve.runner.memory import allocate_cache
+from deltaserve.runner.model_runner import ModelRunner
+from deltaserve.step_io import NewSequence, ScheduledChunk, SchedulerOutput
 from tests.conftest import TinySpec, random_ids
 
 
@@ -102,10 +103,14 @@ def test_decode_packing_matches_the_eager_batch(model):
 
 
 def test_cpu_runs_eagerly_and_says_why(tiny_model, caplog):
-    with caplog.at_level(logging.INFO, logger="deltaserve.runner.cuda_graphs"):
+    """Eager decodes are the expected CPU path: the reason is DEBUG detail, the start-up summary says eager."""
+    with caplog.at_level(logging.DEBUG):
         llm = LLM(tiny_model(TinySpec(family="qwen3_next", ratio=2, seed=5)), device="cpu")
     assert llm.engine.runner.graphs is None
-    assert sum("no CUDA graphs" in r.message and "cpu" in r.message for r in caplog.records) == 1
+    why = [r for r in caplog.records if "no CUDA graphs" in r.message]
+    assert len(why) == 1 and "cpu" in why[0].message and why[0].levelno == logging.DEBUG
+    ready = [r for r in caplog.records if r.message.startswith("engine ready")]
+    assert len(ready) == 1 and ready[0].levelno == logging.INFO and "decode: eager" in ready[0].message
 
 
 @pytest.mark.parametrize("sample", [False, True])
@@ -196,7 +201,8 @@ def test_reference_ops_fall_back_to_eager(tiny_model, caplog):
     with caplog.at_level(logging.INFO, logger="deltaserve.runner.cuda_graphs"):
         llm = LLM(path, device="cuda", enforce_reference_ops=True, max_num_seqs=4, num_gpu_blocks=256)
     assert llm.engine.runner.graphs is None
-    assert any("no CUDA graphs" in r.message and "reference" in r.message for r in caplog.records)
+    assert any("no CUDA graphs" in r.message and "reference" in r.message and r.levelno == logging.INFO
+               for r in caplog.records)
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
 

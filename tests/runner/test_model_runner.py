@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from deltaserve.config import ModelConfig
-from deltaserve.engine.interfaces import NewSequence, ScheduledChunk, SchedulerOutput
 from deltaserve.models.loader import load_model
 from deltaserve.ops import select_kernels
-from deltaserve.runner.model_runner import ModelRunner, allocate_cache
+from deltaserve.runner.memory import allocate_cache
+from deltaserve.runner.model_runner import ModelRunner
 from deltaserve.sampling_params import SamplingParams
+from deltaserve.step_io import NewSequence, ScheduledChunk, SchedulerOutput
 from tests.conftest import TinySpec, random_ids
 
 BS = 4

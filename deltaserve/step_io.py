@@ -1,5 +1,6 @@
-"""The two plain data objects that cross from the engine (CPU bookkeeping) to the runner (device work)
-and back: what to run this step (SchedulerOutput) and what came out (RunnerOutput).
+"""The plain data objects that cross from the engine (CPU bookkeeping) to the runner (device work) and
+back: what to run this step (SchedulerOutput) and what came out (RunnerOutput). A leaf: the engine and the
+runner both import it, it imports neither (nor torch), so it is also what a process boundary serialises.
 
 The runner keeps a little state per sequence between steps (its tokens, where its cache lives, how to
 sample it), sent once in `NewSequence` when the sequence joins the running batch and dropped when its
@@ -11,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..outputs import PositionLogprobs
-from ..sampling_params import SamplingParams
+from .outputs import PositionLogprobs
+from .sampling_params import SamplingParams
 
 
 @dataclasses.dataclass

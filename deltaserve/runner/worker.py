@@ -1,0 +1,158 @@
+"""The device half of start-up, and the unit that owns one device's model, cache pools and runner (one
+per tensor-parallel rank, later).
+
+`Worker.start()` runs the phases in order: `load_model` (select the kernels for the device and the
+model's shapes, build the model from the checkpoint or from dummy weights, decide whether decode steps
+will be CUDA graphs), `cache_budget` (GPU: measured after a warm-up forward of the largest step, the
+graphs' pool set aside; CPU: the configured bytes), `plan_cache` on that budget (cache/plan.py), and
+`initialize_cache` (allocate the pools, build the ModelRunner over them, capture the decode graphs, set
+up the compiled CPU decode step). They are separate methods so that a driver over several workers can
+take the smallest budget of all before any of them allocates. The engine's half (tokenizer, cache
+manager, scheduler, warm-up requests) stays in engine/llm_engine.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from ..cache.plan import CachePlan, CacheSpec, MiB, plan_cache
+from ..config import ModelConfig
+from ..models.loader import build_dummy_model, load_model
+from ..models.qwen3_next import HybridForCausalLM
+from ..ops import Kernels, select_kernels
+from . import cpu_compile
+from .cuda_graphs import plan_decode_graphs
+from .memory import allocate_cache, profile_gpu_cache_budget
+from .model_runner import ModelRunner
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    """What the device half of start-up is asked for, already resolved (no "auto" device or dtype left)."""
+
+    model: ModelConfig
+    model_path: Path | None          # the checkpoint directory; None: dummy weights from `model` alone
+    load_format: str                 # "auto" (safetensors) | "dummy" (seeded random weights)
+    device: torch.device
+    dtype: torch.dtype
+    max_num_seqs: int                # the scheduler's caps the pools and graphs are sized for
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    gpu_memory_utilization: float    # GPU: fraction of total memory the process may use
+    cpu_cache_bytes: int             # CPU: bytes for the pools
+    num_kv_blocks: int | None = None  # fix the KV pool size instead of deriving it from the budget
+    seed: int | None = 0             # dummy weights and the sampler's shared generator
+    force_reference_ops: bool = False
+    enforce_eager: bool = False      # no CUDA graphs, no compiled CPU decode step
+    compile: str = "off"             # the compiled CPU decode step: "auto" | "on" | "off" (cpu_compile.py)
+
+
+def kernels_summary(kernels: Kernels) -> str:
+    """The ops counted by backend, most first, a minority of up to three named: "24 triton, 1 reference
+    (gdn_prefill)". The summary line's only view of the kernels: a summary the ops package gives replaces
+    this body."""
+    by_backend: dict[str, list[str]] = collections.defaultdict(list)
+    for op, backend in sorted(kernels.backend.items()):
+        by_backend[backend].append(op)
+    ranked = sorted(by_backend.items(), key=lambda item: -len(item[1]))
+    return ", ".join(f"{len(ops)} {backend}" + (f" ({', '.join(ops)})" if i and len(ops) <= 3 else "")
+                     for i, (backend, ops) in enumerate(ranked))
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        # validated before anything loads; "auto" / "on" become "off" off CPU
+        self.compile_mode = cpu_compile.resolve_compile_mode(config.compile, config.device)
+        self.kernels: Kernels | None = None
+        self.model: HybridForCausalLM | None = None
+        self.graph_sizes: list[int] = []             # decode batch buckets to capture ([]: eager decodes)
+        self.plan: CachePlan | None = None
+        self.runner: ModelRunner | None = None
+
+    def start(self) -> ModelRunner:
+        """Every phase, for a single device."""
+        c = self.config
+        self.load_model()
+        plan = plan_cache(self.cache_spec(), budget_bytes=self.cache_budget(), max_num_seqs=c.max_num_seqs,
+                          max_model_len=c.max_model_len, num_blocks=c.num_kv_blocks)
+        return self.initialize_cache(plan)
+
+    def load_model(self) -> HybridForCausalLM:
+        c = self.config
+        self.kernels = select_kernels(c.device, force_reference=c.force_reference_ops, shapes=c.model.kernel_shapes)
+        if c.load_format == "dummy":
+            self.model = build_dummy_model(c.model, device=c.device, dtype=c.dtype, kernels=self.kernels,
+                                           seed=c.seed or 0)
+        else:
+            self.model = load_model(c.model_path, device=c.device, dtype=c.dtype, kernels=self.kernels, config=c.model)
+        self.graph_sizes = plan_decode_graphs(c.device, self.kernels,
+                                              max_batch=min(c.max_num_seqs, c.max_num_batched_tokens),
+                                              enforce_eager=c.enforce_eager)
+        return self.model
+
+    def cache_spec(self) -> CacheSpec:
+        """Bytes per KV block and per state slot at this worker's dtype."""
+        c = self.config
+        elem = torch.empty((), dtype=c.dtype).element_size()
+        return CacheSpec.from_model(c.model, block_size=c.block_size, kv_dtype_bytes=elem, conv_dtype_bytes=elem)
+
+    def cache_budget(self) -> int:
+        """Bytes the pools may take on this device (after load_model: a GPU budget is measured on the model)."""
+        c = self.config
+        if c.device.type != "cuda":
+            return c.cpu_cache_bytes
+        return profile_gpu_cache_budget(self.model, device=c.device, dtype=c.dtype,
+                                        max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
+                                        block_size=c.block_size, utilization=c.gpu_memory_utilization,
+                                        graph_batch_size=max(self.graph_sizes, default=0))
+
+    def initialize_cache(self, plan: CachePlan) -> ModelRunner:
+        """Allocate the pools of `plan`, build the runner over them, capture the decode graphs (they bake in
+        the pools' addresses, so they come after) and set up the compiled CPU decode step."""
+        c = self.config
+        buffers = allocate_cache(self.model, num_slots=plan.num_slots, num_blocks=plan.num_blocks,
+                                 block_size=c.block_size, device=c.device, dtype=c.dtype)
+        runner = ModelRunner(self.model, buffers, device=c.device, max_model_len=plan.max_model_len, seed=c.seed)
+        if self.graph_sizes:
+            runner.capture_decode_graphs(min(plan.max_num_seqs, c.max_num_batched_tokens))
+        if self.compile_mode != "off" and not c.enforce_eager:
+            runner.compiled_decode = cpu_compile.CompiledDecode(self.model, buffers,
+                                                                background=self.compile_mode == "auto")
+        self.plan, self.runner = plan, runner
+        return runner
+
+    def summary(self) -> str:
+        """One line: the model, device, dtype, kernels, cache plan and how decode steps run (after start)."""
+        c, m, plan = self.config, self.config.model, self.plan
+        name = c.model_path.name if c.model_path is not None else "a config dict"
+        n_mtp = len(self.model.mtp.layers) if self.model.mtp is not None else 0
+        mtp = f", {n_mtp} MTP layer{'s' if n_mtp > 1 else ''}" if n_mtp else ""
+        weights = (_size(sum(p.numel() * p.element_size() for p in self.model.parameters()))
+                   + (" dummy" if c.load_format == "dummy" else "") + " weights")
+        return (f"{name} ({m.family}, {m.num_hidden_layers} layers: {len(m.gdn_layer_ids)} GDN + "
+                f"{len(m.attention_layer_ids)} attention{mtp}; {weights}) on {c.device}, "
+                f"{str(c.dtype).removeprefix('torch.')}; kernels: {kernels_summary(self.kernels)}; "
+                f"cache: {plan.num_slots} state slots, {plan.num_blocks} KV blocks x {c.block_size} tokens "
+                f"({_size(plan.used_bytes)}); max_model_len {plan.max_model_len}, max_num_seqs {plan.max_num_seqs}; "
+                f"{self._decode_summary()}")
+
+    def _decode_summary(self) -> str:
+        graphs = self.runner.graphs
+        if graphs is not None:
+            return (f"decode: {len(graphs.sizes)} CUDA graphs for batches up to {graphs.max_size} "
+                    f"({_size(graphs.pool_bytes)})")
+        if self.runner.compiled_decode is not None:
+            return "decode: compiled" + (" (in the background)" if self.compile_mode == "auto" else "")
+        if self.config.device.type == "cuda" and not self.config.enforce_eager:
+            return "decode: eager (reference ops on the decode path: no CUDA graphs)"
+        return "decode: eager"
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 30):.1f} GiB" if num_bytes >= 1 << 30 else f"{num_bytes / MiB:.0f} MiB"
