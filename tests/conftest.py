@@ -35,13 +35,16 @@ class TinySpec:
     mtp: bool = False                 # add an mtp.* head (model_spec.md §2.7)
     seed: int = 0
     vocab: int = 160
+    gdn_head_dim: int = 16            # linear key and value head dim
+    attn_head_dim: int = 32
 
 
 def _text_config(spec: TinySpec) -> dict:
     cfg = dict(
         vocab_size=spec.vocab, hidden_size=64, num_hidden_layers=spec.num_layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2 * spec.ratio,
-        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+        num_key_value_heads=2, head_dim=spec.attn_head_dim, linear_num_key_heads=2,
+        linear_num_value_heads=2 * spec.ratio, linear_key_head_dim=spec.gdn_head_dim,
+        linear_value_head_dim=spec.gdn_head_dim, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
         max_position_embeddings=4096, tie_word_embeddings=spec.tie, initializer_range=0.08,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     )
@@ -162,19 +165,20 @@ def tiny_model(tmp_path_factory):
     return make
 
 
-def hf_reference(path: Path, dtype: torch.dtype = torch.float32):
-    """The transformers model for a checkpoint dir, in `dtype`, eager attention (the oracle)."""
+def hf_reference(path: Path, dtype: torch.dtype = torch.float32, **kwargs):
+    """The transformers model for a checkpoint dir, in `dtype`, eager attention (the oracle); kwargs go to
+    from_pretrained."""
     import transformers as tf
 
     config = json.loads((path / "config.json").read_text())
     cls = tf.AutoModelForImageTextToText if "text_config" in config else tf.AutoModelForCausalLM
-    model = cls.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    model = cls.from_pretrained(path, dtype=dtype, attn_implementation="eager", **kwargs)
     return model.eval()
 
 
 def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        return model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        return model(input_ids=torch.tensor([ids], device=model.device)).logits[0].float().log_softmax(-1)
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
@@ -185,14 +189,15 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def check_greedy(hf_lp: torch.Tensor, prompt_len: int, continuation: list[int]) -> None:
+def check_greedy(hf_lp: torch.Tensor, prompt_len: int, continuation: list[int], tie: float = 1e-5) -> None:
     """Teacher-forced greedy check: with hf_lp the transformers logprobs over prompt + continuation, each
     continuation token must be transformers' argmax at its step, which is exactly what transformers'
-    greedy generate() would produce (generate == forward argmax, checked separately)."""
+    greedy generate() would produce (generate == forward argmax, checked separately); a token within `tie`
+    of the argmax counts as a tie."""
     for j, token in enumerate(continuation):
         row = hf_lp[prompt_len - 1 + j]
         best = int(row.argmax())
-        assert token == best or abs(float(row[token] - row[best])) < 1e-5, (
+        assert token == best or abs(float(row[token] - row[best])) < tie, (
             f"greedy token {j} after a {prompt_len}-token prompt: deltaserve {token}, transformers {best} "
             f"(margin {float(row[best] - row[token]):.3g})")
 
