@@ -12,9 +12,10 @@ from .state import DEFAULT_MAX_REQUEST_BYTES, PROMPT_CHARS_PER_TOKEN, ServerConf
 
 DEFAULT_SERVED_NAME = "deltaserve-default"
 
-DESCRIPTION = """Start an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models,
-/health, /metrics) for MODEL, a Hugging Face model directory (default: the embedded model). Every argument
-is checked before the model loads."""
+DESCRIPTION = """\
+Start an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions,
+/v1/models, /health, /metrics) for MODEL, a Hugging Face model directory
+(default: the embedded model). Every argument is checked before the model loads."""
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -23,7 +24,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "%(default)" in text or "default:" in text or action.default in (None, False, argparse.SUPPRESS):
+        if "%(default)" in text or "default:" in text or action.default is None or action.default is False \
+                or action.default == argparse.SUPPRESS:
             return text
         return super()._get_help_string(action)
 
@@ -142,7 +144,7 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ssl-certfile", default=None, help="TLS certificate file (PEM): serve HTTPS")
     g.add_argument("--enable-log-requests", action="store_true",
                    help="log each request's prompt (text or token ids), prompt length and sampling parameters at "
-                        "INFO; off by default: no prompt or output text is ever logged")
+                        "INFO (logger 'deltaserve.requests'); off by default: prompts are not logged")
     g.add_argument("--max-log-len", type=_int_at_least(0), default=None,
                    help="with --enable-log-requests: log at most this many prompt characters / token ids "
                         "(default: all)")

@@ -14,6 +14,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -27,7 +28,6 @@ from .logprobs import TokenText
 from .metrics import ServerMetrics
 from .protocol import APIError, RequestLimits
 
-logger = logging.getLogger(__name__)
 request_logger = logging.getLogger("deltaserve.requests")
 
 T = TypeVar("T")
@@ -67,7 +67,11 @@ class ServerConfig:
 class WorkerPool(concurrent.futures.Executor):
     """A fixed number of daemon threads for tokenizer work. Daemon threads: a tokenization still running
     when the server exits is abandoned (it has no side effects) instead of holding the exit up, as
-    ThreadPoolExecutor's workers would. A job whose caller was cancelled before it started is skipped."""
+    ThreadPoolExecutor's workers would. A job whose caller was cancelled before it started is skipped.
+    On Linux the workers run at a lower CPU priority (`nice`): on a busy CPU a long tokenization yields to
+    the engine thread and the event loop, whose delays every stream sees."""
+
+    NICE = 10
 
     def __init__(self, workers: int, name: str = "deltaserve-tokenizer"):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -85,6 +89,10 @@ class WorkerPool(concurrent.futures.Executor):
         return future
 
     def _work(self) -> None:
+        try:  # Linux: a thread id is a scheduling entity of its own
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.NICE)
+        except (AttributeError, OSError):
+            pass
         while (job := self._jobs.get()) is not None:
             future, fn, args, kwargs = job
             if not future.set_running_or_notify_cancel():
