@@ -11,6 +11,7 @@ while tokenizing) stalled streams for seconds.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 
@@ -59,7 +60,7 @@ async def _stream_gaps(client: httpx.AsyncClient, started: asyncio.Event | None 
             if line.startswith("data: ") and line != "data: [DONE]":
                 times.append(time.perf_counter())
     assert len(times) >= STREAM_TOKENS
-    return [b - a for a, b in zip(times[1:], times[2:])]
+    return [b - a for a, b in itertools.pairwise(times[1:])]
 
 
 async def _big_beside_stream(base: str, *, wait_for_big: bool):

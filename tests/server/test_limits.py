@@ -94,7 +94,8 @@ def test_body_over_the_limit_gets_413(tokenizer_dir):
     with _client(tokenizer_dir, max_request_bytes=1000) as client:
         error = _error(client.post("/v1/completions", json={"prompt": "x" * 2000}), 413)
         assert error["code"] == "request_too_large" and "1000" in error["message"]
-        assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "user": "u" * 900}).status_code == 200
+        under = {"prompt": "hi", "max_tokens": 1, "user": "u" * 900}
+        assert client.post("/v1/completions", json=under).status_code == 200
         text = client.get("/metrics").text
         assert 'deltaserve_requests_total{outcome="rejected"} 1.0' in text
 
