@@ -169,12 +169,21 @@ def check_serve_args(args: argparse.Namespace) -> None:
             raise ValueError(f"model directory {args.model!r} does not exist")
         if not (path / "config.json").is_file():
             raise ValueError(f"{args.model!r} has no config.json: not a Hugging Face model directory")
-    for name in ("max_model_len",):
-        value = getattr(args, name, None)
-        if value is not None and value < 2:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 2 (a prompt token and a generated one), "
-                             f"got {value}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError(f"--max-model-len must be >= 2 (a prompt token and a generated one), got {args.max_model_len}")
+    _check_device_and_dtype(args.device, args.dtype)
     check_server_args(args)
+
+
+def _check_device_and_dtype(device: str, dtype: str) -> None:
+    from ..engine.config import resolve_device, resolve_dtype
+
+    try:
+        resolved = resolve_device(device)
+    except RuntimeError as exc:  # torch.device("gpu"): "Expected one of cpu, cuda, ... device type"
+        raise ValueError(f"--device {device!r}: {exc}") from None
+    if dtype != "auto":
+        resolve_dtype(dtype, None, resolved)  # a named dtype needs no model config
 
 
 def check_server_args(args: argparse.Namespace) -> None:

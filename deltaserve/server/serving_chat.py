@@ -49,6 +49,7 @@ async def create_chat_completion(state: ServerState, http: Request):
         ticket.release()
         raise
     run = _Run(state, req, request_id, in_reasoning=starts_in_reasoning(prompt), ticket=ticket)
+    run.own(group)
     if req.stream:
         return StreamingResponse(run.stream(group), media_type="text/event-stream")
     return JSONResponse(await unless_disconnected(http, run.collect(group)))

@@ -54,6 +54,7 @@ async def create_completion(state: ServerState, http: Request):
         ticket.release()
         raise
     run = _Run(state, req, base_id, prompts, ticket)
+    run.own(group)
     if req.stream:
         return StreamingResponse(run.stream(group), media_type="text/event-stream")
     return JSONResponse(await unless_disconnected(http, run.collect(group)))

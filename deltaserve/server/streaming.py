@@ -3,6 +3,7 @@ group, chunk framing, the usage chunk and the error / [DONE] tail."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, AsyncIterator
 
 from ..outputs import RequestOutput
@@ -20,6 +21,12 @@ class StreamingRun:
     id: str
     created: int
     ticket: WaitingTicket
+
+    def own(self, group: RequestGroup) -> None:
+        """Call once the run is built: if the response is dropped without ever being read (the client left
+        before the body or the collecting task started, so no `finally` of ours runs), the group is
+        aborted and its waiting slots are given back when the run is collected."""
+        weakref.finalize(self, _drop, group, self.ticket)
 
     async def _outputs(self, group: RequestGroup) -> AsyncIterator[RequestOutput]:
         """The group's outputs; each request stops counting as waiting at its first output, and whatever
@@ -62,3 +69,8 @@ class StreamingRun:
             group.close()
             self.ticket.release()
         yield SSE_DONE
+
+
+def _drop(group: RequestGroup, ticket: WaitingTicket) -> None:
+    group.close()
+    ticket.release()

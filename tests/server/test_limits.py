@@ -162,3 +162,26 @@ def test_full_waiting_queue_answers_503_with_retry_after(tokenizer_dir):
         assert client.post("/v1/completions", json={"prompt": "hi", "stream": True, "max_tokens": 2}).status_code \
             == 200
         assert waiting.count == 0
+
+
+def test_a_response_dropped_unread_frees_its_waiting_slot_and_requests(tokenizer_dir):
+    """The client left before the body (or the collecting task) started: nothing of ours ran."""
+    import gc
+
+    from deltaserve.server.streaming import StreamingRun
+    from deltaserve.server.state import WaitingRequests
+
+    class Group:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    waiting, group = WaitingRequests(limit=1, retry_after_s=1), Group()
+    run = StreamingRun()
+    run.ticket = waiting.admit(1)
+    run.own(group)
+    unread = run._outputs(group)       # never started
+    del run, unread
+    gc.collect()
+    assert group.closed and waiting.count == 0

@@ -58,6 +58,8 @@ def test_two_different_models_are_refused_before_loading(tiny_model_dir, tmp_pat
     (["serve", "--max-model-len", "1"], "--max-model-len"),
     (["serve", "--max-log-len", "10"], "needs --enable-log-requests"),
     (["serve", "--api-key", ""], "--api-key"),
+    (["serve", "--device", "gpu"], "--device"),
+    (["serve", "--dtype", "int3"], "int3"),
 ])
 def test_bad_arguments_fail_before_loading(argv, message, loads, capsys):
     assert main(argv) == 2
