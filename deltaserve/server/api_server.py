@@ -96,7 +96,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     def reply(error: APIError) -> JSONResponse:
-        metrics.requests.labels(outcome="rejected" if error.status < 500 else "error").inc()
+        refused = error.status < 500 or error.code == "server_overloaded"   # turned away, not failed
+        metrics.requests.labels(outcome="rejected" if refused else "error").inc()
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(APIError)

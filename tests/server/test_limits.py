@@ -155,6 +155,7 @@ def test_full_waiting_queue_answers_503_with_retry_after(tokenizer_dir):
         r = client.post("/v1/chat/completions", json=CHAT)
         error = _error(r, 503)
         assert r.headers["retry-after"] == "3" and error["code"] == "server_overloaded"
+        assert 'deltaserve_requests_total{outcome="rejected"} 1.0' in client.get("/metrics").text
         held.join(30)
         assert first["r"].status_code == 200
         assert waiting.count == 0               # the first output gave the slot back
