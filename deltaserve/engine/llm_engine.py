@@ -218,6 +218,10 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if params.stop and (self.tokenizer is None or not params.detokenize):
             raise ValueError("stop strings need detokenized text: the model directory has no tokenizer.json"
                              if self.tokenizer is None else "stop strings need detokenize=True")

@@ -1,4 +1,5 @@
-"""The FastAPI app: routes, OpenAI-style errors, API-key check, and `run_server` (uvicorn).
+"""The FastAPI app: routes, OpenAI-style errors, API-key check, request-body limit, CORS, and `run_server`
+(uvicorn).
 
 Every error a client can cause is answered with {"error": {...}} and a 4xx status; an unexpected
 exception is a 500 with the same shape (and is logged), never a bare traceback.
@@ -42,11 +43,15 @@ def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
             yield
         finally:
             async_engine.shutdown()
+            state.close()
 
     app = FastAPI(title="deltaserve", version=__version__, lifespan=lifespan)
     app.state.server = state
+    # added innermost first: CORS (outermost, so preflights and errors carry its headers), API key, body limit
+    _add_body_limit(app, config, metrics)
     if config.api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=config.api_key, on_reject=metrics)
+    _add_cors(app, config)
     _add_error_handlers(app, metrics)
     _add_routes(app, state)
     return app
@@ -91,8 +96,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     def reply(error: APIError) -> JSONResponse:
-        metrics.requests.labels(outcome="rejected" if error.status < 500 else "error").inc()
-        return JSONResponse(error.body(), status_code=error.status)
+        refused = error.status < 500 or error.code == "server_overloaded"   # turned away, not failed
+        metrics.requests.labels(outcome="rejected" if refused else "error").inc()
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -138,10 +144,65 @@ class _APIKeyMiddleware:
         await JSONResponse(error.body(), status_code=401)(scope, receive, send)
 
 
+def _add_body_limit(app: FastAPI, config: ServerConfig, metrics: ServerMetrics) -> None:
+    app.add_middleware(_BodyLimitMiddleware, max_bytes=config.max_request_bytes, metrics=metrics)
+
+
+def _add_cors(app: FastAPI, config: ServerConfig) -> None:
+    """CORS only when origins were given (--allowed-origins): by default browsers on other origins get no
+    CORS headers, so they cannot read responses."""
+    if config.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"])
+
+
+class _BodyLimitMiddleware:
+    """Request bodies above `max_bytes` get 413: at once when Content-Length says so, else as soon as the
+    bytes received pass the limit (a chunked upload is not read to its end first)."""
+
+    def __init__(self, app: Any, max_bytes: int, metrics: ServerMetrics):
+        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
+
+    def _error(self) -> APIError:
+        return APIError(f"the request body is larger than this server accepts ({self.max_bytes} bytes, "
+                        "--max-request-bytes)", status=413, code="request_too_large")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            self.metrics.requests.labels(outcome="rejected").inc()
+            return await JSONResponse(self._error().body(), status_code=413)(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self._error()  # answered by the APIError handler
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def uvicorn_ssl_options(config: ServerConfig) -> dict[str, Any]:
+    """uvicorn's TLS arguments from --ssl-keyfile / --ssl-certfile (none: plain HTTP)."""
+    if config.ssl_certfile is None:
+        return {}
+    return {"ssl_certfile": config.ssl_certfile, "ssl_keyfile": config.ssl_keyfile}
+
+
 def run_server(engine: EngineLike, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
                log_level: str = "info") -> None:
     import uvicorn
 
     app = build_app(engine, config)
-    logger.info("serving %r on http://%s:%d/v1", config.served_model_name, host, port)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    scheme = "https" if config.ssl_certfile else "http"
+    logger.info("serving %r on %s://%s:%d/v1", config.served_model_name, scheme, host, port)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                **uvicorn_ssl_options(config))

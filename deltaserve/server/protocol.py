@@ -8,6 +8,7 @@ validation errors become 400s too.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any, Literal, Union
@@ -23,12 +24,25 @@ class APIError(Exception):
     """An error answered with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """The server's caps on one request (flags of `deltaserve serve`); vocab_size None: not checked."""
+
+    max_logprobs: int = 20
+    max_n: int = 128                  # OpenAI's cap on n
+    max_stop_sequences: int = 64
+    max_tools: int = 128              # OpenAI's cap on tools
+    vocab_size: int | None = None
 
 
 class _Strict(BaseModel):
@@ -64,7 +78,18 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
-    def check_common(self) -> None:
+    def check_common(self, limits: RequestLimits) -> None:
+        if not 1 <= self.n <= limits.max_n:
+            raise APIError(f"n must be in [1, {limits.max_n}], got {self.n}", param="n")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > limits.max_stop_sequences:
+            raise APIError(f"stop has {len(stops)} sequences; at most {limits.max_stop_sequences} are accepted",
+                           param="stop")
+        if self.stop_token_ids and limits.vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if not 0 <= t < limits.vocab_size]
+            if bad:
+                raise APIError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, "
+                               f"{limits.vocab_size})", param="stop_token_ids")
         if self.logit_bias:
             raise APIError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -83,15 +108,20 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    # left to right, token ids before strings: pydantic's default ("smart") union validates a long token-id
+    # list against list[str] in full first (one error per id: seconds of event-loop time for a big prompt)
+    prompt: Union[str, list[int], list[str], list[list[int]]] = Field(union_mode="left_to_right")
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None                    # only == n: no server-side best-of selection
     suffix: str | None = None                     # not supported (no fill-in-the-middle)
 
-    def check(self, max_logprobs: int) -> None:
-        self.check_common()
+    def check(self, limits: RequestLimits) -> None:
+        max_logprobs = limits.max_logprobs
+        if self.best_of is not None and not 1 <= self.best_of <= limits.max_n:
+            raise APIError(f"best_of must be in [1, {limits.max_n}], got {self.best_of}", param="best_of")
+        self.check_common(limits)
         if self.suffix is not None:
             raise APIError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -168,8 +198,12 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
-    def check(self, max_logprobs: int) -> None:
-        self.check_common()
+    def check(self, limits: RequestLimits) -> None:
+        max_logprobs = limits.max_logprobs
+        self.check_common(limits)
+        if self.tools is not None and len(self.tools) > limits.max_tools:
+            raise APIError(f"tools has {len(self.tools)} entries; at most {limits.max_tools} are accepted",
+                           param="tools")
         if not self.messages:
             raise APIError("messages must not be empty", param="messages")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -213,6 +247,15 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def max_output_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def text_chars(self) -> int:
+        """Characters of text in the messages (content, reasoning, tool-call arguments): the prompt-size
+        check made before the template is rendered."""
+        total = 0
+        for m in self.messages:
+            total += len(_text_content(m.content)) + len(m.reasoning_content or "")
+            total += sum(len(c.function.arguments) for c in m.tool_calls or [])
+        return total
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as chat templates expect them: text parts joined, tool-call arguments as dicts."""

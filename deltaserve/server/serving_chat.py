@@ -4,63 +4,88 @@ assistant message (content, reasoning_content, tool_calls) with `MessageParser`,
 from __future__ import annotations
 
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from ..outputs import CompletionOutput, RequestOutput
+from ..tokenizer import TooManyTokens
 from .async_engine import EngineDeadError, RequestGroup
 from .logprobs import chat_logprobs
 from .output_parser import MessageDelta, MessageParser
 from .protocol import APIError, ChatCompletionRequest, parse_request, to_sampling_params
 from .reasoning import ReasoningParser, starts_in_reasoning
-from .state import ServerState, now, unless_disconnected, usage
+from .state import ServerState, WaitingTicket, now, unless_disconnected, usage
 from .streaming import StreamingRun
 from .tool_parsers import QwenToolParser, ToolCallDelta
 
 
 async def create_chat_completion(state: ServerState, http: Request):
     req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await http.body())
-    req.check(state.config.max_logprobs)
+    req.check(state.limits)
     state.check_model(req.model)
     if req.uses_tools and not state.tools_enabled:
         raise APIError("tool calling is not enabled on this server (start it with --tool-call-parser qwen)",
                        param="tools")
-    prompt = render_prompt(state, req)
-    token_ids = state.encode(prompt, add_special_tokens=False)
+    state.check_prompt_chars(req.text_chars(), "messages")
     max_tokens = req.max_output_tokens
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    state.check_length(len(token_ids), max_tokens, prompt_field="messages", max_field=max_field)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = to_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
-
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    ticket = state.waiting.admit(1)
     group = state.engine.open_group()
     try:
-        group.add(request_id, token_ids, params)
-    except ValueError as exc:  # the engine's own validation
-        group.close()
-        raise APIError(str(exc)) from None
+        prompt, token_ids = await state.in_pool(tokenize_chat, state, req)
+        state.check_length(len(token_ids), max_tokens, prompt_field="messages", max_field=max_field)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        state.log_request(request_id, [(prompt, token_ids)], params)
+        try:
+            group.add(request_id, token_ids, params)
+        except ValueError as exc:  # the engine's own validation
+            raise APIError(str(exc)) from None
     except BaseException:
         group.close()
+        ticket.release()
         raise
-    run = _Run(state, req, request_id, in_reasoning=starts_in_reasoning(prompt))
+    run = _Run(state, req, request_id, in_reasoning=starts_in_reasoning(prompt), ticket=ticket)
+    run.own(group)
     if req.stream:
         return StreamingResponse(run.stream(group), media_type="text/event-stream")
     return JSONResponse(await unless_disconnected(http, run.collect(group)))
 
 
+def tokenize_chat(state: ServerState, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+    """Render and tokenize a chat prompt (runs in the tokenizer pool): the prompt's text and token ids.
+    Special-token strings in the rendered text are special tokens, except, with
+    --content-special-tokens-as-text, those a client wrote in the messages, tools or template kwargs:
+    those are tokenized as plain text."""
+    rendered = render_prompt(state, req)
+    state.check_prompt_chars(len(rendered), "messages")
+    tokenizer = state.tokenizer
+    try:
+        if state.config.content_special_tokens_as_text:
+            return tokenizer.unescape(rendered), tokenizer.encode_escaped(rendered, max_tokens=state.max_model_len)
+        return rendered, tokenizer.encode(rendered, add_special_tokens=False, max_tokens=state.max_model_len)
+    except TooManyTokens as exc:
+        state.check_length(exc.num_tokens, None, prompt_field="messages", max_field="max_tokens")
+        raise
+
+
 def render_prompt(state: ServerState, req: ChatCompletionRequest) -> str:
+    """The chat template rendered on the request's messages; with --content-special-tokens-as-text, the
+    client's strings are escaped first (Tokenizer.escape_special_tokens), so the result holds markers."""
     tokenizer = state.tokenizer
     if tokenizer is None or not tokenizer.chat_template:
         raise APIError("this model has no chat template: use /v1/completions", param="messages")
     messages = req.template_messages()
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.uses_tools else None
+    kwargs = req.chat_template_kwargs or {}
+    if state.config.content_special_tokens_as_text:
+        messages, tools, kwargs = _escaped((messages, tools, kwargs), tokenizer.escape_special_tokens)
     try:
         prompt = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt, tools=tools,
-            **(req.chat_template_kwargs or {}))
+            messages, add_generation_prompt=req.add_generation_prompt, tools=tools, **kwargs)
     except Exception as exc:  # the template's own raise_exception, or a template bug on odd input
         raise APIError(f"the chat template failed on these messages: {exc}", param="messages") from None
     if req.continue_final_message:
@@ -71,6 +96,17 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest) -> str:
                            "prompt", param="continue_final_message")
         prompt = prompt[: end + len(final)]
     return prompt
+
+
+def _escaped(value: Any, escape: Callable[[str], str]) -> Any:
+    """Every string in a JSON-like value (dict keys included) passed through `escape`."""
+    if isinstance(value, str):
+        return escape(value)
+    if isinstance(value, dict):
+        return {_escaped(k, escape): _escaped(v, escape) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_escaped(v, escape) for v in value)
+    return value
 
 
 class _Choice:
@@ -93,8 +129,9 @@ class _Choice:
 class _Run(StreamingRun):
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, in_reasoning: bool):
-        self.state, self.req, self.id, self.in_reasoning = state, req, request_id, in_reasoning
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, in_reasoning: bool,
+                 ticket: WaitingTicket):
+        self.state, self.req, self.id, self.in_reasoning, self.ticket = state, req, request_id, in_reasoning, ticket
         self.created = now()
         self.choices = [_Choice(self._parser()) for _ in range(req.n)]
         self.final: RequestOutput | None = None
@@ -123,13 +160,11 @@ class _Run(StreamingRun):
     # ---- non-streaming -------------------------------------------------------------------------
     async def collect(self, group: RequestGroup) -> dict[str, Any]:
         try:
-            async for out in group:
+            async for out in self._outputs(group):
                 if out.finished:
                     self.final = out
         except EngineDeadError as exc:
             raise APIError(str(exc), status=500, type="internal_server_error") from None
-        finally:
-            group.close()
         choices = []
         for c in sorted(self.final.outputs, key=lambda c: c.index):
             choice = self.choices[c.index]

@@ -13,7 +13,7 @@ from ..outputs import CompletionOutput, RequestOutput
 from .async_engine import EngineDeadError, RequestGroup
 from .logprobs import completion_logprobs
 from .protocol import APIError, CompletionRequest, parse_request, to_sampling_params
-from .state import ServerState, now, unless_disconnected, usage
+from .state import ServerState, WaitingTicket, now, unless_disconnected, usage
 from .streaming import StreamingRun
 
 
@@ -25,49 +25,53 @@ class _Prompt:
 
 async def create_completion(state: ServerState, http: Request):
     req: CompletionRequest = parse_request(CompletionRequest, await http.body())
-    req.check(state.config.max_logprobs)
+    req.check(state.limits)
     state.check_model(req.model)
-    prompts = _prompts(state, req)
+    raw = _raw_prompts(state, req)
     want_prompt_logprobs = req.echo and req.logprobs is not None
     params = to_sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
                                 prompt_logprobs=req.logprobs if want_prompt_logprobs else None)
-    for p in prompts:
-        state.check_length(len(p.token_ids), req.max_tokens, prompt_field="prompt", max_field="max_tokens")
-
-    base_id = f"cmpl-{uuid.uuid4().hex}"
+    ticket = state.waiting.admit(len(raw))
     group = state.engine.open_group()
     try:
-        for i, p in enumerate(prompts):
-            group.add(f"{base_id}-{i}", p.token_ids, params)
-    except ValueError as exc:  # the engine's own validation (token ids out of range, too long, ...)
-        group.close()
-        raise APIError(str(exc)) from None
+        prompts = [_Prompt(item, await state.encode(item)) if isinstance(item, str) else _Prompt(None, item)
+                   for item in raw]
+        for p in prompts:
+            state.check_length(len(p.token_ids), req.max_tokens, prompt_field="prompt", max_field="max_tokens")
+        base_id = f"cmpl-{uuid.uuid4().hex}"
+        state.log_request(base_id, [(p.text, p.token_ids) for p in prompts], params)
+        try:
+            for i, p in enumerate(prompts):
+                group.add(f"{base_id}-{i}", p.token_ids, params)
+        except ValueError as exc:  # the engine's own validation (token ids out of range, too long, ...)
+            raise APIError(str(exc)) from None
+        if req.echo and state.tokenizer is not None:  # token-id prompts are known to be valid now
+            for p in prompts:
+                if p.text is None:
+                    p.text = await state.in_pool(state.tokenizer.decode, p.token_ids, False)
     except BaseException:
         group.close()
+        ticket.release()
         raise
-    if req.echo and state.tokenizer is not None:  # token-id prompts are known to be valid now
-        for p in prompts:
-            if p.text is None:
-                p.text = state.tokenizer.decode(p.token_ids, skip_special_tokens=False)
-    run = _Run(state, req, base_id, prompts)
+    run = _Run(state, req, base_id, prompts, ticket)
+    run.own(group)
     if req.stream:
         return StreamingResponse(run.stream(group), media_type="text/event-stream")
     return JSONResponse(await unless_disconnected(http, run.collect(group)))
 
 
-def _prompts(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
+def _raw_prompts(state: ServerState, req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts as given (texts or token-id lists), checked for size before anything is tokenized."""
     raw = req.prompt
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
         raw = [raw]
-    prompts = []
     for item in raw:
         if isinstance(item, str):
-            prompts.append(_Prompt(item, state.encode(item)))
+            state.need_tokenizer("prompt")
+            state.check_prompt_chars(len(item), "prompt")
         elif not item:
             raise APIError("a token-id prompt must not be empty", param="prompt")
-        else:
-            prompts.append(_Prompt(None, list(item)))
-    return prompts
+    return [item if isinstance(item, str) else list(item) for item in raw]
 
 
 class _Run(StreamingRun):
@@ -75,8 +79,9 @@ class _Run(StreamingRun):
 
     chunk_object = "text_completion"
 
-    def __init__(self, state: ServerState, req: CompletionRequest, base_id: str, prompts: list[_Prompt]):
-        self.state, self.req, self.id, self.prompts = state, req, base_id, prompts
+    def __init__(self, state: ServerState, req: CompletionRequest, base_id: str, prompts: list[_Prompt],
+                 ticket: WaitingTicket):
+        self.state, self.req, self.id, self.prompts, self.ticket = state, req, base_id, prompts, ticket
         self.created = now()
         self.sent_text: dict[int, int] = {}     # choice index -> characters sent
         self.sent_tokens: dict[int, int] = {}   # choice index -> tokens whose logprobs were sent
@@ -103,13 +108,11 @@ class _Run(StreamingRun):
     # ---- non-streaming -------------------------------------------------------------------------
     async def collect(self, group: RequestGroup) -> dict[str, Any]:
         try:
-            async for out in group:
+            async for out in self._outputs(group):
                 if out.finished:
                     self.finals[out.request_id] = out
         except EngineDeadError as exc:
             raise APIError(str(exc), status=500, type="internal_server_error") from None
-        finally:
-            group.close()
         choices = []
         for out in sorted(self.finals.values(), key=self._prompt_index):
             i = self._prompt_index(out)

@@ -3,12 +3,13 @@ group, chunk framing, the usage chunk and the error / [DONE] tail."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, AsyncIterator
 
 from ..outputs import RequestOutput
 from .async_engine import EngineDeadError, RequestGroup
 from .protocol import APIError
-from .state import SSE_DONE, ServerState, sse
+from .state import SSE_DONE, ServerState, WaitingTicket, sse
 
 
 class StreamingRun:
@@ -19,6 +20,24 @@ class StreamingRun:
     state: ServerState
     id: str
     created: int
+    ticket: WaitingTicket
+
+    def own(self, group: RequestGroup) -> None:
+        """Call once the run is built: if the response is dropped without ever being read (the client left
+        before the body or the collecting task started, so no `finally` of ours runs), the group is
+        aborted and its waiting slots are given back when the run is collected."""
+        weakref.finalize(self, _drop, group, self.ticket)
+
+    async def _outputs(self, group: RequestGroup) -> AsyncIterator[RequestOutput]:
+        """The group's outputs; each request stops counting as waiting at its first output, and whatever
+        has not finished is aborted when the reader stops."""
+        try:
+            async for out in group:
+                self.ticket.started(out.request_id)
+                yield out
+        finally:
+            group.close()
+            self.ticket.release()
 
     def _on_output(self, out: RequestOutput) -> list[dict[str, Any]]:
         raise NotImplementedError
@@ -38,7 +57,7 @@ class StreamingRun:
         try:
             if first:
                 yield sse(self._chunk(first, include_usage))
-            async for out in group:
+            async for out in self._outputs(group):
                 choices = self._on_output(out)
                 if choices:
                     yield sse(self._chunk(choices, include_usage))
@@ -46,6 +65,12 @@ class StreamingRun:
                 yield sse({**self._chunk([], False), "usage": self._usage()})
         except EngineDeadError as exc:
             yield sse(APIError(str(exc), status=500, type="internal_server_error").body())
-        finally:
+        finally:  # also when the reader stops before `_outputs` has started or while it is suspended
             group.close()
+            self.ticket.release()
         yield SSE_DONE
+
+
+def _drop(group: RequestGroup, ticket: WaitingTicket) -> None:
+    group.close()
+    ticket.release()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -27,11 +28,13 @@ def free_port() -> int:
 class ServerProcess:
     """A server subprocess; `url` is its /v1 base URL once `start()` returned."""
 
-    def __init__(self, args: list[str], log_path: Path):
+    def __init__(self, args: list[str], log_path: Path, verify: Any = None):
+        """verify: an ssl.SSLContext trusting the server's certificate, for a server started with TLS."""
         self.port = free_port()
         self.args = [*args, "--port", str(self.port)]
         self.log_path = log_path
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.verify = verify
+        self.base = f"{'https' if verify is not None else 'http'}://127.0.0.1:{self.port}"
         self.url = f"{self.base}/v1"
         self.proc: subprocess.Popen | None = None
 
@@ -45,7 +48,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.base}/health", timeout=1.0).status_code == 200:
+                if httpx.get(f"{self.base}/health", timeout=1.0, verify=self.verify or True).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

@@ -3,7 +3,8 @@ crafted model output: tool calls, reasoning, tags split across chunks.
 
 The reply is chosen by a marker in the prompt: `[[script:NAME]]` picks SCRIPTS[NAME] (default: a short
 plain answer), `[[chunk:K]]` emits K characters per step (default 3), `[[slow]]` sleeps 20 ms per step
-and `[[forever]]` never finishes on its own (for disconnect tests). Each step emits one "token" per
+and `[[forever]]` never finishes on its own (for disconnect tests); `[[queued:S]]` gives no output for S
+seconds (a request waiting to be scheduled). Each step emits one "token" per
 choice. Blocks and slots are accounted like a real engine would (2 blocks + 1 slot per running
 request), so tests can see them freed.
 """
@@ -56,6 +57,7 @@ class _Req:
     forever: bool
     slow: bool
     arrival: float
+    queued_s: float = 0.0
     steps: int = 0
     first_token_time: float | None = None
 
@@ -87,6 +89,8 @@ class ScriptedEngine:
         chunk = re.search(r"\[\[chunk:(\d+)\]\]", text)
         req = _Req(request_id, ids, params, SCRIPTS[m.group(1) if m else "plain"], int(chunk.group(1)) if chunk else 3,
                    "[[forever]]" in text, "[[slow]]" in text, arrival_time or time.monotonic())
+        queued = re.search(r"\[\[queued:([\d.]+)\]\]", text)
+        req.queued_s = float(queued.group(1)) if queued else 0.0
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already running")
@@ -115,8 +119,12 @@ class ScriptedEngine:
             reqs = list(self._requests.values())
         if any(r.slow or r.forever for r in reqs):
             time.sleep(0.02)
-        outputs = []
         now = time.monotonic()
+        held = [r for r in reqs if now < r.arrival + r.queued_s]
+        if held:
+            time.sleep(0.01)
+            reqs = [r for r in reqs if r not in held]
+        outputs = []
         for r in reqs:
             r.steps += 1
             r.first_token_time = r.first_token_time or now

@@ -150,6 +150,20 @@ def test_context_limit_is_a_400(client):
         client.completions.create(model="tiny", prompt="hello", max_tokens=MAX_MODEL_LEN)
 
 
+def test_stop_token_ids_outside_the_vocabulary_are_refused(client, llm):
+    from deltaserve import SamplingParams
+
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(openai.BadRequestError, match=f"token id {vocab} is outside the vocabulary") as exc:
+        client.completions.create(model="tiny", prompt="hello", max_tokens=1, extra_body={"stop_token_ids": [vocab]})
+    assert exc.value.body["param"] == "stop_token_ids"
+    with pytest.raises(ValueError, match=f"stop_token_ids: token id {vocab} is outside"):   # offline too
+        llm.generate(["hello"], SamplingParams(max_tokens=1, stop_token_ids=[1, vocab]), use_tqdm=False)
+    ok = client.completions.create(model="tiny", prompt="hello", max_tokens=1,
+                                   extra_body={"stop_token_ids": [vocab - 1]})
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
 def test_disconnect_frees_blocks_and_slot(client, server):
     before = _metrics(server)
     stream = client.completions.create(model="tiny", prompt="Numbers 1 2 3", max_tokens=200, temperature=0,

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from deltaserve.sampling_params import SamplingParams
-from deltaserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, parse_request,
-                                        to_sampling_params)
+from deltaserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, RequestLimits,
+                                        parse_request, to_sampling_params)
 
 ALL_FIELDS = {
     "n": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "seed": 11, "stop": ["END", "##"],
@@ -26,7 +26,7 @@ def _request(cls, **fields):
 
 def test_completion_fields_map_to_sampling_params():
     req = _request(CompletionRequest, **ALL_FIELDS, max_tokens=40, logprobs=4)
-    req.check(max_logprobs=20)
+    req.check(RequestLimits())
     params = to_sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
     expected = SamplingParams(**ALL_FIELDS, max_tokens=40, logprobs=4)
     assert dataclasses.asdict(params) == dataclasses.asdict(expected)
@@ -34,7 +34,7 @@ def test_completion_fields_map_to_sampling_params():
 
 def test_chat_fields_map_to_sampling_params():
     req = _request(ChatCompletionRequest, **ALL_FIELDS, max_completion_tokens=33, logprobs=True, top_logprobs=2)
-    req.check(max_logprobs=20)
+    req.check(RequestLimits())
     assert req.max_output_tokens == 33
     params = to_sampling_params(req, max_tokens=req.max_output_tokens, logprobs=req.top_logprobs)
     assert dataclasses.asdict(params) == dataclasses.asdict(SamplingParams(**ALL_FIELDS, max_tokens=33, logprobs=2))
@@ -51,10 +51,10 @@ def test_defaults_follow_openai():
 
 def test_noop_values_of_unimplemented_fields_are_accepted():
     req = _request(CompletionRequest, user="u1", best_of=1, logit_bias={}, suffix=None)
-    req.check(max_logprobs=20)
+    req.check(RequestLimits())
     chat = _request(ChatCompletionRequest, user="u1", parallel_tool_calls=True, response_format={"type": "text"},
                     tool_choice="none")
-    chat.check(max_logprobs=20)
+    chat.check(RequestLimits())
 
 
 def test_template_messages_join_text_parts_and_parse_arguments():
