@@ -50,6 +50,18 @@ def available_ops(device: torch.device, shapes: Mapping[str, int] | None = None
     return {name: fn for name, fn in ops.items() if name not in refused}, refused
 
 
+def fold_rules(ops: Mapping[str, Callable]) -> dict[str, object]:
+    """Kernels' fold-rule fields for the fused kernels among `ops` (the rules live beside the kernels)."""
+    from .linear import triton as linear_triton
+
+    rules: dict[str, object] = {}
+    if "rms_norm_linear_conv" in ops:
+        rules["conv_fold_rows"] = linear_triton.CONV_FOLD_ROWS
+    if "gated_linear" in ops:
+        rules["gate_fold_rows"] = linear_triton.GATE_FOLD_MAX_ROWS
+    return rules
+
+
 def _all_ops() -> dict[str, Callable]:
     from .activation import triton as activation_triton
     from .attention import triton as attention_triton
