@@ -62,9 +62,11 @@ class Kernels:
     rms_norm_linear_conv: Callable   # rms_norm_linear + the one-token conv of a GDN layer's q|k|v columns (decode)
     gated_linear: Callable           # (gate [after a per-head norm] * x) @ W^T: a gated sublayer's output projection
     embed_rope: Callable             # token embeddings (pending ids resolved on device) + the positions' RoPE tables
-    # fold rules of the fused kernels chosen (0: never fold), read by the composite ops (ops/fusion.py)
-    conv_fold_rows: tuple[int, int] = (0, 0)  # decode batches of lo..hi sequences: gdn_in_proj runs rms_norm_linear_conv
-    gate_fold_rows: int = 0                   # steps of up to this many decode rows: gdn_out_proj uses gated_linear's norm
+    # Fold rules of the fused kernels chosen (0: never fold), read by the composite ops (ops/fusion.py):
+    # decode batches of conv_fold_rows (lo, hi) sequences run gdn_in_proj's conv in rms_norm_linear_conv;
+    # decode steps of up to gate_fold_rows rows run gdn_out_proj's gated norm in gated_linear.
+    conv_fold_rows: tuple[int, int] = (0, 0)
+    gate_fold_rows: int = 0
     kept_reference: Mapping[str, str] = dataclasses.field(default_factory=dict)  # op -> why its kernel was refused
 
     # ---- composite ops (ops/fusion.py): the sublayer steps that choose their fusions ----

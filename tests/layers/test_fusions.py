@@ -1,6 +1,7 @@
 """Layer-level fusions keep the function: the shared expert folded into the fused_moe call (as extra
 experts) equals routed experts + sigmoid-gated shared MLP computed apart; the fused activations are
-chosen once with the other ops."""
+chosen once with the other ops; the GDN layer's code is one path whatever its ops fold (the composite ops
+choose), equal to the references at fold and no-fold batch sizes; the layers name no backend nor rule."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.ops import _interpret  # noqa: I001  (sets TRITON_INTERPRET before any Triton kernel module)
 from deltaserve.config import ModelConfig
 from deltaserve.layers.moe import SparseMoeBlock
 from deltaserve.ops import REFERENCE_OPS, select_kernels
 from deltaserve.ops.moe import reference as moe_ref
+from tests.ops import _interpret  # sets TRITON_INTERPRET before any Triton kernel module is imported
 
 
 def _config(shared: int) -> ModelConfig:

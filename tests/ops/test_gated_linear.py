@@ -283,7 +283,8 @@ def test_model_with_the_fold_equals_the_reference_ops(tiny_model, family, device
         rows_folded.append(x.shape[0])
         return tri.gated_linear(x, gate, weight, **kw)
 
-    tri_k = dataclasses.replace(ref_k, gated_linear=glin, gdn_decode=tr.gdn_decode, gate_fold_rows=tri.GATE_FOLD_MAX_ROWS,
+    tri_k = dataclasses.replace(ref_k, gated_linear=glin, gdn_decode=tr.gdn_decode,
+                                gate_fold_rows=tri.GATE_FOLD_MAX_ROWS,
                                 backend={**ref_k.backend, "gated_linear": "triton", "gdn_decode": "triton"})
     out = []
     for kernels in (ref_k, tri_k):

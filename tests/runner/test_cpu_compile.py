@@ -113,7 +113,8 @@ def test_decode_twin_eager_equals_model(bf16_model_path):
     twins = {n: cc.decode_twin(model, narrow_projections=n == 1) for n in (1, 3)}
     for n, twin in twins.items():
         assert twin.layers[0].mlp.w13.dtype == torch.bfloat16 and twin.embed_tokens is model.embed_tokens
-        assert twin.kernels.paged_attention is dg.paged_attention and twin.kernels.backend["gdn_decode"] == "decode-graph"
+        assert twin.kernels.paged_attention is dg.paged_attention
+        assert twin.kernels.backend["gdn_decode"] == "decode-graph"
         projections = [m.weight for m in twin.layers.modules() if type(m).__name__ == "Linear"]
         assert projections and all(w.dtype == (torch.bfloat16 if n == 1 else torch.float32) for w in projections)
         assert twin.head_weight.dtype == (torch.bfloat16 if n == 1 else torch.float32)
@@ -266,5 +267,5 @@ def test_program_exit_status_survives_a_compile_in_flight(mode, wait_s):
     still running (at once, and a few seconds in, inside dynamo / inductor)."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "DELTASERVE_COMPILE": mode}
     done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, mode, str(wait_s)], env=env, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, check=False)
     assert done.returncode == 3, done.stderr[-2000:]
