@@ -1,10 +1,11 @@
 """Public op API. Every op has a plain-torch reference (the CPU path and the test oracle); a Triton
 implementation with the same signature replaces it on CUDA devices where one exists.
 
-The choice is made once, by `select_kernels`, when a model is built, and logged once. Nothing here
-falls back silently at call time: a Triton op that cannot handle its inputs raises. Where a sublayer step
-can run fused or as plain ops, the composite op (ops/fusion.py, called as a Kernels method) chooses from the
-batch shape, by the fold rules select_kernels sets beside the kernels.
+The choice is made once, by `select_kernels`, when a model is built (Kernels.summary() says it in a line,
+the per-op list is logged at DEBUG). Nothing here falls back silently at call time: a Triton op that cannot
+handle its inputs raises. Where a sublayer step can run fused or as plain ops, its composite op
+(ops/fusion.py, called as a Kernels method) chooses from the batch shape, by the fold rules that
+select_kernels takes from beside the fused kernels.
 This package imports nothing from the rest of deltaserve.
 """
 
@@ -34,7 +35,9 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    """One implementation of every op, chosen together. `backend` names the source of each op."""
+    """One implementation of every op, chosen together; `backend` names the source of each op ("reference",
+    "triton", "decode-graph"). The composite ops (methods below) compose the chosen ops and read the fold
+    rules, so a replaced op (dataclasses.replace) is what they call."""
 
     backend: dict[str, str]
     causal_conv1d_fn: Callable
@@ -164,7 +167,7 @@ def select_kernels(device: torch.device | str, *, force_reference: bool = False,
         chosen.update(triton_ops)
         backend.update(dict.fromkeys(triton_ops, "triton"))
         for why, names in _by_reason(refused).items():
-            logger.warning("%s on %s: torch reference (the Triton kernel %s)", ", ".join(names), device, why)
+            logger.warning("%s on %s: torch reference (%s)", ", ".join(names), device, why)
     kernels = Kernels(backend=backend, **chosen, **rules, kept_reference=refused)
     logger.debug("ops on %s%s: %s", device, " (reference forced)" if force_reference else "",
                  ", ".join(f"{k}={v}" for k, v in sorted(backend.items())))

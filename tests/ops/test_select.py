@@ -36,8 +36,8 @@ def test_refused_kernels_warn_once_per_reason_and_show_in_the_summary(monkeypatc
     with caplog.at_level(logging.WARNING, logger="deltaserve.ops"):
         k = ops.select_kernels("cuda")
     assert [r.message for r in caplog.records] == [
-        "chunk_gated_delta_rule, gdn_prefill on cuda: torch reference (the Triton kernel needs 64)",
-        "paged_attention on cuda: torch reference (the Triton kernel needs 96)"]
+        "chunk_gated_delta_rule, gdn_prefill on cuda: torch reference (needs 64)",
+        "paged_attention on cuda: torch reference (needs 96)"]
     assert k.summary() == (f"triton {len(usable)}, reference 3 (chunk_gated_delta_rule, gdn_prefill: needs 64; "
                            "paged_attention: needs 96)")
     assert (k.conv_fold_rows, k.gate_fold_rows) == ((1, 8), 1)
