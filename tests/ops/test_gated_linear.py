@@ -301,3 +301,88 @@ def test_model_with_the_fold_equals_the_reference_ops(tiny_model, family, device
     # the attention gate goes through gated_linear at every step; the GDN norm at the one-row steps only
     assert rows_folded.count(1) == 2 * (n_attn + n_gdn), rows_folded
     assert len(rows_folded) == 4 * n_attn + 2 * n_gdn, rows_folded
+
+
+# ---- real shapes on the GPU ------------------------------------------------------------------------
+
+# (K, N, head dim or None): 35B-A3B GDN out_proj / attention o_proj (4096 -> 2048); 27B (6144 -> 5120)
+REAL = [(4096, 2048, 128), (4096, 2048, None), (6144, 5120, 128), (6144, 5120, None)]
+
+
+# explicit fold tiles checked beside the default (the variants benchmarks/gdn_decode_latency.py --fold times)
+REAL_FOLD_CONFIGS = [C(block_n=1, block_k=4096, warps=4, stages=1), C(block_n=4, block_k=1024, warps=4, stages=3),
+                     C(block_n=8, block_k=512, warps=4, stages=3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,N,D", REAL)
+def test_real_shapes_equal_the_two_launches_gpu(K, N, D):
+    """bf16 at the model's output projections, M = 1 (the default, and every fold tile variant) and
+    M = 2, 8 (two launches), eager and in a CUDA graph: == the gate op (sigmoid_mul / rms_norm_gated)
+    then the GEMV within one rounding of y; the graph replay == eager bit for bit."""
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(K + N)
+    bf = torch.bfloat16
+    w = (torch.randn(N, K, device=dev, generator=g) * K ** -0.5).to(bf)
+    nw = None if D is None else (torch.rand(D, device=dev, generator=g) + 0.5).to(bf)
+    act = "sigmoid" if D is None else "silu"
+    for M, cfg in [(1, None)] + [(1, c) for c in REAL_FOLD_CONFIGS] + [(2, None), (8, None)]:
+        x = torch.randn(M, K, device=dev, generator=g).to(bf)
+        gate = torch.randn(M, 2 * K, device=dev, generator=g).to(bf)[:, K:]
+        got = tri.gated_linear(x, gate, w, norm_weight=nw, activation=act, config=cfg)
+        if D is None:
+            h = act_tri.sigmoid_mul(x, gate)
+        else:
+            h = norm_tri.rms_norm_gated(x.view(M, K // D, D), gate.reshape(M, K // D, D), nw, 1e-6,
+                                        activation=act).view(M, K)
+        want = tri.linear(h, w)
+        assert_close(got, want, 8e-3, f"M={M} {cfg}")
+        assert_close(got, F.linear(h.float(), w.float()), 1e-2, f"M={M} {cfg} vs fp32")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = tri.gated_linear(x, gate, w, norm_weight=nw, activation=act, config=cfg)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, got), f"M={M} {cfg}: graph replay != eager"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hv", [32, 48])
+def test_gdn_fold_chain_in_graph_gpu(hv):
+    """The batch-1 GDN decode as the layer folds it, at the 35B (32 value heads) / 27B (48) shapes: three
+    steps of gdn_decode(gated_norm=False) + gated_linear in one CUDA graph (programmatic launches back to
+    back) == gdn_decode + linear step by step; the pools equal."""
+    dev, bf, hk, d = "cuda", torch.bfloat16, 16, 128
+    H = 2048 if hv == 32 else 5120
+    g = gen(hv)
+    dc = 2 * hk * d + hv * d
+    kw = dict(conv_weight=randn(dc, 4, g=g, dtype=bf, device=dev, scale=0.5),
+              A_log=torch.linspace(-3, 1, hv, device=dev), dt_bias=randn(hv, g=g, device=dev, scale=0.5),
+              norm_weight=(torch.rand(d, generator=g) + 0.5).to(dev, bf), eps=1e-6, scale=d ** -0.5)
+    conv0, ssm0 = randn(3, 3, dc, g=g, dtype=bf, device=dev), randn(3, hv, d, d, g=g, device=dev, scale=0.1)
+    w = randn(H, hv * d, g=g, dtype=bf, device=dev, scale=(hv * d) ** -0.5)
+    idx = torch.tensor([1], dtype=torch.int32, device=dev)
+    steps = [(randn(1, dc, g=g, dtype=bf, device=dev), randn(1, hv * d, g=g, dtype=bf, device=dev),
+              randn(1, hv, g=g, dtype=bf, device=dev), randn(1, hv, g=g, dtype=bf, device=dev)) for _ in range(3)]
+
+    def folded(t, conv, ssm):
+        mixed, z, a, b = t
+        o = tr.gdn_decode(mixed, z.view(1, hv, d), a, b, conv_state=conv, ssm_state=ssm, state_indices=idx,
+                          gated_norm=False, **kw)
+        return tri.gated_linear(o.view(1, -1), z, w, norm_weight=kw["norm_weight"], eps=1e-6, activation="silu")
+
+    conv_r, ssm_r = conv0.clone(), ssm0.clone()
+    want = [tri.linear(tr.gdn_decode(t[0], t[1].view(1, hv, d), t[2], t[3], conv_state=conv_r, ssm_state=ssm_r,
+                                     state_indices=idx, **kw).view(1, -1), w) for t in steps]
+    folded(steps[0], conv0.clone(), ssm0.clone())  # compile outside the capture
+    conv_g, ssm_g = conv0.clone(), ssm0.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [folded(t, conv_g, ssm_g) for t in steps]
+    graph.replay()
+    torch.cuda.synchronize()
+    for i in range(3):
+        assert_close(outs[i], want[i], 8e-3, f"step {i}")
+    assert torch.equal(conv_g, conv_r), "conv windows"
+    assert_close(ssm_g, ssm_r, 1e-6, "state")
+    assert not tr._group_counters(torch.device(dev, torch.cuda.current_device()), 16).any()
