@@ -14,7 +14,7 @@ from torch import nn
 from ..batch import ForwardBatch
 from ..config import ModelConfig
 from ..ops import Kernels
-from .linear import Linear, gated_projection
+from .linear import Linear
 from .norm import RMSNorm
 from .weights import Target, WeightMap, rows, whole
 
@@ -52,13 +52,13 @@ class GatedAttention(nn.Module):
         T = projected.shape[0]
         q, gate, k, v = projected.split([self.o_size, self.o_size, self.kv_size, self.kv_size], dim=-1)
         # q/k norms, RoPE, the KV store and attention in one op (the norms here are zero-centred, as the op's
-        # are); a large batch of decodes only (one token per sequence) runs it as one launch
+        # are); max_query_len tells it when every sequence has one query token
         o = self.kernels.fused_paged_attention(
             q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim),
             v.view(T, self.num_kv_heads, self.head_dim), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
             *cos_sin, kv_cache, batch.slot_mapping, cu_seqlens=batch.cu_seqlens, seq_lens=batch.seq_lens,
             block_tables=batch.block_tables, scale=self.scale, max_query_len=1 if batch.num_prefills == 0 else None)
-        return gated_projection(self.o_proj, self.kernels, o.view(T, self.o_size), gate, activation="sigmoid")
+        return self.kernels.gated_linear(o.view(T, self.o_size), gate, self.o_proj.weight, activation="sigmoid")
 
     def checkpoint_weights(self) -> WeightMap:
         return {

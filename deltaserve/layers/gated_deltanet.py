@@ -1,9 +1,7 @@
 """Gated DeltaNet layer (model_spec.md §3): projections, causal conv + SiLU, gates, L2-norm, delta rule,
-gated RMSNorm, output projection. At a one-token decode step the gated RMSNorm moves into the output
-projection's kernel (kernels.gated_linear; gdn_decode then returns o before the norm). At decode steps of
-CONV_FOLD_ROWS sequences, where the Triton op runs, the causal conv update of the q|k|v channels moves into
-the input projection's GEMV (kernels.rms_norm_linear_conv, asked for by the caller through `conv_fold`;
-gdn_decode then gets post-conv q|k|v, conv_applied=True, and no program of it touches a conv window).
+gated RMSNorm, output projection. The input projection (with its pre-norm) and the output half (the decode
+tokens' recurrence and the output projection) are composite ops (kernels.gdn_in_proj / gdn_out_proj,
+ops/fusion.py) that fold the conv or the gated norm into the projections where the batch shape makes that pay.
 
 The recurrent state and conv window of each sequence live outside the layer, in the CacheBuffers pools
 indexed by the batch's state slots: prefill chunks continue from a saved state, decode tokens update
@@ -19,17 +17,10 @@ from torch import nn
 
 from ..batch import ForwardBatch
 from ..config import ModelConfig
-from ..ops import Kernels
-from .linear import Linear, folds_gate, gated_projection
+from ..ops import GdnProjection, Kernels
+from .linear import Linear
+from .norm import RMSNorm
 from .weights import Target, WeightMap, rows, whole
-
-# Decode batches (one token per sequence, no prefill) of CONV_FOLD_ROWS[0] to [1] sequences run the conv in the
-# input projection's epilogue (kernels.rms_norm_linear_conv) where that op is the Triton kernel. Measured on
-# the H200 at the 35B-A3B shape, the layer's step (docs/PERFORMANCE.md, "gdn_decode at B = 1: the conv in the
-# input projection"): faster at 1 (27.28 vs 28.74 us, with the op's window prefetch at M = 1: without it the
-# epilogue's registers cost the M = 1 GEMV its single wave, 28.93), 4 (35.55 vs 36.98) and 8 (41.16 vs 47.74),
-# a tie at 2 (33.54 vs 33.73). Not measured above 8.
-CONV_FOLD_ROWS = (1, 8)
 
 
 class GatedDeltaNet(nn.Module):
@@ -55,73 +46,52 @@ class GatedDeltaNet(nn.Module):
         self.norm_weight = nn.Parameter(torch.empty(self.dv, dtype=dtype, device=device), requires_grad=False)
         self.out_proj = Linear(self.value_dim, h, kernels, dtype=dtype, device=device)
         self.scale = self.dk ** -0.5
-        # chosen once (token counts lo..hi, inclusive): the reference backend (and so the CPU decode twin) keeps
-        # gdn_decode's own conv
-        triton_conv = kernels.backend.get("rms_norm_linear_conv") == "triton"
-        self.conv_fold_rows: tuple[int, int] = CONV_FOLD_ROWS if triton_conv else (0, 0)
 
-    def conv_fold(self, batch: ForwardBatch, conv_state: torch.Tensor) -> dict | None:
-        """The conv arguments of kernels.rms_norm_linear_conv when this step's input projection applies the
-        conv (a decode-only batch of conv_fold_rows tokens, a dense in_proj), else None. The caller then passes
-        conv_applied=True to forward_projected."""
-        T, (lo, hi) = batch.num_tokens, self.conv_fold_rows
-        if batch.num_prefill_tokens or not 0 < lo <= T <= hi or type(self.in_proj) is not Linear:
-            return None
-        return {"conv_weight": self.conv_weight, "conv_state": conv_state, "state_indices": batch.decode_slots()}
-
-    @property
-    def input_proj(self) -> Linear:
-        """The projection of the layer's input (a pre-norm folds its norm into it: RMSNorm.project)."""
-        return self.in_proj
+    def project_input(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
+                      conv_state: torch.Tensor) -> GdnProjection:
+        """in_proj(norm(x + residual)) with the normed rows and the sum (the next residual): kernels.gdn_in_proj,
+        told the decode rows' slots when the batch is decode-only (it may then apply the conv too)."""
+        return self.kernels.gdn_in_proj(
+            x, residual, norm.weight, norm.eps, self.in_proj.weight, conv_weight=self.conv_weight,
+            conv_state=conv_state, decode_slots=None if batch.num_prefill_tokens else batch.decode_slots(),
+            zero_centered=norm.zero_centered)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, ssm_state: torch.Tensor,
                 conv_state: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]; ssm_state [S, HV, K, V] and conv_state [S, W-1, D] are this layer's pools."""
-        return self.forward_projected(self.in_proj(x), batch, ssm_state, conv_state)
+        """x [T, H] -> [T, H] without a pre-norm; ssm_state [S, HV, K, V] and conv_state [S, W-1, D] are this
+        layer's pools."""
+        projection = GdnProjection(projected=self.in_proj(x), normed=x, total=x, conv_applied=False)
+        return self.forward_projected(projection, batch, ssm_state, conv_state)
 
-    def forward_projected(self, projected: torch.Tensor, batch: ForwardBatch, ssm_state: torch.Tensor,
-                          conv_state: torch.Tensor, conv_applied: bool = False) -> torch.Tensor:
-        """forward from in_proj(x) [T, in_proj.out_features], computed by the caller; conv_applied: its q|k|v
-        columns are the conv's output already (kernels.rms_norm_linear_conv with `conv_fold`'s arguments)."""
+    def forward_projected(self, projection: GdnProjection, batch: ForwardBatch, ssm_state: torch.Tensor,
+                          conv_state: torch.Tensor) -> torch.Tensor:
+        """forward from the input projection (project_input's, or in_proj(x) with conv_applied False)."""
+        projected = projection.projected
         T = projected.shape[0]
         mixed, z2, b, a = projected.split(self.split_sizes, dim=-1)
         z = z2.view(T, self.nv, self.dv)
-        P, n_pre = batch.num_prefill_tokens, batch.num_prefills
-        if conv_applied and P:
-            raise ValueError("GatedDeltaNet: conv_applied needs a decode-only batch (the prefill conv runs here)")
-        k = self.kernels
-        if P == 0 and folds_gate(self.out_proj, T):
-            # one decode token: the gated norm goes into out_proj's GEMV, gdn_decode returns o before it
-            o = k.gdn_decode(
-                mixed, z, a, b, conv_weight=self.conv_weight, A_log=self.A_log, dt_bias=self.dt_bias,
-                norm_weight=self.norm_weight, eps=self.eps, scale=self.scale, conv_state=conv_state,
-                ssm_state=ssm_state, state_indices=batch.decode_slots(), norm_activation=self.norm_activation,
-                gated_norm=False, conv_applied=conv_applied)
-            return gated_projection(self.out_proj, k, o.view(T, self.value_dim), z2, norm_weight=self.norm_weight,
-                                    eps=self.eps, activation=self.norm_activation)
-        outs = []
-        if n_pre:
-            conv = k.causal_conv1d_fn(
-                mixed[:P], self.conv_weight, conv_state=conv_state, cu_seqlens=batch.cu_seqlens[: n_pre + 1],
-                state_indices=batch.state_slots[:n_pre], has_initial_state=batch.has_initial_state[:n_pre])
-            q, key, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            g, beta = k.gdn_gating(self.A_log, a[:P], self.dt_bias, b[:P])
-            o = k.chunk_gated_delta_rule(
-                q.view(P, self.nk, self.dk), key.view(P, self.nk, self.dk), v.view(P, self.nv, self.dv), g, beta,
-                scale=self.scale, cu_seqlens=batch.cu_seqlens[: n_pre + 1], ssm_state=ssm_state,
-                state_indices=batch.state_slots[:n_pre], has_initial_state=batch.has_initial_state[:n_pre],
-                max_seqlen=batch.max_prefill_len)
-            outs.append(k.rms_norm_gated(o, z[:P], self.norm_weight, self.eps, activation=self.norm_activation))
-        if P < T:
-            # decode tokens: conv update, gates, q/k L2 norm, delta rule and gated norm in one op
-            # (Triton: one launch up to 16 sequences, else two; the reference is the same ops composed)
-            outs.append(k.gdn_decode(
-                mixed[P:], z[P:], a[P:], b[P:], conv_weight=self.conv_weight, A_log=self.A_log,
-                dt_bias=self.dt_bias, norm_weight=self.norm_weight, eps=self.eps, scale=self.scale,
-                conv_state=conv_state, ssm_state=ssm_state, state_indices=batch.decode_slots(),
-                norm_activation=self.norm_activation, conv_applied=conv_applied))
-        o = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return self.out_proj(o.reshape(T, self.value_dim))
+        P = batch.num_prefill_tokens
+        prefill_out = self._prefill(mixed[:P], z[:P], a[:P], b[:P], batch, ssm_state, conv_state) if P else None
+        return self.kernels.gdn_out_proj(
+            prefill_out, mixed[P:], z[P:], a[P:], b[P:], conv_weight=self.conv_weight, A_log=self.A_log,
+            dt_bias=self.dt_bias, norm_weight=self.norm_weight, eps=self.eps, scale=self.scale,
+            conv_state=conv_state, ssm_state=ssm_state, state_indices=batch.decode_slots(),
+            norm_activation=self.norm_activation, conv_applied=projection.conv_applied, weight=self.out_proj.weight)
+
+    def _prefill(self, mixed: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: ForwardBatch,
+                 ssm_state: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+        """The prefill rows' output before the projection [P, HV, V]: conv, gates, chunked delta rule, gated norm."""
+        k, P, n_pre = self.kernels, mixed.shape[0], batch.num_prefills
+        cu, slots, initial = batch.cu_seqlens[: n_pre + 1], batch.state_slots[:n_pre], batch.has_initial_state[:n_pre]
+        conv = k.causal_conv1d_fn(mixed, self.conv_weight, conv_state=conv_state, cu_seqlens=cu, state_indices=slots,
+                                  has_initial_state=initial)
+        q, key, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        g, beta = k.gdn_gating(self.A_log, a, self.dt_bias, b)
+        o = k.chunk_gated_delta_rule(
+            q.view(P, self.nk, self.dk), key.view(P, self.nk, self.dk), v.view(P, self.nv, self.dv), g, beta,
+            scale=self.scale, cu_seqlens=cu, ssm_state=ssm_state, state_indices=slots, has_initial_state=initial,
+            max_seqlen=batch.max_prefill_len)
+        return k.rms_norm_gated(o, z, self.norm_weight, self.eps, activation=self.norm_activation)
 
     # ---- checkpoint layout --------------------------------------------------------------------
     def checkpoint_weights(self) -> WeightMap:

@@ -1,11 +1,7 @@
 """Linear layers whose weights may be assembled from several checkpoint tensors (row shards).
 
-Each layer owns how a checkpoint tensor lands in it (`load_rows`), so a quantized variant can replace
-the storage and the loading without the model or the loader changing.
-
-`gated_projection` is a gated sublayer's output projection (attention's sigmoid gate, GDN's gated norm):
-one op for a dense Linear (kernels.gated_linear: the GDN norm folded into the GEMV at one token, the gate
-op then the GEMV elsewhere), the gate op then the module's forward for a projection of another kind.
+Each layer owns how a checkpoint tensor lands in it (`load_rows`). The sublayers pass its `weight` to the
+projection ops (kernels.linear, rms_norm_linear, gated_linear, ...), which decide how it is read.
 """
 
 from __future__ import annotations
@@ -36,30 +32,3 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}"
-
-
-# Rows of x up to which the GDN layer hands its gated norm to the projection (asking gdn_decode for the
-# un-normalised output): gated_linear folds the norm into the GEMV at one row only (default_gated_config).
-GATE_FOLD_MAX_ROWS = 1
-
-
-def folds_gate(proj: nn.Module, rows: int) -> bool:
-    """Whether gated_projection(proj, ...) of `rows` rows runs the gate inside the projection's kernel."""
-    return type(proj) is Linear and rows <= GATE_FOLD_MAX_ROWS
-
-
-def gated_projection(proj: nn.Module, kernels: Kernels, x: torch.Tensor, gate: torch.Tensor, *, activation: str,
-                     norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
-    """proj(h), h = x * act(gate) or, with norm_weight [D], the gated RMSNorm over heads of D (see
-    ops.linear.reference.gated_linear). A dense `Linear`: kernels.gated_linear (one launch at one row);
-    another module (the CPU decode twin's): the gate op, then its forward."""
-    if type(proj) is Linear:
-        return kernels.gated_linear(x, gate, proj.weight, norm_weight=norm_weight, eps=eps, activation=activation)
-    if norm_weight is None:
-        if activation != "sigmoid":
-            raise ValueError(f"gated_projection: a gate without norm is sigmoid here, got {activation!r}")
-        return proj(kernels.sigmoid_mul(x, gate))
-    D, K = norm_weight.numel(), x.shape[-1]
-    hd = (*x.shape[:-1], K // D, D)
-    return proj(kernels.rms_norm_gated(x.reshape(hd), gate.reshape(hd), norm_weight, eps,
-                                       activation=activation).reshape(x.shape))

@@ -1,7 +1,7 @@
 """The hybrid GDN decoder shared by Qwen3-Next, Qwen3.5 dense and Qwen3.5-MoE (model_spec.md §0, §10).
 
     h = x + Mixer(RMSNorm(x));  y = h + FFN(RMSNorm(h))
-(each RMSNorm computed together with its sublayer's input projection: RMSNorm.project)
+(each RMSNorm computed together with its sublayer's input projection, as one op)
 Mixer: Gated DeltaNet ("linear_attention") or gated full attention; FFN: sparse MoE or dense SwiGLU,
 both per ModelConfig. The families differ only in weight names and layouts, handled here and in
 the layers' `checkpoint_weights`.
@@ -49,15 +49,15 @@ class DecoderLayer(nn.Module):
                 cos_sin: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (FFN output, residual stream before it); the next layer's norm adds them.
 
-        Each norm runs with its sublayer's input projection as one op (RMSNorm.project): at one token the
-        projection's GEMV adds the residual and normalises in its own loop, so no norm is launched."""
+        Each norm runs with its sublayer's input projection as one op (RMSNorm.project; a GDN layer's
+        project_input, which may also apply the conv)."""
         if self.layer_type == FULL_ATTENTION:
             projected, _, residual = self.input_layernorm.project(x, residual, self.self_attn.input_proj)
             h = self.self_attn.forward_projected(projected, batch, state[0], cos_sin)
-        else:   # at a small decode step the projection also does the conv (GatedDeltaNet.conv_fold)
-            conv = self.linear_attn.conv_fold(batch, state[1])
-            projected, _, residual = self.input_layernorm.project(x, residual, self.linear_attn.input_proj, conv=conv)
-            h = self.linear_attn.forward_projected(projected, batch, state[0], state[1], conv_applied=conv is not None)
+        else:
+            projection = self.linear_attn.project_input(x, residual, self.input_layernorm, batch, state[1])
+            residual = projection.total
+            h = self.linear_attn.forward_projected(projection, batch, state[0], state[1])
         projected, h, residual = self.post_attention_layernorm.project(h, residual, self.mlp.input_proj)
         return self.mlp.forward_projected(h, projected), residual
 

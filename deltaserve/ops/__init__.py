@@ -1,8 +1,11 @@
 """Public op API. Every op has a plain-torch reference (the CPU path and the test oracle); a Triton
 implementation with the same signature replaces it on CUDA devices where one exists.
 
-The choice is made once, by `select_kernels`, when a model is built, and logged once. Nothing here
-falls back silently at call time: a Triton op that cannot handle its inputs raises.
+The choice is made once, by `select_kernels`, when a model is built (Kernels.summary() says it in a line,
+the per-op list is logged at DEBUG). Nothing here falls back silently at call time: a Triton op that cannot
+handle its inputs raises. Where a sublayer step can run fused or as plain ops, its composite op
+(ops/fusion.py, called as a Kernels method) chooses from the batch shape, by the fold rules that
+select_kernels takes from beside the fused kernels.
 This package imports nothing from the rest of deltaserve.
 """
 
@@ -10,14 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 from typing import Callable, Mapping
 
 import torch
 
+from . import decode_graph, fusion
 from .activation import reference as activation_ref
 from .attention import reference as attention_ref
 from .conv1d import reference as conv1d_ref
 from .embedding import reference as embedding_ref
+from .fusion import GdnProjection
 from .gdn import reference as gdn_ref
 from .linear import reference as linear_ref
 from .moe import reference as moe_ref
@@ -27,10 +33,11 @@ VerifyStash = gdn_ref.VerifyStash
 
 logger = logging.getLogger(__name__)
 
-
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    """One implementation of every op, chosen together. `backend` names the source of each op."""
+    """One implementation of every op, chosen together; `backend` names the source of each op ("reference",
+    "triton", "decode-graph"). The composite ops (methods below) compose the chosen ops and read the fold
+    rules, so a replaced op (dataclasses.replace) is what they call."""
 
     backend: dict[str, str]
     causal_conv1d_fn: Callable
@@ -58,6 +65,40 @@ class Kernels:
     rms_norm_linear_conv: Callable   # rms_norm_linear + the one-token conv of a GDN layer's q|k|v columns (decode)
     gated_linear: Callable           # (gate [after a per-head norm] * x) @ W^T: a gated sublayer's output projection
     embed_rope: Callable             # token embeddings (pending ids resolved on device) + the positions' RoPE tables
+    # Fold rules of the fused kernels chosen (0: never fold), read by the composite ops (ops/fusion.py):
+    # decode batches of conv_fold_rows (lo, hi) sequences run gdn_in_proj's conv in rms_norm_linear_conv;
+    # decode steps of up to gate_fold_rows rows run gdn_out_proj's gated norm in gated_linear.
+    conv_fold_rows: tuple[int, int] = (0, 0)
+    gate_fold_rows: int = 0
+    kept_reference: Mapping[str, str] = dataclasses.field(default_factory=dict)  # op -> why its kernel was refused
+
+    # ---- composite ops (ops/fusion.py): the sublayer steps that choose their fusions ----
+    def gdn_in_proj(self, *args, **kwargs) -> GdnProjection:
+        """A GDN layer's input projection, the conv folded in where it pays: fusion.gdn_in_proj."""
+        return fusion.gdn_in_proj(self, *args, **kwargs)
+
+    def gdn_out_proj(self, *args, **kwargs) -> torch.Tensor:
+        """A GDN layer's decode recurrence and output projection, the norm folded in where it pays:
+        fusion.gdn_out_proj."""
+        return fusion.gdn_out_proj(self, *args, **kwargs)
+
+    def summary(self) -> str:
+        """The choice in a few words: "triton (25 ops)", or "triton 23, reference 2 (chunk_gated_delta_rule,
+        gdn_prefill: needs ...)"."""
+        counts = Counter(self.backend.values())
+        if len(counts) == 1:
+            (name, n), = counts.items()
+            return f"{name} ({n} ops)"
+        parts = ", ".join(f"{name} {n}" for name, n in counts.most_common())
+        why = "; ".join(f"{', '.join(ops)}: {reason}" for reason, ops in _by_reason(self.kept_reference).items())
+        return f"{parts} ({why})" if why else parts
+
+
+def _by_reason(refused: Mapping[str, str]) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for name, why in sorted(refused.items()):
+        groups.setdefault(why, []).append(name)
+    return groups
 
 
 REFERENCE_OPS: dict[str, Callable] = {
@@ -89,35 +130,45 @@ REFERENCE_OPS: dict[str, Callable] = {
 }
 
 
-def _triton_ops(device: torch.device, shapes: Mapping[str, int]) -> tuple[dict[str, Callable], dict[str, str]]:
-    """The Triton implementations usable on `device` for a model of these shapes, and why the others
-    are not (empty where Triton or the device cannot run any)."""
+def _triton_ops(device: torch.device, shapes: Mapping[str, int]
+                ) -> tuple[dict[str, Callable], dict[str, str], dict[str, object]]:
+    """The Triton implementations usable on `device` for a model of these shapes, why the others are not,
+    and the fold rules of the fused kernels (all empty where Triton or the device cannot run any)."""
     if device.type != "cuda":
-        return {}, {}
+        return {}, {}, {}
     try:
         from . import triton_registry
     except ImportError as exc:  # triton missing from this install
         logger.warning("Triton unavailable (%s); every op uses its torch reference", exc)
-        return {}, {}
-    return triton_registry.available_ops(device, shapes)
+        return {}, {}, {}
+    ops, refused = triton_registry.available_ops(device, shapes)
+    return ops, refused, triton_registry.fold_rules(ops) if ops else {}
 
 
 def select_kernels(device: torch.device | str, *, force_reference: bool = False,
-                   shapes: Mapping[str, int] | None = None) -> Kernels:
+                   shapes: Mapping[str, int] | None = None, decode_graph_ops: bool = False) -> Kernels:
     """Pick each op's implementation once for `device` and a model of `shapes` (head dims, see
-    triton_registry.SHAPE_LIMITS); log the choice. An op whose Triton kernel cannot take these shapes
-    keeps its reference, with a warning saying why, so the choice never changes at call time."""
+    triton_registry.SHAPE_LIMITS); log the choice (DEBUG; Kernels.summary() says it in a line). An op whose
+    Triton kernel cannot take these shapes keeps its reference, with a warning saying why, so the choice
+    never changes at call time. decode_graph_ops: the decode-graph backend (ops/decode_graph.py) over the
+    references, for a compiled graph of decode-only batches (CPU only: no Triton there)."""
     device = torch.device(device)
     chosen = dict(REFERENCE_OPS)
     backend = {name: "reference" for name in chosen}
-    if not force_reference:
-        triton_ops, refused = _triton_ops(device, shapes or {})
-        for name, fn in triton_ops.items():
-            chosen[name] = fn
-            backend[name] = "triton"
-        for name, why in sorted(refused.items()):
-            logger.warning("op %s uses its torch reference on %s: the Triton kernel %s", name, device, why)
-    kernels = Kernels(backend=backend, **chosen)
-    summary = ", ".join(f"{k}={v}" for k, v in sorted(backend.items()))
-    logger.info("ops on %s%s: %s", device, " (reference forced)" if force_reference else "", summary)
+    refused: dict[str, str] = {}
+    rules: dict[str, object] = {}
+    if decode_graph_ops:
+        if device.type != "cpu":
+            raise ValueError(f"the decode-graph ops are the compiled CPU decode step's; device is {device}")
+        chosen.update(decode_graph.OPS)
+        backend.update(dict.fromkeys(decode_graph.OPS, decode_graph.BACKEND))
+    elif not force_reference:
+        triton_ops, refused, rules = _triton_ops(device, shapes or {})
+        chosen.update(triton_ops)
+        backend.update(dict.fromkeys(triton_ops, "triton"))
+        for why, names in _by_reason(refused).items():
+            logger.warning("%s on %s: torch reference (%s)", ", ".join(names), device, why)
+    kernels = Kernels(backend=backend, **chosen, **rules, kept_reference=refused)
+    logger.debug("ops on %s%s: %s", device, " (reference forced)" if force_reference else "",
+                 ", ".join(f"{k}={v}" for k, v in sorted(backend.items())))
     return kernels

@@ -29,10 +29,10 @@ def _refusal(op: str, shapes: Mapping[str, int]) -> str | None:
     from .triton_common import SUPPORTED_HEAD_DIMS
 
     # the chunked prefill only at the head dims verified on the device (its bf16 kernels gave non-finite
-    # outputs on the H200 at 16 and 32, session 7)
+    # outputs on the H200 at 16 and 32)
     dims = DEVICE_VERIFIED_DIMS if op in ("chunk_gated_delta_rule", "gdn_prefill") else SUPPORTED_HEAD_DIMS
     bad = {k: shapes[k] for k in SHAPE_LIMITS.get(op, ()) if k in shapes and shapes[k] not in dims}
-    return f"needs {', '.join(bad)} in {dims}, the model has {bad}" if bad else None
+    return f"{', '.join(f'{k}={v}' for k, v in bad.items())} not in {dims}" if bad else None
 
 
 def available_ops(device: torch.device, shapes: Mapping[str, int] | None = None
@@ -48,6 +48,18 @@ def available_ops(device: torch.device, shapes: Mapping[str, int] | None = None
     ops = _all_ops()
     refused = {name: why for name in ops if (why := _refusal(name, shapes or {}))}
     return {name: fn for name, fn in ops.items() if name not in refused}, refused
+
+
+def fold_rules(ops: Mapping[str, Callable]) -> dict[str, object]:
+    """Kernels' fold-rule fields for the fused kernels among `ops` (the rules live beside the kernels)."""
+    from .linear import triton as linear_triton
+
+    rules: dict[str, object] = {}
+    if "rms_norm_linear_conv" in ops:
+        rules["conv_fold_rows"] = linear_triton.CONV_FOLD_ROWS
+    if "gated_linear" in ops:
+        rules["gate_fold_rows"] = linear_triton.GATE_FOLD_MAX_ROWS
+    return rules
 
 
 def _all_ops() -> dict[str, Callable]:

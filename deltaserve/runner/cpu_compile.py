@@ -4,47 +4,42 @@ On a small CPU an eager decode step is bound by per-op dispatch (~1400 aten ops 
 math. Compiling the forward fuses the pointwise work into a few dozen C++ loops and leaves the GEMVs as
 library calls; this is the CPU analogue of a CUDA graph per decode batch.
 
-What is compiled is a *decode twin* of the model: a shallow copy sharing every parameter, whose ops are
-the decode-only forms below (same math as the references, written without host reads so they trace into
-one graph; checked against the references in tests). Two more changes make the step cheaper without
-changing its numbers beyond fp32 rounding:
-  - Weights whose fp32 values are exactly bf16 values (every weight of a bf16 checkpoint) are read as
-    bf16 and widened in the loop, by single-token GEMVs and the experts: the same products, half the
-    bytes. Memory-bandwidth is what bounds a single-token step once dispatch is gone.
+What is compiled is a *decode twin* of the model: a shallow copy sharing every parameter, whose ops are the
+decode-graph backend (ops/decode_graph.py: the references' math without host reads, so it traces into one
+graph). Two more changes make the step cheaper without changing its numbers beyond fp32 rounding:
+  - Weights whose fp32 values are exactly bf16 values (every weight of a bf16 checkpoint) are stored as bf16
+    copies, which the decode-graph ops widen in the loop: the experts in both graphs, every projection in the
+    single-token graph (its GEMVs are bound by the weight bytes; batches keep the fp32 weights for the BLAS
+    GEMM).
   - The KV / state pools enter the graph as one input per layer, so inductor updates them in place (a
     mutation through a view of one big pool is functionalised into a copy of the whole pool).
 
 Two graphs at most: one for a single decode token (the `generate` case) and one with a dynamic batch
 size; both dynamic in the context length. `CompiledDecode` compiles them in a background thread on
 scratch pools and runs the eager model until a graph is ready, so start-up stays instant; inductor's
-on-disk cache makes later runs on the same machine ready within seconds.
+on-disk cache makes later runs on the same machine ready within seconds. A process that exits while a
+compile runs stops it first (see _stop_compile_at_exit), keeping the exit status its program chose.
 """
 
 from __future__ import annotations
 
 import atexit
 import copy
+import ctypes
 import dataclasses
 import logging
-import os
-import sys
 import threading
 import time
 from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..batch import CacheBuffers, ForwardBatch
 from ..layers.linear import Linear
 from ..layers.moe import SparseMoeBlock
 from ..models.qwen3_next import HybridForCausalLM
-from ..ops import Kernels
-from ..ops.attention import reference as attention_ref
-from ..ops.gdn import reference as gdn_ref
-from ..ops.moe import reference as moe_ref
-from ..ops.norm import reference as norm_ref
+from ..ops import select_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -67,76 +62,7 @@ def resolve_compile_mode(mode: str, device: torch.device) -> str:
     return mode if device.type == "cpu" else "off"
 
 
-# ---- decode-only ops: the references' math without host reads -------------------------------------------
-
-def store_kv_decode(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """store_kv for tokens without padding (slot >= 0), indexing the pool itself (blocks, offsets) so the
-    write stays in place in a compiled graph."""
-    bs = kv_cache.shape[2]
-    which = torch.arange(2, device=k.device)[:, None]
-    kv_cache.index_put_((which, (slot_mapping // bs)[None], (slot_mapping % bs)[None]),
-                        torch.stack([k, v]).to(kv_cache.dtype))
-
-
-def attention_prologue_decode(q, k, v, q_norm_weight, k_norm_weight, eps, cos, sin, kv_cache, slot_mapping):
-    """attention_prologue with store_kv_decode's in-place store."""
-    q = attention_ref.apply_rope(norm_ref.rms_norm(q, q_norm_weight, eps), cos, sin)
-    store_kv_decode(attention_ref.apply_rope(norm_ref.rms_norm(k, k_norm_weight, eps), cos, sin), v, kv_cache,
-                    slot_mapping)
-    return q.contiguous()
-
-
-def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor,
-                           seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """paged_attention when every sequence has exactly one query token (cu_seqlens is then 0..N): all
-    sequences at once over the block table's width, positions past each context masked out (their keys
-    get -inf, their values zero: unwritten cache memory may hold anything)."""
-    N, nh, d = q.shape
-    nkv = kv_cache.shape[-2]
-    kv = kv_cache[:, block_tables.long()].reshape(2, N, -1, nkv, d).to(q.dtype).transpose(2, 3)  # [2,N,NKV,C,D]
-    valid = torch.arange(kv.shape[3], device=q.device)[None, :] < seq_lens[:, None]             # [N, C]
-    scores = q.view(N, nkv, nh // nkv, d) @ kv[0].transpose(-1, -2) * scale                    # [N,NKV,G,C]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return (probs @ torch.where(valid[:, None, :, None], kv[1], 0.0)).reshape(N, nh, d)
-
-
-def fused_paged_attention_decode(q, k, v, q_norm_weight, k_norm_weight, eps, cos, sin, kv_cache, slot_mapping, *,
-                                 cu_seqlens, seq_lens, block_tables, scale, max_query_len=None):
-    """fused_paged_attention as the two decode functions above (decode batches: one token per sequence)."""
-    q = attention_prologue_decode(q, k, v, q_norm_weight, k_norm_weight, eps, cos, sin, kv_cache, slot_mapping)
-    return paged_attention_decode(q, kv_cache, cu_seqlens=cu_seqlens, seq_lens=seq_lens, block_tables=block_tables,
-                                  scale=scale)
-
-
-def fused_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor) -> torch.Tensor:
-    """fused_moe as a gather + multiply-reduce per (token, expert) pair: inductor fuses the gather and the
-    widening of bf16-stored experts into the reduction loop, so only the chosen experts are read."""
-    inter = w2.shape[-1]
-    h = (x[:, None, None, :].float() * w13[topk_ids].float()).sum(-1)          # [N, k, 2I]
-    act = (F.silu(h[..., :inter]) * h[..., inter:]).to(x.dtype)
-    y = (act[:, :, None, :].float() * w2[topk_ids].float()).sum(-1).to(x.dtype)  # [N, k, H]
-    return (y.float() * topk_weights.float()[..., None]).sum(1).to(x.dtype)
-
-
-def fused_moe_routed_decode(x, w13, w2, router_logits, top_k, renormalize, *, shared_slices=0):
-    """fused_moe_routed as the reference routing and fused_moe_decode."""
-    weights, ids = moe_ref.topk_softmax(router_logits, top_k, renormalize, shared_slices=shared_slices)
-    return fused_moe_decode(x, w13, w2, weights, ids)
-
-
-def decode_kernels(kernels: Kernels) -> Kernels:
-    return dataclasses.replace(
-        kernels, store_kv=store_kv_decode, attention_prologue=attention_prologue_decode,
-        paged_attention=paged_attention_decode, fused_paged_attention=fused_paged_attention_decode,
-        fused_moe=fused_moe_decode, fused_moe_routed=fused_moe_routed_decode, gdn_decode=gdn_ref.gdn_decode_unpadded,
-        backend={**kernels.backend, **{n: "compiled-decode" for n in
-                                      ("store_kv", "attention_prologue", "paged_attention", "fused_paged_attention",
-                                       "fused_moe", "fused_moe_routed", "gdn_decode")}})
-
-
-# ---- the decode twin ----------------------------------------------------------------------------------
+# ---- the decode twins -----------------------------------------------------------------------------
 
 def _bf16_copy(w: torch.Tensor) -> torch.Tensor | None:
     """w as bf16 when that is exact (fp32 w whose every value is a bf16 value), else None."""
@@ -146,57 +72,46 @@ def _bf16_copy(w: torch.Tensor) -> torch.Tensor | None:
     return narrow if torch.equal(narrow.float(), w) else None
 
 
-def gemv_bf16(x: torch.Tensor, w16: torch.Tensor) -> torch.Tensor:
-    """x [T, in] fp32 @ w16 [out, in]^T with w16 widened to fp32 inside the loop: F.linear's products and
-    fp32 accumulation, half the weight bytes."""
-    return (x[:, None, :] * w16.float()[None]).sum(-1)
+def _swap_weight(module: torch.nn.Module, name: str, narrow: torch.Tensor | None) -> None:
+    if narrow is not None:
+        delattr(module, name)
+        setattr(module, name, narrow)
 
 
-class DecodeLinear(nn.Module):
-    """A Linear for the decode twin: single-token inputs read the bf16 copy (when exact), batches use the
-    shared fp32 weight and the BLAS GEMM."""
+def decode_twin(model: HybridForCausalLM, *, narrow_projections: bool,
+                narrow: dict[int, torch.Tensor | None] | None = None) -> HybridForCausalLM:
+    """A copy of `model` sharing its parameters, running the decode-graph ops, with bf16 copies (where exact)
+    of the expert weights and, with narrow_projections, of every projection and the logits head (`head_weight`,
+    which twin_logits reads); no MTP head. `narrow` caches the copies by id of the weight (shared by twins)."""
+    narrow = {} if narrow is None else narrow
 
-    def __init__(self, linear: Linear):
-        super().__init__()
-        self.weight = linear.weight
-        self.weight_bf16 = _bf16_copy(linear.weight.data)
+    def narrowed(w: torch.Tensor) -> torch.Tensor | None:
+        if id(w) not in narrow:
+            narrow[id(w)] = _bf16_copy(w.data)
+        return narrow[id(w)]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_bf16 is not None and x.shape[0] == 1:
-            return gemv_bf16(x, self.weight_bf16)
-        return F.linear(x, self.weight)
-
-
-def decode_twin(model: HybridForCausalLM) -> HybridForCausalLM:
-    """A copy of `model` sharing its parameters, with the decode-only ops and DecodeLinear layers (and
-    bf16 expert weights when exact); no MTP head."""
     memo: dict[int, object] = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     memo[id(model.config)] = model.config
-    memo[id(model.kernels)] = decode_kernels(model.kernels)
+    memo[id(model.kernels)] = select_kernels(model.embed_tokens.device, decode_graph_ops=True)
     mtp, model.mtp = model.mtp, None
     try:
         twin = copy.deepcopy(model, memo)
     finally:
         model.mtp = mtp
-    for parent in list(twin.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is Linear:
-                setattr(parent, name, DecodeLinear(child))
-        if isinstance(parent, SparseMoeBlock):
+    for module in twin.modules():
+        if isinstance(module, SparseMoeBlock):
             for name in ("w13", "w2"):
-                narrow = _bf16_copy(getattr(parent, name).data)
-                if narrow is not None:
-                    delattr(parent, name)
-                    setattr(parent, name, narrow)
+                _swap_weight(module, name, narrowed(getattr(module, name)))
+        elif type(module) is Linear and narrow_projections:
+            _swap_weight(module, "weight", narrowed(module.weight))
     head = model.embed_tokens if model.lm_head is None else model.lm_head.weight
-    twin.head_bf16 = _bf16_copy(head.data)
+    head_narrow = narrowed(head) if narrow_projections else None
+    twin.head_weight = head if head_narrow is None else head_narrow
     return twin
 
 
 def twin_logits(twin: HybridForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
-    if twin.head_bf16 is not None and hidden.shape[0] == 1:
-        return gemv_bf16(hidden, twin.head_bf16)
-    return twin.compute_logits(hidden)
+    return twin.kernels.linear(hidden, twin.head_weight)
 
 
 def layer_pools(cache: CacheBuffers) -> CacheBuffers:
@@ -207,18 +122,29 @@ def layer_pools(cache: CacheBuffers) -> CacheBuffers:
 
 # ---- compile in the background, swap in when ready ---------------------------------------------------
 
-def _exit_now_if_compiling(thread: threading.Thread) -> None:
-    """At interpreter exit with a compile still running: end the process here. Finalising the interpreter
-    would stop the daemon compile thread inside C++ code (pthread_exit through noexcept frames), which
-    aborts the process; there is nothing of ours left to clean up at this point."""
-    if thread.is_alive():
-        logger.info("exiting with the CPU decode step still compiling (inductor's cache keeps what was built)")
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(1 if getattr(sys, "last_value", None) is not None else 0)
+class CompileStopped(BaseException):
+    """Raised inside the compile thread at interpreter exit (a BaseException: library code that catches
+    Exception lets it through)."""
+
+
+STOP_TIMEOUT_S = 30.0   # longest wait for the compile thread at exit (it can be inside one compiler subprocess)
+
+
+def _stop_compile_at_exit(thread: threading.Thread, stopping: threading.Event) -> None:
+    """At interpreter exit with a compile still running: stop the thread at its next Python line and wait for
+    it. Finalising the interpreter under a running daemon thread stops it wherever it next takes the GIL,
+    inside torch's C++ code too (pthread_exit through noexcept frames), which aborts the process. Stopping it
+    first keeps the exit status the program chose; a thread still waiting on a compiler subprocess after
+    STOP_TIMEOUT_S is left to the interpreter (it is then in C code, where that exit is clean)."""
+    if not thread.is_alive():
+        return
+    stopping.set()
+    logger.info("stopping the CPU decode step's compile at exit (inductor's cache keeps what was built)")
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while thread.is_alive() and time.monotonic() < deadline:
+        # re-raised until it takes: a handler in the compiler may swallow one
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(CompileStopped))
+        thread.join(0.2)
 
 
 def _argument_guards_only(entries) -> list[bool]:
@@ -267,19 +193,21 @@ class CompiledDecode:
         self.graphs = tuple(g for g in graphs if GRAPHS[g] <= cache.num_slots)
         inductor_options = inductor_options or {}
         self.model, self.cache = model, cache
-        self.twin = decode_twin(model)
+        narrow: dict[int, torch.Tensor | None] = {}
+        self.twins = {"one": decode_twin(model, narrow_projections=True, narrow=narrow),
+                      "many": decode_twin(model, narrow_projections=False, narrow=narrow)}
         self._pools = layer_pools(cache)
-        twin = self.twin
+        twin_one, twin_many = self.twins["one"], self.twins["many"]
 
         # Separate top-level functions, so each graph has its own dynamo cache (no lookup of one while the
         # other is being compiled). Each returns the hidden states and their logits.
         def one(batch: ForwardBatch, pools: CacheBuffers) -> tuple[torch.Tensor, torch.Tensor]:
-            hidden = twin(batch, pools)
-            return hidden, twin_logits(twin, hidden)
+            hidden = twin_one(batch, pools)
+            return hidden, twin_logits(twin_one, hidden)
 
         def many(batch: ForwardBatch, pools: CacheBuffers) -> tuple[torch.Tensor, torch.Tensor]:
-            hidden = twin(batch, pools)
-            return hidden, twin_logits(twin, hidden)
+            hidden = twin_many(batch, pools)
+            return hidden, twin_logits(twin_many, hidden)
 
         options = {"guard_filter_fn": _argument_guards_only, **INDUCTOR_OPTIONS, **inductor_options}
         self._compiled = {"one": torch.compile(one, fullgraph=True, options=options),
@@ -292,8 +220,9 @@ class CompiledDecode:
         # inductor's C++ kernels are built for the intra-op thread count seen when compiling: the caller's
         self._threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._compile_all, name="deltaserve-compile", daemon=True)
+        self._stopping = threading.Event()
         if background:
-            atexit.register(_exit_now_if_compiling, self._thread)
+            atexit.register(_stop_compile_at_exit, self._thread, self._stopping)
             self._thread.start()
         else:
             self._compile_all()
@@ -354,6 +283,10 @@ class CompiledDecode:
                     self._ready[kind] = True
                     logger.info("compiled CPU decode step (%s sequence%s) in %.1f s", "1" if n == 1 else "N >= 2",
                                 "" if n == 1 else "s", self.compile_seconds[kind])
+        except CompileStopped:
+            return
         except Exception as exc:  # noqa: BLE001  a failed compile leaves the eager path in place; say so once
+            if self._stopping.is_set():     # the compiler wrapped CompileStopped in an error of its own
+                return
             self.error = exc
             logger.warning("compiling the CPU decode step failed; decoding stays eager: %s", exc)

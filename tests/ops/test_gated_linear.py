@@ -284,6 +284,7 @@ def test_model_with_the_fold_equals_the_reference_ops(tiny_model, family, device
         return tri.gated_linear(x, gate, weight, **kw)
 
     tri_k = dataclasses.replace(ref_k, gated_linear=glin, gdn_decode=tr.gdn_decode,
+                                gate_fold_rows=tri.GATE_FOLD_MAX_ROWS,
                                 backend={**ref_k.backend, "gated_linear": "triton", "gdn_decode": "triton"})
     out = []
     for kernels in (ref_k, tri_k):
@@ -300,32 +301,6 @@ def test_model_with_the_fold_equals_the_reference_ops(tiny_model, family, device
     # the attention gate goes through gated_linear at every step; the GDN norm at the one-row steps only
     assert rows_folded.count(1) == 2 * (n_attn + n_gdn), rows_folded
     assert len(rows_folded) == 4 * n_attn + 2 * n_gdn, rows_folded
-
-
-def test_gated_projection_composes_for_other_projection_modules():
-    """layers.linear.gated_projection: a dense Linear runs kernels.gated_linear; another projection module
-    (the CPU decode twin's) gets the gate op (sigmoid_mul / rms_norm_gated), then its own forward; and
-    folds_gate says which one-row calls the GDN layer may hand its norm to."""
-    from torch import nn
-
-    from deltaserve.layers.linear import Linear, folds_gate, gated_projection
-    from deltaserve.ops import select_kernels
-
-    k = select_kernels("cpu")
-    proj = Linear(32, 5, k, dtype=torch.float32, device="cpu")
-    g = gen(8)
-    proj.weight.data.copy_(randn(5, 32, g=g))
-    x, gate, nw = randn(2, 32, g=g), randn(2, 32, g=g), randn(16, g=g)
-
-    class Doubled(nn.Module):   # not a Linear: its own forward must run
-        def forward(self, h):
-            return 2 * proj(h)
-
-    for norm_weight, act in ((None, "sigmoid"), (nw, "silu"), (nw, "sigmoid")):
-        y = gated_projection(proj, k, x, gate, norm_weight=norm_weight, activation=act)
-        assert torch.equal(y, ref.gated_linear(x, gate, proj.weight, norm_weight=norm_weight, activation=act))
-        assert torch.equal(gated_projection(Doubled(), k, x, gate, norm_weight=norm_weight, activation=act), 2 * y)
-    assert folds_gate(proj, 1) and not folds_gate(proj, 2) and not folds_gate(Doubled(), 1)
 
 
 # ---- real shapes on the GPU ------------------------------------------------------------------------

@@ -203,11 +203,10 @@ def _batch(seqs, device):
 def test_model_decode_equals_the_old_path(tiny_model, device):
     """A tiny Qwen3.5-MoE model (3 GDN layers, bf16) whose decode steps run rms_norm_linear_conv +
     gdn_decode(conv_applied) against the same model with the conv in gdn_decode: equal logits and pools
-    bit for bit. Prefill of 4 sequences, a decode step of the 4 (folded by the default rule), then a
-    step of one sequence with the fold forced (conv_fold_rows (1, 8): the B = 1 path, not a default). On the
-    CPU the Triton ops run in the interpreter with wide tiles; on the GPU with their defaults."""
+    bit for bit. Prefill of 4 sequences, a decode step of the 4, then a step of one sequence (both folded by
+    the default rule, CONV_FOLD_ROWS). On the CPU the Triton ops run in the interpreter with wide tiles; on
+    the GPU with their defaults."""
     from deltaserve.batch import CacheBuffers
-    from deltaserve.layers.gated_deltanet import CONV_FOLD_ROWS
     from deltaserve.models.loader import load_model
     from deltaserve.ops import select_kernels
     from tests.conftest import TinySpec, random_ids
@@ -228,23 +227,21 @@ def test_model_decode_equals_the_old_path(tiny_model, device):
 
     triton_ops = {"rms_norm_linear": proj, "gdn_decode": tr.gdn_decode}
     old = dataclasses.replace(base, **triton_ops, backend={**base.backend, **dict.fromkeys(triton_ops, "triton")})
-    new = dataclasses.replace(old, rms_norm_linear_conv=proj_conv,
+    new = dataclasses.replace(old, rms_norm_linear_conv=proj_conv, conv_fold_rows=tri.CONV_FOLD_ROWS,
                               backend={**old.backend, "rms_norm_linear_conv": "triton"})
+    lo, hi = tri.CONV_FOLD_ROWS
+    assert lo == 1 and hi >= 4, "the steps below are folded"
     prompts = [random_ids(n, seed=3 + n) for n in (5, 3, 4, 2)]
     steps = [[(p, 0, s) for s, p in enumerate(prompts)]]
     steps += [[([p[0]], len(p), s) for s, p in enumerate(prompts)]]
+    steps += [[([prompts[1][1]], 4, 1)]]
     runs = []
     for kernels in (old, new):
         model = load_model(path, device=device, dtype=dtype, kernels=kernels, show_progress=False)
-        gdn = [layer.linear_attn for layer in model.layers if hasattr(layer, "linear_attn")]
-        assert all(m.conv_fold_rows == (CONV_FOLD_ROWS if kernels is new else (0, 0)) for m in gdn)
         cache = CacheBuffers.allocate(model.config, num_slots=4, num_blocks=16, block_size=16, device=device,
                                       dtype=dtype)
         with torch.inference_mode():
             logits = [model.compute_logits(model(_batch(s, device), cache)) for s in steps]
-            for m in gdn:
-                m.conv_fold_rows = (1, 8) if kernels is new else m.conv_fold_rows
-            logits.append(model.compute_logits(model(_batch([([prompts[1][1]], 4, 1)], device), cache)))
         runs.append((torch.cat(logits), cache.conv.clone(), cache.ssm.clone()))
     assert calls == [4] * 3 + [1] * 3, "the GDN layers' decode steps fold the conv"
     assert torch.equal(runs[1][0], runs[0][0]), "logits"
@@ -252,39 +249,46 @@ def test_model_decode_equals_the_old_path(tiny_model, device):
 
 
 def test_fold_rule(tiny_model):
-    """Chosen once at build: off with the reference op (the CPU path); with the Triton op, decode-only
-    batches of CONV_FOLD_ROWS sequences (prefills, mixed batches and other sizes keep the old path), dense
-    in_proj only."""
-    from deltaserve.layers.gated_deltanet import CONV_FOLD_ROWS
+    """Chosen by the op from the batch: never with the reference kernels (the CPU path: conv_fold_rows (0, 0));
+    with the Triton op's rule, decode-only batches of CONV_FOLD_ROWS sequences fold (the op gets the decode
+    slots and the layer's conv window pool), prefills, mixed batches and other sizes keep the conv in the
+    recurrence."""
     from deltaserve.models.loader import load_model
     from deltaserve.ops import select_kernels
     from tests.conftest import TinySpec
 
-    lo, hi = CONV_FOLD_ROWS
+    lo, hi = tri.CONV_FOLD_ROWS
     assert 1 <= lo <= hi
     path = tiny_model(TinySpec(family="qwen3_5_moe", ratio=2, seed=44, num_layers=4))
     k = select_kernels("cpu")
-    model = load_model(path, device="cpu", dtype=torch.float32, kernels=k, show_progress=False)
-    gdn = model.layers[0].linear_attn
+    assert k.conv_fold_rows == (0, 0)
+    seen = []
 
-    def decode(n):
-        return _batch([([1], 3, s) for s in range(n)], "cpu")
+    def recorder(x, residual, norm_weight, eps, weight, **kw):
+        seen.append(kw)
+        return ref.rms_norm_linear_conv(x, residual, norm_weight, eps, weight, **kw)
 
-    assert gdn.conv_fold_rows == (0, 0) and gdn.conv_fold(decode(lo), torch.zeros(1)) is None
-    k = dataclasses.replace(k, backend={**k.backend, "rms_norm_linear_conv": "triton"})
-    gdn = load_model(path, device="cpu", dtype=torch.float32, kernels=k, show_progress=False).layers[0].linear_attn
-    pool = torch.zeros(hi + 1, 3, gdn.conv_dim)
-    for n in range(1, hi + 2):
-        fold = gdn.conv_fold(decode(n), pool)
-        assert (fold is not None) == (lo <= n <= hi), n
-        if fold is not None:
-            assert fold["conv_state"] is pool and fold["conv_weight"] is gdn.conv_weight
-            assert fold["state_indices"].tolist() == list(range(n))
-    mixed = [([1, 2], 0, 0)] + [([2], 5, s) for s in range(1, lo + 1)]
-    assert gdn.conv_fold(_batch(mixed, "cpu"), pool) is None, "a mixed batch"
-    assert gdn.conv_fold(_batch([([1, 2], 0, 0)], "cpu"), pool) is None, "a prefill"
-    gdn.in_proj = torch.nn.Identity()
-    assert gdn.conv_fold(decode(lo), pool) is None, "not a dense Linear"
+    folding = dataclasses.replace(k, rms_norm_linear_conv=recorder, conv_fold_rows=tri.CONV_FOLD_ROWS)
+    for kernels, rows in ((k, (0, 0)), (folding, (lo, hi))):
+        model = load_model(path, device="cpu", dtype=torch.float32, kernels=kernels, show_progress=False)
+        layer = model.layers[0]
+        gdn, norm = layer.linear_attn, layer.input_layernorm
+        pool = torch.zeros(hi + 1, 3, gdn.conv_dim)
+
+        def project(batch, gdn=gdn, norm=norm, pool=pool):
+            seen.clear()
+            x = torch.randn(batch.num_tokens, gdn.in_proj.in_features)
+            return gdn.project_input(x, None, norm, batch, pool).conv_applied
+
+        for n in range(1, hi + 2):
+            assert project(_batch([([1], 3, s) for s in range(n)], "cpu")) == (rows[0] <= n <= rows[1] > 0), n
+            if seen:
+                assert seen[0]["conv_state"] is pool and seen[0]["conv_weight"] is gdn.conv_weight
+                assert seen[0]["state_indices"].tolist() == list(range(n))
+        mixed = [([1, 2], 0, 0)] + [([2], 5, s) for s in range(1, lo + 1)]
+        assert not project(_batch(mixed, "cpu")), "a mixed batch"
+        assert not project(_batch([([1, 2], 0, 0)], "cpu")), "a prefill"
+        assert not seen
 
 
 # ---- real shapes on the GPU (Qwen3.5-35B-A3B GDN layer: H 2048, 16 key / 32 value heads of 128) -------------

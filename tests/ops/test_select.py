@@ -1,4 +1,5 @@
-"""Backend selection: once, logged, a setting forces the references, every op present on both sides."""
+"""Backend selection: once, logged at DEBUG with a one-line summary, a setting forces the references, every op
+present on both sides, the fold rules set from the kernels chosen, the decode-graph backend."""
 
 from __future__ import annotations
 
@@ -11,12 +12,64 @@ import torch
 from deltaserve import ops
 
 
-def test_cpu_selects_references_and_logs_once(caplog):
+def test_cpu_selects_references_and_logs_once_at_debug(caplog):
     with caplog.at_level(logging.INFO, logger="deltaserve.ops"):
+        ops.select_kernels("cpu")
+    assert not caplog.records, "nothing at INFO"
+    with caplog.at_level(logging.DEBUG, logger="deltaserve.ops"):
         k = ops.select_kernels("cpu")
     assert set(k.backend.values()) == {"reference"}
     assert sum("ops on cpu" in r.message for r in caplog.records) == 1
     assert k.gdn_decode is ops.REFERENCE_OPS["gdn_decode"]
+    assert k.summary() == f"reference ({len(ops.REFERENCE_OPS)} ops)"
+    assert k.conv_fold_rows == (0, 0) and k.gate_fold_rows == 0, "the references fold nothing"
+
+
+def test_refused_kernels_warn_once_per_reason_and_show_in_the_summary(monkeypatch, caplog):
+    """A device whose Triton registry refuses some ops (faked here): one warning per reason naming the ops,
+    the summary counts each backend and says why, and the fold rules come from the registry."""
+    names = sorted(ops.REFERENCE_OPS)
+    refused = {"chunk_gated_delta_rule": "needs 64", "gdn_prefill": "needs 64", "paged_attention": "needs 96"}
+    usable = {n: ops.REFERENCE_OPS[n] for n in names if n not in refused}
+    rules = {"conv_fold_rows": (1, 8), "gate_fold_rows": 1}
+    monkeypatch.setattr(ops, "_triton_ops", lambda device, shapes: (usable, refused, rules))
+    with caplog.at_level(logging.WARNING, logger="deltaserve.ops"):
+        k = ops.select_kernels("cuda")
+    assert [r.message for r in caplog.records] == [
+        "chunk_gated_delta_rule, gdn_prefill on cuda: torch reference (needs 64)",
+        "paged_attention on cuda: torch reference (needs 96)"]
+    assert k.summary() == (f"triton {len(usable)}, reference 3 (chunk_gated_delta_rule, gdn_prefill: needs 64; "
+                           "paged_attention: needs 96)")
+    assert (k.conv_fold_rows, k.gate_fold_rows) == ((1, 8), 1)
+    assert ops.select_kernels("cuda", force_reference=True).conv_fold_rows == (0, 0)
+
+
+def test_fold_rules_come_from_the_kernels_they_tune():
+    from deltaserve.ops import triton_registry
+    from deltaserve.ops.linear import triton as linear_triton
+
+    everything = triton_registry._all_ops()
+    assert triton_registry.fold_rules(everything) == {"conv_fold_rows": linear_triton.CONV_FOLD_ROWS,
+                                                      "gate_fold_rows": linear_triton.GATE_FOLD_MAX_ROWS}
+    assert triton_registry.fold_rules({}) == {}
+
+
+def test_decode_graph_backend_replaces_its_ops_only():
+    from deltaserve.ops import decode_graph
+
+    k = ops.select_kernels("cpu", decode_graph_ops=True)
+    for name, fn in ops.REFERENCE_OPS.items():
+        want = decode_graph.OPS.get(name, fn)
+        assert getattr(k, name) is want and k.backend[name] == ("decode-graph" if name in decode_graph.OPS
+                                                                else "reference"), name
+    assert set(k.summary().split(", ")) == {f"reference {len(ops.REFERENCE_OPS) - len(decode_graph.OPS)}",
+                                            f"decode-graph {len(decode_graph.OPS)}"}
+    try:
+        ops.select_kernels("cuda", decode_graph_ops=True)
+    except ValueError as exc:
+        assert "compiled CPU decode step" in str(exc)
+    else:
+        raise AssertionError("decode-graph ops off CPU")
 
 
 def test_force_reference_wins():
@@ -25,7 +78,8 @@ def test_force_reference_wins():
 
 
 def test_every_field_has_a_reference():
-    fields = {f.name for f in dataclasses.fields(ops.Kernels)} - {"backend"}
+    rules = {"backend", "conv_fold_rows", "gate_fold_rows", "kept_reference"}
+    fields = {f.name for f in dataclasses.fields(ops.Kernels)} - rules
     assert fields == set(ops.REFERENCE_OPS)
 
 

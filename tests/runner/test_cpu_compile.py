@@ -1,10 +1,14 @@
-"""The compiled CPU decode step (runner/cpu_compile.py): its decode-only ops against the references, the
-decode twin (eager) against the model, and one end-to-end compile: greedy tokens equal to eager, logprobs
-within fp32 rounding, batch 1 and a batch of 3, eager until the background compile is ready."""
+"""The compiled CPU decode step (runner/cpu_compile.py): its decode-graph ops (ops/decode_graph.py) against
+the references, the decode twins (eager) against the model, one end-to-end compile: greedy tokens equal to
+eager, logprobs within fp32 rounding, batch 1 and a batch of 3, eager until the background compile is ready;
+and the exit status of a program that ends while the compile runs."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +17,7 @@ import torch.nn.functional as F
 from deltaserve import LLM, SamplingParams
 from deltaserve.models.loader import load_model
 from deltaserve.ops import REFERENCE_OPS, select_kernels
+from deltaserve.ops import decode_graph as dg
 from deltaserve.runner import cpu_compile as cc
 from deltaserve.runner.memory import allocate_cache
 from deltaserve.runner.model_runner import ModelRunner
@@ -37,7 +42,7 @@ def test_paged_attention_decode_matches_reference_and_ignores_garbage():
     kw = {"cu_seqlens": torch.arange(4, dtype=torch.int32), "seq_lens": seq_lens, "block_tables": tables,
           "scale": d ** -0.5}
     want = REFERENCE_OPS["paged_attention"](q, kv, **kw)
-    got = cc.paged_attention_decode(q, kv, **kw)
+    got = dg.paged_attention(q, kv, **kw)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -48,7 +53,7 @@ def test_store_kv_decode_matches_reference():
     k, v = rand(3, 2, 8), rand(3, 2, 8)
     slots = torch.tensor([5, 17, 22])
     REFERENCE_OPS["store_kv"](k, v, kv_a, slots)
-    cc.store_kv_decode(k, v, kv_b, slots)
+    dg.store_kv(k, v, kv_b, slots)
     assert torch.equal(kv_a, kv_b)
 
 
@@ -59,7 +64,7 @@ def test_fused_moe_decode_matches_reference_with_bf16_experts(tokens):
     x = rand(tokens, H)
     weights, ids = REFERENCE_OPS["topk_softmax"](rand(tokens, E), k, True)
     want = REFERENCE_OPS["fused_moe"](x, w13.float(), w2.float(), weights, ids)
-    got = cc.fused_moe_decode(x, w13, w2, weights, ids)
+    got = dg.fused_moe(x, w13, w2, weights, ids)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -68,8 +73,10 @@ def test_bf16_weights_only_when_exact():
     assert torch.equal(cc._bf16_copy(w).float(), w)
     assert cc._bf16_copy(w + 1e-4) is None                    # not representable: stays fp32
     assert cc._bf16_copy(w.bfloat16()) is None                # only fp32 models are narrowed
-    x = rand(1, 8)
-    torch.testing.assert_close(cc.gemv_bf16(x, w.bfloat16()), F.linear(x, w), rtol=1e-6, atol=1e-6)
+    for rows in (1, 3):      # a bf16 weight under fp32 rows is widened in the loop: F.linear's products
+        x = rand(rows, 8)
+        torch.testing.assert_close(dg.linear(x, w.bfloat16()), F.linear(x, w), rtol=1e-6, atol=1e-6)
+        assert torch.equal(dg.linear(x, w), F.linear(x, w))
 
 
 def test_compile_mode_is_validated():
@@ -104,9 +111,14 @@ def test_decode_twin_eager_equals_model(bf16_model_path):
 
     model = load_model(bf16_model_path, device="cpu", dtype=torch.float32, kernels=select_kernels("cpu"),
                        show_progress=False)
-    twin = cc.decode_twin(model)
-    assert twin.head_bf16 is not None and twin.layers[0].mlp.w13.dtype == torch.bfloat16
-    assert twin.embed_tokens is model.embed_tokens and twin.kernels.paged_attention is cc.paged_attention_decode
+    twins = {n: cc.decode_twin(model, narrow_projections=n == 1) for n in (1, 3)}
+    for n, twin in twins.items():
+        assert twin.layers[0].mlp.w13.dtype == torch.bfloat16 and twin.embed_tokens is model.embed_tokens
+        assert twin.kernels.paged_attention is dg.paged_attention
+        assert twin.kernels.backend["gdn_decode"] == "decode-graph"
+        projections = [m.weight for m in twin.layers.modules() if type(m).__name__ == "Linear"]
+        assert projections and all(w.dtype == (torch.bfloat16 if n == 1 else torch.float32) for w in projections)
+        assert twin.head_weight.dtype == (torch.bfloat16 if n == 1 else torch.float32)
     cache = allocate_cache(model, num_slots=3, num_blocks=16, block_size=4, device=torch.device("cpu"),
                            dtype=torch.float32)
     runner = ModelRunner(model, cache, device="cpu", max_model_len=64)
@@ -122,6 +134,7 @@ def test_decode_twin_eager_equals_model(bf16_model_path):
         after = [t.clone() for t in pools()]
         for dst, src in zip(pools(), before):
             dst.copy_(src)
+        twin = twins[n]
         got = twin(batch, cc.layer_pools(cache))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(cc.twin_logits(twin, got), want_logits, rtol=1e-4, atol=1e-4)
@@ -236,3 +249,24 @@ def test_generate_cli_defaults_to_no_compile(bf16_model_path, monkeypatch):
     monkeypatch.delenv("DELTASERVE_COMPILE")
     LLM(bf16_model_path, device="cpu", num_gpu_blocks=16)
     assert made == [True]
+
+
+_EXIT_SCRIPT = """
+import sys, time
+from deltaserve import LLM
+llm = LLM(compile=sys.argv[1])
+if sys.argv[1] == "auto":
+    assert llm.engine.runner.compiled_decode._thread.is_alive(), "the compile should still be running"
+time.sleep(float(sys.argv[2]))
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("mode, wait_s", [("off", 0), ("auto", 0), ("auto", 4)])
+def test_program_exit_status_survives_a_compile_in_flight(mode, wait_s):
+    """LLM() (the embedded model) then sys.exit(3) exits 3: with no compile, and with the background compile
+    still running (at once, and a few seconds in, inside dynamo / inductor)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "DELTASERVE_COMPILE": mode}
+    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, mode, str(wait_s)], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 3, done.stderr[-2000:]

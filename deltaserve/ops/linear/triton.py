@@ -36,9 +36,8 @@ batch-1 decode step launches no norm.
 `rms_norm_linear_conv` is a GDN layer's input projection at a decode step with the causal conv update of
 its q|k|v channels in the GEMV's epilogue (the program that produces a channel's projection holds all the
 depthwise conv of that channel needs): SiLU(conv) stored instead of the projection, the window shifted;
-gdn_decode(conv_applied=True) then touches no window. The layer uses it at decode steps of 4-8 sequences
-(measured faster there; slower at one: docs/PERFORMANCE.md, "gdn_decode at B = 1: the conv in the input
-projection").
+gdn_decode(conv_applied=True) then touches no window. ops.fusion.gdn_in_proj runs it at decode batches of
+CONV_FOLD_ROWS sequences.
 
 `rms_norm_route` is an MoE block's router at one token: rms_norm_linear's kernel whose last program to
 finish (an arrival counter) also does the routing (moe/triton_routing.py's math), so no routing kernel
@@ -580,6 +579,12 @@ def default_conv_config(M: int, N: int, K: int) -> LinearConfig | None:
     return None if cfg is None else dataclasses.replace(cfg, split_k=1)
 
 
+# Decode batches of CONV_FOLD_ROWS[0]..[1] sequences run the conv in the input projection (gdn_in_proj): the
+# layer step at the 35B-A3B shape on an H200 was faster at 1, 4 and 8, a tie at 2, not measured above 8
+# (benchmarks/gdn_decode_latency.py).
+CONV_FOLD_ROWS = (1, 8)
+
+
 def rms_norm_linear_conv(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
     *, conv_weight: torch.Tensor, conv_state: torch.Tensor, state_indices: torch.Tensor, zero_centered: bool = True,
@@ -774,6 +779,11 @@ def _gemv_gated_kernel(x, g, nw, w, y, N, K, s_wn, eps,
         acc += wt * xv[None, :, :]
     out = tl.sum(tl.sum(acc, 2), 1)
     tl.store(y + rows, out.to(y.dtype.element_ty), mask=row_ok)
+
+
+# Rows up to which the GDN layer's step hands its gated norm to gated_linear (ops.fusion.gdn_out_proj, gdn_decode
+# returning o before the norm): the fold below takes one row.
+GATE_FOLD_MAX_ROWS = 1
 
 
 def default_gated_config(M: int, N: int, K: int, head_dim: int | None) -> LinearConfig | None:
