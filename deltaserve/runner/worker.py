@@ -13,7 +13,6 @@ manager, scheduler, warm-up requests) stays in engine/llm_engine.py.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from pathlib import Path
 
@@ -50,18 +49,6 @@ class WorkerConfig:
     force_reference_ops: bool = False
     enforce_eager: bool = False      # no CUDA graphs, no compiled CPU decode step
     compile: str = "off"             # the compiled CPU decode step: "auto" | "on" | "off" (cpu_compile.py)
-
-
-def kernels_summary(kernels: Kernels) -> str:
-    """The ops counted by backend, most first, a minority of up to three named: "24 triton, 1 reference
-    (gdn_prefill)". The summary line's only view of the kernels: a summary the ops package gives replaces
-    this body."""
-    by_backend: dict[str, list[str]] = collections.defaultdict(list)
-    for op, backend in sorted(kernels.backend.items()):
-        by_backend[backend].append(op)
-    ranked = sorted(by_backend.items(), key=lambda item: -len(item[1]))
-    return ", ".join(f"{len(ops)} {backend}" + (f" ({', '.join(ops)})" if i and len(ops) <= 3 else "")
-                     for i, (backend, ops) in enumerate(ranked))
 
 
 class Worker:
@@ -137,7 +124,7 @@ class Worker:
                    + (" dummy" if c.load_format == "dummy" else "") + " weights")
         return (f"{name} ({m.family}, {m.num_hidden_layers} layers: {len(m.gdn_layer_ids)} GDN + "
                 f"{len(m.attention_layer_ids)} attention{mtp}; {weights}) on {c.device}, "
-                f"{str(c.dtype).removeprefix('torch.')}; kernels: {kernels_summary(self.kernels)}; "
+                f"{str(c.dtype).removeprefix('torch.')}; kernels: {self.kernels.summary()}; "
                 f"cache: {plan.num_slots} state slots, {plan.num_blocks} KV blocks x {c.block_size} tokens "
                 f"({_size(plan.used_bytes)}); max_model_len {plan.max_model_len}, max_num_seqs {plan.max_num_seqs}; "
                 f"{self._decode_summary()}")

@@ -10,8 +10,7 @@ import torch
 from deltaserve import LLM
 from deltaserve.cache.plan import plan_cache
 from deltaserve.config import ModelConfig
-from deltaserve.ops import select_kernels
-from deltaserve.runner.worker import Worker, WorkerConfig, kernels_summary
+from deltaserve.runner.worker import Worker, WorkerConfig
 from tests.conftest import TinySpec
 
 
@@ -54,22 +53,13 @@ def test_start_up_logs_one_summary_line_with_the_detail_at_debug(tiny_model, cap
     path = tiny_model(TinySpec(family="qwen3_next", seed=5))
     with caplog.at_level(logging.DEBUG, logger="deltaserve"):
         llm = LLM(path, device="cpu", max_num_seqs=6, num_gpu_blocks=40, block_size=8)
-    # deltaserve.ops logs its per-op choice at INFO until the kernels summary replaces it
-    info = [r for r in caplog.records if r.levelno == logging.INFO and r.name != "deltaserve.ops"]
+    info = [r for r in caplog.records if r.levelno == logging.INFO]
     assert [r.name for r in info] == ["deltaserve.engine.llm_engine"], [r.getMessage() for r in info]
     line = info[0].getMessage()
     plan = llm.engine.plan
-    for part in (path.name, "qwen3_next", "on cpu", "float32", "kernels: 25 reference",
+    for part in (path.name, "qwen3_next", "on cpu", "float32", "kernels: reference (25 ops)",
                  f"{plan.num_slots} state slots", "40 KV blocks x 8 tokens", "max_model_len 320", "max_num_seqs 6",
                  "decode: eager"):
         assert part in line, (part, line)
     debug = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG)
     assert "cache: 40 KV blocks x 8 tokens" in debug and "decode steps run eagerly" in debug
-
-
-def test_kernels_summary_counts_by_backend_and_names_the_few():
-    kernels = select_kernels("cpu")
-    assert kernels_summary(kernels) == f"{len(kernels.backend)} reference"
-    mixed = dict.fromkeys(kernels.backend, "triton") | {"gdn_prefill": "reference"}
-    summary = kernels_summary(type(kernels)(**{**vars(kernels), "backend": mixed}))
-    assert summary == f"{len(mixed) - 1} triton, 1 reference (gdn_prefill)"
