@@ -12,6 +12,7 @@ from typing import Any, Awaitable
 from starlette.requests import Request
 
 from .async_engine import AsyncEngine
+from .lifecycle import DEFAULT_STREAM_INACTIVITY_TIMEOUT
 from .logprobs import TokenText
 from .metrics import ServerMetrics
 from .protocol import APIError
@@ -25,6 +26,7 @@ class ServerConfig:
     max_logprobs: int = 20
     tool_call_parser: str = "auto"    # auto | qwen | none
     reasoning_parser: str = "auto"    # auto | qwen3 | none
+    stream_inactivity_timeout: float | None = DEFAULT_STREAM_INACTIVITY_TIMEOUT  # s a response may sit unread
 
 
 class ServerState:
