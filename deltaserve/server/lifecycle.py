@@ -38,18 +38,13 @@ SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def bind_socket(host: str, port: int) -> socket.socket:
     """A socket bound to host:port (not yet listening). A port in use fails here, before anything loads,
     with a ValueError naming the address."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise ValueError(f"cannot listen on {host}:{port}: {exc}") from None
-    family, _, _, _, address = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)  # as uvicorn does
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # restart while old connections sit in TIME_WAIT
     try:
-        sock.bind(address)
+        sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: [Errno {exc.errno}] {exc.strerror}") from None
+        raise ValueError(f"cannot listen on {host}:{port}: [Errno {exc.errno}] {exc.strerror or exc}") from None
     sock.set_inheritable(True)
     return sock
 
