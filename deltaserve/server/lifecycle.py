@@ -17,6 +17,7 @@ import json
 import logging
 import signal
 import socket
+import ssl
 import sys
 import threading
 from typing import Any, Callable, Iterator
@@ -78,15 +79,30 @@ class _LoadingHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class _LoadingServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    tls: ssl.SSLContext | None = None
+
+    def get_request(self):
+        conn, address = self.socket.accept()
+        if self.tls is not None:   # the handshake happens in the handler's thread, on its first read
+            conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        return conn, address
+
+
 @contextlib.contextmanager
-def answering_while_loading(sock: socket.socket) -> Iterator[None]:
-    """Listen on `sock` and answer every request 503 in a background thread until the block ends; the
-    socket stays open (and listening) for the real server."""
+def answering_while_loading(sock: socket.socket, *, ssl_keyfile: str | None = None,
+                            ssl_certfile: str | None = None) -> Iterator[None]:
+    """Listen on `sock` and answer every request 503 in a background thread until the block ends (over TLS
+    when given the server's key and certificate); the socket stays open, and listening, for the real server."""
+    tls = None
+    if ssl_certfile:
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(ssl_certfile, ssl_keyfile)
     sock.listen(2048)
-    server = http.server.ThreadingHTTPServer(sock.getsockname()[:2], _LoadingHandler, bind_and_activate=False)
+    server = _LoadingServer(sock.getsockname()[:2], _LoadingHandler, bind_and_activate=False)
     server.socket.close()
-    server.socket = sock
-    server.daemon_threads = True
+    server.socket, server.tls = sock, tls
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
                               name="deltaserve-loading", daemon=True)
     thread.start()

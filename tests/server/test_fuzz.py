@@ -68,7 +68,7 @@ def _openapi_with_bodies(base: str) -> dict:
 
 def test_fuzz_finds_no_server_error_and_the_server_survives(server):
     from schemathesis.checks import not_a_server_error
-    from schemathesis.core.failures import FailureGroup
+    from schemathesis.errors import FailureGroup
     from schemathesis.specs.openapi.checks import response_schema_conformance
 
     schema = schemathesis.openapi.from_dict(_openapi_with_bodies(server.base))

@@ -26,8 +26,8 @@ CONCURRENCY = 16
 WARM_UP = 64                       # requests before the first RSS reading
 RSS_GROWTH_LIMIT = 32 << 20        # bytes the server may grow over the remaining requests
 MAX_TOKENS = 8
-WORDS = ("the quick brown fox jumps over a lazy dog while seven small birds sing about rain and "
-         "tomorrow morning we will read old stories near the river").split()
+WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "small", "birds",
+         "sing", "about", "rain", "tomorrow", "morning", "we", "will", "read", "old", "stories", "near", "river")
 KINDS = ("completion", "completion_stream", "chat", "chat_stream", "dropped_stream", "cancelled", "invalid")
 WEIGHTS = (30, 25, 15, 15, 6, 5, 4)
 
