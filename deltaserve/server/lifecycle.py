@@ -138,7 +138,10 @@ async def watch_engine(engine: AsyncEngine, lifecycle: Lifecycle, stream_inactiv
             lifecycle.fatal(engine.error or RuntimeError("the engine thread has stopped"))
             return
         if stream_inactivity_timeout:
-            engine.abort_stalled(stream_inactivity_timeout)
+            try:
+                engine.abort_stalled(stream_inactivity_timeout)
+            except Exception:   # never let it end the watch over the engine thread
+                logger.exception("checking for stalled streams failed")
 
 
 class _StalledClient(Exception):
