@@ -1,5 +1,5 @@
 """The FastAPI app: routes, OpenAI-style errors, API-key check, request-body limit, CORS, and `run_server`
-(uvicorn).
+(uvicorn; the process's life around it, shutdown included, is in lifecycle.py).
 
 Every error a client can cause is answered with {"error": {...}} and a 4xx status; an unexpected
 exception is a 500 with the same shape (and is logged), never a bare traceback.
@@ -7,9 +7,11 @@ exception is a 500 with the same shape (and is logged), never a bare traceback.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
+import socket
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from .. import __version__
 from .async_engine import AsyncEngine, EngineDeadError, EngineLike
+from .lifecycle import DEFAULT_SHUTDOWN_TIMEOUT, Lifecycle, LifecycleMiddleware, bind_socket, serve, watch_engine
 from .metrics import ServerMetrics
 from .protocol import APIError
 from .serving_chat import create_chat_completion
@@ -31,23 +34,30 @@ PUBLIC_PATHS = ("/health",)
 
 
 def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
-    """An app serving `engine`; its engine thread starts and stops with the app's lifespan."""
+    """An app serving `engine`; its engine thread starts and stops with the app's lifespan, watched for
+    death and stalled streams while it runs."""
     metrics = ServerMetrics(engine.get_stats)
     async_engine = AsyncEngine(engine, metrics)
     state = ServerState(async_engine, config, metrics)
+    lifecycle = Lifecycle()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
+        watcher = asyncio.ensure_future(watch_engine(async_engine, lifecycle, config.stream_inactivity_timeout))
         try:
             yield
         finally:
+            watcher.cancel()
             async_engine.shutdown()
             state.close()
 
     app = FastAPI(title="deltaserve", version=__version__, lifespan=lifespan)
     app.state.server = state
-    # added innermost first: CORS (outermost, so preflights and errors carry its headers), API key, body limit
+    app.state.lifecycle = lifecycle
+    # added innermost first: lifecycle (refusals while draining, stalled clients), body limit, API key, CORS
+    # (outermost, so preflights and errors carry its headers)
+    app.add_middleware(LifecycleMiddleware, lifecycle=lifecycle, send_timeout=config.stream_inactivity_timeout)
     _add_body_limit(app, config, metrics)
     if config.api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=config.api_key, on_reject=metrics)
@@ -198,11 +208,14 @@ def uvicorn_ssl_options(config: ServerConfig) -> dict[str, Any]:
 
 
 def run_server(engine: EngineLike, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
-               log_level: str = "info") -> None:
-    import uvicorn
-
+               log_level: str = "info", *, sock: socket.socket | None = None,
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, **uvicorn_options: Any) -> int:
+    """Serve until SIGTERM / SIGINT or engine death; returns the exit status (0 after a signal, 1 when the
+    engine loop died). `sock`: a socket already bound to host:port (`lifecycle.bind_socket`, done before the
+    model loads); bound here otherwise. `uvicorn_options` go to uvicorn.Config (e.g. ssl_keyfile)."""
     app = build_app(engine, config)
+    sock = sock if sock is not None else bind_socket(host, port)
     scheme = "https" if config.ssl_certfile else "http"
     logger.info("serving %r on %s://%s:%d/v1", config.served_model_name, scheme, host, port)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                **uvicorn_ssl_options(config))
+    return serve(app, sock, shutdown_timeout=shutdown_timeout, log_level=log_level,
+                 **{**uvicorn_ssl_options(config), **uvicorn_options})

@@ -6,7 +6,9 @@ thread-safe and validates synchronously, so a bad request fails before anything 
 HTTP request owns a `RequestGroup`: one asyncio queue fed by the engine thread through
 `loop.call_soon_threadsafe`, covering the engine requests of that HTTP request (one per prompt). Closing
 a group that has not finished (client gone, handler cancelled) aborts its requests at once, which frees
-their KV blocks and state slots.
+their KV blocks and state slots. `fail` ends a group from the event loop with an error its consumer sees
+after the outputs already queued (server shutdown, a client that stopped reading): its engine requests are
+aborted at once.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
+import weakref
 from typing import Any, AsyncIterator, Protocol
 
 from ..outputs import RequestOutput
@@ -39,7 +43,16 @@ class EngineLike(Protocol):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop failed; requests in flight cannot complete."""
+    """The request cannot complete on the engine (the engine loop failed, or one of the subclasses below);
+    the handlers turn it into an error chunk (streams) or an error response."""
+
+
+class ServerShuttingDownError(EngineDeadError):
+    """The server is shutting down and the request did not finish within the shutdown timeout."""
+
+
+class StreamStalledError(EngineDeadError):
+    """The client stopped reading its response for longer than the stream inactivity timeout."""
 
 
 @dataclasses.dataclass
@@ -61,6 +74,7 @@ class AsyncEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # set when the engine loop died
+        self._groups: weakref.WeakSet[RequestGroup] = weakref.WeakSet()  # open groups (event loop only)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -85,7 +99,31 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def open_group(self) -> "RequestGroup":
-        return RequestGroup(self, asyncio.get_running_loop())
+        group = RequestGroup(self, asyncio.get_running_loop())
+        self._groups.add(group)
+        return group
+
+    @property
+    def num_open_groups(self) -> int:
+        return sum(1 for g in list(self._groups) if g.active)
+
+    def fail_open_groups(self, make_error: Any) -> int:
+        """Event loop only: end every unfinished group with `make_error()` and abort its engine requests.
+        Returns how many were ended."""
+        groups = [g for g in list(self._groups) if g.active]
+        for g in groups:
+            g.fail(make_error())
+        return len(groups)
+
+    def abort_stalled(self, timeout: float) -> int:
+        """Event loop only: fail every unfinished group whose consumer has been away from its queue (blocked
+        sending to a client that does not read) for more than `timeout` seconds. Returns how many."""
+        now = time.monotonic()
+        stalled = [g for g in list(self._groups) if g.stalled_for(now) > timeout]
+        for g in stalled:
+            logger.warning("aborting %s: its client has not read for over %.0f s", g.request_ids, timeout)
+            g.fail(StreamStalledError(f"the client did not read the response for over {timeout:g} s"))
+        return len(stalled)
 
     def _add(self, group: "RequestGroup", request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         if self.error is not None:
@@ -115,21 +153,19 @@ class AsyncEngine:
 
     # ---- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stop and not self.engine.has_unfinished_requests():
-                    self._cond.wait()
-                if self._stop:
-                    return
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # the engine is in an unknown state: fail everyone, stop stepping
-                logger.exception("engine step failed")
-                self.error = exc
-                self._fail_all(exc)
-                return
-            for out in outputs:
-                self._dispatch(out)
+        try:
+            while True:
+                with self._cond:
+                    while not self._stop and not self.engine.has_unfinished_requests():
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                for out in self.engine.step():
+                    self._dispatch(out)
+        except BaseException as exc:  # the engine is in an unknown state: fail everyone, stop stepping
+            logger.exception("the engine loop failed")
+            self.error = exc
+            self._fail_all(exc)
 
     def _dispatch(self, out: RequestOutput) -> None:
         with self._cond:
@@ -187,7 +223,14 @@ class RequestGroup:
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._pending: set[str] = set()
         self._closed = False
+        self._failed = False
         self.aborted = False
+        self._reading = False                      # the consumer is waiting on the queue
+        self._away_since = time.monotonic()        # when it last left the queue (to send what it got)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return sorted(self._pending)
 
     def add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """Submit one request; raises ValueError (bad request) before anything runs."""
@@ -204,12 +247,28 @@ class RequestGroup:
     def finished(self) -> bool:
         return not self._pending
 
+    @property
+    def active(self) -> bool:
+        """Unfinished and not failed: its engine requests may still be running."""
+        return bool(self._pending) and not self._failed
+
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
 
+    def stalled_for(self, now: float) -> float:
+        """Seconds the consumer has been away from the queue while the group is unfinished (0 while it waits
+        on the queue): a stream whose send to the client blocks shows here."""
+        if self._reading or not self.active:
+            return 0.0
+        return now - self._away_since
+
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         while self._pending:
-            item = await self._queue.get()
+            self._reading = True
+            try:
+                item = await self._queue.get()
+            finally:
+                self._reading, self._away_since = False, time.monotonic()
             if isinstance(item, BaseException):
                 self._pending.clear()
                 raise item
@@ -217,12 +276,25 @@ class RequestGroup:
                 self._pending.discard(item.request_id)
             yield item
 
+    def fail(self, error: BaseException) -> None:
+        """Event loop only: abort the unfinished engine requests now; the consumer gets `error` after the
+        outputs already queued (idempotent)."""
+        if not self.active:
+            return
+        self._failed = self.aborted = True
+        pending = list(self._pending)
+        self._engine._abort(pending)
+        if self._engine.metrics is not None:
+            self._engine.metrics.requests.labels(outcome="abort").inc(len(pending))
+        self._queue.put_nowait(error)
+
     def close(self) -> None:
         """Abort whatever has not finished (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        if self._pending:
+        self._engine._groups.discard(self)
+        if self._pending and not self._failed:
             self.aborted = True
             pending, self._pending = list(self._pending), set()
             self._engine._abort(pending)

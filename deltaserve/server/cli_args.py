@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
 
+from .lifecycle import DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_STREAM_INACTIVITY_TIMEOUT
 from .state import DEFAULT_MAX_REQUEST_BYTES, PROMPT_CHARS_PER_TOKEN, ServerConfig
 
 DEFAULT_SERVED_NAME = "deltaserve-default"
@@ -156,6 +157,14 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                         "the whole prompt)")
 
 
+    g = p.add_argument_group("lifecycle")
+    g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
+                   help="on SIGTERM / SIGINT, seconds live requests get to finish before they are ended with an "
+                        "error chunk and [DONE]")
+    g.add_argument("--stream-inactivity-timeout", type=float, default=DEFAULT_STREAM_INACTIVITY_TIMEOUT,
+                   help="abort a response (and free its cache) whose client has not read it for this many "
+                        "seconds; 0 = never")
+
 def check_serve_args(args: argparse.Namespace) -> None:
     """Everything that can be checked without loading the model; raises ValueError."""
     if args.model_tag is not None:
@@ -200,6 +209,8 @@ def check_server_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} {value!r} does not exist")
     if args.max_log_len is not None and not args.enable_log_requests:
         raise ValueError("--max-log-len needs --enable-log-requests")
+    if args.shutdown_timeout < 0 or args.stream_inactivity_timeout < 0:
+        raise ValueError("--shutdown-timeout and --stream-inactivity-timeout must be >= 0")
 
 
 def served_model_name(args: argparse.Namespace) -> str:
@@ -218,7 +229,7 @@ def server_config(args: argparse.Namespace, model_path: str) -> ServerConfig:
         tokenizer_workers=args.tokenizer_workers, allowed_origins=args.allowed_origins or (),
         enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
         content_special_tokens_as_text=args.content_special_tokens_as_text, ssl_keyfile=args.ssl_keyfile,
-        ssl_certfile=args.ssl_certfile)
+        ssl_certfile=args.ssl_certfile, stream_inactivity_timeout=args.stream_inactivity_timeout or None)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -226,15 +237,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..engine.llm_engine import LLMEngine
     from ..llm import DEFAULT_MODEL_PATH
     from .api_server import run_server
+    from .lifecycle import answering_while_loading, bind_socket
 
-    engine = LLMEngine.from_args(
-        args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-        num_gpu_blocks=args.num_gpu_blocks, cpu_cache_bytes=args.cpu_cache_bytes, seed=args.seed,
-        enforce_reference_ops=args.enforce_reference_ops, load_format=args.load_format,
-        enforce_eager=args.enforce_eager, compile=args.compile, async_scheduling=args.async_scheduling,
-        warm_up=args.warm_up)
+    sock = bind_socket(args.host, args.port)   # a port in use fails now, not after the model has loaded
+    with answering_while_loading(sock, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile):
+        engine = LLMEngine.from_args(            # 503 until the engine can serve
+            args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+            num_gpu_blocks=args.num_gpu_blocks, cpu_cache_bytes=args.cpu_cache_bytes, seed=args.seed,
+            enforce_reference_ops=args.enforce_reference_ops, load_format=args.load_format,
+            enforce_eager=args.enforce_eager, compile=args.compile, async_scheduling=args.async_scheduling,
+            warm_up=args.warm_up)
     config = server_config(args, str(args.model or DEFAULT_MODEL_PATH))
-    run_server(engine, config, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
-    return 0
+    return run_server(engine, config, host=args.host, port=args.port, log_level=args.uvicorn_log_level, sock=sock,
+                      shutdown_timeout=args.shutdown_timeout)

@@ -24,6 +24,7 @@ from starlette.requests import Request
 
 from ..tokenizer import TooManyTokens
 from .async_engine import AsyncEngine
+from .lifecycle import DEFAULT_STREAM_INACTIVITY_TIMEOUT
 from .logprobs import TokenText
 from .metrics import ServerMetrics
 from .protocol import APIError, RequestLimits
@@ -62,6 +63,7 @@ class ServerConfig:
     content_special_tokens_as_text: bool = False
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
+    stream_inactivity_timeout: float | None = DEFAULT_STREAM_INACTIVITY_TIMEOUT  # s a response may sit unread
 
 
 class WorkerPool(concurrent.futures.Executor):
