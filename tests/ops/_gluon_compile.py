@@ -4,8 +4,8 @@ tests switch on for CPU machines).
 
     python tests/ops/_gluon_compile.py BV WS(0|1) [TU(0|1) [KR(0|1) [OT(0|1)]]]
 
-TU 1: the u_in_chain form (U's factor limbs and v's rows instead of U); KR 1: k_in_chain (k's rows by TMA);
-OT 1: o_tma (whole chunks' outputs by TMA stores, `gluon_chain.output_tiles` shared-memory tiles per consumer).
+TU 1: U formed from its factor's limbs and v's rows (as the op runs it); KR 1: whole chunks' k rows by TMA;
+OT 1: whole chunks' outputs by TMA stores (`gluon_chain.output_tiles` shared-memory tiles per consumer).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def sass_and_registers(compiled) -> tuple[str, int]:
 def wgmma_serialized(compiled) -> bool:
     """Whether ptxas serialises the kernel's wgmma (advisory C7512: each product waited for before the next issues,
     e.g. for "insufficient register resources"): nothing in the compiled kernel shows it but the SASS's one
-    WARPGROUP.DEPBAR per HGMMA, and it cost the transposed chain up to 1.4x (session 14)."""
+    WARPGROUP.DEPBAR per HGMMA, and it cost the transposed chain up to 1.4x."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])
     try:
@@ -83,8 +83,8 @@ def main() -> int:
     sig = dict(zip(["w_desc", "u_desc", "k_desc", "q_desc", "p_desc", "c_desc", "l_desc", "v_desc", "kr_desc",
                     "o_desc"], map(mangle_type, descs)))
     sig.update(o="*bf16", ssm="*fp32", cu="*i32", coff="*i32", idx="*i32", has_init="*u8", HK="i32", HV="i32")
-    consts = dict(R=HV // HK, K=K, V=V, BT=64, STAGES=stages, WS=ws, A_REGS=True, CONSUMER_REGS=232, TU=tu, KR=kr,
-                  OT=ot, num_warps=4)
+    consts = dict(R=HV // HK, K=K, V=V, BT=64, STAGES=stages, WS=ws, A_REGS=True, CONSUMER_REGS=232, U_FACTOR=tu,
+                  K_FROM_INPUT=kr, O_TILES=ot, num_warps=4)
     sig.update({a: "constexpr" for a in consts})
     # the launch-time specialisation: pointers 16-byte aligned, head counts multiples of 16
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a] == "i32" or "*" in sig[a]}

@@ -1,9 +1,9 @@
 """Compile the Gluon prep (gluon_prep._prep_kernel) for sm_90 without a GPU and print its resources as JSON (run in
 a subprocess by test_gdn_gluon_prep.py: Gluon kernels cannot be compiled once the Triton interpreter is on).
 
-    python tests/ops/_gluon_prep_compile.py KR(0|1) GATES(0|1) A_SMEM(0|1)
+    python tests/ops/_gluon_prep_compile.py KR(0|1) GATES(0|1) A_SMEM(0|1)   (KR: no K copy of whole chunks)
 
-MAXNREG (env, default 168: PREP8 "tma-r168"'s cap, 0: none); SASS_OUT / PTX_OUT / TTGIR_OUT: write those there.
+MAXNREG (env, default 168: the wide prep's cap, 0: none); SASS_OUT / PTX_OUT / TTGIR_OUT: write those there.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def main() -> int:
                g="*bf16" if gates else "*fp32", beta="*bf16" if gates else "*fp32", s_g_t="i32", s_b_t="i32",
                A_log="*fp32", dt_bias="*fp32", coff="*i32", cu="*i32", N="i32", Cb="*fp32", Lb="*fp32",
                scale="fp32", HK="i32", HV="i32")
-    consts = dict(R=HV // HK, K=K, BT=64, BLOCK_N=16, L2NORM=True, GATES=gates, HEADS_FIRST=True, KR=kr,
+    consts = dict(R=HV // HK, K=K, BT=64, BLOCK_N=16, L2NORM=True, GATES=gates, HEADS_FIRST=True, K_FROM_INPUT=kr,
                   A_SMEM=a_smem, num_warps=4)
     sig.update({a: "constexpr" for a in consts})
     # the launch-time specialisation: pointers 16-byte aligned, strides / head counts multiples of 16 (N and the
