@@ -176,7 +176,7 @@ def test_chain_t_matches_the_gluon_chain_gpu(consumers):
     has_init = kw["has_initial_state"].view(torch.uint8)
     o_u, o_t = (torch.full(v.shape, 7.0, dtype=v.dtype, device="cuda") for _ in range(2))
     p_u, p_t, p_r = pool.clone(), pool.clone(), pool.clone()
-    gc.launch_chain(q, o_u, bufs, kw["cu_seqlens"], p_u, kw["state_indices"], has_init, 64, ws=True, o_tma=True)
+    gc.launch_chain(q, o_u, bufs, kw["cu_seqlens"], p_u, kw["state_indices"], has_init, 32)
     gt.launch_chain_t(q, o_t, bufs, kw["cu_seqlens"], p_t, kw["state_indices"], has_init, consumers=consumers)
     o_r = ref.chunk_gated_delta_rule(q, k, v, g, beta, scale=D ** -0.5, ssm_state=p_r, **kw)
     torch.cuda.synchronize()
@@ -235,7 +235,7 @@ def test_default_op_takes_the_transposed_chain_gpu():
     p_d, p_u, p_r = pool.clone(), pool.clone(), pool.clone()
     o_d = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_d, max_seqlen=1000, **kw)
     o_u = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_u, config=dataclasses.replace(cfg, chain="gluon",
-                                                                                                 bv=64), **kw)
+                                                                                                 bv=32), **kw)
     o_r = ref.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_r, **kw)
     _report(test="default_op_chain_t", out_rel=rel_err(o_d, o_u), state_rel=rel_err(p_d, p_u),
             out_vs_ref=rel_err(o_d, o_r), state_vs_ref=rel_err(p_d, p_r))

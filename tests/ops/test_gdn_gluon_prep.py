@@ -13,7 +13,7 @@ import torch
 import triton
 
 from deltaserve.ops.gdn import triton_chunk as tc
-from deltaserve.ops.gdn.triton_prep import WIDE_PREP_MAXNREG, tma_rows
+from deltaserve.ops.gdn.triton_prep import tma_rows
 
 from .helpers import compile_for_sm90, cu_seqlens, gen
 
@@ -23,15 +23,14 @@ BUFS = ("Wb", "Ub", "Pb", "Kb", "Cb", "Lb")
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(_BIN, "cuobjdump")), reason="Triton ships no CUDA binutils here")
-@pytest.mark.parametrize("kr,gates,a_smem", [(1, 0, 0), (0, 1, 0), (1, 0, 1)])
-def test_prep_compiles_for_sm90(kr, gates, a_smem):
+@pytest.mark.parametrize("kr,gates", [(1, 0), (1, 1), (0, 0)])
+def test_prep_compiles_for_sm90(kr, gates):
     """One warpgroup at the wide prep's 168-register cap (three programs per SM): k / q by TMA, W / U limbs / P / K
-    copy by TMA stores, the products on wgmma; with A's fp16 tile in shared memory no spills, with A in registers (the
-    launch default, faster on the H200) a handful of spill stores, within 65.6 KB of shared
-    memory either way."""
-    res = compile_for_sm90("_gluon_prep_compile.py", kr, gates, a_smem)
+    copy by TMA stores, the products on wgmma, at most a handful of spill stores (A held in registers across the
+    inverse), within 65.6 KB of shared memory; kr 0: the K copy of every chunk too."""
+    res = compile_for_sm90("_gluon_prep_compile.py", kr, gates)
     assert res["regs"] <= 168 and res["hgmma"] > 0 and res["tma_loads"] == 2 and res["tma_stores"] > 0, res
-    assert res["spills"] == 0 if a_smem else res["spills"] <= 8, res
+    assert res["spills"] <= 8, res
     assert not res["serialized"], "ptxas serialises the wgmma (advisory C7512)"
     assert res["smem"] <= 3 * 65552 <= H200_SMEM, res  # three programs per SM
 
@@ -85,8 +84,7 @@ def _k_rows_written(lengths, C, hk):
     ([1000, 3000, 77, 1999, 64, 1], True)])
 def test_gluon_prep_buffers_equal_triton_prep_gpu(lengths, gates, monkeypatch):
     """Every buffer the chain reads, bit for bit: the whole-chunk (TMA) and partial / padding (pointer) bodies, with
-    the gates in the kernel or not, the K copy of the partial chunks; A in registers (the default) and in shared
-    memory."""
+    the gates in the kernel or not, the K copy of the partial chunks."""
     from deltaserve.ops.gdn import gluon_prep
 
     from .test_gpu import HK, HV, D
@@ -99,20 +97,13 @@ def test_gluon_prep_buffers_equal_triton_prep_gpu(lengths, gates, monkeypatch):
     args = (q, k, v, g, beta, gates, A_log, dt_bias, D ** -0.5, cu, N, True, cfg)
     ref = _triton_prep(monkeypatch, *args)
     rows = _k_rows_written(lengths, ref["Lb"].shape[0], HK)
-    for a_smem in (False, True):
-        out = tc.launch_prep(*args) if not a_smem else None
-        if a_smem:  # the launcher's buffers, refilled by the shared-memory-A form
-            out = {n: (b.clone() if isinstance(b, torch.Tensor) else b) for n, b in ref.items()}
-            for n in BUFS:
-                out[n].fill_(7)
-            gluon_prep.launch_prep(q, k, g, beta, gates, A_log, dt_bias, D ** -0.5, cu, N, out, True, True,
-                                   WIDE_PREP_MAXNREG, a_smem=True)
-        torch.cuda.synchronize()
-        for n in BUFS:
-            a, b = (ref[n][rows], out[n][rows]) if n == "Kb" else (ref[n], out[n])
-            bits = torch.int16 if a.element_size() == 2 else torch.int32
-            same = torch.equal(a.reshape(-1).view(bits), b.reshape(-1).view(bits))
-            assert same, f"{n} (a_smem={a_smem}): max diff {(a.float() - b.float()).abs().max().item()}"
+    out = tc.launch_prep(*args)
+    torch.cuda.synchronize()
+    for n in BUFS:
+        a, b = (ref[n][rows], out[n][rows]) if n == "Kb" else (ref[n], out[n])
+        bits = torch.int16 if a.element_size() == 2 else torch.int32
+        same = torch.equal(a.reshape(-1).view(bits), b.reshape(-1).view(bits))
+        assert same, f"{n}: max diff {(a.float() - b.float()).abs().max().item()}"
 
 
 @pytest.mark.gpu

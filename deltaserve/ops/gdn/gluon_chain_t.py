@@ -162,13 +162,13 @@ def _chain_t_kernel(w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_de
     # state and every product's accumulator)
     if NC == 2:
         gl.warp_specialize([
-            (gc._ws_load, (descs, bufs, ready, empty, cu, coff, HK, HV, R, K, V, BT, STAGES, True, K_FROM_INPUT, NC)),
+            (gc._ws_load, (descs, bufs, ready, empty, cu, coff, HK, HV, R, K, V, BT, STAGES, K_FROM_INPUT, NC)),
             (_consumer, (0, NC, STAGES, bufs, o_s, ready, empty, o, o_desc, ssm, cu, idx, has_init, HV, K, V, BT)),
             (_consumer, (1, NC, STAGES, bufs, o_s, ready, empty, o, o_desc, ssm, cu, idx, has_init, HV, K, V, BT)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
-            (gc._ws_load, (descs, bufs, ready, empty, cu, coff, HK, HV, R, K, V, BT, STAGES, True, K_FROM_INPUT, NC)),
+            (gc._ws_load, (descs, bufs, ready, empty, cu, coff, HK, HV, R, K, V, BT, STAGES, K_FROM_INPUT, NC)),
             (_consumer, (0, NC, STAGES, bufs, o_s, ready, empty, o, o_desc, ssm, cu, idx, has_init, HV, K, V, BT)),
         ], [4], [CONSUMER_REGS])
     for i in gl.static_range(STAGES):

@@ -143,8 +143,7 @@ def launch_chain(q, k, v, o, bufs, cu_seqlens, ssm_state, state_indices, has_ini
         gluon_chain_t.launch_chain_t(q, o, bufs, cu_seqlens, ssm_state, state_indices, has_init,
                                      consumers=cfg.bv // gluon_chain_t.COLS)
     elif cfg.chain == "gluon":
-        gluon_chain.launch_chain(q, o, bufs, cu_seqlens, ssm_state, state_indices, has_init, cfg.bv, ws=True,
-                                 o_tma=True)
+        gluon_chain.launch_chain(q, o, bufs, cu_seqlens, ssm_state, state_indices, has_init, cfg.bv)
     elif cfg.layout == "chunk":
         T = q.shape[0]
         aligned = q.data_ptr() % 16 == 0 and q.stride(0) * q.element_size() % 16 == 0
