@@ -34,16 +34,13 @@ def main() -> int:
                      idx=i32, o_tmp=bf, out=bf, counters=i32, scale="fp32", eps="fp32", SLOTS="i32")
     for r, label in ((2, "35B"), (3, "27B")):
         for norm in (True, False):
-            for late in (False, True):
-                results.append(compile_one(
-                    f"decode_fused {label} bv16 w1 pdl norm={int(norm)} state_after_release={int(late)}",
-                    rec_t._decode_fused_kernel, dec_types,
-                    dict(R=r, RP=4 if r == 3 else r, K=128, V=128, BV=16, W=4, WP=4, SIGMOID=False, PDL=True,
-                         PREFETCH=True, STATE_AFTER_RELEASE=late, TRIGGER=True, NORM=norm), 1))
+            results.append(compile_one(
+                f"decode_fused {label} bv16 w1 pdl norm={int(norm)}", rec_t._decode_fused_kernel, dec_types,
+                dict(R=r, RP=4 if r == 3 else r, K=128, V=128, BV=16, W=4, WP=4, SIGMOID=False, PDL=True,
+                     TRIGGER=True, NORM=norm), 1))
     results.append(compile_one(
         "decode_fused 35B bv32 w2 pdl norm=0", rec_t._decode_fused_kernel, dec_types,
-        dict(R=2, RP=2, K=128, V=128, BV=32, W=4, WP=4, SIGMOID=False, PDL=True, PREFETCH=True,
-             STATE_AFTER_RELEASE=False, TRIGGER=True, NORM=False), 2))
+        dict(R=2, RP=2, K=128, V=128, BV=32, W=4, WP=4, SIGMOID=False, PDL=True, TRIGGER=True, NORM=False), 2))
     failed = [r["label"] for r in results if not r["ok"]]
     spilling = [f"{r['label']} ({r['spills']})" for r in results if r["ok"] and r["spills"]]
     print(f"\n{len(results)} kernels compiled; failed: {failed or 'none'}; spilling: {spilling or 'none'}")

@@ -1,7 +1,7 @@
 """Run the chunked prefill once per implementation inside a profiler window, for Nsight Compute.
 
     ncu --clock-control none --profile-from-start off --set full --import-source yes -o prof \
-        python benchmarks/gdn_chunk_profile.py --shape 1x32768 --impls default,split,fla
+        python benchmarks/gdn_chunk_profile.py --shape 1x32768 --impls default,fla
 
 Each implementation is called twice before the window (compile, autotune, warm caches) and once inside
 it (cudaProfilerStart / Stop), so the report holds exactly one launch of each of its kernels. Inputs are
@@ -12,7 +12,6 @@ the numbers are in the report.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -24,6 +23,12 @@ import gdn_kernels as gk
 
 from deltaserve.ops.gdn import triton_chunk as tc
 
+# Named configurations besides the default (None) that `--impls` can name.
+CONFIGS = {"default": None,
+           "triton-chain": tc.ChunkConfig(prep="wide", layout="chunk"),
+           "token-layout": tc.ChunkConfig(prep="wide"),
+           "blocks": tc.ChunkConfig()}
+
 
 def runner(impl: str, d: dict, N: int):
     if impl == "fla":
@@ -31,21 +36,7 @@ def runner(impl: str, d: dict, N: int):
         return lambda: chunk(d["q"][None], d["k"][None], d["v"][None], d["g"][None], d["beta"][None],
                              scale=gk.SCALE, initial_state=d["init"], output_final_state=True,
                              use_qk_l2norm_in_kernel=True, cu_seqlens=d["cu64"])
-    if impl == "default":
-        cfg = None
-    elif impl == "u_in_chain":  # session 10: U formed in the (Gluon) chain
-        cfg = dataclasses.replace(tc.default_chunk_config(N, gk.HV, gk.DV, torch.bfloat16, k=gk.DK, gluon=True),
-                                  u_in_chain=True)
-    elif impl == "split":
-        cfg = tc.CANDIDATES[tc.SPLIT_OUTPUT["one" if gk.one_sequence_class(N) else "many"][0]]
-    elif impl.startswith("prep7-"):  # a PREP7 prep on the shape's default configuration
-        cfg = tc.prep7_config(impl.removeprefix("prep7-"), tc.default_chunk_config(N, gk.HV, gk.DV, torch.bfloat16,
-                                                                                   k=gk.DK))
-    elif impl.startswith("prep8-"):  # a PREP8 prep on the shape's default configuration
-        cfg = tc.prep8_config(impl.removeprefix("prep8-"), tc.default_chunk_config(N, gk.HV, gk.DV, torch.bfloat16,
-                                                                                   k=gk.DK))
-    else:
-        cfg = tc.CANDIDATES[impl]
+    cfg = CONFIGS[impl]
     return lambda: tc.chunk_gated_delta_rule(
         d["q"], d["k"], d["v"], d["g"], d["beta"], scale=gk.SCALE, cu_seqlens=d["cu"], ssm_state=d["pool"],
         state_indices=d["idx"], has_initial_state=d["has_init"], config=cfg)
@@ -54,8 +45,7 @@ def runner(impl: str, d: dict, N: int):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="1x32768", choices=sorted(gk.PREFILL))
-    ap.add_argument("--impls", default="default,split,fla",
-                    help="comma list: default, split, fla, u_in_chain, a CANDIDATES name, prep7-<PREP7 name> or prep8-<PREP8 name>")
+    ap.add_argument("--impls", default="default,fla", help=f"comma list of fla and {', '.join(CONFIGS)}")
     args = ap.parse_args()
     lengths = gk.PREFILL[args.shape]
     d = gk.prefill_inputs(lengths)

@@ -26,8 +26,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from deltaserve.ops.conv1d import triton as conv_t
+from deltaserve.ops.gdn import triton_chain as chain_t
 from deltaserve.ops.gdn import triton_chunk as chunk_t
+from deltaserve.ops.gdn import triton_prep as prep_t
 from deltaserve.ops.gdn import triton_recurrent as rec_t
+from deltaserve.ops.gdn import triton_steps as steps_t
+from deltaserve.ops.gdn import triton_verify as ver_t
 from deltaserve.ops.norm import triton as norm_t
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -48,7 +52,7 @@ UNSPECIALISED = ("N", "scale", "eps", "M", "s_ys", "SLOTS")
 
 def info_serialized(ptx: str) -> bool:
     """Whether ptxas serialises the kernel's wgmma (advisory C7512: every product waited for before the next issues;
-    session 14 found it in the transposed chain, 1.06-1.38x of its time)."""
+    it cost the transposed chain 1.06-1.38x of its time)."""
     if "wgmma" not in ptx:
         return False
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -104,102 +108,45 @@ def main() -> int:
     bf, f32, i32 = "*bf16", "*fp32", "*i32"
     results = []
 
-    # chunked prefill: the tensor-core prep (default and the benchmark's variants), the state kernels
+    # chunked prefill: the two preps at the defaults' forms, the Triton chains
     desc = "tensordesc<{}[64,{}]>".format
-    prep_types = dict(q=bf, k=bf, v=bf, g=f32, beta=f32, A_log=f32, dt_bias=f32, coff=i32, cu=i32, Wb=bf, Ub=f32,
-                      Pb=bf, Gb=f32, Tb=f32, Bb=f32, rq_b=f32, rk_b=f32, Kb=bf, Cb=f32, Lb=f32, scale="fp32",
-                      k_desc=desc("bf16", K), q_desc=desc("bf16", K), v_desc=desc("bf16", V), w_desc=desc("bf16", K),
-                      u_desc=desc("fp32", V), p_desc=desc("bf16", 64))
-    prep7 = dict(CHUNKED=True, UT="blocks", UT_PREC="fp16", LEAN=False,  # the chunk layout, the session-6 arithmetic
-                 HOIST=False, HEADS_FIRST=False, TMA_LOAD=False, TMA_STORE=False)
-    # (wu_cols, diag_prec, maxnreg): the default, then the prep of each triton_chunk.PREP_ON_DEFAULT_STATE pair
-    preps = [(128, "ieee", 0), (128, "ieee", 168), (64, "ieee", 168), (64, "tf32", 168), (64, "ieee", 128)]
-    if args.sweep:
-        preps += [(64, "ieee", 0)]
-    for cols, diag, maxnreg in preps:
+    blocks_types = dict(q=bf, k=bf, v=bf, g=f32, beta=f32, A_log=f32, dt_bias=f32, coff=i32, cu=i32, Wb=bf, Ub=f32,
+                        Pb=bf, Gb=f32, rq_b=f32, rk_b=f32, scale="fp32")
+    for dims, dtype in ((128, "bf16"), (64, "bf16"), (128, "fp32")):
+        exact = dtype == "fp32"
+        t = dict(blocks_types, **(dict(q=f32, k=f32, v=f32, Wb=f32, Pb=f32) if exact else {}))
         results.append(compile_one(
-            f"chunk_prep_tc cols={cols} diag={diag} maxnreg={maxnreg or '-'}", chunk_t._chunk_prep_tc_kernel,
-            prep_types, dict(R=R, K=K, V=V, BT=64, BLOCK_N=16, L2NORM=True, GATES=False, QK_PREC="native",
-                             DIAG_PREC=diag, MERGE_PREC="tf32", WU_PREC="bf16x2", WU_COLS_K=cols, WU_COLS_V=cols,
-                             **prep7),
-            4, maxnreg=maxnreg))
-    for name, cfg in chunk_t.PREP7.items():  # session 7 (prep7): the whole-tile inverse and the lean factors
+            f"prep blocks K=V={dims} {dtype}", prep_t._prep_blocks_kernel, t,
+            dict(R=R, K=dims, V=dims, BT=64, BLOCK_N=16, L2NORM=True, GATES=False,
+                 QK_PREC="ieee" if exact else "native", MERGE_PREC="ieee" if exact else "tf32",
+                 WU_PREC="ieee" if exact else "bf16x2"), 4))
+    wide_types = dict(blocks_types, Kb=bf, Cb=f32, Lb=f32, k_desc=desc("bf16", K), q_desc=desc("bf16", K),
+                      v_desc=desc("bf16", V), w_desc=desc("bf16", K), u_desc=desc("fp32", V), p_desc=desc("bf16", 64))
+    # (layout, behind a Gluon chain): the Triton chain's chunk layout, the token layout, a Gluon chain's (U's factor
+    # limbs, no K copy of whole chunks; where the Gluon prep does not cover the call)
+    for chunked, gluon in ((True, False), (False, False), (True, True)):
+        t = dict(wide_types, **(dict(Ub=bf, u_desc=desc("bf16", 64)) if gluon else {}),
+                 **({} if chunked else dict(w_desc=f32, u_desc=f32, p_desc=f32)))
         results.append(compile_one(
-            f"chunk_prep_tc prep7 {name}", chunk_t._chunk_prep_tc_kernel, prep_types,
-            dict(R=R, K=K, V=V, BT=64, BLOCK_N=16, L2NORM=True, GATES=False, QK_PREC="native", DIAG_PREC=cfg.diag_prec,
-                 MERGE_PREC=cfg.merge_prec, WU_PREC=cfg.wu_prec, WU_COLS_K=cfg.wu_cols or K, WU_COLS_V=cfg.wu_cols or V,
-                 CHUNKED=True, UT=cfg.ut, UT_PREC=cfg.ut_prec, LEAN=cfg.lean, HOIST=False, HEADS_FIRST=False,
-                 TMA_LOAD=False, TMA_STORE=False),
-            cfg.warps_tc, maxnreg=cfg.maxnreg_tc))
-    for name, cfg in chunk_t.PREP8.items():  # session 8 (prep8): the default prep's loads first, heads-first grid
-        results.append(compile_one(
-            f"chunk_prep_tc prep8 {name}", chunk_t._chunk_prep_tc_kernel, prep_types,
-            dict(R=R, K=K, V=V, BT=64, BLOCK_N=16, L2NORM=True, GATES=False, QK_PREC="native", DIAG_PREC=cfg.diag_prec,
-                 MERGE_PREC=cfg.merge_prec, WU_PREC=cfg.wu_prec, WU_COLS_K=cfg.wu_cols or K, WU_COLS_V=cfg.wu_cols or V,
-                 CHUNKED=True, UT=cfg.ut, UT_PREC=cfg.ut_prec, LEAN=cfg.lean, HOIST=cfg.hoist,
-                 HEADS_FIRST=cfg.heads_first, TMA_LOAD=cfg.tma_load, TMA_STORE=cfg.tma_store, TU=False, KR=False),
-            cfg.warps_tc, maxnreg=cfg.maxnreg_tc))
-    cfg = chunk_t.PREP8["tma-r168"]  # session 10: the default prep storing U's factor (u_in_chain), no K (k_in_chain)
-    results.append(compile_one(
-        "chunk_prep_tc prep8 tma-r168 u_in_chain k_in_chain", chunk_t._chunk_prep_tc_kernel,
-        dict(prep_types, Ub=bf, u_desc=desc("bf16", 64)),
-        dict(R=R, K=K, V=V, BT=64, BLOCK_N=16, L2NORM=True, GATES=False, QK_PREC="native", DIAG_PREC=cfg.diag_prec,
-             MERGE_PREC=cfg.merge_prec, WU_PREC=cfg.wu_prec, WU_COLS_K=K, WU_COLS_V=V, CHUNKED=True, UT=cfg.ut,
-             UT_PREC=cfg.ut_prec, LEAN=cfg.lean, HOIST=True, HEADS_FIRST=True, TMA_LOAD=True, TMA_STORE=True,
-             TU=True, KR=True),
-        cfg.warps_tc, maxnreg=cfg.maxnreg_tc))
-    results.append(compile_one(  # the same with U stored (one sequence), k's rows read by the chain (k_in_chain)
-        "chunk_prep_tc prep8 tma-r168 k_in_chain", chunk_t._chunk_prep_tc_kernel, prep_types,
-        dict(R=R, K=K, V=V, BT=64, BLOCK_N=16, L2NORM=True, GATES=False, QK_PREC="native", DIAG_PREC=cfg.diag_prec,
-             MERGE_PREC=cfg.merge_prec, WU_PREC=cfg.wu_prec, WU_COLS_K=K, WU_COLS_V=V, CHUNKED=True, UT=cfg.ut,
-             UT_PREC=cfg.ut_prec, LEAN=cfg.lean, HOIST=True, HEADS_FIRST=True, TMA_LOAD=True, TMA_STORE=True,
-             TU=False, KR=True),
-        cfg.warps_tc, maxnreg=cfg.maxnreg_tc))
-    if args.sweep:  # the session-2 forward-substitution prep
-        for gates in (False, True):
-            for split in (True, False):
-                t = dict(prep_types, **({"g": bf, "beta": bf} if gates else {}))
-                results.append(compile_one(
-                    f"chunk_prep gates={int(gates)} split={int(split)} w2", chunk_t._chunk_prep_kernel, t,
-                    dict(R=R, K=K, V=V, BT=64, BLOCK_N=16, L2NORM=True, GATES=gates, QK_PREC="native",
-                         UT_PREC="tf32x3", WU_PREC="tf32", SPLIT=split, P_IN_WU=False), 2))
-        for p_in_wu in (False, True):
-            results.append(compile_one(
-                f"chunk_wu p_in_wu={int(p_in_wu)} w4", chunk_t._chunk_wu_kernel,
-                dict(q=bf, k=bf, v=bf, coff=i32, cu=i32, Wb=bf, Ub=f32, Pb=bf, Gb=f32, Tb=f32, Bb=f32, rq_b=f32,
-                     rk_b=f32, scale="fp32"),
-                dict(R=R, K=K, V=V, BT=64, BLOCK_N=16, WU_PREC="tf32", P_IN_WU=p_in_wu, L2NORM=True,
-                     QK_PREC="native"), 4))
-    state_types = dict(q=bf, k=bf, o=bf, Wb=bf, Ub=f32, Pb=bf, Gb=f32, rq_b=f32, rk_b=f32, ssm=f32,
-                       cu=i32, idx=i32, has_init="*u8")
-    # (transposed, bv, prec, warps, stages)
-    variants = [(False, 32, "bf16x2", 4, 3), (False, 64, "bf16x2", 4, 2), (True, 32, "bf16x2", 4, 3),
-                (True, 64, "bf16x2", 4, 2), (True, 16, "bf16x2", 4, 2), (True, 32, "bf16x2", 8, 3),
-                (True, 16, "bf16x2", 4, 3), (True, 64, "bf16x2", 8, 2), (True, 128, "bf16x2", 8, 2),
-                (False, 32, "bf16x2", 8, 3)]
-    if args.sweep:
-        variants += [(False, 32, "bf16", 4, 3), (False, 32, "tf32", 4, 2), (True, 32, "bf16x2", 4, 2),
-                     (False, 64, "bf16x2", 8, 2)]
-    for transposed, bv, prec, warps, stages in variants:
-        t = dict(state_types, **({} if prec.startswith("bf16") else {"Wb": f32, "Pb": f32}))
-        fn = chunk_t._chunk_state_t_kernel if transposed else chunk_t._chunk_state_kernel
-        results.append(compile_one(
-            f"chunk_state{'_t' if transposed else ''} bv={bv} prec={prec} w{warps} s{stages}", fn, t,
-            dict(R=R, K=K, V=V, BV=bv, BT=64, PREC=prec, STAGES=stages), warps, stages))
-
-    # the split-output path (ChunkConfig.split_output, triton_chunk.SPLIT_OUTPUT): the chain kernel storing
-    # h_c and V_new in bf16, and the parallel output kernel per (chunk, value head, bv_out columns)
-    split_types = dict(k=bf, Wb=bf, Ub=f32, Gb=f32, rk_b=f32, Hb=bf, Vb=bf, ssm=f32, cu=i32, coff=i32, idx=i32,
+            f"prep wide {'chunk' if chunked else 'token'} layout{' (Gluon chain)' * gluon}", prep_t._prep_wide_kernel,
+            t, dict(R=R, K=K, V=V, BT=64, BLOCK_N=16, L2NORM=True, GATES=False, QK_PREC="native", WU_PREC="bf16x2",
+                    CHUNKED=chunked, UT_PREC="fp16", HEADS_FIRST=True, TMA_LOAD=True, TMA_STORE=chunked,
+                    U_FACTOR=gluon, K_FROM_INPUT=gluon), 4, maxnreg=prep_t.WIDE_PREP_MAXNREG))
+    chain_types = dict(q=bf, k=bf, o=bf, Wb=bf, Ub=f32, Pb=bf, Gb=f32, rq_b=f32, rk_b=f32, ssm=f32, cu=i32, idx=i32,
                        has_init="*u8")
-    for bv, warps, stages in ((32, 4, 3), (16, 4, 2), (64, 4, 2), (64, 8, 3), (32, 4, 2)):
+    for bv, prec in ((32, "bf16x2"), (64, "bf16x2"), (32, "ieee")):
+        cfg = chunk_t.ChunkConfig(bv=bv, prec=prec)
+        t = dict(chain_types, **({} if prec.startswith("bf16") else dict(q=f32, k=f32, o=f32, Wb=f32, Pb=f32)))
         results.append(compile_one(
-            f"chunk_state_split bv={bv} prec=bf16x2 w{warps} s{stages}", chunk_t._chunk_state_split_kernel,
-            split_types, dict(R=R, K=K, V=V, BV=bv, BT=64, PREC="bf16x2", STAGES=stages), warps, stages))
-    out_types = dict(q=bf, o=bf, Pb=bf, Gb=f32, rq_b=f32, Hb=bf, Vb=bf, coff=i32, cu=i32, idx=i32)
-    for bvo, warps in ((64, 4), (128, 4)) + (((64, 8), (128, 8)) if args.sweep else ()):
+            f"chain token layout bv={bv} prec={prec}", chain_t._chain_kernel, t,
+            dict(R=R, K=K, V=V, BV=bv, BT=64, PREC=prec, STAGES=cfg.state_stages()), 4, cfg.state_stages()))
+    for bv in (32, 64):
+        cfg = chunk_t.ChunkConfig(bv=bv, prep="wide", layout="chunk")
         results.append(compile_one(
-            f"chunk_out bv_out={bvo} prec=bf16x2 w{warps}", chunk_t._chunk_out_kernel, out_types,
-            dict(R=R, K=K, V=V, BV=bvo, BT=64, BLOCK_N=16, PREC="bf16x2"), warps))
+            f"chain chunk layout (TMA) bv={bv}", chain_t._chain_tma_kernel,
+            dict(w_desc=desc("bf16", K), u_desc=desc("fp32", bv), k_desc=desc("bf16", K), q_desc=desc("bf16", K),
+                 p_desc=desc("bf16", 64), Cb=f32, Lb=f32, o=bf, ssm=f32, cu=i32, coff=i32, idx=i32, has_init="*u8"),
+            dict(R=R, K=K, V=V, BV=bv, BT=64, PREC="bf16x2", STAGES=cfg.state_stages()), 4, cfg.state_stages()))
 
     # token kernels
     for bv, warps in ([(8, 1), (16, 2), (32, 4), (64, 4)] if args.sweep else [(16, 2), (32, 4)]):
@@ -213,22 +160,22 @@ def main() -> int:
         results.append(compile_one(f"decode tokens bv={bv} w{warps}", rec_t._tokens_kernel, tok_types,
                                    dict(R=R, K=K, V=V, BV=bv, W=4), warps))
         results.append(compile_one(
-            f"verify recurrence bv={bv} w{warps}", rec_t._verify_rec_kernel,
+            f"verify recurrence bv={bv} w{warps}", ver_t._verify_rec_kernel,
             dict(qn=f32, st_k=f32, vn=bf, st_g=f32, bn=f32, ssm=f32, idx=i32, cu=i32, o_tmp=bf, st_d=f32),
             dict(R=R, K=K, V=V, BV=bv), warps))
     prep_types = dict(x=bf, a=bf, b=bf, conv_w=bf, A_log=f32, dt_bias=f32, conv_state=bf, idx=i32, cu=i32, qn=f32,
                       vn=bf, st_k=f32, st_g=f32, bn=f32, st_x=bf, scale="fp32")
-    results.append(compile_one("verify pre-pass", rec_t._verify_prep_kernel, prep_types,
+    results.append(compile_one("verify pre-pass", ver_t._verify_prep_kernel, prep_types,
                                dict(K=K, V=V, W=4, BLOCK_N=64), 1))
-    results.append(compile_one("verify q/k pre-pass (qk_prepass) pdl", rec_t._verify_prep_kernel, prep_types,
+    results.append(compile_one("verify q/k pre-pass (qk_prepass) pdl", ver_t._verify_prep_kernel, prep_types,
                                dict(K=K, V=V, W=4, BLOCK_N=64, QK_ONLY=True, PDL=True, TRIGGER=True), 1))
     for verify in (False, True):
         results.append(compile_one(
-            f"finish verify={int(verify)}", rec_t._finish_kernel,
+            f"finish verify={int(verify)}", steps_t._finish_kernel,
             dict(o_tmp=bf, z=bf, norm_w=bf, out=bf, x=bf, conv_state=bf, idx=i32, st_x=bf, eps="fp32"),
             dict(V=V, HB=32, BD=1024, W=4, WP=4, VERIFY=verify, SIGMOID=False), 4))
     results.append(compile_one(
-        "commit", rec_t._commit_kernel,
+        "commit", ver_t._commit_kernel,
         dict(num_acc=i32, cu=i32, idx=i32, conv_state=bf, ssm=f32, st_x=bf, st_k=f32, st_g=f32, st_d=f32),
         dict(R=R, K=K, V=V, BV=32, W=4, WP=4, BD=1024), 4))
     # the one-launch decode: the layer's batch-1 forms (gated_norm=False), conv inside and conv applied
@@ -239,8 +186,8 @@ def main() -> int:
                                   (False, False, 16, 2), (False, False, 32, 2)]:
         results.append(compile_one(
             f"decode one launch conv={int(conv)} norm={int(norm)} bv={bv} w{warps} pdl", rec_t._decode_fused_kernel,
-            dec_types, dict(R=R, RP=R, K=K, V=V, BV=bv, W=4, WP=4, SIGMOID=False, PDL=True, PREFETCH=True,
-                            STATE_AFTER_RELEASE=False, TRIGGER=True, NORM=norm, CONV=conv), warps))
+            dec_types, dict(R=R, RP=R, K=K, V=V, BV=bv, W=4, WP=4, SIGMOID=False, PDL=True, TRIGGER=True, NORM=norm,
+                            CONV=conv), warps))
     # the one-launch verify (T = 2 / 4 / 8 per sequence: TB = 2 / 4 / 8), the benchmark's variants
     ver_types = dict(x=bf, z=bf, a=bf, b=bf, conv_w=bf, A_log=f32, dt_bias=f32, norm_w=bf, conv_state=bf, ssm=f32,
                      idx=i32, cu=i32, o_tmp=bf, out=bf, st_x=bf, st_k=f32, st_g=f32, st_d=f32, counters=i32,
@@ -252,8 +199,8 @@ def main() -> int:
                                        (8, 8, 1, True, True), (4, 8, 1, False, True), (4, 16, 2, True, True)]:
         results.append(compile_one(
             f"verify one launch TB={tb} bv={bv} w{warps} pdl{' q/k in (qk_prepass)' * qk_in}{' gram' * gram}",
-            rec_t._verify_fused_kernel, ver_types,
-            dict(R=R, K=K, V=V, BV=bv, W=4, TB=tb, SIGMOID=False, PDL=True, PREFETCH=True, TRIGGER=True, QK_IN=qk_in,
+            ver_t._verify_fused_kernel, ver_types,
+            dict(R=R, K=K, V=V, BV=bv, W=4, TB=tb, SIGMOID=False, PDL=True, TRIGGER=True, QK_IN=qk_in,
                  GRAM=gram, NORM=True), warps))
     # the input projection with the conv epilogue (rms_norm_linear_conv): 35B-A3B in_proj 2048 -> 12352 at
     # M = 1 (the norm folded, default tiles 16 x 256, 4 stages) and M = 8 (tensor cores, 64 x 128, 4 stages)

@@ -35,8 +35,8 @@ first, --wait-for as above): norm + in_proj GEMV + gdn_decode + out_proj as the 
 conv in gdn_decode) against the conv of the q|k|v channels in the in_proj GEMV's epilogue
 (rms_norm_linear_conv + gdn_decode(conv_applied=True)); gdn_decode alone both ways (at B = 1 the bare
 recurrence: issue #3's 3.5 us), the in_proj alone both ways, launch shapes of gdn_decode(conv_applied) at
-B = 1, and the GEMV's window_prefetch form at B = 1 (added after the session-6 run). A graph holds 16 calls on disjoint slots and distinct weight copies (50.6 MB in_proj + 16.8 MB
-out_proj each); time per call.
+B = 1, and the GEMV's window_prefetch form at B = 1. A graph holds 16 calls on disjoint slots and distinct
+weight copies (50.6 MB in_proj + 16.8 MB out_proj each); time per call.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_common import RunLog, ceilings, device_env, graph_seconds  # noqa: I001  (benchmarks/ is on sys.path when run)
+from deltaserve.ops.gdn import dispatch
 from deltaserve.ops.gdn import triton_recurrent as tr
 
 DK = DV = 128
@@ -67,14 +68,10 @@ ONE = tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True, pdl=True)
 # REAL_ONE_LAUNCH checks each of them on the GPU.
 ONE_LAUNCH_VARIANTS = {
     1: {"no pdl": dataclasses.replace(ONE, pdl=False),
-        "pdl, no prefetch": dataclasses.replace(ONE, prefetch=False),
-        "state after release": dataclasses.replace(ONE, state_after_release=True),
         "bv8/w1": dataclasses.replace(ONE, bv=8),
         "bv16/w2": dataclasses.replace(ONE, num_warps=2),
         "bv32/w2": dataclasses.replace(ONE, bv=32, num_warps=2)},
-    16: {"pdl": tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True, pdl=True),
-         "pdl, no prefetch": tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True, pdl=True, prefetch=False),
-         "state after release": tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True, state_after_release=True)},
+    16: {"pdl": tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True, pdl=True)},
     64: {"one launch bv32/w2": tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True)},
 }
 DEV = "cuda"
@@ -105,7 +102,7 @@ def cases(shapes: list[str], batches: list[int]) -> list[Case]:
         for B in batches:
             out += [Case(shape, B, "default"), Case(shape, B, "fla"), Case(shape, B, "ours rec")]
             if tr.default_decode_config(B, HK, hv, DV).one_launch:
-                out.append(Case(shape, B, "two-launch", tr.default_tokens_config(B * hv * (DV // 32), DV)))
+                out.append(Case(shape, B, "two-launch", dispatch.default_tokens_config(B * hv * (DV // 32), DV)))
             if shape == "35B-A3B":
                 out += [Case(shape, B, name, cfg) for name, cfg in ONE_LAUNCH_VARIANTS.get(B, {}).items()]
     return out
@@ -183,8 +180,7 @@ def worker(index: int, count: int, shapes: list[str], batches: list[int]) -> Non
 def describe(case: Case) -> str:
     cfg = case.config or tr.default_decode_config(case.B, HK, case.hv, DV, pdl=tr.has_pdl(torch.device(DEV)))
     path = "one launch" if cfg.one_launch else "two launches"
-    flags = [f for f, on in (("pdl", cfg.pdl), ("prefetch", cfg.pdl and cfg.prefetch),
-                             ("state after release", cfg.state_after_release)) if on]
+    flags = [f for f, on in (("pdl + prefetch", cfg.pdl),) if on]
     return f"{path} bv{cfg.bv}/w{cfg.num_warps}" + (f" ({', '.join(flags)})" if flags else "")
 
 
@@ -234,9 +230,7 @@ def fold_cases(shape: str = "35B-A3B") -> dict[str, Callable[[dict], Callable[[i
                              A_log=d["A_log"], dt_bias=d["dt_bias"], norm_weight=d["norm_w"], eps=1e-6,
                              scale=DK ** -0.5, conv_state=d["conv_pool"], ssm_state=d["pool"], **kw)
 
-    late = tr.default_decode_config(1, HK, SHAPES[shape], DV, pdl=True)
-    wide = dataclasses.replace(late, bv=32, num_warps=2)
-    late = dataclasses.replace(late, state_after_release=True)
+    wide = dataclasses.replace(tr.default_decode_config(1, HK, SHAPES[shape], DV, pdl=True), bv=32, num_warps=2)
     C = lin_t.LinearConfig
     tiles = {"n1 k4096 s1": C(block_n=1, block_k=4096, warps=4, stages=1),   # the plain GEMV's M = 1 tiles
              "n2 k2048 s2": C(block_n=2, block_k=2048, warps=4, stages=2),
@@ -251,14 +245,11 @@ def fold_cases(shape: str = "35B-A3B") -> dict[str, Callable[[dict], Callable[[i
     cases = {
         "gdn_decode (normed)": lambda d: lambda i: decode(d, i),
         "gdn_decode (gated_norm=False)": lambda d: lambda i: decode(d, i, gated_norm=False),
-        "gdn_decode (gated_norm=False, state after release)":
-            lambda d: lambda i: decode(d, i, gated_norm=False, config=late),
         "out_proj alone (linear)": lambda d: lambda i: lin_t.linear(d["o"], d["w"][i]),
         "gated_linear alone (norm, default tiles)": lambda d: lambda i: lin_t.gated_linear(
             d["o"], z2(d), d["w"][i], norm_weight=d["norm_w"], activation="silu"),
         "(a) unfolded: gdn_decode + linear": lambda d: lambda i: lin_t.linear(decode(d, i).view(1, -1), d["w"][i]),
         "(a) folded: gdn_decode(gated_norm=False) + gated_linear": lambda d: lambda i: folded(d, i),
-        "(a) folded, state after release": lambda d: lambda i: folded(d, i, {"config": late}),
         "(a) folded, decode bv32/w2": lambda d: lambda i: folded(d, i, {"config": wide}),
     }
     for name, cfg in tiles.items():
@@ -319,7 +310,7 @@ def fold_shape(args, log, shape: str) -> None:
         json.dump(dict(copy_TBps=copy / 1e12, results=rows), f, indent=1)
 
 
-# ---- --conv: the conv of the q|k|v channels in the input projection's epilogue (session 6) -----------
+# ---- --conv: the conv of the q|k|v channels in the input projection's epilogue --------------------------
 
 CONV_BATCHES = (1, 2, 4, 8)
 CONV_CALLS = 16
@@ -477,7 +468,8 @@ def main() -> int:
     ap.add_argument("--rep-ms", type=int, default=40)
     ap.add_argument("--shapes", default="35B-A3B", help="comma-separated: 35B-A3B,27B")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--no-peer", "--no-fla", dest="no_fla", action="store_true",
+                    help="time our kernels alone (without it a missing FLA is an error)")
     ap.add_argument("--worker", type=int, default=None)
     ap.add_argument("--fold", action="store_true", help="time the B = 1 output-projection folds (module docstring)")
     ap.add_argument("--conv", action="store_true", help="time the conv in the input projection (module docstring)")
@@ -498,6 +490,10 @@ def main() -> int:
     env = device_env(fla=not args.no_fla)
     env.setdefault("fla", None)
     log(json.dumps(env))
+    if env["fla"] is None and not args.no_fla:
+        log("flash-linear-attention is not installed (pip package fla-core): the comparison needs it; "
+            "pass --no-peer to time our kernels alone")
+        return 2
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", str(i), "--workers",
                                str(args.workers), "--shapes", args.shapes, "--batches", args.batches])
              for i in range(args.workers)]

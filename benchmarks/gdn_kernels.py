@@ -1,43 +1,26 @@
-"""GDN kernels against flash-linear-attention 0.6.0 in the same process, on the same GPU and inputs.
+"""GDN kernels against flash-linear-attention (FLA) in the same process, on the same GPU and inputs.
 
 Qwen3-Next shape per layer: 16 key heads, 32 value heads, dk = dv = 128, bf16 activations, fp32 state.
 Every time is `triton.testing.do_bench` (median, L2 flushed before each replay) around the replay of a
 CUDA graph holding `calls` invocations, divided by `calls`. Decode/verify invocations inside one graph
 use disjoint state slots, so no call finds its state in L2.
 
-  prefill  1x32768, 4x8192, 8x1024 (a mixed prefill as the engine batches it), 32x1024, 32x1000: ns/token, ours
-           (default), FLA chunk_gated_delta_rule (FLA_FLASH_QLA=0, use_qk_l2norm_in_kernel, fp32 beta and
-           initial state already gathered per sequence), the whole-op candidates of the shape's class
-           (triton_chunk.CANDIDATES), our two launches alone and, with --sweep prefill, single-kernel variants;
-           the I/O floor (bytes the op must move at the copy rate) as the fraction of the hardware limit
+  prefill  1x32768, 2x16384, 4x8192, 8x1024, 32x1024, 32x1000, 8192+3x128: ns/token, ours (default), FLA
+           chunk_gated_delta_rule (use_qk_l2norm_in_kernel, fp32 beta and initial state already gathered per
+           sequence), our two launches alone, gdn_prefill (gates fused) and, with --sweep prefill, every Gluon chain
+           the dispatcher chooses between (dispatch.CHAIN_STEP_US); the I/O floor as the fraction of the limit
   decode   B = 1, 16, 64, 256, 512: TB/s of state traffic (read + write of B fp32 states), ours vs FLA
            fused_recurrent_gated_delta_rule; plus our whole fused layer decode (gdn_decode)
   verify   T = 2, 4 tokens at B = 1, 64: gdn_verify (+ gdn_commit) vs gdn_decode at the same B
   ceilings device-to-device copy bandwidth and bf16 matmul rate, measured in the same run
 
 Run (GPU):  PYTHONPATH=.:$FLA python benchmarks/gdn_kernels.py --out DIR [--sweep [prefill,verify]] [--workers 8]
-The warm-up phase compiles every kernel variant in parallel worker processes (shared Triton cache), lets
-FLA autotune (its results are cached on disk for the timed phase) and runs the GPU tests (--gpu-tests, in
---gpu-tests-groups processes, each 8k test alone); --warmup-s kills what still runs after that many
-seconds, --budget-s bounds the timed phase (a timed case takes ~1 s). Session 4: the warm-up took 82 s
-with 18 test processes and 44 cases. Session 5 (run S5-1, 108 s of command, 142 s with the start): the
-real-shape tests took < 10 s in 3 processes, the 8k test of 7 configurations (serial compiles, then FLA's
-import and autotune) did not finish in 58 s, and FLA's import + autotune then took ~30 s of the timed phase.
-Session 6 (run S6-1, 82 s of command, 116 s with the start): with the FLA worker on and the 8k test on
-the default alone, the warm-up (6 compile workers, FLA's autotune, 18 GPU tests in 4 processes, the 8k
-one 45 s) took 57 s and the 21 timed cases ~15 s:
-  --sweep prefill --only "1x32768,4x8192" --skip "gates,cand-t-,t-bv" --workers 6 --gpu-tests
-  --gpu-tests-groups 3 --gpu-tests-files tests/ops/test_gdn_chunk.py --gpu-tests-k "(real_shape_gpu and
-  (default or cand-r168 or cand-cols64 or cand-bv64) and not gates) or (8k and default) or prep_variant_vs"
-  --warmup-s 62 --budget-s 40
-Session 7 (prepared in session 6 by chunk7, not run yet): the split-output candidates (triton_chunk.SPLIT_OUTPUT,
-timed first, plus their chain and output kernels alone) beside the default and FLA; the exact command is in
-docs/PERFORMANCE.md ("Prepared in session 6 (chunk7)"):
-  --only "1x32768,4x8192" --skip "gates,cand-t-,t-bv,cand-r168,cand-cols64,cand-bv64-r168,cand-bv64-cols64"
-  --workers 6 --gpu-tests --gpu-tests-groups 3 --gpu-tests-files tests/ops/test_gdn_chunk.py --gpu-tests-k
-  "(real_shape_gpu and (default or split) and not gates) or split_output_vs or (8k and split)"
-  --warmup-s 85 --budget-s 40
+It exits non-zero when FLA cannot be imported, unless --no-peer (our kernels alone). The warm-up phase compiles
+every kernel in parallel worker processes (shared Triton cache), lets FLA autotune (cached on disk for the timed
+phase) and runs the GPU tests (--gpu-tests, in --gpu-tests-groups processes, each 8k test alone); --warmup-s kills
+what still runs after that many seconds, --budget-s bounds the timed phase (a timed case takes ~1 s).
 """
+
 
 from __future__ import annotations
 
@@ -58,19 +41,19 @@ import torch.nn.functional as F
 
 from gpu_common import RunLog, ceilings, device_env, graph_seconds  # noqa: I001  (benchmarks/ is on sys.path when run)
 from deltaserve.ops.conv1d import triton as conv_t
+from deltaserve.ops.gdn import dispatch, gluon_chain
 from deltaserve.ops.gdn import reference as ref
-from deltaserve.ops.gdn import gluon_chain
 from deltaserve.ops.gdn import triton_chunk as tc
 from deltaserve.ops.gdn import triton_recurrent as tr
+from deltaserve.ops.gdn import triton_verify as tv
 from deltaserve.ops.norm import triton as norm_t
 
 HK, HV, DK, DV = 16, 32, 128, 128
 D_CONV = 2 * HK * DK + HV * DV
 STATE_BYTES = HV * DK * DV * 4
 SCALE = DK ** -0.5
-# 32x1000: lengths off the 64-token chunk, so every sequence ends in a partial chunk (the prep's pointer-load body
-# in the TMA prep, PREP8 "tma-r168")
-# 8192+3x128: one long chunk beside short prompts (a skewed batch: the transposed chain is not taken, session 13)
+# 32x1000: lengths off the 64-token chunk, so every sequence ends in a partial chunk (the wide prep's pointer-load
+# body); 8192+3x128: one long sequence beside short prompts (a skewed batch: the transposed chain is not taken)
 PREFILL = {"1x32768": [32768], "2x16384": [16384] * 2, "4x8192": [8192] * 4, "8x1024": [1024] * 8,
            "32x1024": [1024] * 32, "32x1000": [1000] * 32, "8192+3x128": [8192, 128, 128, 128]}
 DECODE_B = [1, 16, 64, 256, 512]
@@ -170,70 +153,18 @@ class Case:
     sweep: bool = False
 
 
-# --sweep prefill: prep and state kernel variants, each timed alone (the op is the sum of its two launches;
-# session 3: 55.3 + 39.0 = 94.3 vs 93.9 ns/token timed whole), on top of the default. Each is a configuration
-# of the GPU tests (tests/ops/test_gdn_chunk.py GPU_CONFIGS, same names).
-PREP_SWEEP = {"tc-r168": dict(maxnreg_tc=168),
-              "tc-cols64-r168": dict(wu_cols=64, maxnreg_tc=168),
-              "tc-cols64-r168-diag-tf32": dict(wu_cols=64, maxnreg_tc=168, diag_prec="tf32"),
-              "tc-cols64-r128": dict(wu_cols=64, maxnreg_tc=128)}
-STATE_SWEEP_ONE = {"bv32-w8": dict(bv=32, warps_state=8, stages_state=3),
-                   "t-bv32": dict(state_t=True, bv=32, stages_state=3),
-                   "t-bv32-w8": dict(state_t=True, bv=32, warps_state=8, stages_state=3),
-                   "t-bv16-s3": dict(state_t=True, bv=16, stages_state=3),
-                   "t-bv16-s2": dict(state_t=True, bv=16, stages_state=2)}
-STATE_SWEEP_MANY = {"t-bv64": dict(state_t=True, bv=64, stages_state=2),
-                    "t-bv64-w8": dict(state_t=True, bv=64, warps_state=8, stages_state=2),
-                    "t-bv128-w8": dict(state_t=True, bv=128, warps_state=8, stages_state=2)}
-# the session-6 prep variants on the default state kernel first (`--skip cand-t-` leaves the transposed ones out)
-# (session 7: the split-output candidates of session 6 (chunk7) before them, untimed so far; `--only split`
-# keeps just them, with their split parts timed alone)
-# (session 7: the chunk-layout candidates first; `--only chunk` keeps just them, with their kernels timed alone)
-CANDIDATES_ONE = tc.CHUNK_LAYOUT["one"] + tc.SPLIT_OUTPUT["one"] + tuple(
-    one for one, _ in tc.PREP_ON_DEFAULT_STATE.values()) + ("cand-t-bv32", "cand-t-bv32-w8", "cand-t-bv16")
-CANDIDATES_MANY = tc.CHUNK_LAYOUT["many"] + tc.SPLIT_OUTPUT["many"] + tuple(
-    many for _, many in tc.PREP_ON_DEFAULT_STATE.values()) + ("cand-t-bv64", "cand-t-bv128-w8")
-
-
-def one_sequence_class(num_seqs: int) -> bool:
-    """The shape class of default_chunk_config: fewer than 128 (sequence, value head) pairs."""
-    return num_seqs * HV < 128
-
-
-def sweep_changes(num_seqs: int) -> list[tuple[str, str, dict]]:
-    """(kernel, name, config change) triples timed alone for a shape: the prep variants at one sequence only
-    (their time per token does not depend on the batch layout), the state variants of the shape's class."""
-    one = one_sequence_class(num_seqs)
-    prep = [("prep", n, ch) for n, ch in PREP_SWEEP.items()] if num_seqs == 1 else []
-    return prep + [("state", n, ch) for n, ch in (STATE_SWEEP_ONE if one else STATE_SWEEP_MANY).items()]
-
-
-def candidate_configs(num_seqs: int) -> list[tuple[str, "tc.ChunkConfig"]]:
-    """The whole-op candidates timed beside the default for the shape's class (triton_chunk.CANDIDATES)."""
-    names = CANDIDATES_ONE if one_sequence_class(num_seqs) else CANDIDATES_MANY
-    return [(n, tc.CANDIDATES[n]) for n in names]
-
-
 def prefill_cases(sweep: bool) -> list[Case]:
-    """Per shape ours (default) and FLA first, then our two launches alone (where the time goes), then the
-    whole-op candidates (one-sequence, then batch; the prep variants on the default state kernel before
-    the transposed ones), then the single-kernel variants, so a run cut short by its time budget loses
+    """Per shape ours (default) and FLA first, then our two launches alone (where the time goes), then (sweep) the
+    Gluon chains the dispatcher did not pick, then gdn_prefill, so a run cut short by its time budget loses
     variants, not the main table."""
-    first, parts, cands_many, cands_one, later, gates = [], [], [], [], [], []
-    # session 7 (prep7): triton_chunk.PREP7, each prep alone and whole on the shape's default config, by variant
-    prep7 = {n: [] for n in tc.PREP7}
-    # session 8 (prep8): triton_chunk.PREP8 likewise, timed right after ours / FLA (session 9: the earlier default
-    # prep against today's)
-    prep8 = {n: [] for n in tc.PREP8}
-    # session 10: U formed / K rows read in the chain (ChunkConfig.u_in_chain / k_in_chain), the other side of the
-    # default's choice
-    u_chain = []
+    first, parts, chains, gates = [], [], [], []
+    gluon = torch.cuda.is_available() and gluon_chain.supported(torch.device(DEV))
     for name, lengths in PREFILL.items():
         T, N = sum(lengths), len(lengths)
-        # the configuration `ours` runs (the Gluon chain where the device has it), so "ours: state kernel" is its chain
-        # (with the longest length, as the engine passes it: max_seqlen; SMS: the device's)
+        # the configuration `ours` runs (the Gluon chain where the device has it), so "ours: chain kernel" is its
+        # chain (with the longest length, as the engine passes it: max_seqlen; SMS: the device's)
         base = tc.default_chunk_config(N, HV, DV, torch.bfloat16, k=DK, tokens=T, max_seqlen=max(lengths), sms=SMS,
-                                       gluon=torch.cuda.is_available() and gluon_chain.supported(torch.device(DEV)))
+                                       gluon=gluon)
 
         def ours(calls, lengths=lengths, cfg=None):
             d = prefill_inputs(lengths)
@@ -249,23 +180,13 @@ def prefill_cases(sweep: bool) -> list[Case]:
 
         def part(calls, lengths=lengths, which="prep", cfg=base, N=N):  # N bound now, not the loop's last
             d = prefill_inputs(lengths)
-            bufs = tc._launch_prep(d["q"], d["k"], d["v"], d["g"], d["beta"], False, None, None, SCALE, d["cu"], N,
-                                   True, cfg)
+            args = (d["q"], d["k"], d["v"], d["g"], d["beta"], False, None, None, SCALE, d["cu"], N, True, cfg)
+            bufs = tc.launch_prep(*args)
             o = torch.empty_like(d["v"])
             if which == "prep":
-                return lambda i: tc._launch_prep(d["q"], d["k"], d["v"], d["g"], d["beta"], False, None, None, SCALE,
-                                                 d["cu"], N, True, cfg)
-            if which in ("split-state", "split-out"):  # the split path's two kernels alone (scratch made once)
-                split = tc.split_scratch(d["q"], d["v"], N, cfg)
-                has_init = d["has_init"].view(torch.uint8) if d["has_init"].dtype == torch.bool else d["has_init"]
-                tc._launch_state_split(d["q"], d["k"], d["v"], bufs, split, d["cu"], d["pool"], d["idx"], has_init,
-                                       cfg)
-                if which == "split-state":
-                    return lambda i: tc._launch_state_split(d["q"], d["k"], d["v"], bufs, split, d["cu"], d["pool"],
-                                                            d["idx"], has_init, cfg)
-                return lambda i: tc._launch_out(d["q"], d["v"], o, bufs, split, d["cu"], d["idx"], cfg)
-            return lambda i: tc._launch_state(d["q"], d["k"], d["v"], o, bufs, d["cu"], d["pool"], d["idx"],
-                                              d["has_init"], cfg)
+                return lambda i: tc.launch_prep(*args)
+            return lambda i: tc.launch_chain(d["q"], d["k"], d["v"], o, bufs, d["cu"], d["pool"], d["idx"],
+                                             d["has_init"], cfg)
 
         def fla_chunk(calls, lengths=lengths):
             chunk, _ = fla()
@@ -276,58 +197,15 @@ def prefill_cases(sweep: bool) -> list[Case]:
 
         first.append(Case("prefill", name, "ours", 3, ours, tokens=T))
         first.append(Case("prefill", name, "fla", 3, fla_chunk, tokens=T))
-        cands = cands_one if one_sequence_class(N) else cands_many
-        for cand, cfg in candidate_configs(N):
-            cands.append(Case("prefill", name, f"ours {cand}", 3, lambda c, cfg=cfg, f=ours: f(c, cfg=cfg),
-                              tokens=T))
         parts.append(Case("prefill", name, "ours: prep kernel", 3, lambda c, f=part: f(c, which="prep"), tokens=T))
-        parts.append(Case("prefill", name, "ours: state kernel", 3, lambda c, f=part: f(c, which="state"), tokens=T))
-        for cname in tc.CHUNK_LAYOUT["one" if one_sequence_class(N) else "many"]:
-            for which in ("prep", "state"):
-                parts.append(Case("prefill", name, f"ours {cname}: {which} kernel alone", 3,
-                                  lambda c, f=part, w=which, cfg=tc.CANDIDATES[cname]: f(c, which=w, cfg=cfg),
-                                  tokens=T))
-        split_name = tc.SPLIT_OUTPUT["one" if one_sequence_class(N) else "many"][0]
-        for which in ("split-state", "split-out"):
-            parts.append(Case("prefill", name, f"ours {split_name}: {which} kernel alone", 3,
-                              lambda c, f=part, w=which, cfg=tc.CANDIDATES[split_name]: f(c, which=w, cfg=cfg),
-                              tokens=T))
-        for which, vname, ch in sweep_changes(N) if sweep else ():
-            cfg = dataclasses.replace(base, **ch)
-            later.append(Case("prefill", name, f"{which} alone: {vname}", 3,
-                              lambda c, cfg=cfg, w=which, f=part: f(c, which=w, cfg=cfg), tokens=T, sweep=True))
-        for pname in tc.PREP7:
-            cfg = tc.prep7_config(pname, base)
-            prep7[pname].append(Case("prefill", name, f"prep7 {pname}: prep kernel", 3,
-                                     lambda c, f=part, cfg=cfg: f(c, which="prep", cfg=cfg), tokens=T))
-            prep7[pname].append(Case("prefill", name, f"ours prep7 {pname}", 3,
-                                     lambda c, cfg=cfg, f=ours: f(c, cfg=cfg), tokens=T))
-        for pname in tc.PREP8:
-            cfg = tc.prep8_config(pname, base)
-            prep8[pname].append(Case("prefill", name, f"prep8 {pname}: prep kernel", 3,
-                                     lambda c, f=part, cfg=cfg: f(c, which="prep", cfg=cfg), tokens=T))
-            prep8[pname].append(Case("prefill", name, f"ours prep8 {pname}", 3,
-                                     lambda c, cfg=cfg, f=ours: f(c, cfg=cfg), tokens=T))
-        # session 12: the Gluon prep (ChunkConfig.gluon_prep) against the Triton prep it reproduces bit for bit
-        # session 13: the transposed chain (batches) against the untransposed one; without u_in_chain (which the
-        # transposed chain needs) on the untransposed one
-        untransposed = dict(chain="gluon", bv=64) if base.chain == "gluon_t" else {}
-        flags = ("gluon_prep", "u_in_chain", "k_in_chain") + (("chain",) if untransposed else ())
-        for flag in flags if base.layout == "chunk" and base.hoist else ():
-            if flag == "chain":
-                cfg, label = dataclasses.replace(base, **untransposed), "untransposed chain"
-            else:
-                cfg = dataclasses.replace(base, **{flag: not getattr(base, flag)},
-                                          **(untransposed if flag == "u_in_chain" else {}))
-                label = f"{'without' if getattr(base, flag) else 'with'} {flag}"
-            u_chain.append(Case("prefill", name, f"ours {label}", 3, lambda c, cfg=cfg, f=ours: f(c, cfg=cfg),
-                                tokens=T))
-            for which in ("prep", "state"):
-                u_chain.append(Case("prefill", name, f"ours {label}: {which} kernel", 3,
-                                    lambda c, f=part, w=which, cfg=cfg: f(c, which=w, cfg=cfg), tokens=T))
+        parts.append(Case("prefill", name, "ours: chain kernel", 3, lambda c, f=part: f(c, which="chain"), tokens=T))
+        for chain, bv in dispatch.CHAIN_STEP_US if sweep and base.gluon else ():
+            if (chain, bv) != (base.chain, base.bv):
+                cfg = dataclasses.replace(base, chain=chain, bv=bv)
+                chains.append(Case("prefill", name, f"ours chain={chain} bv={bv}", 3,
+                                   lambda c, cfg=cfg, f=ours: f(c, cfg=cfg), tokens=T, sweep=True))
         gates.append(Case("prefill", name, "ours gdn_prefill (gates fused)", 3, ours_gates, tokens=T))
-    return (first + u_chain + [c for cs in prep8.values() for c in cs] + parts + [c for cs in prep7.values() for c in cs]
-            + cands_one + cands_many + later + gates)
+    return first + parts + chains + gates
 
 
 def _calls_for(B):
@@ -383,7 +261,7 @@ def decode_cases(sweep: bool) -> list[Case]:
         cases.append(Case("decode", f"B={B}", "fla", calls, fla_rec, state_bytes=sb))
         cases.append(Case("decode", f"B={B}", "ours gdn_decode (whole layer, 2 launches)", calls, layer,
                           state_bytes=sb))
-        if B <= tr.ONE_LAUNCH_MAX_ROWS:  # the model's small-batch form: out_proj folds the gated norm
+        if B <= dispatch.ONE_LAUNCH_MAX_ROWS:  # the model's small-batch form: out_proj folds the gated norm
             cases.append(Case("decode", f"B={B}", DECODE_NO_NORM, calls, lambda c, f=layer: f(c, norm=False),
                               state_bytes=sb))
         for label, cfg in TOKEN_CONFIGS if sweep else []:
@@ -407,16 +285,14 @@ def verify_path_variants(B: int) -> list[tuple[str, "tr.RecurrentConfig"]]:
     the three-launch path and one-launch launch shapes other than the default's."""
     if B * HV > 64:
         return []
-    default = tr.default_verify_config(B, 4 * B, HK, HV, DV, pdl=True)
+    default = dispatch.default_verify_config(B, 4 * B, HK, HV, DV, pdl=True)
     one = [(f"1-launch bv{bv}/w{w} pdl", tr.RecurrentConfig(bv=bv, num_warps=w, one_launch=True, pdl=True))
            for bv, w in [(16, 1), (8, 1), (16, 2), (32, 2), (16, 4), (32, 4)]]
-    return [("3 launches (pre-session-7 path)", tr.default_tokens_config(B * HV * max(DV // 32, 1), DV))] + [
+    return [("3 launches", dispatch.default_tokens_config(B * HV * max(DV // 32, 1), DV))] + [
         (label, cfg) for label, cfg in one if cfg != default] + [
         ("1-launch default no pdl", dataclasses.replace(default, pdl=False, qk_prepass=False))] + [
-        # session 10: the default from 3 tokens per sequence; the row times the one-launch kernel without it
         (f"1-launch default {'without' if default.qk_prepass else 'with'} q/k pre-kernel",
          dataclasses.replace(default, qk_prepass=not default.qk_prepass)),
-        # session 11: the gram form (the default where the unrolled chunk is 2 tokens, RecurrentConfig.gram)
         ("1-launch bv8/w1 pdl gram form", tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, pdl=True, gram=True)),
         (f"1-launch default {'without' if default.gram else 'with'} gram form",
          dataclasses.replace(default, gram=not default.gram))]
@@ -429,15 +305,15 @@ def verify_cases(sweep: bool = False) -> list[Case]:
 
         def verify(c, T=T, B=B, cfg=None, norm=True):
             d = token_inputs(B, c, T=T)
-            return lambda i: tr.gdn_verify(d["mixed"], d["z"], d["a"], d["b"], cu_seqlens=d["cu"],
+            return lambda i: tv.gdn_verify(d["mixed"], d["z"], d["a"], d["b"], cu_seqlens=d["cu"],
                                            conv_state=d["conv_pool"], ssm_state=d["pool"], state_indices=d["idx"][i],
                                            stash=d["stash"], config=cfg, gated_norm=norm, **layer_kw(d))
 
         def commit(c, T=T, B=B):
             d = token_inputs(B, c, T=T)
-            tr.gdn_verify(d["mixed"], d["z"], d["a"], d["b"], cu_seqlens=d["cu"], conv_state=d["conv_pool"],
+            tv.gdn_verify(d["mixed"], d["z"], d["a"], d["b"], cu_seqlens=d["cu"], conv_state=d["conv_pool"],
                           ssm_state=d["pool"], state_indices=d["idx"][0], stash=d["stash"], **layer_kw(d))
-            return lambda i: tr.gdn_commit(d["accepted"], cu_seqlens=d["cu"], state_indices=d["idx"][i],
+            return lambda i: tv.gdn_commit(d["accepted"], cu_seqlens=d["cu"], state_indices=d["idx"][i],
                                            conv_state=d["conv_pool"], ssm_state=d["pool"], stash=d["stash"])
 
         def fla_rec(c, T=T, B=B):
@@ -450,10 +326,10 @@ def verify_cases(sweep: bool = False) -> list[Case]:
 
         name = f"T={T} B={B}"
         cases.append(Case("verify", name, "ours gdn_verify", calls, verify, state_bytes=B * STATE_BYTES))
-        if B <= tr.ONE_LAUNCH_MAX_ROWS:  # session 11: against DECODE_NO_NORM (out_proj folds the gated norm)
+        if B <= dispatch.ONE_LAUNCH_MAX_ROWS:  # against DECODE_NO_NORM (out_proj folds the gated norm)
             cases.append(Case("verify", name, VERIFY_NO_NORM, calls, lambda c, f=verify: f(c, norm=False),
                               state_bytes=B * STATE_BYTES))
-        for label, cfg in verify_path_variants(B):  # session 7 (verify7): the one-launch verify vs the old path
+        for label, cfg in verify_path_variants(B):  # the one-launch verify's alternatives
             cases.append(Case("verify", name, f"gdn_verify {label}", calls, lambda c, cfg=cfg, f=verify: f(c, cfg=cfg),
                               state_bytes=B * STATE_BYTES))
         for label, cfg in VERIFY_CONFIGS if sweep else []:
@@ -641,7 +517,8 @@ def main() -> int:
     ap.add_argument("--sweep", nargs="?", const="prefill,decode,verify", default="",
                     help="also time launch-config variants of our kernels (optionally only for these groups)")
     ap.add_argument("--workers", type=int, default=8)
-    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--no-peer", "--no-fla", dest="no_fla", action="store_true",
+                    help="time our kernels alone (without it a missing FLA is an error)")
     ap.add_argument("--gpu-tests", action="store_true", help="run the GPU tests (--gpu-tests-files) during the warm-up")
     ap.add_argument("--gpu-tests-k", default="", help="pytest -k expression selecting those tests")
     ap.add_argument("--gpu-tests-files", default="tests/ops/test_gpu.py",
@@ -680,6 +557,10 @@ def main() -> int:
     log = RunLog(args.out, "gdn_bench.log")
     env = device_env(fla=True)
     log(json.dumps(env))
+    if env["fla"] is None and not args.no_fla:
+        log("flash-linear-attention is not installed (pip package fla-core): the comparison needs it; "
+            "pass --no-peer to time our kernels alone")
+        return 2
     warm_up(args, log, t_start + args.warmup_s)
     ceil = ceilings(warmup=25, rep=200)
     log(json.dumps(ceil))

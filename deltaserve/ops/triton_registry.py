@@ -25,7 +25,7 @@ SHAPE_LIMITS = {
 
 
 def _refusal(op: str, shapes: Mapping[str, int]) -> str | None:
-    from .gdn.triton_chunk import DEVICE_VERIFIED_DIMS
+    from .gdn.dispatch import DEVICE_VERIFIED_DIMS
     from .triton_common import SUPPORTED_HEAD_DIMS
 
     # the chunked prefill only at the head dims verified on the device (its bf16 kernels gave non-finite
@@ -67,7 +67,7 @@ def _all_ops() -> dict[str, Callable]:
     from .attention import triton as attention_triton
     from .conv1d import triton as conv1d_triton
     from .embedding import triton as embedding_triton
-    from .gdn import triton_chunk, triton_recurrent
+    from .gdn import triton_chunk, triton_recurrent, triton_verify
     from .linear import triton as linear_triton
     from .moe import triton as moe_triton
     from .moe import triton_routing
@@ -81,8 +81,8 @@ def _all_ops() -> dict[str, Callable]:
         "fused_recurrent_gated_delta_rule": triton_recurrent.fused_recurrent_gated_delta_rule,
         "gdn_prefill": triton_chunk.gdn_prefill,
         "gdn_decode": triton_recurrent.gdn_decode,
-        "gdn_verify": triton_recurrent.gdn_verify,
-        "gdn_commit": triton_recurrent.gdn_commit,
+        "gdn_verify": triton_verify.gdn_verify,
+        "gdn_commit": triton_verify.gdn_commit,
         "rms_norm": norm_triton.rms_norm,
         "rms_norm_gated": norm_triton.rms_norm_gated,
         "store_kv": attention_triton.store_kv,

@@ -7,6 +7,7 @@ test_gdn_gluon_chain_t.py, as _gluon_compile.py is for the untransposed one).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -37,13 +38,16 @@ def main() -> int:
     sig = dict(zip(["w_desc", "u_desc", "k_desc", "q_desc", "p_desc", "c_desc", "l_desc", "v_desc", "kr_desc",
                     "o_desc"], map(mangle_type, descs)))
     sig.update(o="*bf16", ssm="*fp32", cu="*i32", coff="*i32", idx="*i32", has_init="*u8", HK="i32", HV="i32")
-    consts = dict(R=HV // HK, K=K, V=V, BT=64, STAGES=2, NC=nc, KR=True, CONSUMER_REGS=gt.CONSUMER_REGS,
+    consts = dict(R=HV // HK, K=K, V=V, BT=64, STAGES=2, NC=nc, K_FROM_INPUT=True, CONSUMER_REGS=gt.CONSUMER_REGS,
                   num_warps=4)
     sig.update({a: "constexpr" for a in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a] == "i32" or "*" in sig[a]}
     c = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": gt.maxnreg(nc)})
     sass, regs = sass_and_registers(c)
+    if os.environ.get("SASS_OUT"):  # the SASS for inspection
+        with open(os.environ["SASS_OUT"], "w") as f:
+            f.write(sass)
     print(json.dumps(dict(smem=c.metadata.shared, spills=sass.count("STL"), hgmma=sass.count("HGMMA"),
                           hgmma_n128=sass.count("HGMMA.64x128x16"), tma=sass.count("UTMALDG"),
                           tma_stores=sass.count("UTMASTG"), setmaxnreg=sass.count("USETMAXREG"), regs=regs,

@@ -1,9 +1,9 @@
 """Compile the Gluon prep (gluon_prep._prep_kernel) for sm_90 without a GPU and print its resources as JSON (run in
 a subprocess by test_gdn_gluon_prep.py: Gluon kernels cannot be compiled once the Triton interpreter is on).
 
-    python tests/ops/_gluon_prep_compile.py KR(0|1) GATES(0|1) A_SMEM(0|1)
+    python tests/ops/_gluon_prep_compile.py KR(0|1) GATES(0|1)   (KR: no K copy of whole chunks)
 
-MAXNREG (env, default 168: PREP8 "tma-r168"'s cap, 0: none); SASS_OUT / PTX_OUT / TTGIR_OUT: write those there.
+MAXNREG (env, default 168: the wide prep's cap, 0: none); SASS_OUT / PTX_OUT / TTGIR_OUT: write those there.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from _gluon_compile import sass_and_registers, wgmma_serialized  # noqa: E402 (a
 
 
 def main() -> int:
-    kr, gates, a_smem = (sys.argv[i] == "1" for i in (1, 2, 3))
+    kr, gates = (sys.argv[i] == "1" for i in (1, 2))
     maxnreg = int(os.environ.get("MAXNREG", "168"))
     K = 128
     HK, HV, C, T = 16, 32, 8, 256
@@ -40,21 +40,22 @@ def main() -> int:
                g="*bf16" if gates else "*fp32", beta="*bf16" if gates else "*fp32", s_g_t="i32", s_b_t="i32",
                A_log="*fp32", dt_bias="*fp32", coff="*i32", cu="*i32", N="i32", Cb="*fp32", Lb="*fp32",
                scale="fp32", HK="i32", HV="i32")
-    consts = dict(R=HV // HK, K=K, BT=64, BLOCK_N=16, L2NORM=True, GATES=gates, HEADS_FIRST=True, KR=kr,
-                  A_SMEM=a_smem, num_warps=4)
+    consts = dict(R=HV // HK, K=K, BT=64, BLOCK_N=16, L2NORM=True, GATES=gates, HEADS_FIRST=True, K_FROM_INPUT=kr,
+                  num_warps=4)
     sig.update({a: "constexpr" for a in consts})
     # the launch-time specialisation: pointers 16-byte aligned, strides / head counts multiples of 16 (N and the
     # float scale are never specialised)
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
              if a not in ("N", "scale") and (sig[a] == "i32" or sig[a].startswith("*"))}
     c = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **({"maxnreg": maxnreg} if maxnreg else {})})
+                       target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, **({"maxnreg": maxnreg} if maxnreg else {})})
     sass, regs = sass_and_registers(c)
     for env, text in (("SASS_OUT", sass), ("PTX_OUT", c.asm["ptx"]), ("TTGIR_OUT", c.asm["ttgir"])):
         if os.environ.get(env):
             with open(os.environ[env], "w") as f:
                 f.write(text)
-    print(json.dumps(dict(kr=kr, gates=gates, a_smem=a_smem, maxnreg=maxnreg, regs=regs,
+    print(json.dumps(dict(kr=kr, gates=gates, maxnreg=maxnreg, regs=regs,
                           spills=sass.count("STL"), smem=c.metadata.shared, hgmma=sass.count("HGMMA"),
                           tma_loads=sass.count("UTMALDG"), tma_stores=sass.count("UTMASTG"),
                           serialized=wgmma_serialized(c))))

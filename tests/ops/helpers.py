@@ -65,3 +65,20 @@ def compile_for_sm90(script: str, *args) -> dict:
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def require_fla(module: str = "fla.ops.gated_delta_rule"):
+    """Import flash-linear-attention for a comparison with it. Where a CUDA device is present (where these GPU
+    comparisons run) a missing FLA fails the test instead of skipping it, unless DELTASERVE_REQUIRE_FLA=0 opts
+    out (then it skips); on CPU it skips."""
+    import importlib
+
+    import pytest
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        if torch.cuda.is_available() and os.environ.get("DELTASERVE_REQUIRE_FLA", "1") != "0":
+            pytest.fail(f"the comparison with flash-linear-attention needs {module} ({exc}); install FLA or set "
+                        "DELTASERVE_REQUIRE_FLA=0 to skip it")
+        pytest.skip(f"{module} not installed")

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from deltaserve.ops.activation import triton as act_tri
 from deltaserve.ops.gdn import reference as gdn_ref
 from deltaserve.ops.gdn import triton_recurrent as tr
+from deltaserve.ops.gdn.triton_steps import group_counters
 from deltaserve.ops.linear import reference as ref
 from deltaserve.ops.linear import triton as tri
 from deltaserve.ops.norm import reference as norm_ref
@@ -238,7 +239,7 @@ def test_gdn_decode_unnormalised_then_folded_equals_gdn_decode_then_linear(impl,
     assert torch.equal(s_a, s_b), "state pool"
     if impl == "triton":
         assert torch.equal(c_a, c_c) and torch.equal(s_a, s_c)
-        assert not tr._group_counters(torch.device(device), 16).any(), "the counters end at zero"
+        assert not group_counters(torch.device(device), 16).any(), "the counters end at zero"
 
 
 def test_gdn_decode_unnormalised_padded_rows(device):

@@ -16,6 +16,7 @@ import torch
 from deltaserve.ops.conv1d import reference as conv_ref
 from deltaserve.ops.gdn import reference as gdn_ref
 from deltaserve.ops.gdn import triton_recurrent as tr
+from deltaserve.ops.gdn.triton_steps import group_counters
 from deltaserve.ops.linear import reference as ref
 from deltaserve.ops.linear import triton as tri
 
@@ -132,7 +133,7 @@ def test_pair_equals_the_old_path_bit_for_bit(gated_norm, tiles, dcfg, device):
     for untouched in (0, 1, 3, 4):
         assert torch.equal(s_new[untouched], p.ssm_state[untouched])
         assert torch.equal(c_new[untouched], p.conv_state[untouched])
-    assert not tr._group_counters(torch.device(device), 3).any()
+    assert not group_counters(torch.device(device), 3).any()
 
 
 def test_conv_applied_leaves_the_window_alone_and_matches_the_reference(device):
@@ -333,7 +334,7 @@ def test_real_shape_layer_step_equals_the_old_path_gpu():
     """B = 1 (CUDA-core GEMV, norm folded, PDL chain), 3 (a padded row) and 8 (tensor-core GEMV after the
     norm kernel): three layer steps back to back with the conv in the projection == the old path, bit for bit
     (outputs, pools); at B = 1 also with window_prefetch (its prefetch before griddepcontrol.wait runs on
-    the GPU only; this arm was added after the session-6 GPU run); the reference within bf16 tolerance at
+    the GPU only); the reference within bf16 tolerance at
     B = 1."""
     for B in (1, 3, 8):
         p, D, hv, d, rn = _real(B, 2 * B + 1)

@@ -2,8 +2,8 @@
 
 Gluon kernels do not run under the Triton interpreter, so on a CPU machine they are compiled for sm_90 (the
 H200's target) and their resources checked: no register spills, shared memory within the device's. The
-`gpu` tests run them against the Triton TMA chain on the same prep buffers (the same products: equal states,
-outputs within bf16 rounding) and the fp32 reference, eager and inside a CUDA graph."""
+`gpu` tests run the op with it against the op with the Triton TMA chain (the same products: states within
+1e-5, outputs within bf16 rounding) and the fp32 reference, eager and inside a CUDA graph."""
 
 from __future__ import annotations
 
@@ -25,57 +25,28 @@ _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(_BIN, "cuobjdump")), reason="Triton ships no CUDA binutils here")
-@pytest.mark.parametrize("bv,ws,tu", [(32, True, False), (64, True, False), (32, False, False), (32, True, True),
-                                      (64, True, True)])
-def test_chain_compiles_for_sm90_without_spills(bv, ws, tu):
-    """The chain compiles for sm_90 without register spills within the H200's shared memory, with U read from the
-    prep or (tu, ChunkConfig.u_in_chain) formed from its factor's limbs and v's rows."""
-    res = _compile(bv, int(ws), int(tu))
+@pytest.mark.parametrize("kr", [0, 1])
+def test_chain_compiles_for_sm90_without_spills(kr):
+    """The chain as the op launches it (32 columns over two consumer warpgroups and a producer warp, U formed from
+    its factor's limbs and v's rows, whole chunks' outputs by TMA stores from `output_tiles` shared-memory tiles;
+    kr: whole chunks' K rows from k) compiles for sm_90 without register spills or serialised wgmma, within the
+    H200's shared memory, which `smem_bytes` predicts to within the compiler's padding."""
+    res = compile_for_sm90("_gluon_compile.py", 32, kr)
     assert res["hgmma"] > 0 and res["tma"] > 0, "the products are wgmma and the tiles arrive by TMA"
-    assert res["spills"] == 0, f"register spills: {res['spills']} local stores"
-    assert not res["serialized"], "ptxas serialises the wgmma (advisory C7512)"
-    assert res["smem"] <= H200_SMEM, f"{res['smem']} bytes of shared memory"
-    if ws:
-        assert res["warps"] == 12 and res["setmaxnreg"] > 0, "two consumer warpgroups + the loader warp"
-
-
-def _compile(*args) -> dict:
-    return compile_for_sm90("_gluon_compile.py", *args)
-
-
-@pytest.mark.skipif(not os.path.exists(os.path.join(_BIN, "cuobjdump")), reason="Triton ships no CUDA binutils here")
-@pytest.mark.parametrize("bv,ws,tu,kr,tiles", [(32, 1, 0, 0, 2), (64, 1, 1, 1, 1), (32, 0, 0, 0, 2)])
-def test_chain_o_tma_compiles_for_sm90_without_spills(bv, ws, tu, kr, tiles):
-    """ChunkConfig.o_tma: the outputs leave by TMA stores (UTMASTG) from `output_tiles` shared-memory tiles per
-    consumer (two at bv 32; one at bv 64 with the chain inputs, whose ring leaves room for one), without spills,
-    within the H200's shared memory, which `smem_bytes` predicts to within the compiler's padding."""
-    res = _compile(bv, ws, tu, kr, 1)
-    assert res["o_tiles"] == tiles and res["tma_stores"] > 0, res
+    assert res["o_tiles"] == 2 and res["tma_stores"] > 0, res
     assert res["spills"] == 0, f"register spills: {res['spills']} local stores"
     assert not res["serialized"], "ptxas serialises the wgmma (advisory C7512)"
     assert res["smem"] <= H200_SMEM, f"{res['smem']} bytes of shared memory"
     assert 0 <= res["smem"] - res["est_smem"] <= gc.SMEM_SLACK, res
+    assert res["warps"] == 12 and res["setmaxnreg"] > 0, "two consumer warpgroups + the loader warp"
 
 
 def test_output_tiles_fit_the_shared_memory():
-    """Two output tiles per consumer where they fit, one where only one does, none (o_tma refused) where the ring
-    leaves no room (3 stages at bv 64)."""
-    assert gc.output_tiles(32, True, 2, False, 32) == 2
-    assert gc.output_tiles(64, True, 2, True, 32) == 1
-    assert gc.output_tiles(64, True, 3, True, 32) == 0
-    for args in ((32, True, 2, False, 32), (64, True, 2, True, 32), (64, False, 2, False, 32)):
-        t = gc.output_tiles(*args)
-        assert gc.smem_bytes(*args, t) + gc.SMEM_SLACK <= gc.SMEM_LIMIT
-
-
-def test_o_tma_needs_the_gluon_chain(device):
-    from .test_gdn_chunk import _batch, _run
-
-    d = _batch([5, 70], 2, torch.bfloat16, device, seed=3)
-    cfg = dataclasses.replace(tc.default_chunk_config(2, 2, 32, torch.bfloat16, k=16), o_tma=True)
-    assert cfg.chain == "triton"
-    with pytest.raises(ValueError, match="o_tma is a choice of the Gluon chain"):
-        _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=cfg)
+    """Two output tiles per consumer where they fit (the two-stage ring at 32 columns), none where the ring leaves
+    no room (3 stages)."""
+    assert gc.output_tiles(32) == 2
+    assert gc.smem_bytes(32, 2) + gc.SMEM_SLACK <= gc.SMEM_LIMIT
+    assert gc.output_tiles(32, stages=3) == 0
 
 
 def test_gluon_chain_head_counts():
@@ -113,31 +84,37 @@ def _mixed():
 
 
 def _prep(q, k, v, g, beta, kw, N):
+    """The prep's buffers for a Gluon chain (U's factor limbs, v's rows, k's rows)."""
     from .test_gpu import D
 
-    cfg = dataclasses.replace(tc.default_chunk_config(N, v.shape[1], D, torch.bfloat16, k=D), layout="chunk")
-    return cfg, tc._launch_prep(q, k, v, g, beta, False, None, None, D ** -0.5, kw["cu_seqlens"], N, True, cfg)
+    cfg = tc.ChunkConfig(prep="wide", layout="chunk", chain="gluon")
+    return tc.launch_prep(q, k, v, g, beta, False, None, None, D ** -0.5, kw["cu_seqlens"], N, True, cfg)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bv,ws", [(32, True), (64, True), (32, False), (64, False)])
-def test_gluon_chain_matches_triton_chain_gpu(bv, ws):
+def test_gluon_chain_matches_triton_chain_gpu():
+    """The op with the Gluon chain (and prep) against the Triton chain behind the Triton prep, on a real-shape batch
+    with an empty sequence, a padded row and slots out of order: the same products (U formed in the chain instead
+    of the prep: states within 1e-5), outputs within bf16 rounding, both against the fp32 reference; the padded
+    sequence's outputs zeros, the slots of the empty sequence and unused ones untouched."""
     from .test_gpu import TOL_BF16, D, _report
 
+    if not gc.supported(torch.device("cuda")):
+        pytest.skip("the Gluon chain needs compute capability 9.0")
     lengths, q, k, v, g, beta, pool, kw = _mixed()
-    cfg, bufs = _prep(q, k, v, g, beta, kw, len(lengths))
-    has_init = kw["has_initial_state"].view(torch.uint8)
-    o_t = torch.full(v.shape, 7.0, dtype=v.dtype, device="cuda")
-    o_g = torch.full(v.shape, 7.0, dtype=v.dtype, device="cuda")
-    p_t, p_g, p_r = pool.clone(), pool.clone(), pool.clone()
-    tc._launch_state_tma(q, o_t, bufs, kw["cu_seqlens"], p_t, kw["state_indices"], has_init, cfg)
-    gc.launch_chain(q, o_g, bufs, kw["cu_seqlens"], p_g, kw["state_indices"], has_init, bv, ws=ws)
-    o_r = ref.chunk_gated_delta_rule(q, k, v, g, beta, scale=D ** -0.5, ssm_state=p_r, **kw)
+    kw = dict(kw, scale=D ** -0.5)
+    runs = {}
+    for chain in ("gluon", "triton"):
+        p = pool.clone()
+        cfg = tc.ChunkConfig(prep="wide", layout="chunk", chain=chain)
+        runs[chain] = (tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p, config=cfg, **kw), p)
+    p_r = pool.clone()
+    o_r = ref.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_r, **kw)
+    (o_g, p_g), (o_t, p_t) = runs["gluon"], runs["triton"]
     torch.cuda.synchronize()
-    _report(test="gluon_chain_vs_triton", config=f"bv{bv}{'-ws' if ws else ''}", out_rel=rel_err(o_g, o_t),
-            state_rel=rel_err(p_g, p_t), identical_state=bool(torch.equal(p_g, p_t)), out_vs_ref=rel_err(o_g, o_r),
-            state_vs_ref=rel_err(p_g, p_r))
-    assert_close(p_g, p_t, 1e-6, "state vs the Triton chain (the same products)")
+    _report(test="gluon_chain_vs_triton", out_rel=rel_err(o_g, o_t), state_rel=rel_err(p_g, p_t),
+            identical_state=bool(torch.equal(p_g, p_t)), out_vs_ref=rel_err(o_g, o_r), state_vs_ref=rel_err(p_g, p_r))
+    assert_close(p_g, p_t, 1e-5, "state vs the Triton chain (the same products)")
     assert_close(o_g, o_t, 1e-2, "output vs the Triton chain")
     assert_close(o_g, o_r, TOL_BF16, "output vs reference")
     assert_close(p_g, p_r, TOL_BF16, "state vs reference")
@@ -148,17 +125,19 @@ def test_gluon_chain_matches_triton_chain_gpu(bv, ws):
 
 @pytest.mark.gpu
 def test_gluon_chain_graph_equals_eager_gpu():
+    if not gc.supported(torch.device("cuda")):
+        pytest.skip("the Gluon chain needs compute capability 9.0")
     lengths, q, k, v, g, beta, pool, kw = _mixed()
-    cfg, bufs = _prep(q, k, v, g, beta, kw, len(lengths))
+    bufs = _prep(q, k, v, g, beta, kw, len(lengths))
     has_init = kw["has_initial_state"].view(torch.uint8)
     o_e, o_g = torch.zeros_like(v), torch.zeros_like(v)
     p_e, p_g = pool.clone(), pool.clone()
-    gc.launch_chain(q, o_e, bufs, kw["cu_seqlens"], p_e, kw["state_indices"], has_init, 32, ws=True)
+    gc.launch_chain(q, o_e, bufs, kw["cu_seqlens"], p_e, kw["state_indices"], has_init, 32)
     p_w = pool.clone()
-    gc.launch_chain(q, o_g, bufs, kw["cu_seqlens"], p_w, kw["state_indices"], has_init, 32, ws=True)  # warm
+    gc.launch_chain(q, o_g, bufs, kw["cu_seqlens"], p_w, kw["state_indices"], has_init, 32)  # warm
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gc.launch_chain(q, o_g, bufs, kw["cu_seqlens"], p_g, kw["state_indices"], has_init, 32, ws=True)
+        gc.launch_chain(q, o_g, bufs, kw["cu_seqlens"], p_g, kw["state_indices"], has_init, 32)
     p_g.copy_(pool)
     o_g.zero_()
     graph.replay()
@@ -168,18 +147,14 @@ def test_gluon_chain_graph_equals_eager_gpu():
 
 def test_default_config_picks_the_gluon_chain_only_where_it_runs():
     on = tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128, tokens=32768, gluon=True)
-    assert (on.layout, on.chain, on.bv, on.o_tma) == ("chunk", "gluon", 32, True)
-    batch = tc.default_chunk_config(2, 32, 128, torch.bfloat16, k=128, tokens=32768, gluon=True)
-    assert batch.bv == 64 and batch.o_tma  # o_tma: session 11, faster at both bv, bit for bit
-    # 64-column slices wherever 32-column ones would take more than one wave of CTAs (one per SM): from 2 sequences
-    # at 32 value heads on 132 SMs, from 3 at 16 (from 3 at 32 heads the transposed chain: test_gdn_gluon_chain_t)
-    bvs = [tc.default_chunk_config(n, 32, 128, torch.bfloat16, k=128, gluon=True).bv for n in (1, 2)]
-    assert bvs == [32, 64]
+    assert (on.prep, on.layout, on.chain, on.bv) == ("wide", "chunk", "gluon", 32)
+    # one CTA per (32-column slice, sequence, value head): past one wave of 132 SMs the transposed chain on 64
+    assert [tc.default_chunk_config(n, 32, 128, torch.bfloat16, k=128, gluon=True).bv for n in (1, 2)] == [32, 64]
     assert [tc.default_chunk_config(n, 16, 128, torch.bfloat16, k=128, gluon=True).bv for n in (2, 3)] == [32, 64]
     assert tc.default_chunk_config(2, 32, 128, torch.bfloat16, k=128, gluon=True, sms=264).bv == 32
-    assert tc.default_chunk_config(2, 32, 128, torch.bfloat16, k=128, gluon=True).k_in_chain  # follows bv 64
+    assert tc.default_chunk_config(2, 32, 128, torch.bfloat16, k=128, gluon=True).chain == "gluon_t"
     off = tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128, tokens=32768)
-    assert off.chain == "triton" and not off.o_tma
+    assert off.chain == "triton" and off.layout == "chunk"
     assert tc.default_chunk_config(1, 32, 128, torch.float32, k=128, gluon=True).chain == "triton"  # token layout
     assert tc.default_chunk_config(1, 4, 32, torch.bfloat16, k=16, gluon=True).chain == "triton"
 
@@ -192,100 +167,3 @@ def test_unsupported_chain_is_refused(chain, match, device):
     cfg = dataclasses.replace(tc.default_chunk_config(2, 2, 32, torch.bfloat16, k=16), chain=chain)
     with pytest.raises(ValueError, match=match):
         _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=cfg)
-
-
-
-def test_prep7_variants_keep_the_session7_prep_on_the_new_default():
-    """PREP7 entries were measured on the session-7 prep: on top of today's default (PREP8 hoist-heads-r168)
-    they drop its hoist / heads-first fields (hoist needs the lean wide full-width prep some PREP7 entries are not;
-    regression: 4 GPU configs refused, run S8-14)."""
-    base = tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128, gluon=True)
-    assert base.hoist and base.heads_first and base.maxnreg_tc == 168
-    for name in tc.PREP7:
-        cfg = tc.prep7_config(name, base)
-        assert not cfg.hoist and not cfg.heads_first and cfg.maxnreg_tc == tc.PREP7[name].maxnreg_tc, name
-
-
-def _mixed_o():
-    """_mixed's kind of batch for ChunkConfig.o_tma: sequences of 1, 63 (partial last chunks: pointer stores), 64
-    and 128 (whole last chunks: TMA), 65, 1000, 129 (whole chunks then a partial one), an empty one, padded rows
-    (slot -1) on a one-chunk and a two-chunk sequence (their zero outputs go by TMA too)."""
-    from .test_gpu import HK, HV, D, _inputs
-
-    lengths = [1, 63, 64, 0, 65, 1000, 128, 129, 64]
-    q, k, v, g, beta = _inputs(lengths, HK, HV, seed=37)
-    pool = torch.randn(len(lengths) + 2, HV, D, D, generator=gen(5)).mul(0.1).cuda()
-    kw = dict(cu_seqlens=cu_seqlens(lengths, "cuda"),
-              state_indices=torch.tensor([4, 0, -1, 7, 6, 2, -1, 1, 3], dtype=torch.int32, device="cuda"),
-              has_initial_state=torch.tensor([1, 0, 1, 1, 1, 0, 1, 1, 0], dtype=torch.bool, device="cuda"))
-    return lengths, q, k, v, g, beta, pool, kw
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bv,ws,inputs", [(32, True, False), (64, True, True), (64, True, False), (32, True, True),
-                                          (32, False, False)])
-def test_o_tma_equals_pointer_stores_gpu(bv, ws, inputs):
-    """ChunkConfig.o_tma changes only how the outputs are stored: outputs and states bit for bit those of the
-    pointer stores, on a real-shape batch with partial and whole last chunks and padded rows (zeros), with and
-    without the chain inputs (u_in_chain, k_in_chain: the prep buffers the bv 64 default reads)."""
-    from .test_gpu import D, _report
-
-    lengths, q, k, v, g, beta, pool, kw = _mixed_o()
-    N = len(lengths)
-    cfg = dataclasses.replace(tc.default_chunk_config(N, v.shape[1], D, torch.bfloat16, k=D), layout="chunk",
-                              u_in_chain=inputs, k_in_chain=inputs)
-    bufs = tc._launch_prep(q, k, v, g, beta, False, None, None, D ** -0.5, kw["cu_seqlens"], N, True, cfg)
-    assert ("v" in bufs) == inputs and ("k" in bufs) == inputs
-    has_init = kw["has_initial_state"].view(torch.uint8)
-    outs, states = [], []
-    for o_tma in (False, True):
-        o = torch.full(v.shape, 7.0, dtype=v.dtype, device="cuda")
-        p = pool.clone()
-        gc.launch_chain(q, o, bufs, kw["cu_seqlens"], p, kw["state_indices"], has_init, bv, ws=ws, o_tma=o_tma)
-        outs.append(o)
-        states.append(p)
-    torch.cuda.synchronize()
-    _report(test="o_tma_vs_pointer_stores", config=f"bv{bv}{'-ws' if ws else ''}{'-inputs' if inputs else ''}",
-            identical_out=bool(torch.equal(outs[0], outs[1])), identical_state=bool(torch.equal(*states)),
-            out_max_abs=(outs[0].float() - outs[1].float()).abs().max().item())
-    assert torch.equal(outs[1], outs[0]), "o_tma outputs differ from the pointer stores'"
-    assert torch.equal(states[1], states[0])
-    assert not (outs[1] == 7.0).all(dim=(1, 2)).any(), "every row written"
-    cu = kw["cu_seqlens"].tolist()
-    for i in (2, 6):  # the padded sequences
-        assert (outs[1][cu[i]:cu[i + 1]] == 0).all(), f"padded sequence {i}: zeros"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [[32768 // 4], [1000, 64, 2049, 63, 1024]])
-def test_o_tma_whole_op_equals_default_gpu(lengths):
-    """The op with o_tma flipped against its default configuration, eager and in a CUDA graph: bit for bit."""
-    from .test_gpu import HK, HV, D, _inputs
-
-    q, k, v, g, beta = _inputs(lengths, HK, HV, seed=41)
-    N = len(lengths)
-    pool = torch.randn(N + 1, HV, D, D, generator=gen(6)).mul(0.1).cuda()
-    kw = dict(scale=D ** -0.5, cu_seqlens=cu_seqlens(lengths, "cuda"),
-              state_indices=torch.arange(N, dtype=torch.int32, device="cuda").flip(0),
-              has_initial_state=torch.ones(N, dtype=torch.bool, device="cuda"))
-    base = tc.default_chunk_config(N, HV, D, torch.bfloat16, k=D, tokens=sum(lengths), gluon=True)
-    # (the batch's default is the one-consumer transposed chain, whose only output path is o_tma: the untransposed
-    # chain at its width)
-    base = dataclasses.replace(base, chain="gluon")
-    res = []
-    for cfg in (base, dataclasses.replace(base, o_tma=not base.o_tma)):
-        p = pool.clone()
-        o = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p, config=cfg, **kw)
-        res.append((o, p))
-    p_g = pool.clone()
-    cfg = dataclasses.replace(base, o_tma=True)
-    tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_g, config=cfg, **kw)  # warm
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o_g = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_g, config=cfg, **kw)
-    p_g.copy_(pool)
-    o_g.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
-    assert torch.equal(o_g, res[0][0]) and torch.equal(p_g, res[0][1]), "graph replay"

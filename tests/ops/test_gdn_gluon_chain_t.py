@@ -13,6 +13,7 @@ import pytest
 import torch
 import triton
 
+from deltaserve.ops.gdn import dispatch
 from deltaserve.ops.gdn import gluon_chain as gc
 from deltaserve.ops.gdn import gluon_chain_t as gt
 from deltaserve.ops.gdn import reference as ref
@@ -28,7 +29,7 @@ _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin
 @pytest.mark.parametrize("consumers", [1, 2])
 def test_chain_t_compiles_for_sm90(consumers):
     """44 wgmma per consumer and chunk (8 of them 64 x 128: the state update), pipelined (ptxas serialised every one
-    of them while V_new^T had an accumulator of its own: session 14, 1.06-1.38x), tiles by TMA, outputs by TMA stores,
+    of them while V_new^T had an accumulator of its own, 1.06-1.38x slower), tiles by TMA, outputs by TMA stores,
     setmaxnreg for the consumers, within the H200's shared memory; at most a few scalar spills (the second consumer's
     loop reloads a few scalars; the products and the state stay in registers)."""
     res = compile_for_sm90("_gluon_chain_t_compile.py", consumers)
@@ -41,12 +42,10 @@ def test_chain_t_compiles_for_sm90(consumers):
 
 def test_default_config_picks_the_chain_by_its_estimate():
     """With the caller's longest length (max_seqlen) the Gluon chain and its width come from chain_step_estimate:
-    the transposed chain with two consumers (128 columns) where sequences of about the longest length fill the SMs
-    (session 13: 3 x 8192 1.26x, 4 x 8192 1.21x the untransposed chain alone), with one (64 columns) where they fill
-    them only at that width, the untransposed chain at 32 columns where one long sequence is the critical path
-    (session 14, run S14-F, ns/token at 32 / 64 / 128 columns: 8192 + 3 x 128 42.5 / 47.4 / 59.2, 2 x 16384 40.9 /
-    30.9 / 36.8, 4 x 8192 41.9 / 31.6 / 28.9). Head dim 128 and the Gluon chain only; without max_seqlen 64 columns
-    (the one-consumer transposed chain) past one wave of 32-column programs."""
+    the transposed chain with two consumers (128 columns) where sequences of about the longest length fill the SMs,
+    with one (64 columns) where they fill them only at that width, the untransposed chain at 32 columns where one
+    long sequence is the critical path. Head dim 128 and the Gluon chain only; without max_seqlen 64 columns (the
+    one-consumer transposed chain) past one wave of 32-column programs."""
     def pick(lengths, hv=32, **kw):
         cfg = tc.default_chunk_config(len(lengths), hv, 128, torch.bfloat16, k=128, gluon=True, tokens=sum(lengths),
                                       max_seqlen=max(lengths), **kw)
@@ -59,7 +58,7 @@ def test_default_config_picks_the_chain_by_its_estimate():
     assert pick([8192, 128, 128, 128]) == ("gluon", 32) and pick([128, 128, 128, 8192]) == ("gluon", 32)
     assert pick([8192, 8192, 1024, 1024]) == ("gluon_t", 64) and pick([8192, 4096]) == ("gluon_t", 64)
     cfg = tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, gluon=True, tokens=4000, max_seqlen=1000)
-    assert cfg.u_in_chain and cfg.o_tma and cfg.k_in_chain and cfg.gluon_prep
+    assert cfg.gluon and (cfg.prep, cfg.layout) == ("wide", "chunk")
     # 16 value heads: a (sequence, value head) program fills fewer SMs; 64: a 32-column slice of one sequence fills two
     # waves
     assert pick([1000] * 4, hv=16) == ("gluon_t", 64) and pick([1000] * 5, hv=16) == ("gluon_t", 128)
@@ -73,17 +72,13 @@ def test_default_config_picks_the_chain_by_its_estimate():
     assert (one.chain, one.bv) == ("gluon", 32)
     assert tc.default_chunk_config(4, 32, 64, torch.bfloat16, k=64, gluon=True, tokens=4000,
                                    max_seqlen=1000).chain != "gluon_t"
-    # a PREP7 prep (no u_in_chain) on such a base keeps the untransposed chain
-    p7 = tc.prep7_config("wide-fp16-lean", tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, gluon=True,
-                                                                    tokens=4000, max_seqlen=1000))
-    assert (p7.chain, p7.bv, p7.u_in_chain) == ("gluon", 64, False)
 
 
 def test_chain_step_estimate_counts_waves_and_the_critical_path():
     """The estimate's two bounds: the longest sequences' programs in waves of one CTA per SM, and all programs' chunk
     steps spread over the SMs."""
-    est = tc.chain_step_estimate
-    step32, step64 = tc.CHAIN_STEP_US[("gluon", 32)], tc.CHAIN_STEP_US[("gluon_t", 64)]
+    est = dispatch.chain_step_estimate
+    step32, step64 = dispatch.CHAIN_STEP_US[("gluon", 32)], dispatch.CHAIN_STEP_US[("gluon_t", 64)]
     # one 8192-token sequence at 32 value heads: 128 programs of 128 chunks, one wave
     assert est("gluon", 32, 32, 128, 8192, 8192, 132) == pytest.approx(128 * step32)
     # two of them: 256 programs, two waves of 128 chunk steps
@@ -104,7 +99,7 @@ def test_transposed_chain_refusal_names_what_is_missing(device):
     cfg = dataclasses.replace(tc.default_chunk_config(2, 2, 32, torch.bfloat16, k=16), chain="gluon_t")
     with pytest.raises(ValueError, match="chain='gluon_t' needs") as err:
         _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=cfg)
-    assert "u_in_chain=False" in str(err.value) and "bv=32" in str(err.value)
+    assert "layout='token'" in str(err.value) and "bv=32" in str(err.value)
 
 
 @pytest.mark.parametrize("bad,match", [(70, "less than the longest"), (-1, "non-negative int"),
@@ -158,12 +153,11 @@ def test_gdn_layer_passes_the_longest_prefill_to_the_op(tiny_model):
 # ---- GPU --------------------------------------------------------------------------------------------------
 
 def _prep_u(q, k, v, g, beta, kw, N):
-    """The prep's chunk-layout buffers with U's factor limbs and v's rows (u_in_chain) and k's rows (k_in_chain)."""
+    """The prep's chunk-layout buffers for a Gluon chain: U's factor limbs and v's rows, k's rows."""
     from .test_gpu import D
 
-    cfg = dataclasses.replace(tc.default_chunk_config(N, v.shape[1], D, torch.bfloat16, k=D, gluon=True),
-                              layout="chunk", u_in_chain=True, k_in_chain=True)
-    return tc._launch_prep(q, k, v, g, beta, False, None, None, D ** -0.5, kw["cu_seqlens"], N, True, cfg)
+    cfg = tc.ChunkConfig(bv=64, prep="wide", layout="chunk", chain="gluon_t")
+    return tc.launch_prep(q, k, v, g, beta, False, None, None, D ** -0.5, kw["cu_seqlens"], N, True, cfg)
 
 
 @pytest.mark.gpu
@@ -182,7 +176,7 @@ def test_chain_t_matches_the_gluon_chain_gpu(consumers):
     has_init = kw["has_initial_state"].view(torch.uint8)
     o_u, o_t = (torch.full(v.shape, 7.0, dtype=v.dtype, device="cuda") for _ in range(2))
     p_u, p_t, p_r = pool.clone(), pool.clone(), pool.clone()
-    gc.launch_chain(q, o_u, bufs, kw["cu_seqlens"], p_u, kw["state_indices"], has_init, 64, ws=True, o_tma=True)
+    gc.launch_chain(q, o_u, bufs, kw["cu_seqlens"], p_u, kw["state_indices"], has_init, 32)
     gt.launch_chain_t(q, o_t, bufs, kw["cu_seqlens"], p_t, kw["state_indices"], has_init, consumers=consumers)
     o_r = ref.chunk_gated_delta_rule(q, k, v, g, beta, scale=D ** -0.5, ssm_state=p_r, **kw)
     torch.cuda.synchronize()
@@ -241,7 +235,7 @@ def test_default_op_takes_the_transposed_chain_gpu():
     p_d, p_u, p_r = pool.clone(), pool.clone(), pool.clone()
     o_d = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_d, max_seqlen=1000, **kw)
     o_u = tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_u, config=dataclasses.replace(cfg, chain="gluon",
-                                                                                                 bv=64), **kw)
+                                                                                                 bv=32), **kw)
     o_r = ref.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_r, **kw)
     _report(test="default_op_chain_t", out_rel=rel_err(o_d, o_u), state_rel=rel_err(p_d, p_u),
             out_vs_ref=rel_err(o_d, o_r), state_vs_ref=rel_err(p_d, p_r))
@@ -254,7 +248,7 @@ def test_default_op_takes_the_transposed_chain_gpu():
 def test_chain_t_8k_not_less_accurate_than_fla():
     """The transposed chain with one and two consumers (forced: one sequence takes the untransposed chain) and the
     default on the 8k sequence of slow decay: output and final-state errors against the fp32 token recurrence within
-    FLA's on the same inputs (V_new^T accumulates U^T and -X W^T in one accumulator since session 14)."""
+    FLA's on the same inputs."""
     from .test_gpu import HV, D, check_8k_not_less_accurate_than_fla
 
     if not gc.supported(torch.device("cuda")):

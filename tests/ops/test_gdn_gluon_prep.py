@@ -1,11 +1,11 @@
-"""The Gluon prep (deltaserve/ops/gdn/gluon_prep.py, ChunkConfig.gluon_prep) against the Triton prep whose bits it
-reproduces: every buffer bit for bit on the H200 (whole chunks by TMA, partial last chunks and padding programs by
-pointer loads, the gates in the kernel, the K copy with and without k_in_chain), the whole op bit for bit with and
-without it (eager and in a CUDA graph), and on CPU: its sm_90 compile, the default choice and the refusals."""
+"""The Gluon prep (deltaserve/ops/gdn/gluon_prep.py, behind a Gluon chain) against the Triton wide prep whose bits
+it reproduces (the one that runs where `gluon_prep.covers` says no): every buffer bit for bit on the H200 (whole
+chunks by TMA, partial last chunks and padding programs by pointer loads, the gates in the kernel, the K copy of
+partial chunks only), the whole op bit for bit with either prep (eager and in a CUDA graph), and on CPU: its sm_90
+compile and the default choice."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -13,6 +13,7 @@ import torch
 import triton
 
 from deltaserve.ops.gdn import triton_chunk as tc
+from deltaserve.ops.gdn.triton_prep import tma_rows
 
 from .helpers import compile_for_sm90, cu_seqlens, gen
 
@@ -22,36 +23,33 @@ BUFS = ("Wb", "Ub", "Pb", "Kb", "Cb", "Lb")
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(_BIN, "cuobjdump")), reason="Triton ships no CUDA binutils here")
-@pytest.mark.parametrize("kr,gates,a_smem", [(1, 0, 0), (0, 1, 0), (1, 0, 1)])
-def test_prep_compiles_for_sm90(kr, gates, a_smem):
-    """One warpgroup at PREP8's 168-register cap (three programs per SM): k / q by TMA, W / U limbs / P / K copy by
-    TMA stores, the products on wgmma; with A's fp16 tile in shared memory no spills, with A in registers (the
-    launch default, faster on the H200) a handful of spill stores (4-6 at session 12), within 65.6 KB of shared
-    memory either way."""
-    res = compile_for_sm90("_gluon_prep_compile.py", kr, gates, a_smem)
+@pytest.mark.parametrize("kr,gates", [(1, 0), (1, 1), (0, 0)])
+def test_prep_compiles_for_sm90(kr, gates):
+    """One warpgroup at the wide prep's 168-register cap (three programs per SM): k / q by TMA, W / U limbs / P / K
+    copy by TMA stores, the products on wgmma, at most a handful of spill stores (A held in registers across the
+    inverse), within 65.6 KB of shared memory; kr 0: the K copy of every chunk too."""
+    res = compile_for_sm90("_gluon_prep_compile.py", kr, gates)
     assert res["regs"] <= 168 and res["hgmma"] > 0 and res["tma_loads"] == 2 and res["tma_stores"] > 0, res
-    assert res["spills"] == 0 if a_smem else res["spills"] <= 8, res
+    assert res["spills"] <= 8, res
     assert not res["serialized"], "ptxas serialises the wgmma (advisory C7512)"
     assert res["smem"] <= 3 * 65552 <= H200_SMEM, res  # three programs per SM
 
 
 def test_default_config_takes_the_gluon_prep_with_the_gluon_chain():
     on = tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128, tokens=32768, gluon=True)
-    assert on.gluon_prep and on.u_in_chain and on.tma_load and on.tma_store
-    assert tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, tokens=32768, gluon=True).gluon_prep
-    assert not tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128, tokens=32768).gluon_prep
-    assert not tc.default_chunk_config(1, 32, 128, torch.float32, k=128, gluon=True).gluon_prep
+    assert on.gluon and on.prep == "wide" and on.layout == "chunk"
+    assert tc.default_chunk_config(4, 32, 128, torch.bfloat16, k=128, tokens=32768, gluon=True).gluon
+    assert not tc.default_chunk_config(1, 32, 128, torch.bfloat16, k=128, tokens=32768).gluon
+    assert not tc.default_chunk_config(1, 32, 128, torch.float32, k=128, gluon=True).gluon
 
 
-def test_gluon_prep_is_refused_where_gluon_cannot_run(device):
-    from .test_gdn_chunk import _batch, _run
+def _triton_prep(monkeypatch, *args):
+    """The Triton wide prep's buffers for a Gluon chain (what runs where the Gluon prep does not cover a call)."""
+    from deltaserve.ops.gdn import gluon_prep
 
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
-        pytest.skip("the device runs Gluon")
-    d = _batch([5, 70], 2, torch.bfloat16, device, seed=3)
-    cfg = dataclasses.replace(tc.default_chunk_config(2, 2, 32, torch.bfloat16, k=16), gluon_prep=True)
-    with pytest.raises(ValueError, match="gluon_prep needs a CUDA device of compute capability 9.0"):
-        _run(tc.chunk_gated_delta_rule, d, d["pool"].clone(), config=cfg)
+    with monkeypatch.context() as m:
+        m.setattr(gluon_prep, "covers", lambda *a: False)
+        return tc.launch_prep(*args)
 
 
 def _layer_inputs(lengths, gates, seed=0):
@@ -73,21 +71,20 @@ def _layer_inputs(lengths, gates, seed=0):
     return q, k, v, g.contiguous(), torch.sigmoid(b.float()).contiguous(), None, None
 
 
-def _k_rows_written(lengths, k_in_chain, C, hk):
-    """Kb's rows the preps write: every chunk's without k_in_chain, else partial last chunks' and padding's."""
+def _k_rows_written(lengths, C, hk):
+    """Kb's rows the preps write: partial last chunks' and padding's (the chain reads whole chunks' from k)."""
     whole = [L - c * 64 >= 64 for L in lengths for c in range(triton.cdiv(L, 64))]
     whole += [False] * (C - len(whole))
-    return torch.tensor([not (k_in_chain and w) for w in whole], device="cuda").repeat_interleave(hk * 64)
+    return torch.tensor([not w for w in whole], device="cuda").repeat_interleave(hk * 64)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths,gates,kr", [
-    ([4096], False, None), ([1024] * 4, False, None), ([4096], True, None), ([1024] * 4, False, False),
-    ([4096], False, True), ([1000, 3000, 77, 1999], False, None), ([1000, 3000, 77, 1999, 64, 1], True, True)])
-def test_gluon_prep_buffers_equal_triton_prep_gpu(lengths, gates, kr):
+@pytest.mark.parametrize("lengths,gates", [
+    ([4096], False), ([1024] * 4, False), ([4096], True), ([1000, 3000, 77, 1999], False),
+    ([1000, 3000, 77, 1999, 64, 1], True)])
+def test_gluon_prep_buffers_equal_triton_prep_gpu(lengths, gates, monkeypatch):
     """Every buffer the chain reads, bit for bit: the whole-chunk (TMA) and partial / padding (pointer) bodies, with
-    the gates in the kernel or not, the K copy for every chunk or (k_in_chain) only the partial ones; A in
-    registers (the default) and in shared memory."""
+    the gates in the kernel or not, the K copy of the partial chunks."""
     from deltaserve.ops.gdn import gluon_prep
 
     from .test_gpu import HK, HV, D
@@ -95,32 +92,23 @@ def test_gluon_prep_buffers_equal_triton_prep_gpu(lengths, gates, kr):
     q, k, v, g, beta, A_log, dt_bias = _layer_inputs(lengths, gates)
     N, T = len(lengths), sum(lengths)
     cfg = tc.default_chunk_config(N, HV, D, torch.bfloat16, k=D, tokens=T, gluon=True)
-    if kr is not None:
-        cfg = dataclasses.replace(cfg, k_in_chain=kr)
-    assert cfg.gluon_prep and gluon_prep.covers(q, k, v, True, tc._tma_rows)
+    assert cfg.gluon and gluon_prep.covers(q, k, v, True, tma_rows)
     cu = cu_seqlens(lengths, "cuda")
-    args = (q, k, v, g, beta, gates, A_log, dt_bias, D ** -0.5, cu, N, True)
-    ref = tc._launch_prep(*args, dataclasses.replace(cfg, gluon_prep=False))
-    rows = _k_rows_written(lengths, cfg.k_in_chain, ref["Lb"].shape[0], HK)
-    for a_smem in (False, True):
-        out = tc._launch_prep(*args, cfg) if not a_smem else None
-        if a_smem:  # the launcher's buffers, refilled by the shared-memory-A form
-            out = {n: (b.clone() if isinstance(b, torch.Tensor) else b) for n, b in ref.items()}
-            for n in BUFS:
-                out[n].fill_(7)
-            gluon_prep.launch_prep(q, k, g, beta, gates, A_log, dt_bias, D ** -0.5, cu, N, out, cfg.k_in_chain,
-                                   cfg.heads_first, cfg.maxnreg_tc, a_smem=True)
-        torch.cuda.synchronize()
-        for n in BUFS:
-            a, b = (ref[n][rows], out[n][rows]) if n == "Kb" else (ref[n], out[n])
-            bits = torch.int16 if a.element_size() == 2 else torch.int32
-            same = torch.equal(a.reshape(-1).view(bits), b.reshape(-1).view(bits))
-            assert same, f"{n} (a_smem={a_smem}): max diff {(a.float() - b.float()).abs().max().item()}"
+    args = (q, k, v, g, beta, gates, A_log, dt_bias, D ** -0.5, cu, N, True, cfg)
+    ref = _triton_prep(monkeypatch, *args)
+    rows = _k_rows_written(lengths, ref["Lb"].shape[0], HK)
+    out = tc.launch_prep(*args)
+    torch.cuda.synchronize()
+    for n in BUFS:
+        a, b = (ref[n][rows], out[n][rows]) if n == "Kb" else (ref[n], out[n])
+        bits = torch.int16 if a.element_size() == 2 else torch.int32
+        same = torch.equal(a.reshape(-1).view(bits), b.reshape(-1).view(bits))
+        assert same, f"{n}: max diff {(a.float() - b.float()).abs().max().item()}"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [[8192], [1000, 64, 2049, 63, 1024]])
-def test_gluon_prep_whole_op_equals_triton_prep_gpu(lengths):
+def test_gluon_prep_whole_op_equals_triton_prep_gpu(lengths, monkeypatch):
     """The op (output and final states, from initial states in slots out of order) with the default configuration
     against the same with the Triton prep: bit for bit, eager and replayed in a CUDA graph."""
     from .test_gpu import HV, D
@@ -132,11 +120,15 @@ def test_gluon_prep_whole_op_equals_triton_prep_gpu(lengths):
               state_indices=torch.arange(N, dtype=torch.int32, device="cuda").flip(0),
               has_initial_state=torch.ones(N, dtype=torch.bool, device="cuda"))
     base = tc.default_chunk_config(N, HV, D, torch.bfloat16, k=D, tokens=sum(lengths), gluon=True)
-    assert base.gluon_prep
+    assert base.gluon
+    from deltaserve.ops.gdn import gluon_prep
+
     res = []
-    for cfg in (base, dataclasses.replace(base, gluon_prep=False)):
+    for covers in (gluon_prep.covers, lambda *a: False):
         p = pool.clone()
-        res.append((tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p, config=cfg, **kw), p))
+        with monkeypatch.context() as m:
+            m.setattr(gluon_prep, "covers", covers)
+            res.append((tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p, config=base, **kw), p))
     p_g = pool.clone()
     tc.chunk_gated_delta_rule(q, k, v, g, beta, ssm_state=p_g, config=base, **kw)  # warm
     graph = torch.cuda.CUDAGraph()

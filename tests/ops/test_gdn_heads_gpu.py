@@ -3,9 +3,8 @@
 ratios 2 and 4 at 16 value heads and a count the Gluon chain does not take (24: the Triton chain). Each op's
 default configuration on the device against the fp32 reference on the same bf16 inputs; skipped without CUDA.
 
-Session 13: at 16 value heads the Gluon chain's per-stage TMA box of the chunk decays was 64 bytes, which put every
-second ring stage off the 128-byte alignment TMA needs ("misaligned address" on the H200); nothing at 32 heads
-showed it."""
+At 16 value heads a 64-byte TMA box of the chunk decays once put every second ring stage of the Gluon chain off the
+128-byte alignment TMA needs ("misaligned address" on the H200); nothing at 32 heads showed it."""
 
 from __future__ import annotations
 

@@ -5,21 +5,22 @@ with the poisoned sequences' inputs finite and once poisoned, and compares the o
 
 The lengths are not multiples of the 64-token chunk, and each poisoned sequence follows a shorter one, so the last
 chunk of the sequence before it is a partial tile whose 64 rows reach into it (the rows a TMA load brings in past a
-sequence's end; ChunkConfig.tma_load). Under the interpreter (CPU) the configurations of head dims 128 run at head
-dims 32 (the interpreter accepts them there; TMA descriptors are emulated, out-of-bounds rows zero-filled past T
-as on the device); on a CUDA device the same cases run at the real Qwen3-Next shape, the chain there being the
+sequence's end, which the wide prep's TMA loads must not use). Under the interpreter (CPU) the configurations of
+head dims 128 run at head dims 32 (the interpreter accepts them there; TMA descriptors are emulated, out-of-bounds
+rows zero-filled past T as on the device); on a CUDA device the same cases run at the real Qwen3-Next shape, the chain there being the
 default's (Gluon on the H200)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import pytest
 import torch
 
+from deltaserve.ops.gdn import gluon_chain
 from deltaserve.ops.gdn import reference as ref
 from deltaserve.ops.gdn import triton_chunk as tc
+from deltaserve.ops.gdn.triton_prep import tma_rows
 
 from .helpers import cu_seqlens, gen
 
@@ -35,22 +36,22 @@ def _shape(device):
 
 
 def _config(name: str, device, N: int, hv: int) -> tc.ChunkConfig | None:
-    """The configuration under test. "default": the bf16 default of head dims 128 in the chunk layout (the PREP8
-    default prep; the Gluon chain on the H200, the Triton one under the interpreter). "token": that with the token
-    layout (what the op picks for this batch of short sequences). "fp32": fp32 activations (exact products). PREP8
-    names: that prep on the default configuration."""
+    """The configuration under test. "default": the bf16 default of head dims 128 (the wide prep, the chunk layout;
+    the Gluon chain and prep on the H200, the Triton ones under the interpreter). "token": the wide prep on the
+    token layout (what the op picks for batches of many short sequences). "blocks": the block prep (other head
+    dims, fp16). "fp32": fp32 activations (exact products). "gluon_t": the transposed Gluon chain (sm_90 only)."""
+    gluon = device.type == "cuda" and gluon_chain.supported(device)
     base = tc.default_chunk_config(N, hv, 128, torch.float32 if name == "fp32" else torch.bfloat16, k=128,
-                                   gluon=device.type == "cuda" and tc.gluon_chain.supported(device))
+                                   gluon=gluon)
     if name in ("default", "fp32"):
         return base
     if name == "token":
-        return dataclasses.replace(base, layout="token", chain="triton", u_in_chain=False, k_in_chain=False,
-                                   o_tma=False)
-    if name == "u_in_chain":  # the chain reads v itself (TMA tiles reaching into the next sequence)
-        return dataclasses.replace(base, u_in_chain=True)
-    if name == "k_in_chain":  # the chain reads whole chunks' k rows itself
-        return dataclasses.replace(base, k_in_chain=True)
-    return tc.prep8_config(name, base)
+        return tc.ChunkConfig(bv=base.bv, prep="wide")
+    if name == "blocks":
+        return tc.ChunkConfig(bv=base.bv)
+    if not gluon:
+        pytest.skip("the Gluon chain needs compute capability 9.0")
+    return tc.ChunkConfig(bv=64, prep="wide", layout="chunk", chain="gluon_t")
 
 
 @functools.cache
@@ -142,12 +143,10 @@ def _leaks(device, name: str, poison: str) -> list[str]:
     return out
 
 
-# (configuration, what is poisoned): every input of the default (bf16 at head dims 128: the TMA prep, PREP8
-# "tma-r168"); q, k, v at once for the other forms (the session-8 prep with pointer loads, the token layout, fp32,
-# U formed in the chain from v's rows, K rows read by the chain)
+# (configuration, what is poisoned): every input of the default (bf16 at head dims 128); q, k, v at once for the
+# other forms (the wide prep on the token layout, the block prep, fp32, the transposed Gluon chain)
 CASES = ([("default", p) for p in ("q", "k", "v", "gates", "ab", "state")]
-         + [("hoist-heads-r168", "qkv"), ("token", "qkv"), ("fp32", "qkv"), ("u_in_chain", "v"),
-            ("u_in_chain", "qkv"), ("k_in_chain", "k"), ("k_in_chain", "qkv")])
+         + [("token", "qkv"), ("blocks", "qkv"), ("fp32", "qkv"), ("gluon_t", "v"), ("gluon_t", "qkv")])
 
 
 @pytest.mark.parametrize("name,poison", CASES)
@@ -162,7 +161,7 @@ def test_poisoned_sequence_leaves_the_others_bitwise_unchanged(name, poison, dev
 def test_poisoned_sequence_in_packed_projection_gpu():
     """The default at the real shape on q / k / v as views of one packed projection row (as the model hands them
     over; TMA reads them), with a 1000-token sequence after the poisoned ones: the other sequences bit for bit."""
-    from .test_gdn_prep8 import _packed
+    from .test_gdn_wide_prep import _packed
 
     lengths = [1, 63, 65, 130, 200, 1000]
     hk, hv, dim = _shape(torch.device("cuda"))
@@ -183,7 +182,7 @@ def test_poisoned_sequence_in_packed_projection_gpu():
     for poison in (False, True):
         x = {n: _poisoned(t, bad) if poison else t for n, t in d.items()}
         q, k, v = _packed(x, 0)
-        assert all(tc._tma_rows(t) for t in (q, k, v))
+        assert all(tma_rows(t) for t in (q, k, v))
         p = pool.clone()
         runs.append((tc.chunk_gated_delta_rule(q, k, v, gate, beta, ssm_state=p, **kw), p))
     (o0, p0), (o1, p1) = runs

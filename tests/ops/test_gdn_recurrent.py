@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from deltaserve.ops.conv1d import reference as conv_ref
+from deltaserve.ops.gdn import dispatch
 from deltaserve.ops.gdn import reference as ref
 from deltaserve.ops.gdn import triton_recurrent as tr
+from deltaserve.ops.gdn import triton_verify as tv
+from deltaserve.ops.gdn.triton_steps import group_counters
 from deltaserve.ops.norm import reference as norm_ref
 
 from .helpers import assert_close, cu_seqlens, gen, randn
@@ -115,22 +118,22 @@ def test_decode_matches_token_recurrence(ratio, dtype, activation, device):
     assert torch.equal(s_tri[1], layer.ssm_state[1]), "untouched slot changed"
 
 
-ONE_LAUNCH_CASES = [  # (ratio, dv, bv, dtype, activation, late): the programs of a (sequence, key head) group
-    (2, 32, 16, torch.float32, "silu", False),     # 2 V-slices x 2 heads: the last program normalises both rows
-    (2, 32, 16, torch.bfloat16, "silu", True),     # the same, state stored after the arrival
-    (3, 16, 16, torch.bfloat16, "silu", False),    # whole rows (local norm), 3 heads share the q/k window
-    (1, 32, 16, torch.float32, "sigmoid", False),  # one head, 2 slices
-    (1, 16, 16, torch.float32, "silu", True),      # a group of one program: no counter at all
+ONE_LAUNCH_CASES = [  # (ratio, dv, bv, dtype, activation): the programs of a (sequence, key head) group
+    (2, 32, 16, torch.float32, "silu"),      # 2 V-slices x 2 heads: the last program normalises both rows
+    (2, 32, 16, torch.bfloat16, "silu"),     # the same in bf16
+    (3, 16, 16, torch.bfloat16, "silu"),     # whole rows (local norm), 3 heads share the q/k window
+    (1, 32, 16, torch.float32, "sigmoid"),   # one head, 2 slices
+    (1, 16, 16, torch.float32, "silu"),      # a group of one program: no counter at all
 ]
 
 
-@pytest.mark.parametrize("ratio,dv,bv,dtype,activation,late", ONE_LAUNCH_CASES)
-def test_one_launch_decode_matches_two_launches_and_reference(ratio, dv, bv, dtype, activation, late, device):
+@pytest.mark.parametrize("ratio,dv,bv,dtype,activation", ONE_LAUNCH_CASES)
+def test_one_launch_decode_matches_two_launches_and_reference(ratio, dv, bv, dtype, activation, device):
     """Two steps of the one-launch decode == the two-launch decode (same math, fp32 rounding) == the
     unfused reference; padded rows give zeros and touch nothing; the group counters end at zero."""
     layer = Layer(device, dtype, ratio=ratio, dv=dv, seed=30 + ratio + bv, activation=activation)
     idx = torch.tensor([6, -1, 0, 3, 5], dtype=torch.int32, device=device)
-    one = tr.RecurrentConfig(bv=bv, num_warps=1, one_launch=True, state_after_release=late)
+    one = tr.RecurrentConfig(bv=bv, num_warps=1, one_launch=True)
     two = tr.RecurrentConfig(bv=bv, num_warps=1)
     c_ref, s_ref = layer.pools()
     c_one, s_one = layer.pools()
@@ -151,13 +154,13 @@ def test_one_launch_decode_matches_two_launches_and_reference(ratio, dv, bv, dty
     for untouched in (1, 2, 4, 7):
         assert torch.equal(s_one[untouched], layer.ssm_state[untouched]), f"slot {untouched} changed"
         assert torch.equal(c_one[untouched], layer.conv_state[untouched]), f"window {untouched} changed"
-    counters = tr._group_counters(torch.device(device), 5 * layer.hk)
+    counters = group_counters(torch.device(device), 5 * layer.hk)
     assert not counters.any(), "every launch leaves the group counters at zero"
 
 
 def test_decode_path_rule():
     """The path is a function of the shapes alone (graph capture sees one path per batch size)."""
-    n_max = tr.ONE_LAUNCH_MAX_ROWS
+    n_max = dispatch.ONE_LAUNCH_MAX_ROWS
     for hv in (32, 48):
         for n in (1, 2, n_max):
             cfg = tr.default_decode_config(n, 16, hv, 128)
@@ -177,7 +180,7 @@ def test_decode_pdl_rule_and_checks(device):
     mixed, z, a, b = layer.tokens(2)
     idx = torch.tensor([0, 1], dtype=torch.int32, device=device)
     c, s = layer.pools()
-    with pytest.raises(ValueError, match="apply to the one-launch paths only"):
+    with pytest.raises(ValueError, match="pdl applies to the one-launch path only"):
         tr.gdn_decode(mixed, z, a, b, conv_state=c, ssm_state=s, state_indices=idx,
                       config=tr.RecurrentConfig(bv=16, num_warps=1, pdl=True), **layer.kw())
     if not tr.has_pdl(torch.device(device)):
@@ -187,19 +190,18 @@ def test_decode_pdl_rule_and_checks(device):
 
 
 @pytest.mark.parametrize("op,config,message", [
-    ("verify", tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True, state_after_release=True),
-     "state_after_release applies to gdn_decode only"),
     ("verify", tr.RecurrentConfig(bv=16, num_warps=1, qk_prepass=True), "qk_prepass applies to the one-launch verify"),
     ("decode", tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True, qk_prepass=True),
      "qk_prepass applies to gdn_verify only"),
-], ids=["state_after_release-verify", "qk_prepass-three-launches", "qk_prepass-decode"])
+    ("decode", tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True, gram=True), "gram applies to gdn_verify only"),
+], ids=["qk_prepass-three-launches", "qk_prepass-decode", "gram-decode"])
 def test_config_fields_of_another_path_rejected(op, config, message, device):
     layer = Layer(device, torch.float32, seed=2)
     cu, idx, mixed, z, a, b = _verify_case(layer, [2], [1])
     pools = dict(conv_state=layer.conv_state.clone(), ssm_state=layer.ssm_state.clone(), state_indices=idx)
     with pytest.raises(ValueError, match=message):
         if op == "verify":
-            tr.gdn_verify(mixed, z, a, b, cu_seqlens=cu, stash=layer.stash(2), config=config, **pools, **layer.kw())
+            tv.gdn_verify(mixed, z, a, b, cu_seqlens=cu, stash=layer.stash(2), config=config, **pools, **layer.kw())
         else:
             tr.gdn_decode(mixed[:1], z[:1], a[:1], b[:1], config=config, **pools, **layer.kw())
 
@@ -207,26 +209,26 @@ def test_config_fields_of_another_path_rejected(op, config, message, device):
 def test_verify_path_rule():
     """One launch for small batches (rows and mean tokens per sequence bounded), from the shapes alone."""
     for n, t in ((1, 2), (1, 4), (2, 8), (2, 16)):
-        cfg = tr.default_verify_config(n, t, 16, 32, 128)
-        assert cfg.one_launch and 128 % cfg.bv == 0 and not cfg.state_after_release, (n, t, cfg)
-    assert tr.default_verify_config(1, 4, 16, 32, 128, pdl=True).pdl
-    # one-warp 8-column programs from 2 tokens per sequence (H200, runs S8-16 / S9-H), 16 columns below
-    assert [(c.bv, c.num_warps) for c in (tr.default_verify_config(1, t, 16, 32, 128) for t in (1, 2, 3, 4))] == \
+        cfg = dispatch.default_verify_config(n, t, 16, 32, 128)
+        assert cfg.one_launch and 128 % cfg.bv == 0, (n, t, cfg)
+    assert dispatch.default_verify_config(1, 4, 16, 32, 128, pdl=True).pdl
+    # one-warp 8-column programs from 2 tokens per sequence, 16 columns below
+    assert [(c.bv, c.num_warps) for c in (dispatch.default_verify_config(1, t, 16, 32, 128) for t in (1, 2, 3, 4))] == \
         [(16, 2), (8, 1), (8, 1), (8, 1)]
-    assert not tr.default_verify_config(1, 4, 16, 32, 128).pdl
-    # the q / k pre-kernel from 3 tokens per sequence, and only where it is programmatic (H200, run S10-1)
-    assert [tr.default_verify_config(n, t, 16, 32, 128, pdl=True).qk_prepass
+    assert not dispatch.default_verify_config(1, 4, 16, 32, 128).pdl
+    # the q / k pre-kernel from 3 tokens per sequence, and only where it is programmatic
+    assert [dispatch.default_verify_config(n, t, 16, 32, 128, pdl=True).qk_prepass
             for n, t in ((1, 1), (1, 2), (1, 3), (1, 4), (1, 8), (2, 4), (2, 6), (2, 16))] == \
         [False, False, True, True, True, False, True, True]
-    assert not tr.default_verify_config(1, 4, 16, 32, 128).qk_prepass
-    # the gram form where the unrolled chunk is 2 tokens, 16 columns / 2 warps above 32 rows (H200, runs S11-2..4)
-    assert [(c.gram, c.bv, c.num_warps) for c in (tr.default_verify_config(n, t, 16, 32, 128, pdl=True)
+    assert not dispatch.default_verify_config(1, 4, 16, 32, 128).qk_prepass
+    # the gram form where the unrolled chunk is 2 tokens, 16 columns / 2 warps above 32 rows
+    assert [(c.gram, c.bv, c.num_warps) for c in (dispatch.default_verify_config(n, t, 16, 32, 128, pdl=True)
                                                   for n, t in ((1, 1), (1, 2), (1, 3), (2, 3), (2, 4), (2, 5)))] == \
         [(False, 16, 2), (True, 8, 1), (False, 8, 1), (True, 16, 2), (True, 16, 2), (False, 8, 1)]
-    assert not tr.default_verify_config(1, 9, 16, 32, 128).one_launch, "more than VERIFY_MAX_CHUNK tokens"
-    assert not tr.default_verify_config(3, 12, 16, 32, 128).one_launch, "more rows than the bound"
-    assert not tr.default_verify_config(64, 256, 16, 32, 128).one_launch
-    assert [tr.verify_chunk(t, n) for t, n in ((1, 1), (2, 1), (3, 1), (4, 1), (8, 2), (9, 2), (40, 1))] == \
+    assert not dispatch.default_verify_config(1, 9, 16, 32, 128).one_launch, "more than VERIFY_MAX_CHUNK tokens"
+    assert not dispatch.default_verify_config(3, 12, 16, 32, 128).one_launch, "more rows than the bound"
+    assert not dispatch.default_verify_config(64, 256, 16, 32, 128).one_launch
+    assert [dispatch.verify_chunk(t, n) for t, n in ((1, 1), (2, 1), (3, 1), (4, 1), (8, 2), (9, 2), (40, 1))] == \
         [1, 2, 4, 4, 4, 8, 8]
 
 
@@ -261,7 +263,7 @@ def test_one_launch_verify_matches_three_launches(ratio, dv, bv, dtype, activati
             st = layer.stash(T)
             for t in (st.x, st.k, st.g, st.delta):
                 t.fill_(7.0)
-            o = tr.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=c, ssm_state=s, state_indices=idx, stash=st,
+            o = tv.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=c, ssm_state=s, state_indices=idx, stash=st,
                               config=cfg, **layer.kw())
             assert torch.equal(c, layer.conv_state) and torch.equal(s, layer.ssm_state), "verify must not touch pools"
             got.append((o, st))
@@ -274,7 +276,7 @@ def test_one_launch_verify_matches_three_launches(ratio, dv, bv, dtype, activati
         assert_close(s1.g, s3.g, 1e-6, "stash.g")
         assert_close(s1.delta[live], s3.delta[live], 1e-5, "stash.delta")
         assert (s1.k[~live] == 0).all(), "padded rows' keys are zero, as the pre-pass writes them"
-        counters = tr._group_counters(torch.device(device), len(lengths) * layer.hv)
+        counters = group_counters(torch.device(device), len(lengths) * layer.hv)
         assert not counters.any(), "every launch leaves the group counters at zero"
 
 
@@ -316,7 +318,7 @@ def test_verify_without_norm(name, device):
     cu, idx, mixed, z, a, b = _verify_case(layer, lengths, slots)
     T = sum(lengths)
     runs = {}
-    for ops, norm in ((ref, True), (ref, False), (tr, False)):
+    for ops, norm in ((ref, True), (ref, False), (tv, False)):
         c, s = layer.pools()
         st = layer.stash(T)
         cfg = {} if ops is ref else {"config": VERIFY_NO_NORM[name]}
@@ -332,7 +334,7 @@ def test_verify_without_norm(name, device):
     assert (o_tri[~live] == 0).all(), "padded rows give zeros"
     assert torch.equal(st_tri.x[live], st_ref.x[live]), "stash.x"
     assert_close(st_tri.delta[live], st_ref.delta[live], 1e-5, "stash.delta")
-    assert not tr._group_counters(torch.device(device), len(lengths) * layer.hv).any()
+    assert not group_counters(torch.device(device), len(lengths) * layer.hv).any()
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton", "triton-one-launch", "triton-qk-prepass", "triton-gram"])
@@ -345,7 +347,7 @@ def test_verify_then_commit_equals_sequential_decode(impl, device):
     idx_list = [6, 1, -1, 3]
     accepted = [1, 8, 2, 0]
     cu, idx, mixed, z, a, b = _verify_case(layer, lengths, idx_list)
-    ops = ref if impl == "reference" else tr
+    ops = ref if impl == "reference" else tv
     cfg = {"triton": tr.RecurrentConfig(bv=16, num_warps=1),  # the three launches whatever the default
            "triton-one-launch": tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True),
            "triton-qk-prepass": tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, qk_prepass=True),
@@ -379,7 +381,7 @@ def test_verify_triton_matches_reference_bf16(device):
     lengths, idx_list = [3, 1, 6], [0, 7, 4]
     cu, idx, mixed, z, a, b = _verify_case(layer, lengths, idx_list)
     outs, stashes, pools = [], [], []
-    for ops in (ref, tr):
+    for ops in (ref, tv):
         c, s = layer.pools()
         st = layer.stash(sum(lengths))
         outs.append(ops.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=c, ssm_state=s, state_indices=idx,
@@ -399,16 +401,16 @@ def test_commit_clamps_and_reference_rejects_bad_counts(device):
     layer = Layer(device, torch.float32, seed=3)
     cu, idx, mixed, z, a, b = _verify_case(layer, [3], [2])
     st = layer.stash(3)
-    tr.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=layer.conv_state, ssm_state=layer.ssm_state,
+    tv.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=layer.conv_state, ssm_state=layer.ssm_state,
                   state_indices=idx, stash=st, **layer.kw())
     with pytest.raises(ValueError, match="outside 0..3"):
         ref.gdn_commit(torch.tensor([4], device=device), cu_seqlens=cu, state_indices=idx,
                        conv_state=layer.conv_state.clone(), ssm_state=layer.ssm_state.clone(), stash=st)
     c1, s1 = layer.pools()
     c2, s2 = layer.pools()
-    tr.gdn_commit(torch.tensor([9], dtype=torch.int32, device=device), cu_seqlens=cu, state_indices=idx,
+    tv.gdn_commit(torch.tensor([9], dtype=torch.int32, device=device), cu_seqlens=cu, state_indices=idx,
                   conv_state=c1, ssm_state=s1, stash=st)
-    tr.gdn_commit(torch.tensor([3], dtype=torch.int32, device=device), cu_seqlens=cu, state_indices=idx,
+    tv.gdn_commit(torch.tensor([3], dtype=torch.int32, device=device), cu_seqlens=cu, state_indices=idx,
                   conv_state=c2, ssm_state=s2, stash=st)
     assert torch.equal(s1, s2) and torch.equal(c1, c2), "the kernel clamps counts to T_n"
 
@@ -425,21 +427,18 @@ def test_layer_ops_raise_on_bad_shapes(device):
                       **dict(layer.kw(), norm_activation="relu"))
     with pytest.raises(ValueError, match="VerifyStash"):
         st = layer.stash(1)
-        tr.gdn_verify(mixed, z, a, b, cu_seqlens=cu_seqlens([2], device), conv_state=c, ssm_state=s,
+        tv.gdn_verify(mixed, z, a, b, cu_seqlens=cu_seqlens([2], device), conv_state=c, ssm_state=s,
                       state_indices=idx[:1], stash=st, **layer.kw())
 
 
 # ---- real shapes on the GPU (Qwen3.5-35B-A3B / Qwen3-Next: 16 key heads, 32 value heads; 27B: 48) ----------
 
-# One-launch configurations the benchmark times (benchmarks/gdn_decode_latency.py ONE_LAUNCH_VARIANTS).
+# The one-launch launch shapes the defaults take (dispatch.default_decode_config), with and without PDL.
 REAL_ONE_LAUNCH = [
     tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True),
-    tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True, pdl=True, prefetch=False),
-    tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True, pdl=True, state_after_release=True),
-    tr.RecurrentConfig(bv=8, num_warps=1, one_launch=True, pdl=True),
-    tr.RecurrentConfig(bv=16, num_warps=2, one_launch=True, pdl=True),
+    tr.RecurrentConfig(bv=16, num_warps=1, one_launch=True, pdl=True),
     tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True),
-    tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True, pdl=True, state_after_release=True),
+    tr.RecurrentConfig(bv=32, num_warps=2, one_launch=True, pdl=True),
 ]
 
 
@@ -489,7 +488,7 @@ def test_one_launch_decode_real_shape(hv):
             # other tile shapes sum over K in another order: fp32 rounding, at most a bf16 ulp in the output
             assert_close(out, two[0], 8e-3, f"B={B} {name} vs two launches")
             assert_close(ssm, two[2], 1e-5, f"B={B} {name} state vs two launches")
-        assert not tr._group_counters(torch.device("cuda", torch.cuda.current_device()), B * 16).any()
+        assert not group_counters(torch.device("cuda", torch.cuda.current_device()), B * 16).any()
 
 
 @pytest.mark.gpu
@@ -579,9 +578,9 @@ def test_one_launch_verify_real_shape(config):
         idx = torch.tensor(slots, dtype=torch.int32, device="cuda")
         acc = torch.tensor([max(n - 1, 0) for n in lengths], dtype=torch.int32, device="cuda")
         live = torch.cat([torch.full((n,), s >= 0) for n, s in zip(lengths, slots)]).to("cuda")
-        assert tr.default_verify_config(B, T, 16, 32, 128, pdl=True).one_launch
+        assert dispatch.default_verify_config(B, T, 16, 32, 128, pdl=True).one_launch
         runs = {}
-        for name, cfg in [("reference", None), ("three", tr.default_tokens_config(B * 32 * 4, 128)),
+        for name, cfg in [("reference", None), ("three", dispatch.default_tokens_config(B * 32 * 4, 128)),
                           (str(config), config)]:
             conv, ssm = conv0.clone(), ssm0.clone()
             st = ref.VerifyStash.empty(T, conv_dim=mixed.shape[1], num_k_heads=16, head_k_dim=128, num_v_heads=32,
@@ -605,7 +604,7 @@ def test_one_launch_verify_real_shape(config):
             assert_close(st.delta[live], three[1].delta[live], 1e-5, f"{where} stash.delta")
             assert_close(ssm, three[3], 1e-5, f"{where} committed state")
             assert torch.equal(conv, three[2]), f"{where} committed windows"
-        assert not tr._group_counters(torch.device("cuda", torch.cuda.current_device()), B * 32).any()
+        assert not group_counters(torch.device("cuda", torch.cuda.current_device()), B * 32).any()
 
 
 @pytest.mark.gpu
@@ -617,7 +616,7 @@ def test_one_launch_verify_pdl_chain_in_graph():
     cu = cu_seqlens([4], "cuda")
     steps = [tokens(4) for _ in range(2)]
     acc = torch.tensor([3], dtype=torch.int32, device="cuda")
-    cfg = tr.default_verify_config(1, 4, 16, 32, 128, pdl=True)
+    cfg = dispatch.default_verify_config(1, 4, 16, 32, 128, pdl=True)
     assert cfg.one_launch and cfg.pdl
 
     def stash():
@@ -632,17 +631,17 @@ def test_one_launch_verify_pdl_chain_in_graph():
         ref.gdn_commit(acc, cu_seqlens=cu, state_indices=idx, conv_state=conv_r, ssm_state=ssm_r, stash=st)
     conv_g, ssm_g = conv0.clone(), ssm0.clone()
     stashes = [stash(), stash()]
-    tr.gdn_verify(*steps[0], cu_seqlens=cu, conv_state=conv_g.clone(), ssm_state=ssm_g.clone(), state_indices=idx,
+    tv.gdn_verify(*steps[0], cu_seqlens=cu, conv_state=conv_g.clone(), ssm_state=ssm_g.clone(), state_indices=idx,
                   stash=stash(), config=cfg, **kw)  # compile outside the capture
-    tr.gdn_commit(acc, cu_seqlens=cu, state_indices=idx, conv_state=conv_g.clone(), ssm_state=ssm_g.clone(),
+    tv.gdn_commit(acc, cu_seqlens=cu, state_indices=idx, conv_state=conv_g.clone(), ssm_state=ssm_g.clone(),
                   stash=stashes[0])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = []
         for t, st in zip(steps, stashes):
-            outs.append(tr.gdn_verify(*t, cu_seqlens=cu, conv_state=conv_g, ssm_state=ssm_g, state_indices=idx,
+            outs.append(tv.gdn_verify(*t, cu_seqlens=cu, conv_state=conv_g, ssm_state=ssm_g, state_indices=idx,
                                       stash=st, config=cfg, **kw))
-            tr.gdn_commit(acc, cu_seqlens=cu, state_indices=idx, conv_state=conv_g, ssm_state=ssm_g, stash=st)
+            tv.gdn_commit(acc, cu_seqlens=cu, state_indices=idx, conv_state=conv_g, ssm_state=ssm_g, stash=st)
     graph.replay()
     torch.cuda.synchronize()
     for i in range(2):

@@ -86,10 +86,10 @@ def test_every_field_has_a_reference():
 def test_triton_ops_share_the_reference_signatures():
     """Each Triton op accepts exactly its reference's parameters (plus an optional launch config)."""
     from deltaserve.ops.conv1d import triton as conv_t
-    from deltaserve.ops.gdn import triton_chunk, triton_recurrent
+    from deltaserve.ops.gdn import triton_chunk, triton_recurrent, triton_verify
     from deltaserve.ops.norm import triton as norm_t
 
-    mods = (conv_t, triton_chunk, triton_recurrent, norm_t)
+    mods = (conv_t, triton_chunk, triton_recurrent, triton_verify, norm_t)
     for name, ref_fn in ops.REFERENCE_OPS.items():
         impls = [getattr(m, name) for m in mods if hasattr(m, name)]
         if not impls:

@@ -1,25 +1,28 @@
 """The chunked prefill's state kernel (the chain over a sequence's chunks) in Gluon, for Hopper (sm_90).
 
-Same inputs, products and outputs as `triton_chunk._chunk_state_tma_kernel` (the chunk layout: W, U, P per
-chunk zero-padded to 64 rows, the padded K copy, the decay factors Cb / Lb, q read in place), so it runs
-behind the same prep (ChunkConfig.chain = "gluon"). Per chunk, with S [K, BV] fp32 in registers:
+The products and outputs of `triton_chain._chain_tma_kernel` on the chunk layout (W, P per chunk zero-padded to
+64 rows, the padded K copy, the decay factors Cb / Lb, q read in place), behind the prep's buffers for a Gluon
+chain (ChunkConfig.chain "gluon"; U as its factor's limbs). Per chunk, with S [K, BV] fp32 in registers:
     V_new = U - W S              (two bf16 limbs of S: W S_hi + W S_lo, fp32 accumulation)
     O     = (Q S_hi) e^G rq + P bf16(V_new)
     S    <- e^{G_last} S + K^T (V_new d)   (two limbs of V_new d), d = e^{G_last - G} rk
 the "bf16x2" precision of the Triton kernels (every operand that carries the state is split into two bf16
-limbs); the state comes out bit for bit the Triton kernel's on the H200.
+limbs).
 
-What Gluon buys over `tl.dot` (docs/PERFORMANCE.md, session 8):
+What Gluon buys over `tl.dot` (docs/PERFORMANCE.md):
 - every warpgroup MMA is asynchronous and waited only where its result is needed, so the output products
   (Q S, P V_new) run in the shadow of the chain's own;
 - warp specialisation: the columns of a state are independent recurrences, so a program's BV columns are
   split over two consumer warpgroups (BV / 2 each) fed by one TMA warp through a two-stage ring of
   ready / empty barriers, which also carries the decay factors (no global load on a consumer's path);
+- U = hi V + lo V is formed here from the prep's two bf16 limbs of T diag(beta) and the chunk's v rows (the
+  products the Triton prep's bf16x2 U makes, off the state's dependency chain), and whole chunks' K rows come
+  from k itself (K_FROM_INPUT; a partial last chunk's from the prep's zero-padded copy);
 - W and K^T, each the A operand of two products (one per limb), are read from shared memory into registers
   once: the products wait on shared-memory bandwidth more than on the tensor cores;
 - a chunk's outputs are stored while the next chunk's first products run (a store in flight holds up the
   next shared-memory fence);
-- o_tma (ChunkConfig.o_tma): a whole chunk's outputs leave through a TMA store of their shared-memory copy
+- a whole chunk's outputs leave through a TMA store of their shared-memory copy
   (whole 32-byte sectors, in the async proxy, so the next fence does not wait for them) instead of pointer
   stores from the accumulator layout (16-byte half sectors); a sequence's partial last chunk keeps the masked
   pointer store (the tile would overwrite the next sequence's rows).
@@ -44,7 +47,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 CHUNK = 64
 # (K, V) head dims and bf16 activations only: the layouts below are written for 128-wide tiles
 DIMS = (128, 128)
-BVS = (32, 64)
+BVS = (32,)  # state columns per program (two consumer warpgroups of 16)
+STAGES = 2  # the ring's depth
+CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg; the producer warp keeps 40)
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 SMEM_SLACK = 1024  # the compiler's padding beyond `smem_bytes` (sm_90 compiles: 392 - 520 B)
 
@@ -58,25 +63,22 @@ def supported(device: torch.device) -> bool:
 
 @gluon.jit
 def _load_stage(descs, bufs, bar, s, c, c0, bos, L, hv, hk, col, HK, HV, K: gl.constexpr, V: gl.constexpr,
-                BT: gl.constexpr, NU: gl.constexpr, TU: gl.constexpr, KR: gl.constexpr, pred):
-    """TMA copies of chunk c (of a sequence of L tokens) into ring stage s, signalling `bar`: W, K, Q, P, the NU
-    column blocks of U from `col` (TU: the two limbs of U's factor and the NU column blocks of the chunk's v rows
-    instead), the chunk's d / e^G rq rows and the row of e^{G_last} of its chunk (nothing when not pred).
-    KR: a whole chunk's K rows from k itself, a partial last chunk's from the prep's zero-padded copy."""
+                BT: gl.constexpr, NU: gl.constexpr, K_FROM_INPUT: gl.constexpr, pred):
+    """TMA copies of chunk c (of a sequence of L tokens) into ring stage s, signalling `bar`: W, K, Q, P, the two
+    limbs of U's factor, the NU column blocks of the chunk's v rows from `col`, the chunk's d / e^G rq rows and the
+    row of e^{G_last} of its chunk (nothing when not pred).
+    K_FROM_INPUT: a whole chunk's K rows from k itself, a partial last chunk's from the prep's zero-padded copy."""
     w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc, kr_desc = descs
     w_s, k_s, q_s, p_s, u_s, c_s, l_s, v_s = bufs
     BVC: gl.constexpr = v_desc.block_type.shape[1]
     LC: gl.constexpr = l_desc.block_type.shape[1]  # the e^{G_last} box: LC heads of 32 // LC chunks (128 bytes)
     NL: gl.constexpr = l_desc.block_type.shape[0] * LC
-    if TU:
-        nbytes: gl.constexpr = (3 * BT * K + 3 * BT * BT + NU * BT * BVC) * 2 + (2 * BT + NL) * 4
-    else:
-        nbytes: gl.constexpr = (3 * BT * K + BT * BT) * 2 + (NU * BT * BVC + 2 * BT + NL) * 4
+    nbytes: gl.constexpr = (3 * BT * K + 3 * BT * BT + NU * BT * BVC) * 2 + (2 * BT + NL) * 4
     ch = c0 + c
     hrow = ch * HV + hv
     mbarrier.expect(bar, nbytes, pred=pred)
     tma.async_copy_global_to_shared(w_desc, [hrow * BT, 0], bar, w_s.index(s), pred=pred)
-    if KR:
+    if K_FROM_INPUT:
         whole = L - c * BT >= BT
         tma.async_copy_global_to_shared(kr_desc, [bos + c * BT, hk * K], bar, k_s.index(s), pred=pred & whole)
         tma.async_copy_global_to_shared(k_desc, [(ch * HK + hk) * BT, 0], bar, k_s.index(s),
@@ -85,16 +87,11 @@ def _load_stage(descs, bufs, bar, s, c, c0, bos, L, hv, hk, col, HK, HV, K: gl.c
         tma.async_copy_global_to_shared(k_desc, [(ch * HK + hk) * BT, 0], bar, k_s.index(s), pred=pred)
     tma.async_copy_global_to_shared(q_desc, [bos + c * BT, hk * K], bar, q_s.index(s), pred=pred)
     tma.async_copy_global_to_shared(p_desc, [hrow * BT, 0], bar, p_s.index(s), pred=pred)
-    if TU:
-        tma.async_copy_global_to_shared(u_desc, [hrow * BT, 0], bar, u_s.index(2 * s), pred=pred)
-        tma.async_copy_global_to_shared(u_desc, [hrow * BT, BT], bar, u_s.index(2 * s + 1), pred=pred)
-        for h in gl.static_range(NU):
-            tma.async_copy_global_to_shared(v_desc, [bos + c * BT, hv * V + col + h * BVC], bar,
-                                            v_s.index(s * NU + h), pred=pred)
-    else:
-        for h in gl.static_range(NU):
-            tma.async_copy_global_to_shared(u_desc, [hrow * BT, col + h * BVC], bar, u_s.index(s * NU + h),
-                                            pred=pred)
+    tma.async_copy_global_to_shared(u_desc, [hrow * BT, 0], bar, u_s.index(2 * s), pred=pred)
+    tma.async_copy_global_to_shared(u_desc, [hrow * BT, BT], bar, u_s.index(2 * s + 1), pred=pred)
+    for h in gl.static_range(NU):
+        tma.async_copy_global_to_shared(v_desc, [bos + c * BT, hv * V + col + h * BVC], bar,
+                                        v_s.index(s * NU + h), pred=pred)
     tma.async_copy_global_to_shared(c_desc, [hrow * 2, 0], bar, c_s.index(s), pred=pred)
     tma.async_copy_global_to_shared(l_desc, [ch, hv - hv % LC], bar, l_s.index(s), pred=pred)
 
@@ -108,7 +105,7 @@ def _store_rows(x, o, t0, left, hv, HV, rows, ov, V: gl.constexpr):
 
 @gluon.jit
 def _issue_u(u_hi, u_lo, vs, left, rows, BT: gl.constexpr, BVC: gl.constexpr, acc_l: gl.constexpr):
-    """U = hi V + lo V of a chunk (ChunkConfig.u_in_chain) from its ring stage, issued asynchronously, the v rows
+    """U = hi V + lo V of a chunk from its ring stage, issued asynchronously, the v rows
     past the sequence (left < BT: they are the next sequence's, and 0 x inf = NaN) zeroed first."""
     if left < BT:
         x = vs.load(acc_l)
@@ -121,45 +118,36 @@ def _issue_u(u_hi, u_lo, vs, left, rows, BT: gl.constexpr, BVC: gl.constexpr, ac
 @gluon.jit
 def _chunk_step(S, w_t, k_t, q_t, p_t, u, d, eq, decay, sh_s, sl_s, vn_s, dh_s, dl_s, prev, o, t0, left, hv, HV,
                 rows, ov, V: gl.constexpr, BT: gl.constexpr, K: gl.constexpr, BV: gl.constexpr, acc_l: gl.constexpr,
-                A_REGS: gl.constexpr = False, TU: gl.constexpr = False, OT: gl.constexpr = 0, o_desc=None,
-                o_buf=None, o_col=None):
+                O_TILES: gl.constexpr, o_desc, o_buf, o_col):
     """One chunk of one warpgroup's chain on its [K, BV] state columns (module docstring): returns the new
     state and the chunk's [BT, BV] outputs. Every product it issues is waited for before it returns.
     The previous chunk's outputs (`prev`, already in the output dtype, rows t0 .. t0 + left of the sequence,
     nothing when left <= 0) are stored once this chunk's first products are issued: a store still in flight at
     a shared-memory fence holds the fence up, and here it has the W products' time to drain.
-    A_REGS: W and K^T (each the A operand of two products, one per limb) are read from shared memory into
-    registers once, instead of once per product (shared-memory bandwidth is what the products wait on).
-    TU: u is the accumulator of U's products, issued just before this step and waited for with W S (issuing them
-    a chunk ahead, behind the previous chunk's products, measured slower on the H200: run S10-3).
-    OT > 0 (ChunkConfig.o_tma, OT shared-memory tiles per warpgroup): `prev` (then always a whole chunk: only a
-    sequence's last chunk can be partial, and `_chain_columns` stores that one) is copied into o_buf with the
-    state's limbs, under the same fence, and leaves by a TMA store once the first products are issued; the store
-    that read o_buf last (OT chunks ago) is waited for first."""
+    W and K^T (each the A operand of two products, one per limb) are read from shared memory into registers
+    once, instead of once per product (shared-memory bandwidth is what the products wait on). u is the
+    accumulator of U's products, issued just before this step and waited for with W S (issuing them a chunk ahead,
+    behind the previous chunk's products, measured slower on the H200). `prev` (then always a whole chunk: only a
+    sequence's last chunk can be partial, and `_chain_columns` stores that one) is copied into o_buf (one of
+    O_TILES shared-memory tiles per warpgroup) with the state's limbs, under the same fence, and leaves by a TMA
+    store once the first products are issued; the store that read o_buf last (O_TILES chunks ago) is waited for
+    first."""
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-    if A_REGS:
-        w_t = w_t.load(a_l)
+    w_t = w_t.load(a_l)
     zero_v = gl.zeros([BT, BV], gl.float32, acc_l)
     zero_s = gl.zeros([K, BV], gl.float32, acc_l)
     hi = S.to(gl.bfloat16)
-    if OT > 0:
-        tma.store_wait(OT - 1)
-        o_buf.store(prev)
+    tma.store_wait(O_TILES - 1)
+    o_buf.store(prev)
     sh_s.store(hi)
     sl_s.store((S - hi.to(gl.float32)).to(gl.bfloat16))
     fence_async_shared()
     a_v = warpgroup_mma(w_t, sh_s, zero_v, is_async=True)
     a_v = warpgroup_mma(w_t, sl_s, a_v, is_async=True)
     a_o = warpgroup_mma(q_t, sh_s, zero_v, is_async=True)
-    if OT > 0:
-        if left > 0:
-            tma.async_copy_shared_to_global(o_desc, [t0, o_col], o_buf)
-    else:
-        _store_rows(prev, o, t0, left, hv, HV, rows, ov, V)
-    if TU:
-        u, a_v = warpgroup_mma_wait(num_outstanding=1, deps=(u, a_v))  # U and W S done; Q S may still run
-    else:
-        a_v = warpgroup_mma_wait(num_outstanding=1, deps=(a_v, ))  # W S done; Q S may still run
+    if left > 0:
+        tma.async_copy_shared_to_global(o_desc, [t0, o_col], o_buf)
+    u, a_v = warpgroup_mma_wait(num_outstanding=1, deps=(u, a_v))  # U and W S done; Q S may still run
 
     vn = u - a_v
     vd = vn * d[:, None]
@@ -168,9 +156,7 @@ def _chunk_step(S, w_t, k_t, q_t, p_t, u, d, eq, decay, sh_s, sl_s, vn_s, dh_s, 
     dh_s.store(dh)
     dl_s.store((vd - dh.to(gl.float32)).to(gl.bfloat16))
     fence_async_shared()
-    kt = k_t.permute((1, 0))
-    if A_REGS:
-        kt = kt.load(a_l)
+    kt = k_t.permute((1, 0)).load(a_l)
     a_s = warpgroup_mma(kt, dh_s, zero_s, is_async=True)
     a_s = warpgroup_mma(kt, dl_s, a_s, is_async=True)
     a_p = warpgroup_mma(p_t, vn_s, zero_v, is_async=True)
@@ -183,17 +169,15 @@ def _chunk_step(S, w_t, k_t, q_t, p_t, u, d, eq, decay, sh_s, sl_s, vn_s, dh_s, 
 @gluon.jit
 def _chain_columns(HALF: gl.constexpr, NU: gl.constexpr, STAGES: gl.constexpr, bufs, scratch, ready, empty, o,
                    ssm, cu, idx, has_init, HV, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr,
-                   A_REGS: gl.constexpr, TU: gl.constexpr, KR: gl.constexpr, OT: gl.constexpr, o_desc, o_s,
-                   descs=None, coff=None, HK=None, R: gl.constexpr = 1, LOADS: gl.constexpr = False):
-    """One warpgroup's chain over its sequence's chunks on state columns [col + HALF * BVC, + BVC) of the
-    program's (sequence, value head): waits for each ring stage, runs `_chunk_step`, releases the stage (on
-    `empty`, when a producer partition refills the ring) and stores the chunk's outputs, then the final state.
-    LOADS: this warpgroup also issues the ring's copies itself, STAGES - 1 chunks ahead (no producer).
-    TU (ChunkConfig.u_in_chain): U = hi V + lo V from the stage's limbs of U's factor and the chunk's v rows (a
-    partial last chunk's rows past the sequence zeroed first: they are the next sequence's, and 0 x inf = NaN).
-    OT > 0 (ChunkConfig.o_tma): whole chunks' outputs leave by TMA stores (o_desc: o as [T, HV * V] rows, [BT, BVC]
-    tiles) from this warpgroup's OT shared-memory tiles o_s[HALF * OT + c % OT]; a sequence's partial last chunk
-    takes the masked pointer store (o_desc's tile would cover the next sequence's rows)."""
+                   O_TILES: gl.constexpr, o_desc, o_s):
+    """One consumer warpgroup's chain over its sequence's chunks on state columns [col + HALF * BVC, + BVC) of the
+    program's (sequence, value head): waits for each ring stage, runs `_chunk_step`, releases the stage to the
+    producer (`empty`) and stores the chunk's outputs, then the final state. U = hi V + lo V from the stage's limbs
+    of U's factor and the chunk's v rows (a partial last chunk's rows past the sequence zeroed first: they are the
+    next sequence's, and 0 x inf = NaN). Whole chunks' outputs leave by TMA stores (o_desc: o as [T, HV * V] rows,
+    [BT, BVC] tiles) from this warpgroup's O_TILES shared-memory tiles o_s[HALF * O_TILES + c % O_TILES]; a
+    sequence's partial last chunk takes the masked pointer store (o_desc's tile would cover the next sequence's
+    rows)."""
     w_s, k_s, q_s, p_s, u_s, c_s, l_s, v_s = bufs
     sh_s, sl_s, vn_s, dh_s, dl_s = scratch
     BVC: gl.constexpr = v_s.type.shape[2]
@@ -224,23 +208,11 @@ def _chain_columns(HALF: gl.constexpr, NU: gl.constexpr, STAGES: gl.constexpr, b
     sp = ssm + slot * (HV * K * V) + hv * (K * V) + ok[:, None] * V + ov[None, :]
     S = gl.load(sp, mask=(ok[:, None] >= 0) & (ov[None, :] >= 0) & (live & init), other=0.0)
     prev = gl.zeros([BT, BVC], o.dtype.element_ty, acc_l)  # the outputs not stored yet (none before chunk 0)
-    if LOADS:
-        c0 = gl.load(coff + n)
-        for i in gl.static_range(STAGES - 1):
-            _load_stage(descs, bufs, ready.index(i), i, i, c0, bos, L, hv, hv // R, col, HK, HV, K, V, BT, NU, TU,
-                        KR, i < nch)
     for c in range(nch):
         s = c % STAGES
-        if LOADS:  # the stage refilled here was read by chunk c - 1, whose products were all waited for
-            cn = c + STAGES - 1
-            _load_stage(descs, bufs, ready.index(cn % STAGES), cn % STAGES, cn, c0, bos, L, hv, hv // R, col, HK,
-                        HV, K, V, BT, NU, TU, KR, cn < nch)
         mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-        if TU:
-            u = _issue_u(u_s.index(2 * s), u_s.index(2 * s + 1), v_s.index(s * NU + HALF), L - c * BT, rows, BT, BVC,
-                         acc_l)
-        else:
-            u = u_s.index(s * NU + HALF).load(acc_l)
+        u = _issue_u(u_s.index(2 * s), u_s.index(2 * s + 1), v_s.index(s * NU + HALF), L - c * BT, rows, BT, BVC,
+                     acc_l)
         cf = c_s.index(s)._reinterpret(gl.float32, [2 * BT], flat_l)  # unswizzled: plain row-major rows
         d = cf.slice(0, BT).load(rows_l)
         eq = cf.slice(BT, BT).load(rows_l)
@@ -248,32 +220,28 @@ def _chain_columns(HALF: gl.constexpr, NU: gl.constexpr, STAGES: gl.constexpr, b
         S, out = _chunk_step(S, w_s.index(s), k_s.index(s), q_s.index(s), p_s.index(s), u, d, eq, decay,
                              sh_s.index(HALF), sl_s.index(HALF), vn_s.index(HALF), dh_s.index(HALF),
                              dl_s.index(HALF), prev, o, bos + (c - 1) * BT, L - (c - 1) * BT + (c == 0) * (-L - BT),
-                             hv, HV, rows, ov, V, BT, K, BVC, acc_l, A_REGS, TU, OT, o_desc,
-                             o_s.index(HALF * OT + c % OT) if OT > 0 else None, o_col)
-        if not LOADS:
-            # the stage's generic reads (U, factors) were ordered by the step's first fence and its products
-            # are complete: release it to the producer
-            mbarrier.arrive(empty.index(s), count=1)
+                             hv, HV, rows, ov, V, BT, K, BVC, acc_l, O_TILES, o_desc,
+                             o_s.index(HALF * O_TILES + c % O_TILES), o_col)
+        # the stage's generic reads (U, factors) were ordered by the step's first fence and its products are
+        # complete: release it to the producer
+        mbarrier.arrive(empty.index(s), count=1)
         prev = gl.where(live, out, 0.0).to(o.dtype.element_ty)
     last = (nch > 0) * (L - (nch - 1) * BT)  # the last chunk's rows (0: no chunk)
-    if OT > 0:
-        if last == BT:  # a whole chunk: its TMA tile holds only this sequence's rows
-            o_last = o_s.index(HALF * OT + nch % OT)
-            tma.store_wait(OT - 1)
-            o_last.store(prev)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [bos + (nch - 1) * BT, o_col], o_last)
-        else:
-            _store_rows(prev, o, bos + (nch - 1) * BT, last, hv, HV, rows, ov, V)
-        tma.store_wait(0)  # the tiles are read before the program's shared memory goes
+    if last == BT:  # a whole chunk: its TMA tile holds only this sequence's rows
+        o_last = o_s.index(HALF * O_TILES + nch % O_TILES)
+        tma.store_wait(O_TILES - 1)
+        o_last.store(prev)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [bos + (nch - 1) * BT, o_col], o_last)
     else:
         _store_rows(prev, o, bos + (nch - 1) * BT, last, hv, HV, rows, ov, V)
+    tma.store_wait(0)  # the tiles are read before the program's shared memory goes
     gl.store(sp, S, mask=(ok[:, None] >= 0) & (ov[None, :] >= 0) & (live & (L > 0)))
 
 
 @gluon.jit
 def _ws_load(descs, bufs, ready, empty, cu, coff, HK, HV, R: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
-             BT: gl.constexpr, STAGES: gl.constexpr, TU: gl.constexpr, KR: gl.constexpr, NU: gl.constexpr = 2):
+             BT: gl.constexpr, STAGES: gl.constexpr, K_FROM_INPUT: gl.constexpr, NU: gl.constexpr = 2):
     """The producer: chunk after chunk, once every consumer released a stage, its copies (NU column blocks of v's
     rows, one per consumer; `gluon_chain_t` uses it too)."""
     j = gl.program_id(0)
@@ -289,31 +257,26 @@ def _ws_load(descs, bufs, ready, empty, cu, coff, HK, HV, R: gl.constexpr, K: gl
         s = c % STAGES
         mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
         _load_stage(descs, bufs, ready.index(s), s, c, c0, bos, L, hv, hv // R, j * (NU * BVC), HK, HV, K, V, BT, NU,
-                    TU, KR, True)
+                    K_FROM_INPUT, True)
 
 
 @gluon.jit
 def _chain_kernel(w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc, kr_desc, o_desc, o, ssm, cu, coff,
                   idx, has_init, HK, HV, R: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr,
-                  STAGES: gl.constexpr, WS: gl.constexpr, A_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                  TU: gl.constexpr, KR: gl.constexpr, OT: gl.constexpr, num_warps: gl.constexpr):
-    """WS False: one warpgroup per program, its BVC = u_desc's block columns, issuing its own copies.
-    WS True: the program's 2 * BVC columns split over two consumer warpgroups (`_chain_columns`, HALF 0 / 1)
-    fed by a producer warp (`_ws_load`) through ready / empty barriers. TU: U from its factor's limbs (u_desc,
-    [64, 64] bf16 tiles) and v's rows (v_desc, [64, BVC] bf16 tiles); without it v_desc is u_desc, unused. KR:
-    whole chunks' K rows from k (kr_desc; k_desc otherwise, unused). OT > 0 (ChunkConfig.o_tma): whole chunks'
-    outputs by TMA stores through o_desc ([BT, BVC] tiles of o's [T, HV * V] rows) from OT shared-memory tiles per
-    warpgroup (2: a tile is rewritten two chunks after its store was issued; 1 where shared memory is short)."""
-    NU: gl.constexpr = 2 if WS else 1
+                  STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, K_FROM_INPUT: gl.constexpr,
+                  O_TILES: gl.constexpr, num_warps: gl.constexpr):
+    """The program's 2 * BVC columns split over two consumer warpgroups (`_chain_columns`, HALF 0 / 1) fed by a
+    producer warp (`_ws_load`) through ready / empty barriers. U from its factor's limbs (u_desc, [64, 64] bf16
+    tiles) and v's rows (v_desc, [64, BVC] bf16 tiles). K_FROM_INPUT: whole chunks' K rows from k (kr_desc; k_desc
+    otherwise, unused). Whole chunks' outputs by TMA stores through o_desc ([BT, BVC] tiles of o's [T, HV * V] rows)
+    from O_TILES shared-memory tiles per warpgroup (2: a tile is rewritten two chunks after its store was issued;
+    1 where shared memory is short)."""
+    NU: gl.constexpr = 2
     BVC: gl.constexpr = v_desc.block_type.shape[1]
     s_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, BVC], gl.bfloat16)
     v_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BVC], gl.bfloat16)
-    if TU:
-        u_buf = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 2, BT, BT], u_desc.layout)
-        v_buf = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NU, BT, BVC], v_desc.layout)
-    else:
-        u_buf = gl.allocate_shared_memory(gl.float32, [STAGES * NU, BT, BVC], u_desc.layout)
-        v_buf = u_buf
+    u_buf = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 2, BT, BT], u_desc.layout)
+    v_buf = gl.allocate_shared_memory(gl.bfloat16, [STAGES * NU, BT, BVC], v_desc.layout)
     bufs = (gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, K], w_desc.layout),
             gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, K], k_desc.layout),
             gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, K], q_desc.layout),
@@ -328,27 +291,20 @@ def _chain_kernel(w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc
                gl.allocate_shared_memory(gl.bfloat16, [NU, BT, BVC], v_lay),
                gl.allocate_shared_memory(gl.bfloat16, [NU, BT, BVC], v_lay),
                gl.allocate_shared_memory(gl.bfloat16, [NU, BT, BVC], v_lay))
-    if OT > 0:
-        o_s = gl.allocate_shared_memory(gl.bfloat16, [NU * OT, BT, BVC], o_desc.layout)
-    else:
-        o_s = scratch[2]  # unused (a partition takes no None argument)
+    o_s = gl.allocate_shared_memory(gl.bfloat16, [NU * O_TILES, BT, BVC], o_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
     descs = (w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc, kr_desc)
-    if WS:
-        gl.warp_specialize([
-            (_chain_columns, (0, 2, STAGES, bufs, scratch, ready, empty, o, ssm, cu, idx, has_init, HV, K, V,
-                              BT, A_REGS, TU, KR, OT, o_desc, o_s)),
-            (_chain_columns, (1, 2, STAGES, bufs, scratch, ready, empty, o, ssm, cu, idx, has_init, HV, K, V,
-                              BT, A_REGS, TU, KR, OT, o_desc, o_s)),
-            (_ws_load, (descs, bufs, ready, empty, cu, coff, HK, HV, R, K, V, BT, STAGES, TU, KR)),
-        ], [4, 1], [CONSUMER_REGS, 40])
-    else:
-        _chain_columns(0, 1, STAGES, bufs, scratch, ready, empty, o, ssm, cu, idx, has_init, HV, K, V, BT,
-                       A_REGS, TU, KR, OT, o_desc, o_s, descs, coff, HK, R, True)
+    gl.warp_specialize([
+        (_chain_columns, (0, 2, STAGES, bufs, scratch, ready, empty, o, ssm, cu, idx, has_init, HV, K, V,
+                          BT, O_TILES, o_desc, o_s)),
+        (_chain_columns, (1, 2, STAGES, bufs, scratch, ready, empty, o, ssm, cu, idx, has_init, HV, K, V,
+                          BT, O_TILES, o_desc, o_s)),
+        (_ws_load, (descs, bufs, ready, empty, cu, coff, HK, HV, R, K, V, BT, STAGES, K_FROM_INPUT)),
+    ], [4, 1], [CONSUMER_REGS, 40])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
@@ -379,66 +335,56 @@ def _rows_desc(x: torch.Tensor, cols: int) -> TensorDescriptor:
 
 
 def chain_descriptors(q: torch.Tensor, bufs: dict, bvc: int) -> tuple:
-    """Host TMA descriptors of the chain's inputs (addresses and shapes only: CUDA-graph safe). With the prep's
-    u_in_chain buffers (bufs["v"]: v's rows), U's factor as [64, 64] limb tiles and v's rows as [64, bvc] tiles
-    (the eighth descriptor; U's own otherwise); with k_in_chain's (bufs["k"]) k's rows as [64, K] tiles (the ninth;
-    the K copy's otherwise)."""
+    """Host TMA descriptors of the chain's inputs from the prep's buffers for a Gluon chain (addresses and shapes
+    only: CUDA-graph safe): U's factor as [64, 64] limb tiles, v's rows (bufs["v"]) as [64, bvc] tiles (the eighth)
+    and, with bufs["k"] (whole chunks' K rows from k), k's rows as [64, K] tiles (the ninth; the K copy's
+    otherwise)."""
     K = q.shape[2]
     HV = bufs["Lb"].shape[1]
-    tu = "v" in bufs
-    u_desc = (_desc(bufs["Ub"], [CHUNK, CHUNK], gl.bfloat16) if tu else _desc(bufs["Ub"], [CHUNK, bvc], gl.float32))
     return (_desc(bufs["Wb"], [CHUNK, K], gl.bfloat16),
-            u_desc,
+            _desc(bufs["Ub"], [CHUNK, CHUNK], gl.bfloat16),
             _desc(bufs["Kb"], [CHUNK, K], gl.bfloat16),
             _rows_desc(q, K),
             _desc(bufs["Pb"], [CHUNK, CHUNK], gl.bfloat16),
             _desc(bufs["Cb"].reshape(-1, CHUNK), [2, CHUNK], gl.float32),
             _desc(bufs["Lb"], lb_box(HV), gl.float32),
-            _rows_desc(bufs["v"], bvc) if tu else u_desc,
+            _rows_desc(bufs["v"], bvc),
             _rows_desc(bufs["k"], K) if "k" in bufs else _desc(bufs["Kb"], [CHUNK, K], gl.bfloat16))
 
 
-def smem_bytes(bv: int, ws: bool, stages: int, tu: bool, hv: int, o_tiles: int = 0) -> int:
+def smem_bytes(bv: int, o_tiles: int, stages: int = STAGES) -> int:
     """Shared memory of `_chain_kernel` at head dims DIMS, as it allocates it (the ring's stages, each consumer's
     scratch, o_tiles output tiles per consumer, the barriers), without the compiler's alignment padding."""
     K = DIMS[0]
-    nu = 2 if ws else 1
+    nu = 2
     bvc = bv // nu
-    u = 2 * CHUNK * CHUNK * 2 + nu * CHUNK * bvc * 2 if tu else nu * CHUNK * bvc * 4
+    u = 2 * CHUNK * CHUNK * 2 + nu * CHUNK * bvc * 2
     stage = 3 * CHUNK * K * 2 + CHUNK * CHUNK * 2 + u + 2 * CHUNK * 4 + 32 * 4
     scratch = nu * (2 * K * bvc * 2 + 3 * CHUNK * bvc * 2)
     return stages * (stage + 16) + scratch + nu * o_tiles * CHUNK * bvc * 2
 
 
-def output_tiles(bv: int, ws: bool, stages: int, tu: bool, hv: int) -> int:
-    """Shared-memory output tiles per consumer for ChunkConfig.o_tma: 2 (double-buffered by chunk parity) where
-    they fit in SMEM_LIMIT, else 1, else 0 (no room: o_tma is refused)."""
-    fits = [t for t in (2, 1) if smem_bytes(bv, ws, stages, tu, hv, t) + SMEM_SLACK <= SMEM_LIMIT]
+def output_tiles(bv: int, stages: int = STAGES) -> int:
+    """Shared-memory output tiles per consumer for the TMA output stores: 2 (double-buffered by chunk parity) where
+    they fit in SMEM_LIMIT, else 1, else 0 (no room)."""
+    fits = [t for t in (2, 1) if smem_bytes(bv, t, stages) + SMEM_SLACK <= SMEM_LIMIT]
     return fits[0] if fits else 0
 
 
 def launch_chain(q: torch.Tensor, o: torch.Tensor, bufs: dict, cu_seqlens: torch.Tensor, ssm_state: torch.Tensor,
-                 state_indices: torch.Tensor, has_init: torch.Tensor, bv: int, stages: int = 2, ws: bool = True,
-                 a_regs: bool = True, consumer_regs: int = 232, o_tma: bool = False) -> None:
-    """The chain on the chunk layout's prep buffers (`triton_chunk._launch_prep` with layout "chunk"): bv
-    state columns per program; ws: split over two consumer warpgroups fed by a producer warp; o_tma
-    (ChunkConfig.o_tma): whole chunks' outputs by TMA stores (o contiguous, as the op allocates it)."""
+                 state_indices: torch.Tensor, has_init: torch.Tensor, bv: int) -> None:
+    """The chain on the chunk layout's prep buffers for a Gluon chain (`triton_prep.launch_prep`: U's factor limbs,
+    bufs["v"], and bufs["k"] where whole chunks' K rows come from k), bv state columns per program, o contiguous
+    (as the op allocates it)."""
     T, HK, K = q.shape
     HV, V = o.shape[1:]
     N = state_indices.shape[0]
-    bvc = bv // 2 if ws else bv
+    if "v" not in bufs or bv not in BVS or not o.is_contiguous():
+        raise ValueError(f"the Gluon chain needs the prep buffers of a Gluon chain, bv in {BVS} and a contiguous "
+                         f"output, got buffers {sorted(bufs)}, bv={bv}, output strides {o.stride()}")
+    bvc = bv // 2
     descs = chain_descriptors(q, bufs, bvc)
-    ot = 0
-    if o_tma:
-        ot = output_tiles(bv, ws, stages, "v" in bufs, HV)
-        if ot == 0:
-            raise ValueError(f"o_tma: no shared memory left for the output tiles at bv={bv}, ws={ws}, "
-                             f"stages={stages}")
-        if not o.is_contiguous():
-            raise ValueError("o_tma needs a contiguous output [T, HV, V]")
     _chain_kernel[(V // bv, N * HV)](
-        *descs, _rows_desc(o, bvc) if ot else descs[3],  # o's TMA tiles (q's descriptor, unused, without o_tma)
-        o, ssm_state, cu_seqlens, bufs["coff"], state_indices, has_init, HK, HV,
-        R=HV // HK, K=K, V=V, BT=CHUNK, STAGES=stages, WS=ws, A_REGS=a_regs, CONSUMER_REGS=consumer_regs,
-        TU="v" in bufs, KR="k" in bufs, OT=ot, num_warps=4,
-        **({"maxnreg": 168} if ws else {}))
+        *descs, _rows_desc(o, bvc), o, ssm_state, cu_seqlens, bufs["coff"], state_indices, has_init, HK, HV,
+        R=HV // HK, K=K, V=V, BT=CHUNK, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, K_FROM_INPUT="k" in bufs,
+        O_TILES=output_tiles(bv), num_warps=4, maxnreg=168)

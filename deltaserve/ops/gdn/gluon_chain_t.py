@@ -1,6 +1,6 @@
 """The chunked prefill's chain with the state transposed and held in registers (Gluon, Hopper sm_90).
 
-Same inputs as `gluon_chain` (the chunk layout's prep buffers with u_in_chain: W, P, U's factor limbs, v's rows,
+Same inputs as `gluon_chain` (the chunk layout's prep buffers for a Gluon chain: W, P, U's factor limbs, v's rows,
 the decay factors; K rows from k or the padded copy), same products and precision (every operand that carries
 the state in two bf16 limbs), computed transposed. A consumer warpgroup owns 64 state columns as X = S^T
 [64, K] fp32 in registers, so every product that carries the state has it (or V_new) as the register A operand
@@ -18,13 +18,13 @@ partition, whose warps give their registers to the consumers).
 V_new^T accumulates in U^T's registers, from the limbs of -X (negation is exact, so -X_hi Q^T is -(X_hi Q^T) bit
 for bit): with U^T and X W^T in two accumulators ptxas had too few registers to pipeline the products and waited
 for every wgmma before issuing the next (advisory C7512; tests/ops/test_gdn_gluon_chain_t.py now fails on it).
-Pipelined, the chain alone is 1.06-1.20x faster with two consumers and 1.38x with one (session 14, run S14-E).
+Pipelined, the chain alone is 1.06-1.20x faster with two consumers and 1.38x with one.
 
 With two consumers (128 columns per program) its step is ~3.0-3.8 us against the untransposed chain's 1.8-1.9 for 32
 columns, with one (64 columns) ~2.1-2.3 against 2.4-2.6 for the untransposed chain's 64: the one-consumer form
 replaces the untransposed chain at 64 columns, the two-consumer form pays where (sequence, value head) programs fill
 the SMs, and 32-column untransposed programs stay the fastest where one long sequence is the critical path; where
-each is taken is `triton_chunk.chain_step_estimate`'s call (session 14, runs S14-C / S14-F; docs/PERFORMANCE.md).
+each is taken is `dispatch.chain_step_estimate`'s call (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _consumer(HALF: gl.constexpr, NC: gl.constexpr, STAGES: gl.constexpr, bufs, 
         vn = warpgroup_mma(vt, u_s.index(2 * s).permute((1, 0)), zero64, is_async=True)
         vn = warpgroup_mma(vt, u_s.index(2 * s + 1).permute((1, 0)), vn, is_async=True)
         # the limbs of -X, so that V_new^T = U^T - X W^T accumulates in U^T's registers (a second accumulator left
-        # too few registers for ptxas to pipeline the products: it serialised every wgmma, session 14)
+        # too few registers for ptxas to pipeline the products: it serialised every wgmma)
         xh = (-X).to(gl.bfloat16)
         xl = (-X - xh.to(gl.float32)).to(gl.bfloat16)
         xh_a = gl.convert_layout(xh, a64)
@@ -141,7 +141,7 @@ def _consumer(HALF: gl.constexpr, NC: gl.constexpr, STAGES: gl.constexpr, bufs, 
 @gluon.jit
 def _chain_t_kernel(w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_desc, kr_desc, o_desc, o, ssm, cu, coff,
                     idx, has_init, HK, HV, R: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr,
-                    STAGES: gl.constexpr, NC: gl.constexpr, KR: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                    STAGES: gl.constexpr, NC: gl.constexpr, K_FROM_INPUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                     num_warps: gl.constexpr):
     bufs = (gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, K], w_desc.layout),
             gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, K], k_desc.layout),
@@ -162,13 +162,13 @@ def _chain_t_kernel(w_desc, u_desc, k_desc, q_desc, p_desc, c_desc, l_desc, v_de
     # state and every product's accumulator)
     if NC == 2:
         gl.warp_specialize([
-            (gc._ws_load, (descs, bufs, ready, empty, cu, coff, HK, HV, R, K, V, BT, STAGES, True, KR, NC)),
+            (gc._ws_load, (descs, bufs, ready, empty, cu, coff, HK, HV, R, K, V, BT, STAGES, K_FROM_INPUT, NC)),
             (_consumer, (0, NC, STAGES, bufs, o_s, ready, empty, o, o_desc, ssm, cu, idx, has_init, HV, K, V, BT)),
             (_consumer, (1, NC, STAGES, bufs, o_s, ready, empty, o, o_desc, ssm, cu, idx, has_init, HV, K, V, BT)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
-            (gc._ws_load, (descs, bufs, ready, empty, cu, coff, HK, HV, R, K, V, BT, STAGES, True, KR, NC)),
+            (gc._ws_load, (descs, bufs, ready, empty, cu, coff, HK, HV, R, K, V, BT, STAGES, K_FROM_INPUT, NC)),
             (_consumer, (0, NC, STAGES, bufs, o_s, ready, empty, o, o_desc, ssm, cu, idx, has_init, HV, K, V, BT)),
         ], [4], [CONSUMER_REGS])
     for i in gl.static_range(STAGES):
@@ -186,12 +186,13 @@ def maxnreg(consumers: int) -> int:
 
 def launch_chain_t(q: torch.Tensor, o: torch.Tensor, bufs: dict, cu_seqlens: torch.Tensor, ssm_state: torch.Tensor,
                    state_indices: torch.Tensor, has_init: torch.Tensor, consumers: int = 2, stages: int = 2) -> None:
-    """The transposed chain on the chunk layout's u_in_chain prep buffers: 64 * consumers state columns per program."""
+    """The transposed chain on the chunk layout's prep buffers for a Gluon chain: 64 * consumers state columns per
+    program."""
     T, HK, K = q.shape
     HV, V = o.shape[1:]
     N = state_indices.shape[0]
     if "v" not in bufs:
-        raise ValueError("the transposed chain needs the u_in_chain prep buffers (ChunkConfig.u_in_chain)")
+        raise ValueError("the transposed chain needs the prep buffers of a Gluon chain (U's factor limbs, v's rows)")
     if consumers not in (1, 2) or V != COLS * 2 or not o.is_contiguous():
         raise ValueError(f"the transposed chain takes 1 or 2 consumers, V = {COLS * 2} and a contiguous output, got "
                          f"{consumers}, V = {V}, output strides {o.stride()}")
@@ -199,5 +200,6 @@ def launch_chain_t(q: torch.Tensor, o: torch.Tensor, bufs: dict, cu_seqlens: tor
     bv = COLS * consumers
     _chain_t_kernel[(V // bv, N * HV)](
         *descs, gc._rows_desc(o, COLS), o, ssm_state, cu_seqlens, bufs["coff"], state_indices, has_init, HK, HV,
-        R=HV // HK, K=K, V=V, BT=CHUNK, STAGES=stages, NC=consumers, KR="k" in bufs, CONSUMER_REGS=CONSUMER_REGS,
+        R=HV // HK, K=K, V=V, BT=CHUNK, STAGES=stages, NC=consumers, K_FROM_INPUT="k" in bufs,
+        CONSUMER_REGS=CONSUMER_REGS,
         num_warps=4, maxnreg=maxnreg(consumers))

@@ -1,14 +1,14 @@
 """The chunked prefill's prep kernel in Gluon, for Hopper (sm_90): per (chunk, value head) the q / k norms, G,
 P, the UT inverse T, W, U's factor limbs and the decay factors, into the chunk layout's buffers, the same bits as
-the Triton prep it replaces (`triton_chunk._chunk_prep_tc_kernel`, PREP8 "tma-r168" with u_in_chain) on every
-buffer (H200, session 12: every case of tests/ops/test_gdn_gluon_prep.py bit-identical).
+the Triton prep it replaces (`triton_prep._prep_wide_kernel` behind a Gluon chain) on every buffer (H200: every
+case of tests/ops/test_gdn_gluon_prep.py bit-identical).
 
 Why Gluon for the same arithmetic: every product is an asynchronous warpgroup MMA waited for only where its result
 is used, k's and q's tiles are in flight together, so the scalar work (gates, the G scan, the decay tile) runs in
-the shadow of the loads and the tensor cores (session 12, H200, same run, CUDA-graph replay: 1 x 32768
-17.3 -> 14.0 ns/token, 4 x 8192 16.8 -> 13.3).
+the shadow of the loads and the tensor cores (H200, CUDA-graph replay: 1 x 32768 17.3 -> 14.0 ns/token,
+benchmarks/gdn_kernels.py "ours: prep kernel").
 
-How it keeps Triton's bits: the layouts are the ones Triton chose for `_chunk_prep_tc_kernel` (its TTGIR at 4 warps,
+How it keeps Triton's bits: the layouts are the ones Triton chose for `_prep_wide_kernel` (its TTGIR at 4 warps,
 maxnreg 168): NVMMA v3 accumulators, register A operands of k_width 2 for the inverse and W, 128-byte swizzled
 shared tiles, and the 1-D BlockedLayout([1], [32], [4], [0]) of g / G (the scan's association order depends on
 it); the elementwise expressions are written in the same order (the same roundings and FMA contractions, e.g.
@@ -65,7 +65,7 @@ def _sigmoid(x):
 
 @gluon.jit
 def _gate_col(g, beta, s_g_t, s_b_t, A_log, dt_bias, t0, rows, left, hv, GATES: gl.constexpr, WHOLE: gl.constexpr):
-    """`triton_chunk._gates` in the layout of `rows`: (g, beta) of the chunk's rows for head hv, zeros from row
+    """`triton_prep._gates` in the layout of `rows`: (g, beta) of the chunk's rows for head hv, zeros from row
     `left` on. WHOLE (every row in the sequence): no masks, as in the Triton kernel's TMA body after LLVM proved
     them true there (its branch condition left >= 64): this matters with GATES, where LLVM then contracts the
     gate's product into the scan's first addition (an FMA in the TMA body, not in the pointer body: sm_90 PTX)."""
@@ -97,18 +97,13 @@ def _join_mask(ri, rj, s: gl.constexpr):
 
 
 @gluon.jit
-def _level(X, A, ri, rj, x_s, c_s, s: gl.constexpr, mma: gl.constexpr, BT: gl.constexpr,
-           A_SMEM: gl.constexpr):
+def _level(X, A, ri, rj, x_s, c_s, s: gl.constexpr, mma: gl.constexpr, BT: gl.constexpr):
     """One doubling level of triton_ut.ut_inverse_wide ("fp16"): X <- X - fp16(fp16(X) fp16(C)) fp16(X), C the
     level's join blocks of A, here already in fp16 (A is live across the whole inverse: half the registers)."""
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     x16 = X.to(gl.float16)
     x_s.store(x16)
-    if A_SMEM:  # A's fp16 tile in shared memory, read at each level (no registers across the inverse)
-        a16 = A.load(mma)
-    else:
-        a16 = A
-    c_s.store(gl.where(_join_mask(ri, rj, s), a16, 0.0))  # fp16(where(m, A, 0)) = where(m, fp16(A), 0)
+    c_s.store(gl.where(_join_mask(ri, rj, s), A, 0.0))  # fp16(where(m, A, 0)) = where(m, fp16(A), 0)
     fence_async_shared()
     zero = gl.zeros([BT, BT], gl.float32, mma)
     xc = warpgroup_mma(gl.convert_layout(x16, a_l), c_s, zero, is_async=True)
@@ -133,14 +128,15 @@ def _fill_rows(dst, ptr, t0, left, s_t, off, BT: gl.constexpr, K: gl.constexpr, 
 def _prep_kernel(k_desc, q_desc, w_desc, u_desc, p_desc, kb_desc, k, q, s_k_t, s_k_h, s_q_t, s_q_h,
                  g, beta, s_g_t, s_b_t, A_log, dt_bias, coff, cu, N, Cb, Lb, scale, HK, HV,
                  R: gl.constexpr, K: gl.constexpr, BT: gl.constexpr, BLOCK_N: gl.constexpr, L2NORM: gl.constexpr,
-                 GATES: gl.constexpr, HEADS_FIRST: gl.constexpr, KR: gl.constexpr, A_SMEM: gl.constexpr,
+                 GATES: gl.constexpr, HEADS_FIRST: gl.constexpr, K_FROM_INPUT: gl.constexpr,
                  num_warps: gl.constexpr):
-    """One program per (chunk, value head) over the grid of `_chunk_prep_tc_kernel` (cdiv(T, 64) + N chunks, the
+    """One program per (chunk, value head) over the grid of `_prep_wide_kernel` (cdiv(T, 64) + N chunks, the
     padding programs past the last chunk storing what the Triton kernel stores there): norms, gates, G, P, A, the
     fp16 wide UT inverse T, W = (T diag(beta e^G rk)) K (bf16x2: two bf16 limbs of T' against the exact bf16 K),
     U's factor T diag(beta) as two bf16 limbs, the decay factors (Cb, Lb) and, where the chain needs it, the
-    zero-padded K copy (every chunk unless KR; a sequence's partial last chunk always). Two bodies, as the Triton
-    kernel: a whole chunk's (TMA loads, no row masks) and a partial / padding chunk's (masked pointer loads)."""
+    zero-padded K copy (every chunk unless K_FROM_INPUT; a sequence's partial last chunk always). Two bodies, as
+    the Triton kernel: a whole chunk's (TMA loads, no row masks) and a partial / padding chunk's (masked pointer
+    loads)."""
     gl.static_assert(num_warps == 4, "one warpgroup per program")
     p = gl.program_id(1 if HEADS_FIRST else 0)
     hv = gl.program_id(0 if HEADS_FIRST else 1)
@@ -171,11 +167,11 @@ def _prep_kernel(k_desc, q_desc, w_desc, u_desc, p_desc, kb_desc, k, q, s_k_t, s
     if left >= BT:
         _prep_body(k_desc, q_desc, w_desc, u_desc, p_desc, kb_desc, k, q, s_k_t, s_k_h, s_q_t, s_q_h, g, beta,
                    s_g_t, s_b_t, A_log, dt_bias, Cb, Lb, scale, HK, HV, p, hv, t0, left, tiles, R, K, BT, L2NORM,
-                   GATES, KR, A_SMEM, True)
+                   GATES, K_FROM_INPUT, True)
     else:
         _prep_body(k_desc, q_desc, w_desc, u_desc, p_desc, kb_desc, k, q, s_k_t, s_k_h, s_q_t, s_q_h, g, beta,
                    s_g_t, s_b_t, A_log, dt_bias, Cb, Lb, scale, HK, HV, p, hv, t0, left, tiles, R, K, BT, L2NORM,
-                   GATES, KR, A_SMEM, False)
+                   GATES, K_FROM_INPUT, False)
     mbarrier.invalidate(bars.index(0))
     mbarrier.invalidate(bars.index(1))
 
@@ -183,8 +179,8 @@ def _prep_kernel(k_desc, q_desc, w_desc, u_desc, p_desc, kb_desc, k, q, s_k_t, s
 @gluon.jit
 def _prep_body(k_desc, q_desc, w_desc, u_desc, p_desc, kb_desc, k, q, s_k_t, s_k_h, s_q_t, s_q_h, g, beta,
                s_g_t, s_b_t, A_log, dt_bias, Cb, Lb, scale, HK, HV, p, hv, t0, left, tiles, R: gl.constexpr,
-               K: gl.constexpr, BT: gl.constexpr, L2NORM: gl.constexpr, GATES: gl.constexpr, KR: gl.constexpr,
-               A_SMEM: gl.constexpr, WHOLE: gl.constexpr):
+               K: gl.constexpr, BT: gl.constexpr, L2NORM: gl.constexpr, GATES: gl.constexpr, K_FROM_INPUT: gl.constexpr,
+               WHOLE: gl.constexpr):
     """The program of chunk rows t0 .. t0 + 64 (`left` of them in the sequence) and value head hv (`_prep_kernel`);
     WHOLE: left >= 64 (k / q by TMA, no row masks), else masked pointer loads (zeros past the sequence)."""
     k_s, q_s, p_s, x_s, c_s, bars = tiles
@@ -196,7 +192,6 @@ def _prep_body(k_desc, q_desc, w_desc, u_desc, p_desc, kb_desc, k, q, s_k_t, s_k
     one_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     a1_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma1, k_width=2)
-    f16_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BT], gl.float16)
 
     if WHOLE:
         mbarrier.expect(bars.index(0), BT * K * 2)
@@ -242,7 +237,7 @@ def _prep_body(k_desc, q_desc, w_desc, u_desc, p_desc, kb_desc, k, q, s_k_t, s_k
     else:
         rq = (gl.zeros([BT], gl.float32, row_l) + 1.0) * scale
 
-    # the chunk layout's factors (triton_chunk._store_chunk_factors)
+    # the chunk layout's factors (triton_prep._store_chunk_factors)
     ch = p.to(gl.int64) * HV + hv
     g_last = gl.sum(gl.where(rg == BT - 1, G, 0.0), 0)
     d = gl.convert_layout(gl.exp(g_last - G), row_l) * rk
@@ -260,14 +255,11 @@ def _prep_body(k_desc, q_desc, w_desc, u_desc, p_desc, kb_desc, k, q, s_k_t, s_k
     A = gl.where(ri[:, None] > rj[None, :], KK * (bt_r * rk)[:, None] * E, 0.0)
     X = gl.where(eye, 1.0, -gl.where(_join_mask(ri, rj, 1), A, 0.0))
     A = A.to(gl.float16)
-    if A_SMEM:
-        a_s = gl.allocate_shared_memory(gl.float16, [BT, BT], f16_lay, A)
-        A = a_s
-    X = _level(X, A, ri, rj, x_s, c_s, 2, mma, BT, A_SMEM)
-    X = _level(X, A, ri, rj, x_s, c_s, 4, mma, BT, A_SMEM)
-    X = _level(X, A, ri, rj, x_s, c_s, 8, mma, BT, A_SMEM)
-    X = _level(X, A, ri, rj, x_s, c_s, 16, mma, BT, A_SMEM)
-    X = _level(X, A, ri, rj, x_s, c_s, 32, mma, BT, A_SMEM)
+    X = _level(X, A, ri, rj, x_s, c_s, 2, mma, BT)
+    X = _level(X, A, ri, rj, x_s, c_s, 4, mma, BT)
+    X = _level(X, A, ri, rj, x_s, c_s, 8, mma, BT)
+    X = _level(X, A, ri, rj, x_s, c_s, 16, mma, BT)
+    X = _level(X, A, ri, rj, x_s, c_s, 32, mma, BT)
 
     # W = (T diag(beta e^G rk)) K, T' in two bf16 limbs (lo first: tl.dot(hi, b, tl.dot(lo, b)))
     Tw = X * gl.convert_layout(bt_r * gl.exp2(G2r) * rk, col_l)[None, :]
@@ -296,9 +288,9 @@ def _prep_body(k_desc, q_desc, w_desc, u_desc, p_desc, kb_desc, k, q, s_k_t, s_k
     tma.async_copy_shared_to_global(u_desc, [hrow, 0], uh_s)
     tma.async_copy_shared_to_global(u_desc, [hrow, BT], ul_s)
     tma.async_copy_shared_to_global(w_desc, [hrow, 0], q_s)
-    # the chain's zero-padded K rows (a copy of the tile), by one value head of each key head: every chunk's, or with
-    # KR (the chain reads whole chunks from k) a partial chunk's only
-    if not (KR and WHOLE):
+    # the chain's zero-padded K rows (a copy of the tile), by one value head of each key head: every chunk's, or
+    # with K_FROM_INPUT (the chain reads whole chunks from k) a partial chunk's only
+    if not (K_FROM_INPUT and WHOLE):
         if hv % R == 0:
             tma.async_copy_shared_to_global(kb_desc, [(p * HK + hk) * BT, 0], k_s)
     tma.store_wait(0)  # the tiles are read before the program's shared memory goes
@@ -333,12 +325,10 @@ def covers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l2norm: bool, tma_
 
 def launch_prep(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, gates_in_kernel: bool,
                 A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, scale: float, cu_seqlens: torch.Tensor,
-                N: int, bufs: dict, k_in_chain: bool, heads_first: bool, maxnreg: int, a_smem: bool = False) -> None:
-    """Fill the chunk layout's prep buffers (`triton_chunk._launch_prep`: Wb, Ub as U's factor limbs, Pb, Kb, Cb,
+                N: int, bufs: dict, k_in_chain: bool, heads_first: bool, maxnreg: int) -> None:
+    """Fill the chunk layout's prep buffers (`triton_prep.launch_prep`: Wb, Ub as U's factor limbs, Pb, Kb, Cb,
     Lb, coff) over the Triton prep's grid: (value heads, chunks) heads-first up to 65535 chunks, else (chunks,
-    value heads). k_in_chain: the K copy only for partial / padding chunks. a_smem: A's fp16 tile in shared memory
-    across the inverse instead of registers (no spills at 168 registers, but slower: session 12, 1 x 32768
-    14.4 against 13.95 ns/token with A in registers and 4-6 spill stores)."""
+    value heads). k_in_chain: the K copy only for partial / padding chunks."""
     _, HK, K = q.shape
     HV = g.shape[1]
     C = bufs["Lb"].shape[0]
@@ -348,5 +338,5 @@ def launch_prep(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.T
         g, beta, g.stride(0), beta.stride(0), A_log if gates_in_kernel else dummy,
         dt_bias if gates_in_kernel else dummy, bufs["coff"], cu_seqlens, N, bufs["Cb"], bufs["Lb"], float(scale),
         HK, HV, R=HV // HK, K=K, BT=CHUNK, BLOCK_N=max(16, next_pow2(N)), L2NORM=True, GATES=bool(gates_in_kernel),
-        HEADS_FIRST=heads_first, KR=bool(k_in_chain), A_SMEM=bool(a_smem), num_warps=4,
+        HEADS_FIRST=heads_first, K_FROM_INPUT=bool(k_in_chain), num_warps=4,
         **({"maxnreg": maxnreg} if maxnreg else {}))

@@ -133,7 +133,7 @@ def chunk_gated_delta_rule(
         if use_qk_l2norm_in_kernel:
             qs, ks = l2norm(qs), l2norm(ks)
         qs = qs.float() * scale
-        heads_first = lambda x: x.float().transpose(0, 1)  # noqa: E731
+        heads_first = lambda x: x.float().transpose(0, 1)
         init = ssm_state[slot].float() if has_init[n] else ssm_state.new_zeros(ssm_state.shape[1:], dtype=torch.float32)
         o, final = _chunk_one_sequence(
             heads_first(qs), heads_first(ks), heads_first(v[s:e]), heads_first(g[s:e]),

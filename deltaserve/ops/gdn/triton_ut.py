@@ -1,29 +1,24 @@
-"""Arithmetic of the chunked prefill's prep (`triton_chunk._chunk_prep_tc_kernel`) in one register layout:
-the UT transform's inverse T = (I + A)^-1 with every doubling level on the whole [BT, BT] tile
-(ChunkConfig.ut = "wide"), and the lean forms of the factors around it (ChunkConfig.lean: the q and k norms
-from the diagonals of Gram products, the key norms folded into the decay tile's exponent, exp2, int32 row
-offsets).
+"""The UT transform's inverse T = (I + A)^-1 of the chunked prefill's prep (`triton_prep`), A strictly lower
+triangular [64, 64], and the prep's lean factors around it.
 
-A is strictly lower triangular. Recursive doubling joins the inverses of neighbouring diagonal blocks of size
-s into inverses of blocks of size 2s: with X = diag(X1, X2) and C the block of A below them,
-(I + [[L1, 0], [C, L2]])^-1 = [[X1, 0], [-X2 C X1, X2]] = X - X C X. Doing every level on the whole tile
-(C: A masked to the level's join blocks, `join_mask`) spends tensor-core flops on zeros but keeps X in the
-products' accumulator layout from start to end: no extraction of 16 x 16 diagonal blocks, no batched fp32
-FMA products, no reassembly (the layout changes and FMA work that were half of the prep's instructions).
-Level 1 needs no product (X = I, so X C X = C), and every product only reads inverse blocks and blocks of A,
-so nothing grows and cancels (no power series).
+Recursive doubling joins the inverses of neighbouring diagonal blocks of size s into inverses of blocks of size
+2s: with X = diag(X1, X2) and C the block of A below them, (I + [[L1, 0], [C, L2]])^-1 = [[X1, 0], [-X2 C X1, X2]]
+= X - X C X. Every product only reads inverse blocks and blocks of A, so nothing grows and cancels (no power
+series). Two forms:
+- `ut_inverse_blocks` (the "blocks" prep): levels 1-8 on the four 16 x 16 diagonal blocks as one batched
+  exact-fp32 problem, then the 32- and 64-wide joins as tensor-core products (tf32, or exact for fp32).
+- `ut_inverse_wide` (the "wide" prep): every level on the whole tile (C: A masked to the level's join blocks,
+  `join_mask`), spending tensor-core flops on zeros but keeping X in the products' accumulator layout from start
+  to end (no block extraction, batched FMA products or reassembly). Level 1 needs no product (X C X = C).
 
-Precision of the products (UT_PREC), always with fp32 accumulation:
-- "fp16": operands rounded to fp16 (11-bit significand, round to nearest; tf32 keeps 11 bits too, truncated
-  by the tensor cores). 16-bit operands pass from one product's accumulator to the next product's register
-  operand without shuffles, at twice tf32's tensor-core rate. Range: with unit keys, decays e^(G_i - G_j) <= 1
-  (gates g <= 0) and 0 <= beta <= 2, |T_ij| <= max(1, beta_i) <= 2, and so for every X (each is the T of a
-  sub-chunk): column j of T is x with x_i = delta_ij - beta_i k_i . s_i, where s_{i+1} = e^(g_{i+1})
-  ((I - beta_i k_i k_i^T) s_i + delta_ij k_i), s_0 = 0, and (I - beta k k^T) is a contraction, so |s_i| <= 1.
-  Then X C has entries <= 4 s <= 128, far from fp16's 65504 (test_ut_inverse_entries_are_bounded). The
-  launcher uses fp16 only with the in-kernel key norms (otherwise "tf32").
-- "tf32": fp32 operands as tf32 (the 32- and 64-wide joins' precision in the "blocks" inverse); the register
-  operand of each product is re-laid out by warp shuffles.
+Precision of the wide form's products (UT_PREC), always with fp32 accumulation:
+- "fp16": operands rounded to fp16 (11-bit significand, as tf32, at twice its tensor-core rate, and passed from
+  one product's accumulator to the next's register operand without shuffles). Range: with unit keys, decays
+  e^(G_i - G_j) <= 1 (gates g <= 0) and 0 <= beta <= 2, |T_ij| <= max(1, beta_i) <= 2 for every sub-chunk's X
+  (column j of T is x with x_i = delta_ij - beta_i k_i . s_i, s_{i+1} = e^(g_{i+1}) ((I - beta_i k_i k_i^T) s_i
+  + delta_ij k_i), s_0 = 0, and I - beta k k^T is a contraction, so |s_i| <= 1); X C then has entries <= 128,
+  far from fp16's 65504 (test_ut_inverse_entries_are_bounded). Used only with the in-kernel key norms.
+- "tf32": fp32 operands as tf32 (without the in-kernel key norms).
 - "ieee": exact fp32 products (fp32 activations).
 """
 
@@ -107,3 +102,45 @@ def load_chunk_rows(ptr, t0, m, s_t, off, col0, COLS: tl.constexpr, BT: tl.const
     cols = col0 + tl.arange(0, COLS)
     base = ptr + t0.to(tl.int64) * s_t + off
     return tl.load(base + rows[:, None] * s_t + cols[None, :], mask=m[:, None], other=0.0)
+
+
+@triton.jit
+def _sub_mask(n: tl.constexpr, s: tl.constexpr):
+    """[n, n] mask of the blocks that join inverse blocks of size s into blocks of size 2s: rows in the
+    lower s-half, columns in the upper s-half of each diagonal 2s-block."""
+    r = tl.arange(0, n)
+    i = r[:, None]
+    j = r[None, :]
+    return (i // (2 * s) == j // (2 * s)) & ((i // s) % 2 == 1) & ((j // s) % 2 == 0)
+
+
+@triton.jit
+def _join(X, A, s: tl.constexpr, n: tl.constexpr, PREC: tl.constexpr):
+    """Inverse blocks of size s -> 2s: X - X C X, C the join blocks of A. X and A are [n, n] or batched
+    [B, n, n]."""
+    if len(A.shape) == 3:
+        C = tl.where(_sub_mask(n, s)[None, :, :], A, 0.0)
+    else:
+        C = tl.where(_sub_mask(n, s), A, 0.0)
+    return X - tl.dot(tl.dot(X, C, input_precision=PREC), X, input_precision=PREC)
+
+
+@triton.jit
+def ut_inverse_blocks(A, BT: tl.constexpr, MERGE_PREC: tl.constexpr):
+    """(I + A)^-1 of a strictly lower-triangular fp32 [BT, BT] tile (BT = 64): the four 16 x 16 diagonal blocks
+    as one batched [4, 16, 16] problem in exact fp32 (levels 1 -> 16), then the 32- and 64-wide joins on the
+    whole tile at MERGE_PREC."""
+    SB: tl.constexpr = 16
+    NB: tl.constexpr = BT // SB
+    b = tl.arange(0, NB)
+    same = b[:, None, None, None] == b[None, None, :, None]
+    Ad = tl.sum(tl.where(same, tl.reshape(A, (NB, SB, NB, SB)), 0.0), axis=2)   # diagonal blocks [NB, SB, SB]
+    rs = tl.arange(0, SB)
+    X = tl.zeros([NB, SB, SB], dtype=tl.float32) + tl.where(rs[:, None] == rs[None, :], 1.0, 0.0)[None, :, :]
+    X = _join(X, Ad, 1, SB, "ieee")
+    X = _join(X, Ad, 2, SB, "ieee")
+    X = _join(X, Ad, 4, SB, "ieee")
+    X = _join(X, Ad, 8, SB, "ieee")
+    Xf = tl.reshape(tl.where(same, tl.expand_dims(X, 2), 0.0), (BT, BT))        # block-diagonal [BT, BT]
+    Xf = _join(Xf, A, 16, BT, MERGE_PREC)
+    return _join(Xf, A, 32, BT, MERGE_PREC)
