@@ -11,6 +11,7 @@ import sys
 from gdn_compile_check import compile_one  # noqa: I001  (benchmarks/ is on sys.path when run)
 from deltaserve.ops.gdn import triton_recurrent as rec_t
 from deltaserve.ops.linear import triton as lin_t
+from deltaserve.ops.linear import triton_gated
 
 
 def main() -> int:
@@ -27,7 +28,7 @@ def main() -> int:
             hd = 128
             results.append(compile_one(
                 f"gemv_gated {shape} n{cfg.block_n} k{cfg.block_k} s{cfg.stages} norm={int(norm)} "
-                f"sigmoid={int(sigmoid)}", lin_t._gemv_gated_kernel, gemv_types,
+                f"sigmoid={int(sigmoid)}", triton_gated._gemv_gated_kernel, gemv_types,
                 dict(BN=cfg.block_n, HB=max(cfg.block_k, hd) // hd, HD=hd, NORM=norm, SIGMOID=sigmoid, PDL=True,
                      PF=512), cfg.warps, cfg.stages))
     dec_types = dict(x=bf, z=bf, a=bf, b=bf, conv_w=bf, A_log=f32, dt_bias=f32, norm_w=bf, conv_state=bf, ssm=f32,

@@ -22,7 +22,7 @@ Every time is the median over replays of a CUDA graph of `calls` invocations, ea
 weights (so weights come from HBM, not L2), divided by `calls`; the per-call time includes the launch gap
 between consecutive kernels of a graph. Before each replay the L2 is flushed (Timer): by default by
 reading 256 MB (clean lines, as in a decode step after another layer's weights), with --flush write by
-writing them as triton's do_bench does (session-3 run 1; the first ~60 MB a kernel reads then also pay the
+writing them as triton's do_bench does (the first ~60 MB a kernel reads then also pay the
 write-back of dirty lines, which penalises ~10-50 MB reads).
 Every timed configuration's output is checked against cuBLAS (rel. error printed). A warm-up phase
 compiles every kernel variant in parallel worker processes (shared Triton cache) and runs the GPU tests.

@@ -163,8 +163,8 @@ class LLMEngine:
 
     def warm_up(self) -> float:
         """Run throw-away requests in the packings serving meets, so that Triton builds their kernel variants
-        now and not in the middle of a step (on an H200 the first step of eight prompts took 1.25 s, then
-        0.14 s): several prompts in one step (3 and 16 sequences: Triton specialises integers equal to 1 or
+        now and not in the middle of a step (a step that compiles takes seconds, one that does not a fraction
+        of that): several prompts in one step (3 and 16 sequences: Triton specialises integers equal to 1 or
         divisible by 16), prompts admitted beside running decodes, a prompt longer than the step budget
         (a chunk continuing from saved state), greedy and seeded sampling. Token-id prompts, so no tokenizer
         is needed. It leaves no trace: every slot and block is free again and the counters are reset.

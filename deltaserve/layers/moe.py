@@ -11,8 +11,7 @@ sigmoid(shared_expert_gate(x)). silu(gate) * up is per column and the down proje
 so the slices' outputs add up to the shared expert's output: the same function, one op, one fp32
 combine. The shared gate's row is the router's last row, and topk_softmax appends the slices with weight
 sigmoid(gate logit). A decode step's MoE block is four launches: router GEMV, route, w13, w2 + combine
-(fused_moe_routed can do the routing inside its w13 kernel instead; by its default rule it does not: it
-measured slower, docs/PERFORMANCE.md).
+(at T <= 2 on Hopper the routing kernel also runs the shared slots' w13 rows: ops/moe/config.py).
 Other widths keep the shared expert as a separate MLP.
 """
 

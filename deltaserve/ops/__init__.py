@@ -57,7 +57,7 @@ class Kernels:
     fused_paged_attention: Callable  # attention_prologue + paged_attention (one launch for decode batches)
     topk_softmax: Callable
     fused_moe: Callable
-    fused_moe_routed: Callable       # topk_softmax + fused_moe (the Triton op routes inside w13 at decode)
+    fused_moe_routed: Callable       # topk_softmax + fused_moe (Triton, T <= 2: shared slots' w13 in the routing)
     silu_and_mul: Callable           # SwiGLU middle: [.., 2I] (gate | up) -> silu(gate) * up
     sigmoid_mul: Callable            # x * sigmoid(gate): the attention output gate
     linear: Callable                 # y = x W^T: every projection and the logits

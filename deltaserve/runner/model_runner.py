@@ -74,8 +74,9 @@ class _LogitRows:
 
 
 def _temperature_sample_op(device: torch.device):
-    """The sampler's draw for plain temperature batches: the Triton op (two launches instead of ~25; on the
-    H200 batch-1 decode 385.8 -> 396.3 tok/s) on CUDA, otherwise the torch reference (the same math).
+    """The sampler's draw for plain temperature batches: the Triton op (two launches instead of ~25; against
+    DELTASERVE_FUSED_SAMPLER=0: `PYTHONPATH=. python benchmarks/e2e_gpu.py --no-peer`) on CUDA, otherwise
+    the torch reference (the same math).
     DELTASERVE_FUSED_SAMPLER=0 or DELTASERVE_REFERENCE_OPS=1 keep the reference on CUDA too."""
     env = settings()
     if device.type == "cuda" and env.fused_sampler and not env.force_reference_ops:
