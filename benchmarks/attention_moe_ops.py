@@ -325,14 +325,14 @@ def moe_cases(sweep: bool) -> list[Case]:
         kw = dict(bytes=-1.0, meta=dict(T=T))           # bytes / flops filled from the routing when timed
         cases.append(Case("moe", name, "ours (topk_softmax + fused_moe)", calls, ours, **kw))
         cases.append(Case("moe", name, "ours fused_moe only", calls, lambda c, f=ours: f(c, route=False), **kw))
-        if T * TOP_K <= moe_t.GEMV_MAX_ASSIGNMENTS:
+        if T * TOP_K <= moe_config.GEMV_MAX_ASSIGNMENTS:
             small = moe_t.MoeConfig(16, 32, 256, 64, 256, 4, 4, 3)      # the grouped path's decode tiles
             cases.append(Case("moe", name, "ours grouped-GEMM path forced (topk_softmax + fused_moe)", calls,
                               lambda c, f=ours, cfg=small: f(c, cfg=cfg), **kw))
         cases.append(Case("moe", name, "torch._grouped_mm pipeline", calls, gmm, **kw))
         cases.append(Case("moe", name, "reference per-expert torch loop (eager)", calls, loop, graph=False, **kw))
         if sweep:
-            gemv = T * TOP_K <= moe_t.GEMV_MAX_ASSIGNMENTS
+            gemv = T * TOP_K <= moe_config.GEMV_MAX_ASSIGNMENTS
             for cfg in MOE_CFGS["gemv" if gemv else "small" if T * TOP_K / E <= 16 else "large"]:
                 label = ("bm=gemv" if gemv else f"bm={cfg.block_m}") + (
                     f" n1={cfg.block_n1} k1={cfg.block_k1} n2={cfg.block_n2} k2={cfg.block_k2} "

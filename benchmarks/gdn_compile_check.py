@@ -204,7 +204,7 @@ def main() -> int:
                  GRAM=gram, NORM=True), warps))
     # the input projection with the conv epilogue (rms_norm_linear_conv): 35B-A3B in_proj 2048 -> 12352 at
     # M = 1 (the norm folded, default tiles 16 x 256, 4 stages) and M = 8 (tensor cores, 64 x 128, 4 stages)
-    from deltaserve.ops.linear import triton as lin_t
+    from deltaserve.ops.linear import triton_gemv as lin_t
     gemv_types = dict(x=bf, w=bf, y=bf, r=bf, nw=bf, h=bf, s=bf, eps="fp32", cw=bf, cst=bf, cidx=i32)
     for conv, pf in ((False, False), (True, False), (True, True)):
         results.append(compile_one(

@@ -386,4 +386,4 @@ def test_gdn_fold_chain_in_graph_gpu(hv):
         assert_close(outs[i], want[i], 8e-3, f"step {i}")
     assert torch.equal(conv_g, conv_r), "conv windows"
     assert_close(ssm_g, ssm_r, 1e-6, "state")
-    assert not tr._group_counters(torch.device(dev, torch.cuda.current_device()), 16).any()
+    assert not group_counters(torch.device(dev, torch.cuda.current_device()), 16).any()

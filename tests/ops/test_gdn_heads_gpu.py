@@ -106,6 +106,7 @@ def test_decode_verify_commit_heads(hk, hv, B):
     the one-launch paths (1, 5) and the token-parallel ones (40 x 16 value heads and up), a padded row among them
     from 5 up."""
     from deltaserve.ops.gdn import triton_recurrent as tr
+    from deltaserve.ops.gdn import triton_verify as tv
 
     dev = "cuda"
     Dc = 2 * hk * D + hv * D
@@ -146,7 +147,7 @@ def test_decode_verify_commit_heads(hk, hv, B):
     mixed, z, a, b = acts(T)
     accepted = torch.tensor([(i * 7) % (n + 1) for i, n in enumerate(lengths)], dtype=torch.int32, device=dev)
     outs, pools = [], []
-    for ops in (ref, tr):
+    for ops in (ref, tv):
         c, s = conv_pool.clone(), ssm_pool.clone()
         st = ref.VerifyStash.empty(T, conv_dim=Dc, num_k_heads=hk, head_k_dim=D, num_v_heads=hv, head_v_dim=D,
                                    dtype=torch.bfloat16, device=dev)

@@ -585,7 +585,7 @@ def test_one_launch_verify_real_shape(config):
             conv, ssm = conv0.clone(), ssm0.clone()
             st = ref.VerifyStash.empty(T, conv_dim=mixed.shape[1], num_k_heads=16, head_k_dim=128, num_v_heads=32,
                                        head_v_dim=128, dtype=torch.bfloat16, device="cuda")
-            ops = ref if name == "reference" else tr
+            ops = ref if name == "reference" else tv
             out = ops.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=conv, ssm_state=ssm, state_indices=idx,
                                  stash=st, **kw, **({} if cfg is None else {"config": cfg}))
             assert torch.equal(conv, conv0) and torch.equal(ssm, ssm0), f"{name}: verify must not touch pools"

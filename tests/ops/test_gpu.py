@@ -221,6 +221,7 @@ def test_chunk_8k_vs_fp32_token_recurrence():
 
 def test_decode_verify_commit_real_shape():
     from deltaserve.ops.gdn import triton_recurrent as tr
+    from deltaserve.ops.gdn import triton_verify as tv
 
     B = 64
     dev = "cuda"
@@ -255,7 +256,7 @@ def test_decode_verify_commit_real_shape():
     b = torch.randn(T, HV, generator=g).to(dev, torch.bfloat16)
     accepted = torch.tensor([(i * 7) % (n + 1) for i, n in enumerate(lengths)], dtype=torch.int32, device=dev)
     outs, pools = [], []
-    for ops in (ref, tr):
+    for ops in (ref, tv):
         c, s = conv_pool.clone(), ssm_pool.clone()
         st = ref.VerifyStash.empty(T, conv_dim=Dc, num_k_heads=HK, head_k_dim=D, num_v_heads=HV, head_v_dim=D,
                                    dtype=torch.bfloat16, device=dev)
@@ -273,6 +274,7 @@ def test_cuda_graph_replay_equals_eager():
     """Prefill (varlen) and decode captured in CUDA graphs give the eager results (no host sync inside)."""
     from deltaserve.ops.gdn import triton_chunk as tc
     from deltaserve.ops.gdn import triton_recurrent as tr
+    from deltaserve.ops.gdn import triton_verify as tv
 
     lengths = [100, 1, 300]
     q, k, v, g, beta = _inputs(lengths, HK, HV, seed=3)

@@ -210,7 +210,7 @@ def decode_counters(device: torch.device, groups: int) -> torch.Tensor:
 
 @functools.cache
 def _zeroed_counters(device: torch.device, size: int) -> torch.Tensor:
-    # A cache, as in ops/gdn/triton_recurrent.py: the op's signature has no workspace, and zeroing a fresh
+    # A cache, as in ops/gdn/triton_steps.py: the op's signature has no workspace, and zeroing a fresh
     # buffer on every call would add back a launch the one-launch path removes.
     return torch.zeros(size, dtype=torch.int32, device=device)
 

@@ -85,7 +85,7 @@ def conv_loads(cst, cw, slot, ch, ok, CD, W: tl.constexpr):
 def conv_epilogue(out, cm, live, win, olds, taps, CD, dtype: tl.constexpr, W: tl.constexpr):
     """The projection tile out (fp32) with its conv channels replaced by SiLU(depthwise causal conv) over
     [window rows, the projection rounded to dtype], and the window shifted to [rows 1.., that projection].
-    The conv is gdn_decode's (triton_recurrent._conv_of): fp32 products of the inputs and taps added in tap
+    The conv is gdn_decode's (triton_steps._conv_of): fp32 products of the inputs and taps added in tap
     order from zero, SiLU, one rounding to dtype, so its bits are the ones gdn_decode computes from the
     stored projection. Conv channels of padded tokens (slot -1) give zeros and leave the pool alone; the
     other channels (z, b, a) keep the projection."""
