@@ -116,7 +116,7 @@ class LLMEngine:
         every decode-path op is a Triton kernel; runner/cuda_graphs.py) and no compiled CPU decode step.
         compile: the compiled CPU decode step (runner/cpu_compile.py): "auto" compiles in the background and
         decodes eagerly until it is ready, "on" compiles before returning, "off" never; None reads
-        DELTASERVE_COMPILE (default "auto"). Ignored off CPU.
+        DELTASERVE_COMPILE (default "off": eager measured faster on a small CPU). Ignored off CPU.
         async_scheduling: launch each step before reading the previous one's tokens; None: on for CUDA
         devices (on CPU the forward runs in the launching thread, so there is nothing to overlap).
         warm_up: run `warm_up()` before returning; None: on CUDA (on CPU there are no kernels to build)."""
@@ -139,7 +139,7 @@ class LLMEngine:
             path = Path(model) if model is not None else DEFAULT_MODEL_PATH
             model_config = ModelConfig.from_hf(path)
         dev = resolve_device(device)
-        compile_mode = resolve_compile_mode(compile or settings().compile or "auto", dev)
+        compile_mode = resolve_compile_mode(compile or settings().compile, dev)
         dt = resolve_dtype(dtype, model_config, dev)
         limit = model_config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
