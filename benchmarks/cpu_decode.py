@@ -1,13 +1,14 @@
 """CPU decode speed of the embedded default model: deltaserve eager and compiled vs transformers, batch 1 and 16.
 
 Decode tokens/s = B * N / (time(prefill + 1 + N tokens) - time(prefill + 1 token)), so prompt processing is
-excluded; each of --repeats runs gives one figure, printed as median (min-max). fp32 models, the same prompts, --threads torch threads. deltaserve runs
-eagerly and then with the compiled decode step (runner/cpu_compile.py, compiled before timing; its compile time
-is printed, --cold-cache measures it without inductor's on-disk cache). transformers runs in a subprocess (loading
-it into this process was seen to slow our decode ~20 %). The hardware limit printed is the memory-bandwidth
-roofline: the weight bytes a decode step must read (lm_head, every mixer, router, shared expert and the experts a
-batch of B is expected to hit; fp32, or bf16 where the compiled step reads bf16) over a copy bandwidth measured
-here. `--profile` prints where deltaserve's eager decode time goes, by op.
+excluded; each of --repeats runs gives one figure, printed as median (min-max), with the median process CPU ms per
+step (with --threads 1 the figure least disturbed by other work on the machine). fp32 models, the same prompts,
+--threads torch threads. deltaserve runs eagerly and then with the compiled decode step (runner/cpu_compile.py,
+compiled before timing; its compile time is printed, --cold-cache measures it without inductor's on-disk cache).
+transformers runs in a subprocess (loading it into this process was seen to slow our decode ~20 %). The hardware
+limit printed is the memory-bandwidth roofline: the weight bytes a decode step must read (lm_head, every mixer,
+router, shared expert and the experts a batch of B is expected to hit; fp32, or bf16 where the compiled step reads
+bf16) over a copy bandwidth measured here. `--profile` prints where deltaserve's eager decode time goes, by op.
 
     python benchmarks/cpu_decode.py [--model DIR] [--batch 1 16] [--tokens 64] [--threads 2] [--cold-cache] [--profile]
 """
