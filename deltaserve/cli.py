@@ -134,11 +134,15 @@ def check_model_arguments(args: argparse.Namespace) -> None:
         resolve_device(args.device)           # no CUDA: a clear error now rather than after loading
 
 
-def _vocab_size(model: str | None) -> int:
+def check_in_vocabulary(flag: str, ids: list[int], model: str | None) -> None:
+    """Token ids against the model's vocabulary, read from its config.json (no weights load)."""
     from .config import ModelConfig
     from .llm import DEFAULT_MODEL_PATH
 
-    return ModelConfig.from_hf(Path(model) if model else DEFAULT_MODEL_PATH).vocab_size
+    vocab = ModelConfig.from_hf(Path(model) if model else DEFAULT_MODEL_PATH).vocab_size
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"{flag}: {bad[:5]} out of the model's vocabulary [0, {vocab})")
 
 
 def prompts_from(args: argparse.Namespace) -> list:
@@ -152,10 +156,7 @@ def prompts_from(args: argparse.Namespace) -> list:
         if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
             raise ValueError(f"--prompt-token-ids must be a non-empty JSON list of integers, got "
                              f"{args.prompt_token_ids!r}")
-        vocab = _vocab_size(args.model)
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise ValueError(f"--prompt-token-ids: {bad[:5]} out of the model's vocabulary [0, {vocab})")
+        check_in_vocabulary("--prompt-token-ids", ids, args.model)
         prompts.append({"prompt_token_ids": ids})
     if not prompts:
         raise ValueError("give a prompt (or --prompt-token-ids '[1, 2, 3]')")
@@ -227,6 +228,8 @@ def print_outputs(outputs: list, args: argparse.Namespace, file=None) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     check_model_arguments(args)
+    if args.stop_token_ids:
+        check_in_vocabulary("--stop-token-id", args.stop_token_ids, args.model)
     prompts = prompts_from(args)
 
     from .llm import LLM

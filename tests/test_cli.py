@@ -96,6 +96,7 @@ def no_loading(monkeypatch):
     (["--prompt-token-ids", "[1, 2"], "JSON"),
     (["--prompt-token-ids", "[1, \"a\"]"], "integers"),
     (["--prompt-token-ids", "[1, 999999]"], "vocabulary"),
+    (["--stop-token-id", "8192", "x"], "--stop-token-id"),
     ([], "give a prompt"),
 ])
 def test_invalid_generate_arguments_fail_before_the_model_loads(no_loading, capsys, argv, says):
