@@ -126,8 +126,9 @@ def check_model_arguments(args: argparse.Namespace) -> None:
                                     f"checkpoint directory; it downloads nothing)")
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"--model {args.model}: no config.json in it")
-    if args.max_model_len is not None and args.max_model_len < 1:
-        raise ValueError(f"--max-model-len must be >= 1, got {args.max_model_len}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError(f"--max-model-len must be >= 2 (a prompt token and a generated one), got "
+                         f"{args.max_model_len}")
     if args.device.startswith("cuda"):
         from .engine.config import resolve_device
 

@@ -92,7 +92,7 @@ def no_loading(monkeypatch):
     (["--max-tokens", "0", "x"], "max_tokens"),
     (["--device", "gpu", "x"], "--device"),
     (["--model", "/nonexistent/checkpoint", "x"], "not a directory"),
-    (["--max-model-len", "0", "x"], "--max-model-len"),
+    (["--max-model-len", "1", "x"], "--max-model-len"),
     (["--prompt-token-ids", "[1, 2"], "JSON"),
     (["--prompt-token-ids", "[1, \"a\"]"], "integers"),
     (["--prompt-token-ids", "[1, 999999]"], "vocabulary"),
