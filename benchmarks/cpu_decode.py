@@ -1,20 +1,22 @@
-"""CPU decode speed of the embedded default model: deltaserve eager and compiled vs transformers, batch 1 and 8.
+"""CPU decode speed of the embedded default model: deltaserve eager and compiled vs transformers, batch 1 and 16.
 
 Decode tokens/s = B * N / (time(prefill + 1 + N tokens) - time(prefill + 1 token)), so prompt processing is
-excluded; the median of --repeats runs. fp32 models, the same prompts, --threads torch threads. deltaserve runs
-eagerly and then with the compiled decode step (runner/cpu_compile.py, compiled before timing; its compile time
-is printed, --cold-cache measures it without inductor's on-disk cache). transformers runs in a subprocess (loading
-it into this process was seen to slow our decode ~20 %). The hardware limit printed is the memory-bandwidth
-roofline: the weight bytes a decode step must read (lm_head, every mixer, router, shared expert and the experts a
-batch of B is expected to hit; fp32, or bf16 where the compiled step reads bf16) over a copy bandwidth measured
-here. `--profile` prints where deltaserve's eager decode time goes, by op.
+excluded; each of --repeats runs gives one figure, printed as median (min-max), with the median process CPU ms per
+step (with --threads 1 the figure least disturbed by other work on the machine). fp32 models, the same prompts,
+--threads torch threads. deltaserve runs eagerly and then with the compiled decode step (runner/cpu_compile.py,
+compiled before timing; its compile time is printed, --cold-cache measures it without inductor's on-disk cache).
+transformers runs in a subprocess (loading it into this process was seen to slow our decode ~20 %). The hardware
+limit printed is the memory-bandwidth roofline: the weight bytes a decode step must read (lm_head, every mixer,
+router, shared expert and the experts a batch of B is expected to hit; fp32, or bf16 where the compiled step reads
+bf16) over a copy bandwidth measured here. `--profile` prints where deltaserve's eager decode time goes, by op.
 
-    python benchmarks/cpu_decode.py [--model DIR] [--batch 1 8] [--tokens 64] [--threads 2] [--cold-cache] [--profile]
+    python benchmarks/cpu_decode.py [--model DIR] [--batch 1 16] [--tokens 64] [--threads 2] [--cold-cache] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -63,29 +65,50 @@ def decode_bytes(cfg: ModelConfig, batch: int, bytes_per: int = 4, expert_bytes:
     return (total + cfg.vocab_size * h) * bytes_per + experts * (expert_bytes or bytes_per)
 
 
-def timed(fn, repeats: int) -> tuple[float, float]:
-    """Median (wall seconds, process CPU seconds) of fn()."""
+def timed(fn, repeats: int) -> tuple[list[float], list[float]]:
+    """(wall seconds, process CPU seconds) of each of `repeats` calls of fn()."""
     walls, cpus = [], []
     for _ in range(repeats):
         w, c = time.perf_counter(), time.process_time()
         fn()
         walls.append(time.perf_counter() - w)
         cpus.append(time.process_time() - c)
-    return statistics.median(walls), statistics.median(cpus)
+    return walls, cpus
 
 
-def deltaserve_decode(llm: LLM, prompts: list[str], n: int, repeats: int) -> tuple[float, float]:
-    """(decode tok/s, CPU ms per decode step)."""
-    def run(k):
-        return lambda: llm.generate(prompts, SamplingParams(temperature=0, max_tokens=k, ignore_eos=True),
-                                    use_tqdm=False)
+@dataclasses.dataclass(frozen=True)
+class Speed:
+    """Decode tok/s of each repetition (the short run's median subtracted from each long run), and the median
+    process CPU ms per decode step."""
+    runs: tuple[float, ...]
+    cpu_ms: float
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.runs)
+
+    def __str__(self) -> str:
+        return f"{self.median:.1f} ({min(self.runs):.1f}-{max(self.runs):.1f})"
+
+
+def decode_speed(run, batch: int, n: int, repeats: int) -> Speed:
+    """run(k) -> a callable generating k tokens per prompt; decode tok/s over the n tokens after the first."""
     run(n + 1)()  # warm-up
     w1, c1 = timed(run(1), repeats)
     wn, cn = timed(run(n + 1), repeats)
-    return len(prompts) * n / (wn - w1), (cn - c1) / n * 1e3
+    short = statistics.median(w1)
+    return Speed(tuple(batch * n / (w - short) for w in wn),
+                 (statistics.median(cn) - statistics.median(c1)) / n * 1e3)
 
 
-def transformers_decode(hf, tok, prompts: list[str], n: int, repeats: int) -> tuple[float, float]:
+def deltaserve_decode(llm: LLM, prompts: list[str], n: int, repeats: int) -> Speed:
+    def run(k):
+        return lambda: llm.generate(prompts, SamplingParams(temperature=0, max_tokens=k, ignore_eos=True),
+                                    use_tqdm=False)
+    return decode_speed(run, len(prompts), n, repeats)
+
+
+def transformers_decode(hf, tok, prompts: list[str], n: int, repeats: int) -> Speed:
     enc = tok(prompts, return_tensors="pt", padding=True)
 
     def run(k):
@@ -94,27 +117,24 @@ def transformers_decode(hf, tok, prompts: list[str], n: int, repeats: int) -> tu
                 hf.generate(**enc, max_new_tokens=k, min_new_tokens=k, do_sample=False,
                             pad_token_id=tok.pad_token_id)
         return go
-    run(n + 1)()
-    w1, c1 = timed(run(1), repeats)
-    wn, cn = timed(run(n + 1), repeats)
-    return len(prompts) * n / (wn - w1), (cn - c1) / n * 1e3
+    return decode_speed(run, len(prompts), n, repeats)
 
 
 def peer_main(args) -> None:
-    """--peer: transformers alone in this (sub)process; one JSON line {batch: [tok/s, CPU ms/step]}."""
+    """--peer: transformers alone in this (sub)process; one JSON line {batch: [[tok/s of each run], CPU ms/step]}."""
     from transformers import AutoTokenizer, Qwen3NextForCausalLM
 
     hf = Qwen3NextForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(args.model, padding_side="left")
-    print(json.dumps({b: transformers_decode(hf, tok, prompts_for(b), args.tokens, args.repeats)
-                      for b in args.batch}))
+    speeds = {b: transformers_decode(hf, tok, prompts_for(b), args.tokens, args.repeats) for b in args.batch}
+    print(json.dumps({b: [list(s.runs), s.cpu_ms] for b, s in speeds.items()}))
 
 
-def run_peer(args) -> dict[int, tuple[float, float]]:
+def run_peer(args) -> dict[int, Speed]:
     cmd = [sys.executable, __file__, "--peer", "--model", args.model, "--tokens", str(args.tokens),
            "--repeats", str(args.repeats), "--threads", str(args.threads), "--batch", *map(str, args.batch)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    return {int(b): tuple(v) for b, v in json.loads(out).items()}
+    return {int(b): Speed(tuple(runs), cpu_ms) for b, (runs, cpu_ms) in json.loads(out).items()}
 
 
 def prompts_for(b: int) -> list[str]:
@@ -144,7 +164,7 @@ def profile(llm: LLM, n: int, rows: int = 25) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(DEFAULT_MODEL_PATH))
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--tokens", type=int, default=64, help="decode steps timed")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (2: torch's default here)")
@@ -166,8 +186,11 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     print(f"model {args.model}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, fp32; torch "
           f"{torch.__version__}, {args.threads} threads; copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
-          f"{args.tokens} decode steps, median of {args.repeats}", flush=True)
-    eager = {b: deltaserve_decode(llm, prompts_for(b), args.tokens, args.repeats) for b in args.batch}
+          f"{args.tokens} decode steps, {args.repeats} runs: median (min-max)", flush=True)
+    eager = {}
+    for b in args.batch:
+        eager[b] = deltaserve_decode(llm, prompts_for(b), args.tokens, args.repeats)
+        print(f"eager, batch {b}: {eager[b]} tok/s, {eager[b].cpu_ms:.1f} CPU ms/step", flush=True)
     compiled = {}
     if not args.no_compile:
         runner = llm.engine.runner
@@ -178,21 +201,22 @@ def main() -> None:
         print(f"compiled decode step: {time.perf_counter() - start:.1f} s "
               f"({', '.join(f'{k} {v:.1f} s' for k, v in runner.compiled_decode.compile_seconds.items())}; inductor "
               f"cache {'cold' if args.cold_cache else 'as found'})", flush=True)
-        compiled = {b: deltaserve_decode(llm, prompts_for(b), args.tokens, args.repeats) for b in args.batch}
-    print("| batch | eager tok/s | compiled tok/s | compiled CPU ms/step | transformers tok/s | compiled / "
-          "transformers | roofline tok/s (bytes read) | frac roofline |")
+        for b in args.batch:
+            compiled[b] = deltaserve_decode(llm, prompts_for(b), args.tokens, args.repeats)
+            print(f"compiled, batch {b}: {compiled[b]} tok/s, {compiled[b].cpu_ms:.1f} CPU ms/step", flush=True)
+    print("| batch | eager tok/s (spread) | compiled tok/s (spread) | compiled CPU ms/step | transformers tok/s | "
+          "ours / transformers | roofline tok/s (bytes read) | frac roofline |")
     print("|---|---|---|---|---|---|---|---|")
     for b in args.batch:
         ours = compiled.get(b, eager[b])
         # the compiled step reads bf16 copies of exact-bf16 weights: all of them at B = 1, the experts at B > 1
         nbytes = decode_bytes(cfg, b, 2 if compiled and b == 1 else 4, 2 if compiled else 4)
         roof = b * bandwidth / nbytes
-        theirs = f"{peer[b][0]:.1f}" if peer else "-"
-        ratio = f"{ours[0] / peer[b][0]:.2f}x" if peer else "-"
-        print(f"| {b} | {eager[b][0]:.1f} | {compiled[b][0]:.1f} | {compiled[b][1]:.1f} | {theirs} | {ratio} | "
-              f"{roof:.0f} ({nbytes / 1e6:.1f} MB) | {ours[0] / roof:.1%} |" if compiled else
-              f"| {b} | {eager[b][0]:.1f} | - | {eager[b][1]:.1f} (eager) | {theirs} | {ratio} | {roof:.0f} "
-              f"({nbytes / 1e6:.1f} MB) | {ours[0] / roof:.1%} |", flush=True)
+        theirs = str(peer[b]) if peer else "-"
+        ratio = f"{ours.median / peer[b].median:.2f}x" if peer else "-"
+        cpu = f"{compiled[b].cpu_ms:.1f}" if compiled else f"{eager[b].cpu_ms:.1f} (eager)"
+        print(f"| {b} | {eager[b]} | {compiled.get(b, '-')} | {cpu} | {theirs} | {ratio} | {roof:.0f} "
+              f"({nbytes / 1e6:.1f} MB) | {ours.median / roof:.1%} |", flush=True)
     if args.profile:
         runner = llm.engine.runner
         runner.compiled_decode = None

@@ -21,6 +21,9 @@ PromptType = Union[str, list[int], dict[str, Any]]
 
 
 class LLM:
+    """vLLM's offline API over LLMEngine (LLMEngine.from_args documents every option). On CPU the decode step runs
+    eagerly unless compile="auto" / "on" (or DELTASERVE_COMPILE) asks for the compiled one."""
+
     def __init__(self, model: str | Path | dict[str, Any] | None = None, *, device: str = "auto",
                  dtype: str | torch.dtype = "auto",
                  seed: int | None = 0, max_model_len: int | None = None, max_num_seqs: int = 64,

@@ -117,7 +117,7 @@ class LLMEngine:
         every decode-path op is a Triton kernel; runner/cuda_graphs.py) and no compiled CPU decode step.
         compile: the compiled CPU decode step (runner/cpu_compile.py): "auto" compiles in the background and
         decodes eagerly until it is ready, "on" compiles before returning, "off" never; None reads
-        DELTASERVE_COMPILE (default "auto"). Ignored off CPU.
+        DELTASERVE_COMPILE (default "off": eager measured faster on a small CPU). Ignored off CPU.
         async_scheduling: launch each step before reading the previous one's tokens; None: on for CUDA
         devices (on CPU the forward runs in the launching thread, so there is nothing to overlap).
         warm_up: run `warm_up()` before returning; None: on CUDA (on CPU there are no kernels to build)."""
@@ -146,7 +146,7 @@ class LLMEngine:
             gpu_memory_utilization=gpu_memory_utilization, cpu_cache_bytes=cpu_cache_bytes or DEFAULT_CPU_CACHE_BYTES,
             num_kv_blocks=num_gpu_blocks, seed=seed,
             force_reference_ops=enforce_reference_ops or settings().force_reference_ops,
-            enforce_eager=enforce_eager, compile=compile or settings().compile or "auto"))
+            enforce_eager=enforce_eager, compile=compile or settings().compile))
         tokenizer = Tokenizer.from_dir(path) if path is not None else None
         runner = worker.start()
         plan = worker.plan
