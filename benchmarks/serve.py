@@ -261,9 +261,10 @@ def scrape_counters(base_url: str, api_key: str | None = None) -> dict[str, floa
 
 # ---- the offline backend -------------------------------------------------------------------------
 
-def run_offline(args, workload) -> tuple[list[RequestResult], dict[str, Any]]:
+def run_offline(args, workload) -> tuple[list[RequestResult], float, dict[str, Any]]:
     """The same workload through deltaserve.LLM.generate: one call for random / prefix-repetition, one call per
-    turn (every conversation's turn k together) for multi-turn. Latencies are not measured per request."""
+    turn (every conversation's turn k together) for multi-turn. Returns the results, the seconds spent in
+    generate (the engine's build is not timed) and run info. Latencies are not measured per request."""
     from deltaserve import LLM, SamplingParams
 
     kwargs = dict(json.loads(args.llm_kwargs))
@@ -271,11 +272,15 @@ def run_offline(args, workload) -> tuple[list[RequestResult], dict[str, Any]]:
         kwargs.setdefault("max_num_seqs", args.max_concurrency)
     llm = LLM(args.model, **kwargs)
     results: list[RequestResult] = []
+    elapsed = 0.0
 
     def generate(prompts: list[list[int]], output_lens: list[int], reusable: list[int]) -> list[list[int]]:
         params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=args.ignore_eos)
                   for n in output_lens]
+        nonlocal elapsed
+        start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=not args.disable_tqdm)
+        elapsed += time.perf_counter() - start
         answers = []
         for p, out, r in zip(prompts, outs, reusable):
             ids = list(out.outputs[0].token_ids)
@@ -293,7 +298,7 @@ def run_offline(args, workload) -> tuple[list[RequestResult], dict[str, Any]]:
             answers = generate(prompts, [c.output_len for c in workload], reusable)
             histories = [p + a for p, a in zip(prompts, answers)]
             reusable = [len(h) for h in histories]
-    return results, {"model": args.model, "llm_kwargs": kwargs}
+    return results, elapsed, {"model": args.model, "llm_kwargs": kwargs}
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -352,9 +357,8 @@ def benchmark(args) -> dict[str, Any]:
     workload = build_workload(args)
     extra: dict[str, Any] = {}
     if args.backend == "offline":
-        start = time.perf_counter()
-        results, extra = run_offline(args, workload)
-        duration, counters = time.perf_counter() - start, None
+        results, duration, extra = run_offline(args, workload)
+        counters = None
     else:
         before = scrape_counters(args.base_url, args.api_key)
         start = time.perf_counter()
@@ -384,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if result["failed"] == 0 else 1
 
 
-__all__ = ["METRIC_NAMES", "RequestResult", "asdict", "benchmark", "main", "parse_args"]
+__all__ = ["METRIC_NAMES", "RequestResult", "asdict", "benchmark", "format_report", "launched_server", "main",
+           "parse_args"]
 
 if __name__ == "__main__":
     sys.exit(main())
