@@ -125,20 +125,19 @@ async def send(client: httpx.AsyncClient, args, prompt: Any, output_len: int, ch
 
 
 def _carries_tokens(choice: dict[str, Any], chat: bool, res: RequestResult) -> bool:
-    """Whether a chunk brings generated tokens (chat's role-only first chunk and a bare finish do not);
-    remembers the answer (text, and token ids named in logprobs)."""
+    """Whether a chunk brings generated tokens, and remembers the answer (text, and token ids named in
+    logprobs). A completions chunk is one engine output (its text may be empty: no tokenizer, or a token
+    ending inside a character); chat's role-only first chunk comes before any output."""
     if chat:
         delta = choice.get("delta") or {}
         text = delta.get("content") or delta.get("reasoning_content") or ""
         res.answer_text += text
-        return bool(text or delta.get("tool_calls"))
-    text = choice.get("text") or ""
-    res.answer_text += text
-    tokens = (choice.get("logprobs") or {}).get("tokens") or []
-    for t in tokens:
+        return bool(text or delta.get("tool_calls") or choice.get("finish_reason"))
+    res.answer_text += choice.get("text") or ""
+    for t in (choice.get("logprobs") or {}).get("tokens") or []:
         m = TOKEN_ID.match(t)
         res.answer_ids.append(int(m.group(1)) if m else -1)
-    return bool(text or tokens)
+    return True
 
 
 # ---- arrivals, concurrency and the workloads --------------------------------------------------------
@@ -243,15 +242,20 @@ CACHE_COUNTERS = ("deltaserve:prefix_cache_hits_total", "deltaserve:prefix_cache
 
 
 def scrape_counters(base_url: str, api_key: str | None = None) -> dict[str, float] | None:
-    """The prefix-cache counters (summed over labels), or None when /metrics lacks them."""
+    """The prefix-cache counters of the server's /metrics, or None when it lacks them."""
     try:
         text = httpx.get(f"{base_url}/metrics", timeout=10,
                          headers={"Authorization": f"Bearer {api_key}"} if api_key else None).text
     except httpx.HTTPError:
         return None
+    return parse_counters(text)
+
+
+def parse_counters(text: str) -> dict[str, float] | None:
+    """CACHE_COUNTERS from Prometheus text (each summed over its label sets), or None when one is missing."""
     found: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("#"):
+        if not line or line.startswith("#"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in CACHE_COUNTERS:
@@ -369,7 +373,8 @@ def benchmark(args) -> dict[str, Any]:
                     else None)
     result = summarize(results, duration, counters, track_itl=args.backend == "http")
     config = {k: v for k, v in vars(args).items() if k not in ("api_key",)}
-    result.update(label=args.label, backend=args.backend, dataset=args.dataset, config=config, **extra)
+    result.update(label=args.label, backend=args.backend, dataset=args.dataset, config=config,
+                  offline=extra or None)
     if args.save_result:
         Path(args.save_result).write_text(json.dumps(result, indent=1, default=str))
     return result
