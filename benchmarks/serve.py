@@ -239,6 +239,8 @@ def build_workload(args) -> list[BenchRequest] | list[Conversation]:
 # ---- /metrics counters ---------------------------------------------------------------------------
 
 CACHE_COUNTERS = ("deltaserve:prefix_cache_hits_total", "deltaserve:prefix_cache_queries_total")
+# the engine-stats attributes behind them (offline backend)
+STATS_ATTRS = ("prefix_cache_hits_total", "prefix_cache_queries_total")
 
 
 def scrape_counters(base_url: str, api_key: str | None = None) -> dict[str, float] | None:
@@ -252,12 +254,13 @@ def scrape_counters(base_url: str, api_key: str | None = None) -> dict[str, floa
 
 
 def parse_counters(text: str) -> dict[str, float] | None:
-    """CACHE_COUNTERS from Prometheus text (each summed over its label sets), or None when one is missing."""
+    """CACHE_COUNTERS from Prometheus text (each summed over its label sets; `deltaserve_` spelt for
+    `deltaserve:` too), or None when one is missing."""
     found: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
+        name = line.split("{", 1)[0].split(" ", 1)[0].replace("deltaserve_", "deltaserve:", 1)
         if name in CACHE_COUNTERS:
             found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return found if len(found) == len(CACHE_COUNTERS) else None
@@ -277,6 +280,7 @@ def run_offline(args, workload) -> tuple[list[RequestResult], float, dict[str, A
     llm = LLM(args.model, **kwargs)
     results: list[RequestResult] = []
     elapsed = 0.0
+    before = _engine_counters(llm)
 
     def generate(prompts: list[list[int]], output_lens: list[int], reusable: list[int]) -> list[list[int]]:
         params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=args.ignore_eos)
@@ -288,7 +292,8 @@ def run_offline(args, workload) -> tuple[list[RequestResult], float, dict[str, A
         answers = []
         for p, out, r in zip(prompts, outs, reusable):
             ids = list(out.outputs[0].token_ids)
-            results.append(RequestResult(ok=True, prompt_tokens=len(p), output_tokens=len(ids), reusable=r))
+            results.append(RequestResult(ok=True, prompt_tokens=len(p), output_tokens=len(ids), reusable=r,
+                                         cached_tokens=getattr(out, "num_cached_tokens", None)))
             answers.append(ids)
         return answers
 
@@ -302,7 +307,16 @@ def run_offline(args, workload) -> tuple[list[RequestResult], float, dict[str, A
             answers = generate(prompts, [c.output_len for c in workload], reusable)
             histories = [p + a for p, a in zip(prompts, answers)]
             reusable = [len(h) for h in histories]
-    return results, elapsed, {"model": args.model, "llm_kwargs": kwargs}
+    after = _engine_counters(llm)
+    counters = ({c: after[a] - before[a] for c, a in zip(CACHE_COUNTERS, STATS_ATTRS)}
+                if before is not None and after is not None else None)
+    return results, elapsed, {"model": args.model, "llm_kwargs": kwargs, "counters": counters}
+
+
+def _engine_counters(llm) -> dict[str, float] | None:
+    stats = llm.engine.get_stats()
+    values = {a: getattr(stats, a, None) for a in STATS_ATTRS}
+    return None if None in values.values() else values
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -362,7 +376,7 @@ def benchmark(args) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     if args.backend == "offline":
         results, duration, extra = run_offline(args, workload)
-        counters = None
+        counters = extra.pop("counters")
     else:
         before = scrape_counters(args.base_url, args.api_key)
         start = time.perf_counter()

@@ -104,6 +104,9 @@ def test_parse_counters():
     assert serve.parse_counters(text) == {"deltaserve:prefix_cache_hits_total": 5.0,
                                           "deltaserve:prefix_cache_queries_total": 10.0}
     assert serve.parse_counters("deltaserve:prefix_cache_hits_total 5.0\n") is None
+    underscores = "deltaserve_prefix_cache_hits_total 1\ndeltaserve_prefix_cache_queries_total 2\n"
+    assert serve.parse_counters(underscores) == {"deltaserve:prefix_cache_hits_total": 1.0,
+                                                 "deltaserve:prefix_cache_queries_total": 2.0}
 
 
 # ---- whole runs ----------------------------------------------------------------------------------
