@@ -189,10 +189,13 @@ async def run_http(args, workload: list[BenchRequest] | list[Conversation]) -> l
     async def conversation(conv: Conversation) -> None:
         history: Any = ([{"role": "system", "content": conv.system}] if chat else list(conv.system))
         reusable = len(conv.system) if conv.system_shared and not chat else 0
-        for user in conv.users:
+        for turn, user in enumerate(conv.users):
             prompt = history + ([{"role": "user", "content": user}] if chat else list(user))
             res = await one(prompt, conv.output_len, reusable)
-            if not res.ok:
+            if not res.ok:   # the later turns cannot be sent: count them as failed too
+                for _ in conv.users[turn + 1:]:
+                    results.append(RequestResult(error=f"an earlier turn failed: {res.error}"))
+                    progress.update()
                 return
             if chat:
                 history = prompt + [{"role": "assistant", "content": res.answer_text}]
@@ -350,7 +353,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--multi-turn-api", choices=("completions", "chat"), default="completions",
                     help="completions: token ids, answers resent as ids; chat: text messages")
     ap.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    ap.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    ap.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="Poisson arrivals per second (multi-turn: conversation starts)")
     ap.add_argument("--ignore-eos", action="store_true", help="generate exactly the wanted output lengths")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--logprobs", type=int, default=None, help="completions' logprobs field (default: omitted)")

@@ -218,3 +218,13 @@ def test_compare_launches_and_tabulates(no_tokenizer_model, tmp_path, capsys):
     assert table[2].startswith("| served | http |") and table[3].startswith("| offline | offline |")
     runs = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
     assert runs["served"]["total_output_tokens"] == runs["offline"]["total_output_tokens"] > 0
+
+
+def test_multi_turn_counts_the_turns_after_a_failure_as_failed(ids_server):
+    # turn 2 (450 + 20 + 50 tokens) exceeds the server's 512-token context: it and turn 3 fail
+    r = serve.benchmark(serve.parse_args(["--base-url", ids_server, "--dataset", "multi-turn", "--num-prompts", "2",
+                                          "--multi-turn-turns", "3", "--multi-turn-system-len", "400",
+                                          "--multi-turn-user-len", "50", "--multi-turn-output-len", "20",
+                                          "--ignore-eos", "--disable-tqdm"]))
+    assert (r["completed"], r["failed"]) == (2, 4)
+    assert any("HTTP 400" in e for e in r["errors"]) and any("an earlier turn failed" in e for e in r["errors"])
