@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag
 
 from .protocol import APIError, ChatCompletionRequest, _Strict, parse_request
 
@@ -64,8 +64,16 @@ class ReasoningItem(_Strict):
     status: str | None = None
 
 
-InputItem = Annotated[Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem],
-                      Field(discriminator="type")]
+def _item_type(value: Any) -> str | None:
+    """An input item's kind: its `type`, "message" when it has none (an easy input message)."""
+    if isinstance(value, dict):
+        return value.get("type", "message")
+    return getattr(value, "type", None)
+
+
+InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
+                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                            Annotated[ReasoningItem, Tag("reasoning")]], Discriminator(_item_type)]
 
 
 class FunctionTool(_Strict):
