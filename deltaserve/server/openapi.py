@@ -19,6 +19,9 @@ REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": 
 
 _REF = "#/components/schemas/{model}"
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "object"}}}
+# one server-sent event, as an SSE parser gives it
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 # JSON responses of the POST routes (streams are text/event-stream)
 RESPONSES = {
     "/tokenize": {"type": "object", "required": ["count", "max_model_len", "tokens"],
@@ -57,7 +60,7 @@ def install_openapi(app: FastAPI) -> None:
             responses = operation.setdefault("responses", {})
             ok: dict[str, Any] = {"application/json": {"schema": RESPONSES.get(path, {"type": "object"})}}
             if "stream" in model.model_fields:
-                ok["text/event-stream"] = {"schema": {"type": "string"}}
+                ok["text/event-stream"] = {"schema": _SSE_EVENT}
             responses["200"] = {"description": "Successful Response", "content": ok}
             responses.pop("422", None)   # FastAPI's own validation never runs on these routes
             responses["4XX"] = {"description": "Refused (the body names the field)",
