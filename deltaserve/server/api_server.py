@@ -185,7 +185,7 @@ class _APIKeyMiddleware:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         bearer_ok = hmac.compare_digest(headers.get(b"authorization", b""), self.bearer)
-        key_ok = hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)
+        key_ok = b"x-api-key" in headers and hmac.compare_digest(headers[b"x-api-key"], self.key)
         if bearer_ok or key_ok:
             return await self.app(scope, receive, send)
         self.metrics.requests.labels(outcome="rejected").inc()

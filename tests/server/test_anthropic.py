@@ -1,7 +1,7 @@
 """POST /v1/messages and /v1/messages/count_tokens on the real app around the scripted engine
 (fake_engine.py), driven with the official `anthropic` client: thinking, text and tool_use blocks,
 streamed (the documented event order) and not, stop reasons, multi-turn tool results, x-api-key auth and
-errors in Anthropic's body shape."""
+errors in Anthropic's body shape. Stop sequences run on the real engine (test_compat_engine.py)."""
 
 from __future__ import annotations
 
@@ -91,10 +91,10 @@ def test_raw_stream_has_ping_and_deltas_of_each_kind(server):
     assert [d["type"] for d in data] == names
     kinds = {d["delta"]["type"] for d in data if d["type"] == "content_block_delta"}
     assert kinds == {"thinking_delta", "input_json_delta"}
-    partial = "".join(d["delta"]["partial_json"] for d in data if d["delta" if "delta" in d else "type"] and
-                      d["type"] == "content_block_delta" and d["delta"]["type"] == "input_json_delta")
+    partial = "".join(d["delta"]["partial_json"] for d in data
+                      if d["type"] == "content_block_delta" and d["delta"]["type"] == "input_json_delta")
     assert json.loads(partial) == {"city": "Paris", "unit": "celsius"}
-    final = [d for d in data if d["type"] == "message_delta"][0]
+    final = next(d for d in data if d["type"] == "message_delta")
     assert final["delta"]["stop_reason"] == "tool_use" and final["usage"]["output_tokens"] > 0
 
 
@@ -117,7 +117,7 @@ def test_multi_turn_tool_result_and_system(client):
     assert shorter.input_tokens < count.input_tokens
 
 
-def test_max_tokens_and_stop_sequence(client):
+def test_max_tokens_stop_reason(client):
     msg = client.messages.create(model="scripted", max_tokens=2, messages=_user("plain", 1))
     assert msg.stop_reason == "max_tokens"
 

@@ -70,3 +70,17 @@ def test_tokenize_counts_the_chat_prompt(server, chat_reply):
     r = httpx.post(f"{server.base}/tokenize", json={"messages": MESSAGES, "reasoning_effort": "none"},
                    headers={"x-api-key": API_KEY}, timeout=60).json()
     assert r["count"] == chat_reply.usage.prompt_tokens and r["max_model_len"] == 256
+
+
+def test_anthropic_stop_sequence(server, chat_reply):
+    content = chat_reply.choices[0].message.content
+    words = content.split()
+    if len(words) < 2:
+        pytest.skip(f"the greedy reply {content!r} has no second word to stop at")
+    stop = words[1]
+    client = anthropic.Anthropic(base_url=server.base, api_key=API_KEY, max_retries=0, timeout=120)
+    msg = client.messages.create(model=SERVED, max_tokens=MAX_TOKENS, messages=MESSAGES, stop_sequences=[stop],
+                                 thinking={"type": "disabled"}, extra_body={"temperature": 0.0})
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop
+    text = "".join(b.text for b in msg.content if b.type == "text")
+    assert text == content[:content.find(stop)].rstrip()

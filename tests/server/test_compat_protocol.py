@@ -81,8 +81,8 @@ def test_block_assembler_opens_and_closes_blocks_in_order():
     a = BlockAssembler()
     events = a.feed(MessageDelta(reasoning="r1"))
     events += a.feed(MessageDelta(reasoning="r2", content="c1"))
-    events += a.feed(MessageDelta(tool_calls=[ToolCallDelta(0, "id0", "f", '{"a"'), ToolCallDelta(0, None, None, ": 1}"),
-                                              ToolCallDelta(1, "id1", "g", "{}")]))
+    calls = [ToolCallDelta(0, "id0", "f", '{"a"'), ToolCallDelta(0, None, None, ": 1}"), ToolCallDelta(1, "id1", "g", "{}")]
+    events += a.feed(MessageDelta(tool_calls=calls))
     events += a.close()
     shown = [(e.type, e.block.index, e.delta) for e in events]
     assert shown == [("start", 0, ""), ("delta", 0, "r1"), ("delta", 0, "r2"), ("stop", 0, ""),

@@ -68,7 +68,7 @@ def test_stream_event_order(client):
     assert call_events[0] == "response.output_item.added" and call_events[-2:] == [
         "response.function_call_arguments.done", "response.output_item.done"]
     deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
-    done = [e for e in events if e.type == "response.function_call_arguments.done"][0]
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
     assert deltas == done.arguments == '{"city": "Paris", "unit": "celsius"}'
     final = events[-1].response
     assert [i.type for i in final.output] == ["reasoning", "function_call"] and final.usage.output_tokens > 0
