@@ -153,3 +153,25 @@ def test_client_errors_and_auth(server, client):
     with pytest.raises(anthropic.AuthenticationError) as exc:
         bad.messages.create(model="scripted", max_tokens=10, messages=_user("plain"))
     assert exc.value.body["type"] == "error" and exc.value.body["error"]["type"] == "authentication_error"
+
+
+def test_middleware_errors_have_the_anthropic_shape_on_its_routes(tokenizer_dir):
+    from starlette.testclient import TestClient
+
+    from deltaserve.server.api_server import build_app
+    from deltaserve.server.state import ServerConfig
+
+    from .fake_engine import ScriptedEngine
+
+    app = build_app(ScriptedEngine(str(tokenizer_dir)), ServerConfig("scripted", api_key=API_KEY,
+                                                                      max_request_bytes=1000))
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(app) as c:
+        big = c.post("/v1/messages", json={**body, "max_tokens": 5, "system": "x" * 2000},
+                     headers={"x-api-key": API_KEY})
+        assert big.status_code == 413 and big.json()["error"]["type"] == "request_too_large"
+        assert c.post("/v1/messages/count_tokens", json=body).json()["error"]["type"] == "authentication_error"
+        ok = c.post("/v1/messages/count_tokens", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+        assert ok.status_code == 200 and ok.json()["input_tokens"] > 0
+        openai_shape = c.post("/v1/chat/completions", json=body)   # other routes keep OpenAI's shape
+        assert openai_shape.status_code == 401 and openai_shape.json()["error"]["code"] == "invalid_api_key"
