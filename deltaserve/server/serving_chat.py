@@ -80,7 +80,7 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest) -> str:
         raise APIError("this model has no chat template: use /v1/completions", param="messages")
     messages = req.template_messages()
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.uses_tools else None
-    kwargs = req.chat_template_kwargs or {}
+    kwargs = req.template_kwargs()
     if state.config.content_special_tokens_as_text:
         messages, tools, kwargs = _escaped((messages, tools, kwargs), tokenizer.escape_special_tokens)
     try:
