@@ -105,7 +105,8 @@ class LLMEngine:
                   num_gpu_blocks: int | None = None, seed: int | None = 0,
                   enforce_reference_ops: bool = False, load_format: str = "auto",
                   enforce_eager: bool = False, compile: str | None = None,
-                  async_scheduling: bool | None = None, warm_up: bool | None = None) -> "LLMEngine":
+                  async_scheduling: bool | None = None, warm_up: bool | None = None,
+                  quantization: str | None = None) -> "LLMEngine":
         """Validate the options into configs, have a Worker (runner/worker.py) do the device half of start-up
         (load the checkpoint directory, default: the embedded model; select kernels; size the cache from the
         memory budget, GPU: measured, CPU: cpu_cache_bytes; allocate it; capture graphs), build the engine
@@ -120,7 +121,9 @@ class LLMEngine:
         DELTASERVE_COMPILE (default "off": eager measured faster on a small CPU). Ignored off CPU.
         async_scheduling: launch each step before reading the previous one's tokens; None: on for CUDA
         devices (on CPU the forward runs in the launching thread, so there is nothing to overlap).
-        warm_up: run `warm_up()` before returning; None: on CUDA (on CPU there are no kernels to build)."""
+        warm_up: run `warm_up()` before returning; None: on CUDA (on CPU there are no kernels to build).
+        quantization: "fp8" quantises a dense checkpoint's weights at load into block-FP8 (vLLM's name; an FP8
+        checkpoint's quantization_config is read from config.json without it)."""
         t0 = time.perf_counter()
         config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
@@ -135,6 +138,7 @@ class LLMEngine:
         else:
             path = Path(model) if model is not None else DEFAULT_MODEL_PATH
             model_config = ModelConfig.from_hf(path)
+        model_config = model_config.with_quantization(quantization)
         dev = resolve_device(device)
         limit = model_config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:

@@ -14,7 +14,7 @@ from torch import nn
 from ..batch import ForwardBatch
 from ..config import ModelConfig
 from ..ops import Kernels
-from .linear import Linear
+from .linear import Linear, fp8_layout
 from .norm import RMSNorm
 from .weights import Target, WeightMap, rows, whole
 
@@ -29,8 +29,12 @@ class GatedAttention(nn.Module):
         self.q_size = 2 * self.o_size                             # queries and gates
         self.kv_size = self.num_kv_heads * self.head_dim
         h = config.hidden_size
-        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, kernels, dtype=dtype, device=device)
-        self.o_proj = Linear(self.num_heads * self.head_dim, h, kernels, dtype=dtype, device=device)
+        quant = config.quantization
+        qkv_fp8 = fp8_layout(quant, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                             rows=(self.head_dim, self.kv_size))
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, kernels, dtype=dtype, device=device, fp8=qkv_fp8)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, kernels, dtype=dtype, device=device,
+                             fp8=fp8_layout(quant, ("self_attn.o_proj",)))
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps, kernels, dtype=dtype, device=device)
         self.k_norm = RMSNorm(self.head_dim, eps, kernels, dtype=dtype, device=device)
@@ -62,7 +66,8 @@ class GatedAttention(nn.Module):
 
     def checkpoint_weights(self) -> WeightMap:
         return {
-            "q_proj.weight": Target((self.q_size, self.qkv_proj.in_features), self._load_q_proj),
+            "q_proj.weight": Target((self.q_size, self.qkv_proj.in_features), self._load_q_proj,
+                                    fp8=self.qkv_proj.is_fp8),
             "k_proj.weight": rows(self.qkv_proj, self.q_size, self.kv_size),
             "v_proj.weight": rows(self.qkv_proj, self.q_size + self.kv_size, self.kv_size),
             "o_proj.weight": whole(self.o_proj.weight),

@@ -14,6 +14,7 @@ manager, scheduler, warm-up requests) stays in engine/llm_engine.py.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import torch
@@ -27,6 +28,8 @@ from . import cpu_compile
 from .cuda_graphs import plan_decode_graphs
 from .memory import allocate_cache, profile_gpu_cache_budget
 from .model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +75,8 @@ class Worker:
 
     def load_model(self) -> HybridForCausalLM:
         c = self.config
-        self.kernels = select_kernels(c.device, force_reference=c.force_reference_ops, shapes=c.model.kernel_shapes)
+        self.kernels = select_kernels(c.device, force_reference=c.force_reference_ops, shapes=c.model.kernel_shapes,
+                                      fp8_weights=c.model.quantization is not None)
         if c.load_format == "dummy":
             self.model = build_dummy_model(c.model, device=c.device, dtype=c.dtype, kernels=self.kernels,
                                            seed=c.seed or 0)
@@ -108,7 +112,9 @@ class Worker:
         runner = ModelRunner(self.model, buffers, device=c.device, max_model_len=plan.max_model_len, seed=c.seed)
         if self.graph_sizes:
             runner.capture_decode_graphs(min(plan.max_num_seqs, c.max_num_batched_tokens))
-        if self.compile_mode != "off" and not c.enforce_eager:
+        if self.compile_mode != "off" and not c.enforce_eager and c.model.quantization is not None:
+            logger.warning("compiled CPU decode is not implemented for FP8 weights; decoding eagerly")
+        elif self.compile_mode != "off" and not c.enforce_eager:
             runner.compiled_decode = cpu_compile.CompiledDecode(self.model, buffers,
                                                                 background=self.compile_mode == "auto")
         self.plan, self.runner = plan, runner
