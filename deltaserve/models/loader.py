@@ -130,7 +130,7 @@ def load_model(path: str | Path, *, device: torch.device | str, dtype: torch.dty
                 for name in names:
                     tensor = st.get_tensor(by_name[name][0])
                     scale = _read(files, by_name, scale_of[name], read_device) if name in scale_of else None
-                    expected[name].load(_prepare(name, tensor, scale, expected[name].fp8, config))
+                    expected[name].load(_prepare(by_name[name][0], tensor, scale, expected[name].fp8, config))
                     bar.update(1)
     logger.debug("loaded %s: %s, %d layers (%d GDN, %d attention), %d MTP layer(s), %s on %s",
                  path.name, config.family, config.num_hidden_layers, len(config.gdn_layer_ids),
