@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from deltaserve import DEFAULT_MODEL_PATH, LLM, SamplingParams
-from deltaserve.config import ConfigError, ModelConfig
+from deltaserve.config import ONLINE_FP8_NOT_CONVERT, ConfigError, ModelConfig
 from deltaserve.models.loader import CheckpointError
 from deltaserve.ops.quant.fp8 import FP8_DTYPE, is_fp8
 from tests.conftest import TinySpec, hf_logprobs, hf_reference, random_ids
@@ -44,7 +44,7 @@ def fp8_model(tiny_model, tmp_path_factory):
     made = {}
 
     def make(name: str, **kw):
-        key = (name, tuple(sorted(kw.items())))
+        key = (name, tuple(sorted(kw.items())))  # kw: write_fp8_checkpoint's (dense=...)
         if key not in made:
             root = tmp_path_factory.mktemp(f"fp8-{name}")
             made[key] = (write_fp8_checkpoint(tiny_model(SPECS[name]), root / "fp8", twin=root / "twin", **kw),
@@ -81,6 +81,18 @@ def test_fp8_checkpoint_matches_transformers_on_the_dequantised_weights(fp8_mode
         with safe_open(str(path / "model.safetensors"), framework="pt") as st:
             q = st.get_tensor("mtp.layers.0.self_attn.o_proj.weight")
         assert torch.equal(mtp_layer.self_attn.o_proj.weight.qweight.float(), q.float())
+
+
+def test_fp8_fused_gdn_projection_with_its_interleave(fp8_model):
+    """Qwen3-Next's in_proj_qkvz and in_proj_ba both FP8 (not the published list): the per-key-head interleave
+    regroups FP8 rows with their scales into the FP8 in_proj (scale groups of a few rows)."""
+    dense = tuple(n for n in ONLINE_FP8_NOT_CONVERT if n != "linear_attn.in_proj_ba")
+    path, twin = fp8_model("next-r3-sparse-step2-mtp", dense=dense)
+    ids = random_ids(70, seed=9)
+    llm = LLM(path, device="cpu", dtype="float32")
+    assert llm.model.layers[0].linear_attn.in_proj.is_fp8
+    err = (prompt_logprobs(llm, ids) - target_logprobs(hf_logprobs(hf_reference(twin), ids), ids)).abs().max()
+    assert err < 1e-4, err
 
 
 def test_fp8_weights_take_a_byte_each(fp8_model):
