@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 _VISION = re.compile(r"^(model\.)?visual\.")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 _LANGUAGE_PREFIX = "model.language_model."
+# tensors a checkpoint may have or not: the FP8 KV-cache multipliers of an attention layer
+_OPTIONAL = re.compile(r"\.self_attn\.(k|v)_scale$")
 # names of quantization tensors (FP8 / INT scales, GPTQ / AWQ packing, KV-cache scales): never silently dropped
 _QUANT_TENSOR = re.compile(r"(_scale(_inv)?|\.scales?|qweight|qzeros|\.zeros|g_idx|_zero_point|\.absmax|"
                            r"quant_state|weight_packed|_amax)$|\.(k|v|q)_scale$")
@@ -93,6 +95,8 @@ def load_model(path: str | Path, *, device: torch.device | str, dtype: torch.dty
     expected = model.checkpoint_weights(fused_experts)
 
     scale_of = _fp8_scales(config, expected, by_name, path)
+    for name in [n for n in expected if _OPTIONAL.search(n) and n not in by_name]:
+        del expected[name]
     missing = [n for n in expected if n not in by_name]
     if missing:
         shown = ", ".join(f"{n} {list(expected[n].shape)}" for n in missing[:8])
@@ -162,6 +166,8 @@ def _check_shapes(per_file, by_name, expected, scale_of) -> None:
         with safe_open(str(file), framework="pt") as st:
             for name in names:
                 shape = tuple(st.get_slice(by_name[name][0]).get_shape())
+                if _OPTIONAL.search(name) and shape in ((), (1,)):
+                    continue
                 if shape != expected[name].shape:
                     raise CheckpointError(
                         f"tensor {by_name[name][0]} has shape {list(shape)}, expected {list(expected[name].shape)}")

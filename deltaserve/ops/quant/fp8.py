@@ -132,3 +132,20 @@ def load_packed_rows(dst: BlockFp8Weight, offset: int, packed: torch.Tensor, *, 
     group_scales = row_scales[..., ::g, :]                                   # one row per row group
     col_blocks = torch.arange(start, stop, c, device=packed.device) // block_k  # checkpoint block per col group
     dst.scale[..., offset // g : offset // g + group_scales.shape[-2], :].copy_(group_scales[..., col_blocks])
+
+
+class Fp8KvCache(NamedTuple):
+    """An FP8 paged KV cache of one attention layer: cache float8_e4m3fn [2, B, BS, NKV, D] ([0] keys, [1]
+    values) and its dequantisation multipliers, scale fp32 [2, H] (H = 1: per tensor, or NKV: per head)."""
+
+    cache: torch.Tensor
+    scale: torch.Tensor
+
+    def quantize(self, x: torch.Tensor, which: int) -> torch.Tensor:
+        """x [n, NKV, D] -> e4m3 values for cache[which] (saturating: values beyond the calibrated range clip)."""
+        s = self.scale[which].view(1, -1, 1)
+        return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+    def dequantize(self, kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Stored values kv [2, n, NKV, D] -> the keys / values in dtype."""
+        return (kv.float() * self.scale.view(2, 1, -1, 1)).to(dtype)
