@@ -135,7 +135,8 @@ class LLMEngine:
                               async_scheduling=async_scheduling)
         check_load_format(load_format)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported (one of {', '.join(KV_CACHE_DTYPES)})")
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported "
+                             f"(one of {', '.join(KV_CACHE_DTYPES)})")
         if isinstance(model, dict):
             if load_format != "dummy":
                 raise ValueError("a config dict as the model needs load_format='dummy' (there are no weights to read)")

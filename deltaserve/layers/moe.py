@@ -132,8 +132,9 @@ class SparseMoeBlock(nn.Module):
 
     def _load(self, name: str, experts: int | slice, row_offset: int, t: torch.Tensor,
               columns: tuple[int, int] | None = None) -> None:
-        """Checkpoint rows (packed FP8 rows when the experts are FP8, else dense) -> rows row_offset.. of expert(s) `experts` of w13 / w2;
-        columns (start, stop): only those checkpoint columns (the shared expert's down projection slices)."""
+        """Checkpoint rows (packed FP8 rows when the experts are FP8, else dense) -> rows row_offset.. of
+        expert(s) `experts` of w13 / w2; columns (start, stop): only those checkpoint columns (the shared
+        expert's down projection slices)."""
         if self.__dict__[f"{name}_fp8"] is not None:
             full = getattr(self, name)
             dst = BlockFp8Weight(full.qweight[experts], full.scale[experts], full.row_group, full.col_group)

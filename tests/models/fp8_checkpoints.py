@@ -42,7 +42,8 @@ def converts(name: str, dense: tuple[str, ...] = ONLINE_FP8_NOT_CONVERT) -> bool
         return False
     if rel.endswith("norm.weight") or rel.startswith("visual") or "visual." in name:
         return False
-    return re.search(r"(_proj|in_proj_\w+)\.weight$", rel) is not None or rel.endswith("experts.gate_up_proj") or rel.endswith("experts.down_proj")
+    return (re.search(r"(_proj|in_proj_\w+)\.weight$", rel) is not None
+            or rel.endswith(("experts.gate_up_proj", "experts.down_proj")))
 
 
 def write_fp8_checkpoint(src: Path, dst: Path, *, twin: Path | None = None,
@@ -58,7 +59,8 @@ def write_fp8_checkpoint(src: Path, dst: Path, *, twin: Path | None = None,
         if converts(name, dense):
             q, s = quantize_blocks(t.float())
             fp8[name] = q
-            scale_name = name[: -len(".weight")] + ".weight_scale_inv" if name.endswith(".weight") else name + "_scale_inv"
+            scale_name = (name[: -len(".weight")] + ".weight_scale_inv" if name.endswith(".weight")
+                          else name + "_scale_inv")
             fp8[scale_name] = s
             deq[name] = dequantize_blocks(q, s)
         else:
@@ -67,7 +69,8 @@ def write_fp8_checkpoint(src: Path, dst: Path, *, twin: Path | None = None,
     save_file(fp8, str(file), metadata={"format": "pt"})
     cfg = json.loads((dst / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [128, 128], "modules_to_not_convert": not_convert_list(list(tensors), dense)}
+                                  "weight_block_size": [128, 128],
+                                  "modules_to_not_convert": not_convert_list(list(tensors), dense)}
     (dst / "config.json").write_text(json.dumps(cfg, indent=1))
     if twin is not None:
         shutil.copytree(src, twin)

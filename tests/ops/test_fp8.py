@@ -10,8 +10,16 @@ import torch
 from deltaserve.ops import FP8_WEIGHT_OPS, _dequantizing, select_kernels
 from deltaserve.ops.linear import reference as linear_ref
 from deltaserve.ops.moe import reference as moe_ref
-from deltaserve.ops.quant.fp8 import (FP8_DTYPE, FP8_MAX, BlockFp8Weight, dequantize_blocks, dequantize_packed,
-                                      load_packed_rows, pack_rows, quantize_blocks)
+from deltaserve.ops.quant.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    BlockFp8Weight,
+    dequantize_blocks,
+    dequantize_packed,
+    load_packed_rows,
+    pack_rows,
+    quantize_blocks,
+)
 
 
 def _holder(n: int, k: int, g: int = 128, c: int = 128, lead: tuple = ()) -> BlockFp8Weight:
@@ -92,8 +100,8 @@ def test_reference_linear_ops_compute_in_fp32_on_the_dequantised_weight(dtype):
 
 @pytest.mark.parametrize("tokens", [1, 7])
 def test_reference_fused_moe_fp8_equals_dense_on_the_dequantised_experts(tokens):
-    E, I, H = 5, 96, 136
-    w13, w2 = _fp8_weight(2 * I, H, (E,), 1), _fp8_weight(H, I, (E,), 2)
+    E, inter, H = 5, 96, 136
+    w13, w2 = _fp8_weight(2 * inter, H, (E,), 1), _fp8_weight(H, inter, (E,), 2)
     x = torch.randn(tokens, H)
     logits = torch.randn(tokens, E)
     dense = moe_ref.fused_moe_routed(x, w13.dequantize(), w2.dequantize(), logits, 2, True)

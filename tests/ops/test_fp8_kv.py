@@ -54,6 +54,6 @@ def _dense_cache(k, v, slots, shape):
 
 
 def test_fp8_store_saturates_beyond_the_calibrated_range():
-    q, k, v, slots, fp8, _ = _setup(False)
+    _, k, v, slots, fp8, _ = _setup(False)
     attn.store_kv(k * 100, v, fp8, slots)
     assert torch.isfinite(fp8.cache.float()).all() and fp8.cache.float().abs().max() == FP8_MAX

@@ -49,7 +49,7 @@ class BlockFp8Weight(NamedTuple):
         then cast to dtype."""
         return dequantize_grouped(self.qweight, self.scale, self.row_group, self.col_group).to(dtype)
 
-    def expert(self, e: int) -> "BlockFp8Weight":
+    def expert(self, e: int) -> BlockFp8Weight:
         """Expert e of a stacked [E, N, K] weight."""
         return BlockFp8Weight(self.qweight[e], self.scale[e], self.row_group, self.col_group)
 
