@@ -212,7 +212,7 @@ def test_loader_refuses_fp8_checkpoint_problems_by_tensor(fp8_model, tiny_model,
         LLM(bad, device="cpu", dtype="float32")
 
 
-@pytest.mark.parametrize("extra", ["model.layers.3.self_attn.k_scale", "model.layers.0.mlp.down_proj.qweight",
+@pytest.mark.parametrize("extra", ["model.layers.3.self_attn.k_proj.k_scale", "model.layers.0.mlp.down_proj.qweight",
                                    "model.layers.0.mlp.down_proj.qzeros", "model.layers.0.mlp.down_proj.g_idx",
                                    "model.layers.1.linear_attn.out_proj.weight_scale"])
 def test_unconsumed_quantization_tensors_are_an_error(tiny_model, tmp_path, extra):
