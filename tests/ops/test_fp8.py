@@ -128,3 +128,16 @@ def test_select_kernels_names_the_fp8_path():
     assert k.fp8_path == "reference" and "FP8 weights: reference" in k.summary()
     assert select_kernels("cpu").fp8_path == ""
     assert set(FP8_WEIGHT_OPS) <= set(k.backend)
+
+
+def test_chunked_dequantize_equals_the_expanded_scales(monkeypatch):
+    from deltaserve.ops.quant import fp8 as fp8_mod
+
+    monkeypatch.setattr(fp8_mod, "_DEQUANT_CHUNK", 128 * 384)            # several chunks
+    w = torch.randn(3, 256, 384)
+    q, s = quantize_blocks(w)
+    for holder in (BlockFp8Weight(q, s, 128, 128), BlockFp8Weight(q, s.repeat_interleave(4, 1), 32, 128),
+                   BlockFp8Weight(q[:, :200], s, 128, 128)):                # the last: N not a multiple of 128
+        ref = dequantize_blocks(holder.qweight, s)
+        assert torch.equal(holder.dequantize(), ref)
+        assert torch.equal(holder.dequantize(torch.bfloat16), ref.to(torch.bfloat16))

@@ -26,6 +26,7 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0                 # largest finite e4m3fn value
 BLOCK = 128                     # the published weight_block_size, both dims
+_DEQUANT_CHUNK = 1 << 24        # elements per fp32 intermediate of BlockFp8Weight.dequantize
 
 
 class BlockFp8Weight(NamedTuple):
@@ -46,8 +47,19 @@ class BlockFp8Weight(NamedTuple):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the checkpoint describes, computed in fp32 (exact: an fp8 value times an fp32 scale),
-        then cast to dtype."""
-        return dequantize_grouped(self.qweight, self.scale, self.row_group, self.col_group).to(dtype)
+        then cast to dtype; in chunks of rows, so the fp32 intermediate stays small for stacked experts."""
+        q, s, g, c = self.qweight, self.scale, self.row_group, self.col_group
+        N, K = q.shape[-2:]
+        out = torch.empty(q.shape, dtype=dtype, device=q.device)
+        if N % g or K % c:
+            return dequantize_grouped(q, s, g, c).to(dtype)
+        rows = q.reshape(-1, g, K // c, c)                                   # [(lead * N/g), g, K/c, c]
+        scales = s.reshape(-1, 1, K // c, 1)
+        flat = out.view(-1, g, K // c, c)
+        step = max(1, _DEQUANT_CHUNK // (g * K))
+        for i in range(0, rows.shape[0], step):
+            flat[i : i + step] = rows[i : i + step].float() * scales[i : i + step]
+        return out
 
     def expert(self, e: int) -> BlockFp8Weight:
         """Expert e of a stacked [E, N, K] weight."""
