@@ -61,3 +61,20 @@ def test_published_fp8_configs_build_at_fp8_sizes(name, billions, fp8_gib):
     layer = model.layers[3]
     assert layer.mlp.experts_fp8 and not layer.mlp.gate.is_fp8 and is_fp8(layer.self_attn.o_proj.weight)
     assert not model.layers[0].linear_attn.in_proj.is_fp8 and model.layers[0].linear_attn.out_proj.is_fp8
+
+
+def test_cli_generate_with_fp8_flags(tmp_path, capsys, caplog):
+    import json
+
+    from deltaserve.cli import main as cli_main
+
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config("qwen3_next")))
+    rc = cli_main(["generate", "--model", str(tmp_path), "--load-format", "dummy", "--device", "cpu",
+                   "--quantization", "fp8", "--kv-cache-dtype", "fp8", "--prompt-token-ids", "[5, 6, 7]",
+                   "--max-tokens", "3", "--ignore-eos", "--json"])
+    assert rc == 0
+    assert len(json.loads(capsys.readouterr().out.strip())["token_ids"]) == 3
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["generate", "--model", str(tmp_path), "--load-format", "dummy", "--quantization", "awq",
+                  "--prompt-token-ids", "[5]"])
+    assert exit_.value.code == 2 and "--quantization" in capsys.readouterr().err
