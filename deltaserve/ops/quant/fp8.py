@@ -9,7 +9,9 @@ fused projection whose pieces are not 128-aligned, as in tiny test models, has s
 same scale repeated). That keeps every row permutation the layers apply on load exact: it moves whole groups.
 Shard rule (tensor parallelism): a row range [a, b) of the weight is a BlockFp8Weight again when a and b are
 multiples of row_group (b may be N): qweight[a:b] with scale[a // row_group : ceil(b / row_group)]; the same
-on columns with col_group.
+on columns with col_group (row-parallel layers). A shard narrower than a checkpoint block (Qwen3-Next's experts,
+I = 512, at TP8: 64 rows) needs no refusal: build the holder with row_group = gcd(128, shard width) (64), whose
+groups repeat their block's multiplier, and every shard is exact.
 
 Checkpoint pieces travel through the layers' loaders as "packed rows": fp32 [..., rows, K + ceil(K/BK)] holding
 the fp8 values (exact in fp32) and, per row, its block row's scales, so any row permutation moves values and
