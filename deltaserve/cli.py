@@ -64,6 +64,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
                    help="dummy: random weights from the model directory's config.json alone (benchmarks; "
                         "token-id prompts unless the directory has a tokenizer.json)")
+    p.add_argument("--quantization", "-q", default=None, choices=("fp8",),
+                   help="fp8: quantise a bf16 checkpoint's weights at load into block-FP8 (128 x 128 blocks); "
+                        "an FP8 checkpoint is read as FP8 without it")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
+                   help="fp8: e4m3 K/V cache with per-layer scales (checkpoint k_scale / v_scale, else calibrated "
+                        "at start-up); reference attention only for now (refused with the Triton kernels)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly (no CUDA graphs for decode steps, no compiled CPU decode step)")
     p.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
@@ -237,7 +243,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
               load_format=args.load_format, enforce_eager=args.enforce_eager, compile=args.compile,
-              async_scheduling=args.async_scheduling,
+              async_scheduling=args.async_scheduling, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype,
               warm_up=bool(args.warm_up))                 # one-off generation: only when asked
     print_outputs(llm.generate(prompts, params, use_tqdm=False), args)
     return 0

@@ -33,7 +33,7 @@ from ..config import ModelConfig
 from ..env import settings
 from ..models.loader import check_load_format
 from ..outputs import PositionLogprobs, RequestOutput
-from ..runner.worker import Worker, WorkerConfig
+from ..runner.worker import KV_CACHE_DTYPES, Worker, WorkerConfig
 from ..sampling_params import SamplingParams
 from ..tokenizer import NoTokenizerError, Tokenizer
 from .config import EngineConfig, resolve_device, resolve_dtype
@@ -105,7 +105,8 @@ class LLMEngine:
                   num_gpu_blocks: int | None = None, seed: int | None = 0,
                   enforce_reference_ops: bool = False, load_format: str = "auto",
                   enforce_eager: bool = False, compile: str | None = None,
-                  async_scheduling: bool | None = None, warm_up: bool | None = None) -> "LLMEngine":
+                  async_scheduling: bool | None = None, warm_up: bool | None = None,
+                  quantization: str | None = None, kv_cache_dtype: str = "auto") -> "LLMEngine":
         """Validate the options into configs, have a Worker (runner/worker.py) do the device half of start-up
         (load the checkpoint directory, default: the embedded model; select kernels; size the cache from the
         memory budget, GPU: measured, CPU: cpu_cache_bytes; allocate it; capture graphs), build the engine
@@ -120,7 +121,12 @@ class LLMEngine:
         DELTASERVE_COMPILE (default "off": eager measured faster on a small CPU). Ignored off CPU.
         async_scheduling: launch each step before reading the previous one's tokens; None: on for CUDA
         devices (on CPU the forward runs in the launching thread, so there is nothing to overlap).
-        warm_up: run `warm_up()` before returning; None: on CUDA (on CPU there are no kernels to build)."""
+        warm_up: run `warm_up()` before returning; None: on CUDA (on CPU there are no kernels to build).
+        quantization: "fp8" quantises a dense checkpoint's weights at load into block-FP8 (vLLM's name; an FP8
+        checkpoint's quantization_config is read from config.json without it).
+        kv_cache_dtype: "auto" (the activation dtype) or "fp8" / "fp8_e4m3": e4m3 K/V with per-layer multipliers
+        from the checkpoint's k_scale / v_scale, else calibrated at start-up (runner/kv_calibration.py); the
+        GDN state stays fp32. Reference attention only for now (refused with the Triton kernels)."""
         t0 = time.perf_counter()
         config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
@@ -128,6 +134,9 @@ class LLMEngine:
                               num_kv_blocks=num_gpu_blocks, seed=seed, enforce_reference_ops=enforce_reference_ops,
                               async_scheduling=async_scheduling)
         check_load_format(load_format)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported "
+                             f"(one of {', '.join(KV_CACHE_DTYPES)})")
         if isinstance(model, dict):
             if load_format != "dummy":
                 raise ValueError("a config dict as the model needs load_format='dummy' (there are no weights to read)")
@@ -135,6 +144,7 @@ class LLMEngine:
         else:
             path = Path(model) if model is not None else DEFAULT_MODEL_PATH
             model_config = ModelConfig.from_hf(path)
+        model_config = model_config.with_quantization(quantization)
         dev = resolve_device(device)
         limit = model_config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
@@ -146,7 +156,8 @@ class LLMEngine:
             gpu_memory_utilization=gpu_memory_utilization, cpu_cache_bytes=cpu_cache_bytes or DEFAULT_CPU_CACHE_BYTES,
             num_kv_blocks=num_gpu_blocks, seed=seed,
             force_reference_ops=enforce_reference_ops or settings().force_reference_ops,
-            enforce_eager=enforce_eager, compile=compile or settings().compile))
+            enforce_eager=enforce_eager, compile=compile or settings().compile,
+            kv_cache_dtype="fp8" if kv_cache_dtype.startswith("fp8") else kv_cache_dtype))
         tokenizer = Tokenizer.from_dir(path) if path is not None else None
         runner = worker.start()
         plan = worker.plan
