@@ -49,6 +49,7 @@ class WorkerConfig:
     force_reference_ops: bool = False
     enforce_eager: bool = False      # no CUDA graphs, no compiled CPU decode step
     compile: str = "off"             # the compiled CPU decode step: "auto" | "on" | "off" (cpu_compile.py)
+    prefix_cache_state_fraction: float = 0.0  # budget share of prefix-cache state snapshots (0: none)
 
 
 class Worker:
@@ -67,7 +68,8 @@ class Worker:
         c = self.config
         self.load_model()
         plan = plan_cache(self.cache_spec(), budget_bytes=self.cache_budget(), max_num_seqs=c.max_num_seqs,
-                          max_model_len=c.max_model_len, num_blocks=c.num_kv_blocks)
+                          max_model_len=c.max_model_len, num_blocks=c.num_kv_blocks,
+                          snapshot_fraction=c.prefix_cache_state_fraction)
         return self.initialize_cache(plan)
 
     def load_model(self) -> HybridForCausalLM:
