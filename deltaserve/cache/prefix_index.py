@@ -209,13 +209,13 @@ class PrefixIndex:
         snapshot's tail, so one eviction may free nothing until the other goes too)."""
         while self.pool.num_free < needed:
             mine = self.block_refs()
-            only_mine = lambda b: self.pool.ref_count(b) == mine[b]  # noqa: E731
+            only_mine = {b for b, n in mine.items() if self.pool.ref_count(b) == n}
             candidates: list[tuple[float, int, object]] = []
             for node in self._nodes:
-                if not node.children and only_mine(node.block):
+                if not node.children and node.block in only_mine:
                     candidates.append((node.last_used, -node.depth, node))
             for snap in self._snapshots:
-                if snap.tail_block is not None and only_mine(snap.tail_block):
+                if snap.tail_block is not None and snap.tail_block in only_mine:
                     candidates.append((self._score(snap), -snap.length, snap))
             if not candidates:
                 return

@@ -21,7 +21,7 @@ def model_path(tiny_model):
 
 @pytest.fixture(scope="module")
 def llms(model_path):
-    kw = dict(device="cpu", max_model_len=2048, max_num_batched_tokens=512)
+    kw = {"device": "cpu", "max_model_len": 2048, "max_num_batched_tokens": 512}
     return LLM(model_path, **kw), LLM(model_path, enable_prefix_caching=False, **kw)
 
 
@@ -99,8 +99,8 @@ def test_second_turn_hits_the_first_turns_prompt_and_answer(llms):
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_preemption_and_eviction_in_tiny_pools(model_path, async_scheduling):
     """14 KV blocks of 16 tokens and a handful of snapshots for 12 requests over 2 shared prefixes."""
-    kw = dict(device="cpu", block_size=16, num_gpu_blocks=14, max_num_batched_tokens=64,
-              async_scheduling=async_scheduling)
+    kw = {"device": "cpu", "block_size": 16, "num_gpu_blocks": 14, "max_num_batched_tokens": 64,
+          "async_scheduling": async_scheduling}
     cached = LLM(model_path, cpu_cache_bytes=8 << 20, prefix_cache_state_fraction=0.03, **kw)
     plain = LLM(model_path, enable_prefix_caching=False, **kw)
     prefixes = [random_ids(40, seed=20), random_ids(30, seed=21)]

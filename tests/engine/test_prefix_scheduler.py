@@ -57,8 +57,8 @@ class CopyingFakeRunner:
                 if v is not None:
                     self.kv[dst * bs + o] = v
         for new in out.new_seqs:
-            self.seqs[new.seq_id] = dict(tokens=list(new.token_ids), slot=new.state_slot,
-                                         blocks=list(new.block_ids), computed=None)
+            self.seqs[new.seq_id] = {"tokens": list(new.token_ids), "slot": new.state_slot,
+                                     "blocks": list(new.block_ids), "computed": None}
         ids, toks = [], []
         for chunk in out.chunks:
             s = self.seqs[chunk.seq_id]
@@ -136,7 +136,6 @@ def test_identical_prompt_resent_hits_all_but_its_last_token(async_scheduling):
     assert run_one(engine, "a", prompt).num_cached_tokens == 0
     out = run_one(engine, "b", prompt)
     assert out.num_cached_tokens == 36
-    assert engine.runner.steps[-1].chunks == [] or True
     first_b = [c for s in engine.runner.steps for c in s.chunks if c.num_computed == 36 and c.num_new == 1]
     assert first_b, "the resent prompt recomputes only its last token"
     stats = engine.get_stats()
