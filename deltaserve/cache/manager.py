@@ -121,8 +121,11 @@ class HybridCacheManager:
         fresh = self._allocate(self.blocks_for(num_tokens) - len(shared))
         if hit.tail_block is not None:
             self.blocks.free([hit.tail_block])       # its content is read by this step's copy, before any write
+            self.prefix.released([hit.tail_block])
         if fresh is None:
             self.blocks.free(shared)
+            if self.prefix is not None:
+                self.prefix.released(shared)
             return None
         slot = self.slots.allocate()
         if hit.slot is not None:
@@ -159,6 +162,8 @@ class HybridCacheManager:
         if held is not None:
             self.blocks.free(held.blocks)
             self.slots.free(held.slot)
+            if self.prefix is not None:
+                self.prefix.released(held.blocks)
 
     def holds(self, seq_id: int) -> bool:
         return seq_id in self._held

@@ -21,12 +21,15 @@ Eviction keeps the two halves consistent: a node goes only as a leaf (its descen
 its snapshots with it; a snapshot's score is its recency plus the prefill it saves (`WORK_TOKENS_PER_TICK`
 tokens count as one tick more recent: every snapshot takes one slot, so this is work per byte up to a
 constant). KV that no snapshot uses yet is kept (it is how a later request finds a branch point) and
-evicted least recently used first. Eviction scans the index; it runs only when a pool is short.
+evicted least recently used first. Candidates wait in two heaps with lazy invalidation (an entry is stale
+once its item was touched again, evicted, or is held by a live sequence; it is pushed again when that
+changes: `released`), so eviction costs O(log n) per item, not a scan of the index.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 
 from .block_pool import BlockPool
@@ -90,6 +93,12 @@ class PrefixIndex:
         self._nodes: set[_Node] = set()
         self._snapshots: set[Snapshot] = set()
         self._clock = itertools.count(1)
+        self._refs: dict[int, int] = {}        # references the index holds, per block
+        self._node_of: dict[int, _Node] = {}   # block -> the node holding it
+        self._tails: dict[int, set[Snapshot]] = {}   # block -> the snapshots whose tail it holds
+        self._lru: list[tuple] = []            # (last_used, -length, n, item, stamp): block eviction
+        self._by_score: list[tuple] = []       # (score, n, snapshot, stamp): snapshot-slot eviction
+        self._pushes = itertools.count()
         self.num_evicted_snapshots = 0
         self.num_evicted_blocks = 0
 
@@ -125,10 +134,10 @@ class PrefixIndex:
         if best is None:
             return PrefixHit(0, (), None, None, kv_len)
         now = next(self._clock)
-        best.last_used = now
         used = path[: best.node.depth // bs]
         for n in used:
-            n.last_used = now
+            self._touch(n, now)
+        self._touch(best, now)
         return PrefixHit(best.length, tuple(n.block for n in used), best.tail_block, best.slot, kv_len)
 
     # ---- insertion -----------------------------------------------------------------------------
@@ -142,11 +151,12 @@ class PrefixIndex:
             key = tuple(tokens[i * bs:(i + 1) * bs])
             child = node.children.get(key)
             if child is None:
-                self.pool.share([blocks[i]])
+                self._share(blocks[i])
                 child = _Node(node, key, blocks[i], node.depth + bs)
                 node.children[key] = child
                 self._nodes.add(child)
-            child.last_used = now
+                self._node_of[child.block] = child
+            self._touch(child, now)
             node = child
         return node
 
@@ -161,19 +171,69 @@ class PrefixIndex:
         tail = tuple(tokens[node.depth:length])
         existing = node.snapshots.get(tail)
         if existing is not None:
-            existing.last_used = next(self._clock)
+            self._touch(existing, next(self._clock))
             return None
         if not self._free_slots:
             self._evict_one_snapshot()
         if not self._free_slots:
             return None
         tail_block = blocks[length // bs] if tail else None
+        snap = Snapshot(node, tail, tail_block, self._free_slots.pop())
         if tail_block is not None:
-            self.pool.share([tail_block])
-        snap = Snapshot(node, tail, tail_block, self._free_slots.pop(), next(self._clock))
+            self._share(tail_block)
+            self._tails.setdefault(tail_block, set()).add(snap)
         node.snapshots[tail] = snap
         self._snapshots.add(snap)
+        self._touch(snap, next(self._clock))
         return snap.slot
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+    def _share(self, block: int) -> None:
+        self.pool.share([block])
+        self._refs[block] = self._refs.get(block, 0) + 1
+
+    def _unshare(self, block: int) -> None:
+        self.pool.free([block])
+        left = self._refs[block] - 1
+        if left:
+            self._refs[block] = left
+        else:
+            del self._refs[block]
+
+    def _only_mine(self, block: int) -> bool:
+        return self.pool.ref_count(block) == self._refs.get(block, -1)
+
+    def _push(self, item: _Node | Snapshot) -> None:
+        if isinstance(item, Snapshot):
+            if item.tail_block is not None:
+                heapq.heappush(self._lru, (item.last_used, -item.length, next(self._pushes), item, item.last_used))
+            heapq.heappush(self._by_score, (self._score(item), next(self._pushes), item, item.last_used))
+        else:
+            heapq.heappush(self._lru, (item.last_used, -item.depth, next(self._pushes), item, item.last_used))
+        if len(self._lru) + len(self._by_score) > 4 * (len(self._nodes) + len(self._snapshots)) + 256:
+            self._rebuild_heaps()
+
+    def _touch(self, item: _Node | Snapshot, now: int) -> None:
+        item.last_used = now
+        self._push(item)
+
+    def _rebuild_heaps(self) -> None:
+        self._lru = [(n.last_used, -n.depth, next(self._pushes), n, n.last_used) for n in self._nodes]
+        self._lru += [(x.last_used, -x.length, next(self._pushes), x, x.last_used) for x in self._snapshots
+                      if x.tail_block is not None]
+        self._by_score = [(self._score(x), next(self._pushes), x, x.last_used) for x in self._snapshots]
+        heapq.heapify(self._lru)
+        heapq.heapify(self._by_score)
+
+    def released(self, blocks: list[int]) -> None:
+        """Live sequences let go of these blocks: what the index holds among them may be evictable now."""
+        for b in blocks:
+            if b in self._refs and self._only_mine(b):
+                node = self._node_of.get(b)
+                if node is not None:
+                    self._push(node)
+                for snap in self._tails.get(b, ()):
+                    self._push(snap)
 
     # ---- eviction ------------------------------------------------------------------------------
     def _drop_snapshot(self, snap: Snapshot) -> None:
@@ -181,7 +241,12 @@ class PrefixIndex:
         self._snapshots.discard(snap)
         self._free_slots.append(snap.slot)
         if snap.tail_block is not None:
-            self.pool.free([snap.tail_block])
+            tails = self._tails[snap.tail_block]
+            tails.discard(snap)
+            if not tails:
+                del self._tails[snap.tail_block]
+            self._unshare(snap.tail_block)
+            self.released([snap.tail_block])
 
     def _drop_node(self, node: _Node) -> None:
         assert not node.children, "only a leaf is evicted"
@@ -190,45 +255,39 @@ class PrefixIndex:
             self.num_evicted_snapshots += 1
         del node.parent.children[node.tokens]
         self._nodes.discard(node)
-        self.pool.free([node.block])
+        del self._node_of[node.block]
+        self._unshare(node.block)
+        self.released([node.block])
         self.num_evicted_blocks += 1
+        if node.parent is not self.root and not node.parent.children:
+            self._push(node.parent)
 
     def _score(self, snap: Snapshot) -> float:
         return snap.last_used + snap.length / WORK_TOKENS_PER_TICK
 
     def _evict_one_snapshot(self) -> bool:
-        if not self._snapshots:
-            return False
-        self._drop_snapshot(min(self._snapshots, key=self._score))
-        self.num_evicted_snapshots += 1
-        return True
+        while self._by_score:
+            _, _, snap, stamp = heapq.heappop(self._by_score)
+            if snap in self._snapshots and snap.last_used == stamp:
+                self._drop_snapshot(snap)
+                self.num_evicted_snapshots += 1
+                return True
+        return False
 
     def evict_blocks(self, needed: int) -> None:
         """Evict until `needed` blocks are free (or nothing evictable is left), least recently used first:
         leaves and snapshots whose block no one but the index holds (a block may be both a node's and a
         snapshot's tail, so one eviction may free nothing until the other goes too)."""
-        while self.pool.num_free < needed:
-            mine = self.block_refs()
-            only_mine = {b for b, n in mine.items() if self.pool.ref_count(b) == n}
-            candidates: list[tuple[float, int, object]] = []
-            for node in self._nodes:
-                if not node.children and node.block in only_mine:
-                    candidates.append((node.last_used, -node.depth, node))
-            for snap in self._snapshots:
-                if snap.tail_block is not None and snap.tail_block in only_mine:
-                    candidates.append((self._score(snap), -snap.length, snap))
-            if not candidates:
-                return
-            candidates.sort(key=lambda c: c[:2])
-            for _, _, item in candidates:
-                if self.pool.num_free >= needed:
-                    return
-                if isinstance(item, Snapshot):
-                    if item in self._snapshots:
-                        self._drop_snapshot(item)
-                        self.num_evicted_snapshots += 1
-                elif item in self._nodes and not item.children:
-                    self._drop_node(item)
+        while self.pool.num_free < needed and self._lru:
+            _, _, _, item, stamp = heapq.heappop(self._lru)
+            if item.last_used != stamp:
+                continue
+            if isinstance(item, Snapshot):
+                if item in self._snapshots and self._only_mine(item.tail_block):
+                    self._drop_snapshot(item)
+                    self.num_evicted_snapshots += 1
+            elif item in self._nodes and not item.children and self._only_mine(item.block):
+                self._drop_node(item)
 
     def reset(self) -> None:
         """Drop every snapshot and node (live sequences keep their own block references)."""
@@ -236,12 +295,15 @@ class PrefixIndex:
             self._drop_snapshot(snap)
         for node in sorted(self._nodes, key=lambda n: -n.depth):
             del node.parent.children[node.tokens]
-            self.pool.free([node.block])
+            self._unshare(node.block)
         self._nodes.clear()
+        self._node_of.clear()
+        self._lru.clear()
+        self._by_score.clear()
 
     # ---- integrity -----------------------------------------------------------------------------
     def block_refs(self) -> dict[int, int]:
-        """The references the index holds, per block."""
+        """The references the index holds, per block (recounted from the tree and the snapshots)."""
         refs: dict[int, int] = {}
         for node in self._nodes:
             refs[node.block] = refs.get(node.block, 0) + 1
@@ -270,6 +332,10 @@ class PrefixIndex:
                     raise AssertionError(f"prefix index: snapshot at {snap.length} has a wrong tail block")
         if seen != len(self._nodes):
             raise AssertionError(f"prefix index: {len(self._nodes)} nodes registered, {seen} reachable")
+        if self.block_refs() != self._refs:
+            raise AssertionError("prefix index: its per-block reference counts drifted")
+        if {n.block: n for n in self._nodes} != self._node_of:
+            raise AssertionError("prefix index: the block -> node map drifted")
         slots = [s.slot for s in self._snapshots] + self._free_slots
         if sorted(slots) != list(range(self.first_slot, self.first_slot + self.num_slots)):
             raise AssertionError("prefix index: snapshot slots lost or held twice")
