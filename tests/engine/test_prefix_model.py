@@ -112,3 +112,31 @@ def test_preemption_and_eviction_in_tiny_pools(model_path, async_scheduling):
     stats = cached.engine.get_stats()
     assert stats.num_preempted_total > 0 and stats.prefix_cache_hits_total > 0
     assert stats.prefix_cache_snapshot_evictions_total > 0
+
+
+@pytest.mark.gpu
+def test_hits_equal_misses_on_cuda_with_graphs_and_async_scheduling(model_path):
+    """The device half on CUDA (fp32, so that hit == miss holds to 1e-5): snapshot copies between the live
+    slots and the snapshot pool, the block copy, and restored slots feeding CUDA-graph decodes (when the
+    model's kernels allow graphs) with async scheduling (the CUDA default)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    kw = {"device": "cuda", "dtype": "float32", "max_model_len": 2048, "max_num_batched_tokens": 512,
+          "gpu_memory_utilization": 0.3}
+    cached, plain = LLM(model_path, **kw), LLM(model_path, enable_prefix_caching=False, **kw)
+    assert cached.engine.async_scheduling
+    prefix = random_ids(101, seed=1)
+    prompts = [prefix + random_ids(n, seed=10 + n) for n in (40, 376, 1296, 40)] + [prefix + random_ids(40, seed=50)]
+    for p in prompts:
+        for sp in (params(), params(n=4, max_tokens=8)):
+            a = cached.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
+            b = plain.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
+            for x, y in zip(a.outputs, b.outputs):
+                assert x.token_ids == y.token_ids
+                for px, py in zip(x.logprobs, y.logprobs):
+                    for t in px:
+                        assert abs(px[t].logprob - py[t].logprob) < TOL
+    cached.engine.cache.check_integrity()
+    assert cached.engine.get_stats().prefix_cache_hits_total > 3 * 101
