@@ -67,7 +67,7 @@ class HybridCacheManager:
         """Blocks live sequences hold (the rest of the used ones only the prefix cache holds: evictable)."""
         if self.prefix is None:
             return self.blocks.num_used
-        return len({b for h in self._held.values() for b in h.blocks})
+        return len({b for h in list(self._held.values()) for b in h.blocks})   # list(): stats from another thread
 
     @property
     def num_cached_blocks(self) -> int:
@@ -103,8 +103,10 @@ class HybridCacheManager:
         return out
 
     def reset_prefix_cache(self) -> None:
+        """Drop the index; queued saves into its snapshot slots go too (restores only queue within a step)."""
         if self.prefix is not None:
             self.prefix.reset()
+            self._state_copies = [(a, b) for a, b in self._state_copies if b < self.prefix.first_slot]
 
     # ---- per sequence ------------------------------------------------------------------------
     def admit(self, seq_id: int, num_tokens: int, hit: PrefixHit = MISS) -> tuple[int, list[int]] | None:

@@ -104,7 +104,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         reset = getattr(state.engine.engine, "reset_prefix_cache", None)
         if reset is None or not reset():
             return JSONResponse(APIError("prefix caching is off (--no-enable-prefix-caching)").body(), status_code=400)
-        return Response(status_code=200)
+        return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
