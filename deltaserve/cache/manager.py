@@ -27,6 +27,7 @@ from .state_pool import StatePool
 class _Holding:
     slot: int
     blocks: list[int]
+    indexed: object = None            # the prefix index's node of its blocks saved so far (resume point)
 
 
 class HybridCacheManager:
@@ -92,7 +93,8 @@ class HybridCacheManager:
         if self.prefix is None or not 0 < length <= len(tokens):
             return
         held = self._held[seq_id]
-        snap = self.prefix.save(tokens, length, held.blocks)
+        snap = self.prefix.save(tokens, length, held.blocks, held.indexed)
+        held.indexed = self.prefix.last_node
         if snap is not None:
             self._state_copies.append((held.slot, snap))
 

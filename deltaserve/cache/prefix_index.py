@@ -45,7 +45,20 @@ class _Node:
     depth: int                               # tokens from the root through the end of this node
     children: dict[tuple[int, ...], _Node] = dataclasses.field(default_factory=dict)
     snapshots: dict[tuple[int, ...], Snapshot] = dataclasses.field(default_factory=dict)
+    # first token -> the child keys and snapshot tails starting with it (a lookup compares only those)
+    firsts: dict[int, set[tuple[int, ...]]] = dataclasses.field(default_factory=dict)
     last_used: int = 0
+
+    def add_key(self, key: tuple[int, ...]) -> None:
+        if key:
+            self.firsts.setdefault(key[0], set()).add(key)
+
+    def remove_key(self, key: tuple[int, ...]) -> None:
+        if key:
+            keys = self.firsts[key[0]]
+            keys.discard(key)
+            if not keys:
+                del self.firsts[key[0]]
 
 
 @dataclasses.dataclass(eq=False)
@@ -99,6 +112,7 @@ class PrefixIndex:
         self._lru: list[tuple] = []            # (last_used, -length, n, item, stamp): block eviction
         self._by_score: list[tuple] = []       # (score, n, snapshot, stamp): snapshot-slot eviction
         self._pushes = itertools.count()
+        self.last_node: _Node | None = None
         self.num_evicted_snapshots = 0
         self.num_evicted_blocks = 0
 
@@ -117,11 +131,15 @@ class PrefixIndex:
         node, best = self.root, None
         path: list[_Node] = []
         while True:
-            for tail, snap in node.snapshots.items():
-                end = node.depth + len(tail)
-                if end <= max_len and (best is None or end > best.length) and \
-                        tuple(tokens[node.depth:end]) == tail:
-                    best = snap
+            aligned = node.snapshots.get(())
+            if aligned is not None and node.depth <= max_len:
+                best = aligned
+            if node.depth < len(tokens):
+                for key in node.firsts.get(tokens[node.depth], ()):
+                    end = node.depth + len(key)
+                    if len(key) < bs and end <= max_len and (best is None or end > best.length) and \
+                            tuple(tokens[node.depth:end]) == key:
+                        best = node.snapshots[key]
             child = node.children.get(tuple(tokens[node.depth:node.depth + bs])) \
                 if node.depth + bs <= len(tokens) else None
             if child is None:
@@ -129,7 +147,7 @@ class PrefixIndex:
             node = child
             path.append(node)
         rest = tokens[node.depth:node.depth + bs]
-        partial = max([_common_prefix(k, rest) for k in (*node.children, *node.snapshots)], default=0)
+        partial = max([_common_prefix(k, rest) for k in node.firsts.get(rest[0], ())], default=0) if rest else 0
         kv_len = node.depth + partial
         if best is None:
             return PrefixHit(0, (), None, None, kv_len)
@@ -141,33 +159,42 @@ class PrefixIndex:
         return PrefixHit(best.length, tuple(n.block for n in used), best.tail_block, best.slot, kv_len)
 
     # ---- insertion -----------------------------------------------------------------------------
-    def insert_blocks(self, tokens: list[int], blocks: list[int], num_full: int) -> _Node:
+    def insert_blocks(self, tokens: list[int], blocks: list[int], num_full: int, start: _Node | None = None) -> _Node:
         """Index the first num_full blocks of a sequence (their tokens are all computed); blocks already
         indexed under the same tokens stay as they are (the sequence's copy stays its own). Returns the
-        node after them."""
+        node after them. start: a node this sequence's tokens already reached (its ancestors are then
+        indexed too, as a node is only evicted after its children), to resume from."""
         bs, node = self.block_size, self.root
+        if start is not None and start in self._nodes and start.depth <= num_full * bs:
+            node = start
         now = next(self._clock)
-        for i in range(num_full):
+        for i in range(node.depth // bs, num_full):
             key = tuple(tokens[i * bs:(i + 1) * bs])
             child = node.children.get(key)
             if child is None:
                 self._share(blocks[i])
                 child = _Node(node, key, blocks[i], node.depth + bs)
                 node.children[key] = child
+                node.add_key(key)
                 self._nodes.add(child)
                 self._node_of[child.block] = child
-            self._touch(child, now)
+            if child.block == blocks[i]:        # the sequence holds it: pushed again once released
+                child.last_used = now
+            else:
+                self._touch(child, now)
             node = child
         return node
 
-    def save(self, tokens: list[int], length: int, blocks: list[int]) -> int | None:
+    def save(self, tokens: list[int], length: int, blocks: list[int], start: _Node | None = None) -> int | None:
         """Index a sequence's cache at `length` tokens (its blocks cover them, its state is after exactly
         `length` tokens): its full blocks, and a snapshot unless one exists there. Returns the snapshot slot
-        the caller must copy the sequence's state into, or None (already cached, or no slot)."""
+        the caller must copy the sequence's state into, or None (already cached, or no slot); `last_node` is
+        then the node of its full blocks (a `start` for the sequence's next save)."""
+        self.last_node = None
         if length <= 0 or self.num_slots == 0:
             return None
         bs = self.block_size
-        node = self.insert_blocks(tokens, blocks, length // bs)
+        node = self.last_node = self.insert_blocks(tokens, blocks, length // bs, start)
         tail = tuple(tokens[node.depth:length])
         existing = node.snapshots.get(tail)
         if existing is not None:
@@ -183,6 +210,7 @@ class PrefixIndex:
             self._share(tail_block)
             self._tails.setdefault(tail_block, set()).add(snap)
         node.snapshots[tail] = snap
+        node.add_key(tail)
         self._snapshots.add(snap)
         self._touch(snap, next(self._clock))
         return snap.slot
@@ -238,6 +266,7 @@ class PrefixIndex:
     # ---- eviction ------------------------------------------------------------------------------
     def _drop_snapshot(self, snap: Snapshot) -> None:
         del snap.node.snapshots[snap.tail]
+        snap.node.remove_key(snap.tail)
         self._snapshots.discard(snap)
         self._free_slots.append(snap.slot)
         if snap.tail_block is not None:
@@ -254,6 +283,7 @@ class PrefixIndex:
             self._drop_snapshot(snap)
             self.num_evicted_snapshots += 1
         del node.parent.children[node.tokens]
+        node.parent.remove_key(node.tokens)
         self._nodes.discard(node)
         del self._node_of[node.block]
         self._unshare(node.block)
@@ -295,6 +325,7 @@ class PrefixIndex:
             self._drop_snapshot(snap)
         for node in sorted(self._nodes, key=lambda n: -n.depth):
             del node.parent.children[node.tokens]
+            node.parent.remove_key(node.tokens)
             self._unshare(node.block)
         self._nodes.clear()
         self._node_of.clear()
@@ -325,6 +356,9 @@ class PrefixIndex:
                     raise AssertionError("prefix index: a reachable node is not registered")
                 seen += 1
                 stack.append(child)
+            keys = {k for ks in node.firsts.values() for k in ks}
+            if keys != set(node.children) | {t for t in node.snapshots if t}:
+                raise AssertionError(f"prefix index: the first-token map at depth {node.depth} drifted")
             for tail, snap in node.snapshots.items():
                 if snap.node is not node or snap.tail != tail or len(tail) >= bs or snap not in self._snapshots:
                     raise AssertionError(f"prefix index: snapshot at {snap.length} is misplaced")
