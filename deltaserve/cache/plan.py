@@ -97,6 +97,7 @@ class CachePlan:
     num_snapshot_slots: int = 0   # of num_slots, the prefix cache's state snapshots (the last ids)
 
 
+DEFAULT_PREFIX_CACHE_STATE_FRACTION = 0.1   # of the cache budget, for prefix-cache state snapshots
 MAX_SNAPSHOT_SLOTS = 4096   # bounds the host tables indexed by slot (block table rows, last tokens)
 
 

@@ -6,13 +6,13 @@ import dataclasses
 
 import torch
 
+from ..cache.plan import DEFAULT_PREFIX_CACHE_STATE_FRACTION
 from ..config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-DEFAULT_PREFIX_CACHE_STATE_FRACTION = 0.1   # of the cache budget, for prefix-cache state snapshots
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -172,10 +172,11 @@ class LLMEngine:
                                      num_slots=plan.num_slots - plan.num_snapshot_slots,
                                      num_snapshot_slots=plan.num_snapshot_slots,
                                      enable_prefix_caching=enable_prefix_caching)
+        prefix = "prefix caching off"
         if enable_prefix_caching:
             snap_bytes = plan.num_snapshot_slots * worker.cache_spec().state_slot_bytes
-            logger.info("prefix caching: %d GDN state snapshots (%.1f MiB, prefix_cache_state_fraction %.2f)",
-                        plan.num_snapshot_slots, snap_bytes / (1 << 20), prefix_cache_state_fraction)
+            prefix = (f"prefix caching: {plan.num_snapshot_slots} of the state slots are snapshots "
+                      f"({snap_bytes / (1 << 20):.1f} MiB, prefix_cache_state_fraction {prefix_cache_state_fraction})")
             if plan.num_snapshot_slots == 0:
                 logger.warning("prefix caching has no room for a state snapshot: no request can hit "
                                "(raise prefix_cache_state_fraction or the cache budget)")
@@ -185,8 +186,8 @@ class LLMEngine:
         engine = cls(model_config=model_config, tokenizer=tokenizer, runner=runner, cache=manager, plan=plan,
                      config=config, model_path=path)
         warm = engine.warm_up() if (warm_up if warm_up is not None else dev.type == "cuda") else None
-        logger.info("engine ready in %.1f s%s: %s", time.perf_counter() - t0,
-                    "" if warm is None else f" (warm-up {warm:.1f} s)", worker.summary())
+        logger.info("engine ready in %.1f s%s: %s; %s", time.perf_counter() - t0,
+                    "" if warm is None else f" (warm-up {warm:.1f} s)", worker.summary(), prefix)
         return engine
 
     def warm_up(self) -> float:

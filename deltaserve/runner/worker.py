@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..cache.plan import CachePlan, CacheSpec, MiB, plan_cache
+from ..cache.plan import DEFAULT_PREFIX_CACHE_STATE_FRACTION, CachePlan, CacheSpec, MiB, plan_cache
 from ..config import ModelConfig
 from ..models.loader import build_dummy_model, load_model
 from ..models.qwen3_next import HybridForCausalLM
@@ -49,7 +49,7 @@ class WorkerConfig:
     force_reference_ops: bool = False
     enforce_eager: bool = False      # no CUDA graphs, no compiled CPU decode step
     compile: str = "off"             # the compiled CPU decode step: "auto" | "on" | "off" (cpu_compile.py)
-    prefix_cache_state_fraction: float = 0.0  # budget share of prefix-cache state snapshots (0: none)
+    prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION  # snapshots' budget share (0: none)
 
 
 class Worker:
