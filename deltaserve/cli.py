@@ -51,6 +51,13 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
+def _open_fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
+    return value
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="Hugging Face checkpoint directory (default: the embedded model shipped in the package)")
@@ -75,6 +82,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
                    help="launch each step before reading the previous step's tokens, so host work overlaps the "
                         "GPU (default: on for CUDA devices, off on CPU)")
+    p.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction,
+                   help="resume requests from the cached KV blocks and GDN state snapshots of earlier ones (exact, "
+                        "token-granular)")
+    p.add_argument("--prefix-cache-state-fraction", type=_open_fraction, default=0.1, metavar="FRACTION",
+                   help="share of the cache budget for the prefix cache's GDN state snapshots")
     p.add_argument("--warm-up", default=None, action=argparse.BooleanOptionalAction,
                    help="run throw-away requests of several batch packings at startup so kernels are built before "
                         "serving (default: serve: on for CUDA devices; generate: off)")
@@ -244,7 +256,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
               load_format=args.load_format, enforce_eager=args.enforce_eager, compile=args.compile,
               async_scheduling=args.async_scheduling, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype,
+              kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
+              prefix_cache_state_fraction=args.prefix_cache_state_fraction,
               warm_up=bool(args.warm_up))                 # one-off generation: only when asked
     print_outputs(llm.generate(prompts, params, use_tqdm=False), args)
     return 0

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..cache.plan import CachePlan, CacheSpec, MiB, plan_cache
+from ..cache.plan import DEFAULT_PREFIX_CACHE_STATE_FRACTION, CachePlan, CacheSpec, MiB, plan_cache
 from ..config import ModelConfig
 from ..models.loader import build_dummy_model, load_model
 from ..models.qwen3_next import HybridForCausalLM
@@ -58,6 +58,7 @@ class WorkerConfig:
     enforce_eager: bool = False      # no CUDA graphs, no compiled CPU decode step
     compile: str = "off"             # the compiled CPU decode step: "auto" | "on" | "off" (cpu_compile.py)
     kv_cache_dtype: str = "auto"     # "auto" (the activation dtype) | "fp8" (e4m3 with per-layer multipliers)
+    prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION  # snapshots' budget share (0: none)
 
 
 class Worker:
@@ -76,7 +77,8 @@ class Worker:
         c = self.config
         self.load_model()
         plan = plan_cache(self.cache_spec(), budget_bytes=self.cache_budget(), max_num_seqs=c.max_num_seqs,
-                          max_model_len=c.max_model_len, num_blocks=c.num_kv_blocks)
+                          max_model_len=c.max_model_len, num_blocks=c.num_kv_blocks,
+                          snapshot_fraction=c.prefix_cache_state_fraction)
         return self.initialize_cache(plan)
 
     def load_model(self) -> HybridForCausalLM:

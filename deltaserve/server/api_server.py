@@ -112,6 +112,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def version():
         return {"version": __version__}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        reset = getattr(state.engine.engine, "reset_prefix_cache", None)
+        if reset is None or not reset():
+            return JSONResponse(APIError("prefix caching is off (--no-enable-prefix-caching)").body(), status_code=400)
+        return {"status": "ok"}
+
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -155,7 +155,10 @@ class _Run(StreamingRun):
 
     def _usage(self) -> dict[str, int]:
         out = self.final
-        return usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)) if out else usage(0, 0)
+        if out is None:
+            return usage(0, 0)
+        return usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
+                     getattr(out, "num_cached_tokens", 0))
 
     # ---- non-streaming -------------------------------------------------------------------------
     async def collect(self, group: RequestGroup) -> dict[str, Any]:
