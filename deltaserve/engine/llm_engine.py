@@ -95,6 +95,8 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self._steps_total = 0
         self._batched_tokens_total = 0
+        self._structured = None                          # StructuredOutputManager, made by the first grammar
+        self._grammars: dict[str, tuple[Any, str]] = {}  # request id -> (compiled grammar, kind), until admitted
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -232,6 +234,7 @@ class LLMEngine:
             raise ValueError(
                 f"request needs {len(ids) + max_new} tokens of KV cache ({len(ids)} prompt + {max_new} new) but the "
                 f"whole pool holds {self.cache.blocks.num_blocks * self.cache.block_size}; lower max_tokens")
+        params, grammar = self._check_sampling_extras(params)
         req = Request(request_id, text, ids, params, time.monotonic() if arrival_time is None else arrival_time,
                       stream=stream)
         req.seqs = [Sequence(next(self._seq_ids), req, i, max_new_tokens=max_new, eos_token_ids=self.eos_token_ids,
@@ -241,6 +244,8 @@ class LLMEngine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._live_ids.add(request_id)
             self._pending_adds.append(req)
+            if grammar is not None:
+                self._grammars[request_id] = grammar
 
     def _prompt_ids(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -296,6 +301,7 @@ class LLMEngine:
             aborts, self._pending_aborts = self._pending_aborts, []
         for req in adds:
             self._requests[req.request_id] = req
+            self._add_matchers(req)
             for seq in req.seqs:
                 self._seqs[seq.seq_id] = seq
                 self.scheduler.add(seq)
@@ -314,6 +320,8 @@ class LLMEngine:
     def _retire(self, req: Request) -> None:
         for seq in req.seqs:
             self._seqs.pop(seq.seq_id, None)
+            if self._structured is not None:
+                self._structured.remove(seq.seq_id)
         del self._requests[req.request_id]
         with self._lock:
             for seq in req.seqs:
@@ -337,8 +345,10 @@ class LLMEngine:
                 elif self.scheduler.waiting and not self.scheduler.running:
                     raise RuntimeError("scheduler admitted nothing with an idle batch (a request cannot fit)")
                 return outputs
-            if self._inflight is not None and not self.runner.can_launch_ahead(sched):
+            if self._inflight is not None and (not self.runner.can_launch_ahead(sched)
+                                               or self._grammar_needs_pending(sched)):
                 outputs.extend(self._collect_inflight())
+            sched.grammar = self._grammar_masks(sched)
             now = time.monotonic()
             for new in sched.new_seqs:
                 self._seqs[new.seq_id].request.metrics.setdefault("first_scheduled_time", now)
@@ -377,7 +387,12 @@ class LLMEngine:
                 continue
             req = seq.request
             appended += 1
+            grammar_done = self._structured is not None and seq_id in self._structured \
+                and self._structured.accept(seq_id, token)
             if seq.append_token(token, self._with_text(lp)):
+                finished.append(seq)
+            elif grammar_done:                   # the grammar is complete: the sequence ends here
+                seq.finish_reason, seq.stop_reason = "stop", None
                 finished.append(seq)
             if "first_token_time" not in req.metrics:
                 req.metrics["first_token_time"] = now
@@ -402,6 +417,65 @@ class LLMEngine:
         for token_id, lp in entry.items():
             lp.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return entry
+
+    # ---- sampling extras: structured output, logit_bias, bad_words ---------------------------------
+    def _check_sampling_extras(self, params: SamplingParams) -> tuple[SamplingParams, tuple[Any, str] | None]:
+        """Validate what needs the vocabulary or tokenizer (ValueError naming the field); returns the params
+        (bad_words resolved to token ids, on a copy) and the compiled grammar with its kind, or None."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer: the model directory has no tokenizer.json")
+            params = params.clone()
+            params.resolve_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        so = params.structured_outputs
+        if so is None:
+            return params, None
+        return params, (self._structured_outputs().compile(so), so.kind)
+
+    def _structured_outputs(self):
+        """The structured-output manager, made on first use (it imports xgrammar and reads the vocabulary)."""
+        with self._lock:
+            if self._structured is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured_outputs need a tokenizer: the model directory has no "
+                                     "tokenizer.json")
+                from ..structured.manager import StructuredOutputManager
+
+                self._structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                           self.eos_token_ids)
+            return self._structured
+
+    def _add_matchers(self, req: Request) -> None:
+        with self._lock:
+            grammar = self._grammars.pop(req.request_id, None)
+        if grammar is not None:
+            for seq in req.seqs:                 # n > 1: one matcher per sequence
+                self._structured.add(seq.seq_id, *grammar)
+
+    def _constrained_samplers(self, sched) -> list[int]:
+        """Running constrained sequences that sample a token in `sched` (their chunk reaches their end)."""
+        if not self._structured:
+            return []
+        out = []
+        for c in sched.chunks:
+            seq = self._seqs.get(c.seq_id)
+            if (c.seq_id in self._structured and seq is not None and seq.status is SeqStatus.RUNNING
+                    and c.num_computed + c.num_new == seq.num_scheduled_tokens):
+                out.append(c.seq_id)
+        return out
+
+    def _grammar_needs_pending(self, sched) -> bool:
+        """A constrained sequence of `sched` has a token in flight: its mask needs that token first."""
+        return any(self._seqs[s].num_pending for s in self._constrained_samplers(sched))
+
+    def _grammar_masks(self, sched):
+        """Start filling the bitmasks of the constrained sequences sampling in `sched` (None: there are none)."""
+        seq_ids = self._constrained_samplers(sched)
+        return self._structured.masks(seq_ids) if seq_ids else None
 
     # ---- introspection ------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
