@@ -96,7 +96,8 @@ class StructuredOutputManager:
                 return self.compiler.compile_json_schema(value if isinstance(value, str) else json.dumps(value),
                                                          any_whitespace=not so.disable_any_whitespace)
             if kind == "json_object":
-                return self.compiler.compile_builtin_json_grammar()
+                return self.compiler.compile_json_schema('{"type": "object"}',      # OpenAI: an object, not any JSON
+                                                         any_whitespace=not so.disable_any_whitespace)
             if kind == "regex":
                 return self.compiler.compile_regex(value)
             if kind == "choice":
