@@ -11,7 +11,8 @@ which blocks were added, so this object stays small whatever the context lengths
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .outputs import PositionLogprobs
 from .sampling_params import SamplingParams

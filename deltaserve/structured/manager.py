@@ -37,7 +37,8 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -51,6 +52,9 @@ def _xgr():
     import xgrammar
 
     return xgrammar
+
+
+_SERIAL_FILL_ROWS = 4
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -142,7 +146,10 @@ class StructuredOutputManager:
             # a terminated matcher (its sequence finished in the step in flight: the extra token is dropped)
             # keeps the all-ones row allocate_token_bitmask made
             live = [(i, m) for i, m in live if not m.is_terminated()]
-            if live:
+            if len(live) <= _SERIAL_FILL_ROWS:       # xgrammar's thread fan-out costs more than a few rows
+                for i, m in live:
+                    m.fill_next_token_bitmask(mask, i)
+            elif live:
                 self._batch.batch_fill_next_token_bitmask([m for _, m in live], mask, [i for i, _ in live])
             return mask
         rows = sum(len(d) + 1 for d in drafts)

@@ -153,7 +153,7 @@ def test_bad_words(llm):
     assert gen(llm, ["x"], greedy.clone(bad_words=["a"]))[0].outputs[0].text == "b" * 8
     assert gen(llm, ["a"], greedy.clone(bad_words=["aa"]))[0].outputs[0].text.startswith("a")  # the prompt is not output
     with pytest.raises(ValueError, match="bad_words"):
-        SamplingParams(bad_words=["x"]).bad_words_token_ids                           # not resolved
+        _ = SamplingParams(bad_words=["x"]).bad_words_token_ids                       # not resolved
 
 
 def test_apply_token_bitmask_reference():

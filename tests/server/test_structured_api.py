@@ -98,7 +98,7 @@ def test_json_object_and_guided_fields(client):
 
 
 def test_logit_bias_and_bad_words(client):
-    kw = dict(model="tiny", prompt="The", temperature=0, max_tokens=6, logprobs=0)
+    kw = {"model": "tiny", "prompt": "The", "temperature": 0, "max_tokens": 6, "logprobs": 0}
     r = client.completions.create(logit_bias={"40": 100}, extra_body={"ignore_eos": True}, **kw)
     tokens = r.choices[0].logprobs.tokens
     assert len(set(tokens)) == 1                      # the biased token every time
