@@ -37,6 +37,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -110,7 +111,9 @@ class StructuredOutputManager:
                 return self.compiler.compile_grammar(value)
             return self.compiler.compile_structural_tag(value if isinstance(value, str) else json.dumps(value))
         except (RuntimeError, ValueError, TypeError) as exc:     # xgrammar: RuntimeError, InvalidJSONError, ...
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            text = str(exc).strip()
+            # xgrammar's C++ messages start "[hh:mm:ss] /path/file.cc:123: "; the rest names the problem
+            message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text.splitlines()[0]) if text else type(exc).__name__
             raise ValueError(f"structured_outputs.{kind}: cannot be compiled: {message}") from None
 
     def add(self, seq_id: int, compiled: Any, kind: str) -> None:

@@ -193,3 +193,55 @@ def test_draft_masks_match_sequential(llm):
     finally:
         mgr.remove(-1)
         mgr.remove(-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_constrained_on_cuda_async_matches_cpu(byte_model, llm):
+    """On CUDA (async scheduling, masks filled while the GPU runs): constrained outputs validate, and a greedy
+    free request beside them equals the CPU engine's (the byte model's logits are far from ties)."""
+    gpu = LLM(byte_model, device="cuda", dtype="float32", async_scheduling=True)
+    params = [SamplingParams(n=8, seed=2, max_tokens=120, structured_outputs=so(json=SCHEMA, disable_any_whitespace=True)),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+    got = gen(gpu, ["{", "x"], params)
+    for c in got[0].outputs:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert got[1].outputs[0].token_ids == gen(llm, ["x"], params[1])[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("template", ["hermes json", "<function= xml"])
+@pytest.mark.parametrize("in_reasoning", [False, True])
+def test_tool_call_grammar_accepts_what_the_parser_reads(llm, template, in_reasoning):
+    """The forced-call grammar of each Qwen style accepts the canonical call text (after the reasoning's end
+    when the prompt opened <think>), then only the end of the sequence; QwenToolParser parses that text back."""
+    from deltaserve.server.tool_parsers import QwenToolParser, ToolCallDelta
+    from deltaserve.structured.tool_calls import tool_call_constraint
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city", "days"]}}}]
+    if "xml" in template:
+        call = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+                "</parameter>\n</function>\n</tool_call>")
+    else:
+        call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+    text = ("hmm</think>" if in_reasoning else "") + call
+    mgr = llm.engine._structured_outputs()
+    grammar = mgr.compile(tool_call_constraint(template, tools, "required", False, in_reasoning))
+    mgr.add(-9, grammar, "structural_tag")
+    try:
+        for tok in llm.tokenizer.encode(text, add_special_tokens=False):
+            assert not mgr.accept(-9, tok)
+        eos = min(llm.engine.eos_token_ids)
+        mask = mgr.fill([-9])[0]
+        allowed = [t for t in range(llm.config.vocab_size) if (int(mask[t // 32]) >> (t % 32)) & 1]
+        assert allowed == sorted(llm.engine.eos_token_ids)          # one call, then only the end
+        assert mgr.accept(-9, eos)
+    finally:
+        mgr.remove(-9)
+    parser = QwenToolParser(tools)
+    events = parser.feed(call) + parser.finish()
+    deltas = [e for e in events if isinstance(e, ToolCallDelta)]
+    assert deltas[0].name == "get_weather"
+    assert json.loads("".join(d.arguments for d in deltas)) == {"city": "Paris", "days": 3}
