@@ -49,7 +49,7 @@ def decode_seconds(llm: LLM, batch: int, tokens: int, constrained: bool) -> floa
 
 def host_costs(llm: LLM, batch: int) -> tuple[float, float]:
     """(ms to fill `batch` masks, ms to apply them to [batch, vocab] logits) for the schema's string state."""
-    mgr = llm.engine._structured_outputs()
+    mgr = llm.engine.grammars.manager()
     grammar = mgr.compile(StructuredOutputsParams(json=SCHEMA))
     ids = list(range(-batch, 0))
     for i in ids:

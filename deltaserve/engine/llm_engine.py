@@ -35,6 +35,7 @@ from ..models.loader import check_load_format
 from ..outputs import PositionLogprobs, RequestOutput
 from ..runner.worker import Worker, WorkerConfig
 from ..sampling_params import SamplingParams
+from ..structured.engine_hooks import EngineGrammars
 from ..tokenizer import NoTokenizerError, Tokenizer
 from .config import EngineConfig, resolve_device, resolve_dtype
 from .detokenizer import IncrementalDetokenizer
@@ -95,8 +96,8 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self._steps_total = 0
         self._batched_tokens_total = 0
-        self._structured = None                          # StructuredOutputManager, made by the first grammar
-        self._grammars: dict[str, tuple[Any, str]] = {}  # request id -> (compiled grammar, kind), until admitted
+        # structured output, logit_bias and bad_words: checks, matchers, masks (structured/engine_hooks.py)
+        self.grammars = EngineGrammars(tokenizer, model_config.vocab_size, self.eos_token_ids)
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -234,18 +235,17 @@ class LLMEngine:
             raise ValueError(
                 f"request needs {len(ids) + max_new} tokens of KV cache ({len(ids)} prompt + {max_new} new) but the "
                 f"whole pool holds {self.cache.blocks.num_blocks * self.cache.block_size}; lower max_tokens")
-        params, grammar = self._check_sampling_extras(params)
+        params = self.grammars.check(request_id, params)
         req = Request(request_id, text, ids, params, time.monotonic() if arrival_time is None else arrival_time,
                       stream=stream)
         req.seqs = [Sequence(next(self._seq_ids), req, i, max_new_tokens=max_new, eos_token_ids=self.eos_token_ids,
                              detokenizer=self._detokenizer(ids, params)) for i in range(params.n)]
         with self._lock:
             if request_id in self._live_ids:
+                self.grammars.forget(request_id)
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._live_ids.add(request_id)
             self._pending_adds.append(req)
-            if grammar is not None:
-                self._grammars[request_id] = grammar
 
     def _prompt_ids(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -301,7 +301,7 @@ class LLMEngine:
             aborts, self._pending_aborts = self._pending_aborts, []
         for req in adds:
             self._requests[req.request_id] = req
-            self._add_matchers(req)
+            self.grammars.admit(req.request_id, [seq.seq_id for seq in req.seqs])
             for seq in req.seqs:
                 self._seqs[seq.seq_id] = seq
                 self.scheduler.add(seq)
@@ -320,8 +320,7 @@ class LLMEngine:
     def _retire(self, req: Request) -> None:
         for seq in req.seqs:
             self._seqs.pop(seq.seq_id, None)
-            if self._structured is not None:
-                self._structured.remove(seq.seq_id)
+            self.grammars.retire(seq.seq_id)
         del self._requests[req.request_id]
         with self._lock:
             for seq in req.seqs:
@@ -346,9 +345,9 @@ class LLMEngine:
                     raise RuntimeError("scheduler admitted nothing with an idle batch (a request cannot fit)")
                 return outputs
             if self._inflight is not None and (not self.runner.can_launch_ahead(sched)
-                                               or self._grammar_needs_pending(sched)):
+                                               or self.grammars.needs_pending(sched, self._seqs)):
                 outputs.extend(self._collect_inflight())
-            sched.grammar = self._grammar_masks(sched)
+            sched.grammar = self.grammars.masks(sched, self._seqs)   # filled while the forward runs
             now = time.monotonic()
             for new in sched.new_seqs:
                 self._seqs[new.seq_id].request.metrics.setdefault("first_scheduled_time", now)
@@ -387,8 +386,7 @@ class LLMEngine:
                 continue
             req = seq.request
             appended += 1
-            grammar_done = self._structured is not None and seq_id in self._structured \
-                and self._structured.accept(seq_id, token)
+            grammar_done = self.grammars.accept(seq_id, token)
             if seq.append_token(token, self._with_text(lp)):
                 finished.append(seq)
             elif grammar_done:                   # the grammar is complete: the sequence ends here
@@ -417,65 +415,6 @@ class LLMEngine:
         for token_id, lp in entry.items():
             lp.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return entry
-
-    # ---- sampling extras: structured output, logit_bias, bad_words ---------------------------------
-    def _check_sampling_extras(self, params: SamplingParams) -> tuple[SamplingParams, tuple[Any, str] | None]:
-        """Validate what needs the vocabulary or tokenizer (ValueError naming the field); returns the params
-        (bad_words resolved to token ids, on a copy) and the compiled grammar with its kind, or None."""
-        vocab = self.model_config.vocab_size
-        bad = [t for t in params.logit_bias or {} if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if params.bad_words:
-            if self.tokenizer is None:
-                raise ValueError("bad_words need a tokenizer: the model directory has no tokenizer.json")
-            params = params.clone()
-            params.resolve_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
-        so = params.structured_outputs
-        if so is None:
-            return params, None
-        return params, (self._structured_outputs().compile(so), so.kind)
-
-    def _structured_outputs(self):
-        """The structured-output manager, made on first use (it imports xgrammar and reads the vocabulary)."""
-        with self._lock:
-            if self._structured is None:
-                if self.tokenizer is None:
-                    raise ValueError("structured_outputs need a tokenizer: the model directory has no "
-                                     "tokenizer.json")
-                from ..structured.manager import StructuredOutputManager
-
-                self._structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                                           self.eos_token_ids)
-            return self._structured
-
-    def _add_matchers(self, req: Request) -> None:
-        with self._lock:
-            grammar = self._grammars.pop(req.request_id, None)
-        if grammar is not None:
-            for seq in req.seqs:                 # n > 1: one matcher per sequence
-                self._structured.add(seq.seq_id, *grammar)
-
-    def _constrained_samplers(self, sched) -> list[int]:
-        """Running constrained sequences that sample a token in `sched` (their chunk reaches their end)."""
-        if not self._structured:
-            return []
-        out = []
-        for c in sched.chunks:
-            seq = self._seqs.get(c.seq_id)
-            if (c.seq_id in self._structured and seq is not None and seq.status is SeqStatus.RUNNING
-                    and c.num_computed + c.num_new == seq.num_scheduled_tokens):
-                out.append(c.seq_id)
-        return out
-
-    def _grammar_needs_pending(self, sched) -> bool:
-        """A constrained sequence of `sched` has a token in flight: its mask needs that token first."""
-        return any(self._seqs[s].num_pending for s in self._constrained_samplers(sched))
-
-    def _grammar_masks(self, sched):
-        """Start filling the bitmasks of the constrained sequences sampling in `sched` (None: there are none)."""
-        seq_ids = self._constrained_samplers(sched)
-        return self._structured.masks(seq_ids) if seq_ids else None
 
     # ---- introspection ------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -177,7 +177,7 @@ def test_apply_token_bitmask_reference():
 def test_draft_masks_match_sequential(llm):
     """The speculative-decoding API: len(draft) + 1 masks per sequence equal those of accepting the draft
     one token at a time, and the matcher is left where it was."""
-    mgr = llm.engine._structured_outputs()
+    mgr = llm.engine.grammars.manager()
     grammar = mgr.compile(so(regex=r"ab[0-9]+c"))
     mgr.add(-1, grammar, "regex")
     mgr.add(-2, grammar, "regex")
@@ -227,7 +227,7 @@ def test_tool_call_grammar_accepts_what_the_parser_reads(llm, template, in_reaso
     else:
         call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
     text = ("hmm</think>" if in_reasoning else "") + call
-    mgr = llm.engine._structured_outputs()
+    mgr = llm.engine.grammars.manager()
     grammar = mgr.compile(tool_call_constraint(template, tools, "required", False, in_reasoning))
     mgr.add(-9, grammar, "structural_tag")
     try:
