@@ -261,6 +261,26 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], which: list[
         logits.index_put_((r, t), torch.full(t.shape, float("-inf"), dtype=logits.dtype, device=dev))
 
 
+def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Structured output: logits row rows[i] keeps only the tokens bitmask[i] (host int32) allows. On CPU
+    xgrammar's own kernel (the masks come from xgrammar; about twice the torch reference's speed), elsewhere
+    the torch reference."""
+    everything = rows == list(range(logits.shape[0]))
+    if logits.device.type == "cpu":
+        import xgrammar
+
+        if everything:
+            xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1])
+        else:
+            index = torch.tensor(rows)
+            part = logits[index]
+            xgrammar.apply_token_bitmask_inplace(part, bitmask, vocab_size=logits.shape[1])
+            logits[index] = part
+        return
+    index = None if everything else to_device(torch.tensor(rows), logits.device)
+    sampling_ref.apply_token_bitmask(logits, to_device(bitmask, logits.device), index)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int | None, temperature_sample: Callable | None = None):
         self.device = torch.device(device)
@@ -295,9 +315,7 @@ class Sampler:
         if adjust:
             _apply_penalties(logits, rows, adjust)
         if masks is not None:
-            bitmask, mask_rows = masks
-            index = None if mask_rows == list(range(len(rows))) else to_device(torch.tensor(mask_rows), dev)
-            sampling_ref.apply_token_bitmask(logits, to_device(bitmask, dev), index)
+            _apply_bitmask(logits, *masks)
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
             tokens = logits.argmax(dim=-1)

@@ -318,13 +318,23 @@ class ChatCompletionRequest(_SamplingFields):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise APIError(f"tool_choice names {choice.function.name!r}, which is not in tools",
                            param="tool_choice.function.name")
-        if self.forces_tool_call and self.structured_sources() | self._format_source():
-            raise APIError("a forced tool call (tool_choice) cannot be combined with another output constraint",
-                           param="tool_choice")
+        if self.tool_call_grammar:
+            field = "tool_choice" if self.forces_tool_call else "parallel_tool_calls"
+            if self.structured_sources() | self._format_source():
+                raise APIError(f"{field} constrains the output to tool calls; it cannot be combined with another "
+                               "output constraint", param=field)
+            if self.min_tokens:
+                raise APIError(f"min_tokens cannot be combined with {field} (a completed call allows only the end "
+                               "of the message)", param="min_tokens")
 
     @property
     def forces_tool_call(self) -> bool:
         return isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required"
+
+    @property
+    def tool_call_grammar(self) -> bool:
+        """The output is constrained to tool calls: a forced call, or at most one (parallel_tool_calls false)."""
+        return self.uses_tools and (self.forces_tool_call or self.parallel_tool_calls is False)
 
     @property
     def forced_tools(self) -> list[Tool]:

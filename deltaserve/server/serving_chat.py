@@ -59,7 +59,7 @@ async def create_chat_completion(state: ServerState, http: Request):
 def _with_tool_call_grammar(state: ServerState, req: ChatCompletionRequest, params, prompt: str):
     """tool_choice "required" / named, or parallel_tool_calls false: the output is constrained to the
     model's tool-call format (structured/tool_calls.py), so it parses as calls of the given tools."""
-    if not req.uses_tools or not (req.forces_tool_call or req.parallel_tool_calls is False):
+    if not req.tool_call_grammar:
         return params
     from ..structured.tool_calls import tool_call_constraint
 

@@ -174,6 +174,24 @@ def test_apply_token_bitmask_reference():
         assert torch.equal(out[lrow][allowed[mrow]], logits[lrow][allowed[mrow]])
 
 
+def test_sampler_bitmask_equals_reference():
+    """The sampler's CPU path (xgrammar's kernel) bans exactly what the torch reference bans, on a subset of rows."""
+    from deltaserve.runner.sampler import _apply_bitmask
+
+    torch.manual_seed(1)
+    logits = torch.randn(4, 100)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 4), dtype=torch.int32)
+    want = logits.clone()
+    apply_token_bitmask(want, bitmask, torch.tensor([3, 1]))
+    got = logits.clone()
+    _apply_bitmask(got, bitmask, [3, 1])
+    assert torch.equal(got, want)
+    want, got = logits[:2].clone(), logits[:2].clone()
+    apply_token_bitmask(want, bitmask)
+    _apply_bitmask(got, bitmask, [0, 1])
+    assert torch.equal(got, want)
+
+
 def test_draft_masks_match_sequential(llm):
     """The speculative-decoding API: len(draft) + 1 masks per sequence equal those of accepting the draft
     one token at a time, and the matcher is left where it was."""

@@ -154,6 +154,9 @@ def test_forced_tool_calls_parse(style, client, xml_client):
      "tool_choice.function.name"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
     ({"min_tokens": 2, "guided_regex": "a+"}, "min_tokens"),
+    ({"tools": TOOLS, "parallel_tool_calls": False, "response_format": {"type": "json_object"}},
+     "parallel_tool_calls"),
+    ({"tools": TOOLS, "tool_choice": "required", "min_tokens": 2}, "min_tokens"),
 ])
 def test_bad_values_are_400s_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as err:
