@@ -1,12 +1,12 @@
 """Decode throughput with and without a JSON-schema constraint (structured output), batch 1 and 64, on the
 embedded default model (CPU by default).
 
-Both runs decode the same prompts for the same number of steps: the constrained requests use a schema with
-an unbounded string field ({"text": "..."}), and every request is ignore_eos with the grammar's end kept far
-away by a logit_bias-free long string, so both runs count the same decode steps. Decode tokens/s =
+Both runs decode the same prompts for the same number of steps: the constrained requests use a schema whose
+string field must be at least 400 characters long, so the grammar cannot end within the run, and every request
+is ignore_eos, so both runs count the same decode steps. Decode tokens/s =
 B * N / (time(prefill + 1 + N tokens) - time(prefill + 1 token)), so prompt processing is excluded; median of
 --repeats. It also prints the host cost per step of filling the masks (`StructuredOutputManager.fill`) and of
-applying them (`apply_token_bitmask`), which is what the constraint adds to a step.
+applying them (the sampler's `_apply_bitmask`), which is what the constraint adds to a step.
 
     PYTHONPATH=. python benchmarks/structured_overhead.py [--batch 1 64] [--tokens 32] [--repeats 3] [--device cpu]
 """
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deltaserve import LLM, SamplingParams  # noqa: E402
-from deltaserve.ops.sampling.reference import apply_token_bitmask  # noqa: E402
+from deltaserve.runner.sampler import _apply_bitmask  # noqa: E402
 from deltaserve.sampling_params import StructuredOutputsParams  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 400}}, "required": ["text"]}
@@ -65,7 +65,7 @@ def host_costs(llm: LLM, batch: int) -> tuple[float, float]:
     logits = torch.randn(batch, llm.config.vocab_size, device=llm.device)
     t0 = time.perf_counter()
     for _ in range(reps):
-        apply_token_bitmask(logits.clone(), mask.to(llm.device))
+        _apply_bitmask(logits.clone(), mask, list(range(batch)))
     apply = (time.perf_counter() - t0) / reps
     for i in ids:
         mgr.remove(i)
