@@ -128,7 +128,7 @@ def png_colours(png: bytes) -> int:
 
 def test_png_colours_counts_distinct_pixels():
     def png(rows: list[bytes], width: int) -> bytes:
-        chunk = lambda kind, data: (struct.pack(">I", len(data)) + kind + data  # noqa: E731
+        chunk = lambda kind, data: (struct.pack(">I", len(data)) + kind + data
                                     + struct.pack(">I", zlib.crc32(kind + data)))
         raw = b"".join(b"\x00" + r for r in rows)
         return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, len(rows), 8, 2, 0, 0, 0))
@@ -168,7 +168,7 @@ def test_stop_ends_the_stream_and_the_server_aborts_it(server, browser):
     set_field(browser, "max_tokens", str(LONG))
     set_field(browser, "extra", '{"ignore_eos": true}')
     send(browser, "Once upon a time")
-    content = lambda: last_assistant(browser).find_element("class name", "content").text  # noqa: E731
+    content = lambda: last_assistant(browser).find_element("class name", "content").text
     first = wait_for(lambda: len(content()), what="the first streamed tokens")
     wait_for(lambda: len(content()) > first, what="more streamed tokens")       # it streams, not all at once
     assert state(browser) == "streaming"
@@ -184,9 +184,15 @@ def test_stop_ends_the_stream_and_the_server_aborts_it(server, browser):
 
     set_field(browser, "max_tokens", "8")
     set_field(browser, "extra", "")
+    browser.execute_script("window.sent = []; const f = window.fetch; window.fetch = (url, init) => {"
+                           "if (init && init.body) window.sent.push(JSON.parse(init.body)); return f(url, init); };")
     send(browser, "And then")                                     # the conversation goes on
     wait_for(lambda: state(browser) == "done", what="the next reply")
     assert len(browser.find_elements("css selector", ".msg.assistant")) == 3
+    [body] = browser.execute_script("return window.sent;")
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant"] * 2 + ["user"]
+    assert body["messages"][3]["content"].strip() == stopped.strip() and body["max_tokens"] == 8 and body["stream"]
+    assert "ignore_eos" not in body
 
 
 def test_errors_are_shown_in_the_page(server, browser):
@@ -208,7 +214,8 @@ def test_reasoning_is_shown_collapsed(tokenizer_dir, tmp_path, browser):
         wait_for(lambda: by_id(browser, "model").text not in ("", "…"), what="the model name")
         set_field(browser, "key", "")
         send(browser, "[[script:think]] what is 2+2?")
-        wait_for(lambda: state(browser) == "done", what="the reply")
+        wait_for(lambda: state(browser) != "streaming", what="the reply")
+        assert state(browser) == "done", by_id(browser, "error").text
         reply = last_assistant(browser)
         details = reply.find_element("tag name", "details")
         assert details.is_displayed() and details.get_attribute("open") is None
