@@ -49,7 +49,7 @@ class SpeculativeConfig:
                                      f"not {self.method!r}")
 
     @classmethod
-    def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
         """From the LLM argument (a dict), the CLI's JSON string, or an existing config; None: off."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
@@ -59,7 +59,8 @@ class SpeculativeConfig:
             except json.JSONDecodeError as e:
                 raise ValueError(f"speculative_config: not valid JSON ({e})") from None
         if not isinstance(value, dict):
-            raise ValueError(f"speculative_config: expected a JSON object, got {type(value).__name__}")
+            raise ValueError(  # noqa: TRY004 (a bad user value, refused like the others)
+                f"speculative_config: expected a JSON object, got {type(value).__name__}")
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - fields)
         if unknown:
