@@ -109,7 +109,7 @@ async def run_load(base: str, prompts: list[list[int]], output_len: int, concurr
         await asyncio.gather(*(worker(c) for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     total = sum(len(p) for p in prompts) + sum(out_tokens)
-    q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] * 1e3   # noqa: E731
+    q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] * 1e3
     return {"wall_s": wall, "total_tok_s": total / wall, "output_tok_s": sum(out_tokens) / wall,
             "ttft_p50_ms": q(ttfts, 50), "ttft_p99_ms": q(ttfts, 99), "tpot_p50_ms": q(tpots, 50),
             "tpot_p99_ms": q(tpots, 99)}

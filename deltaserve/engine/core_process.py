@@ -32,8 +32,9 @@ import os
 import pickle
 import signal
 import sys
+from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any
 
 from ..outputs import RequestOutput
 
@@ -99,10 +100,13 @@ def engine_info(engine: Any) -> dict[str, Any]:
             "stats": engine.get_stats()}
 
 
-def run_engine_core(factory: Callable[[int], Any], conn: Connection, parent_pid: int, index: int = 0) -> None:
+def run_engine_core(factory: Callable[[int], Any], conn: Connection, parent_pid: int, index: int = 0,
+                    log_level: int | None = None) -> None:
     """The core process's main: build the engine with `factory(index)` (index: the data-parallel replica), then serve `conn` until told to stop or
     the server goes away. Exit status 0 after a stop, 1 when the engine failed."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C reaches the whole group: the server decides
+    if log_level is not None:                         # a spawned process starts with logging unconfigured
+        logging.basicConfig(level=log_level, format=f"%(levelname)s core{index} %(name)s: %(message)s")
     try:
         engine = factory(index)
         conn.send_bytes(dumps(("ready", engine_info(engine))))

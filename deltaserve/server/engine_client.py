@@ -24,13 +24,15 @@ import queue
 import threading
 import time
 import types
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any
 
 from ..engine.core_process import dumps, pack_ids, run_engine_core
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
+from .async_engine import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ STEP_WAIT_S = 0.1           # step() returns empty-handed after this long, so sh
 STOP_WAIT_S = 5.0           # a core asked to stop gets this long before it is killed
 
 
-class EngineCoreError(RuntimeError):
+class EngineCoreError(EngineDeadError):
     """An engine core process failed to start, died, or reported its engine dead."""
 
 
@@ -120,12 +122,12 @@ class EngineCoreClient:
         self.model_config: Any = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
-    def start(self, timeout: float = START_TIMEOUT_S) -> "EngineCoreClient":
+    def start(self, timeout: float = START_TIMEOUT_S) -> EngineCoreClient:
         """Start every core and wait until each has built its engine; raises EngineCoreError if one fails."""
         ctx = multiprocessing.get_context("spawn")   # no fork of a process holding threads and torch state
         for i in range(self.spec.data_parallel_size):
             ours, theirs = ctx.Pipe(duplex=True)
-            process = ctx.Process(target=run_engine_core, args=(self.spec.factory, theirs, os.getpid(), i),
+            process = ctx.Process(target=run_engine_core, args=(self.spec.factory, theirs, os.getpid(), i, _root_log_level()),
                                   name=f"deltaserve-engine-core-{i}", daemon=True)
             process.start()
             theirs.close()
@@ -340,6 +342,12 @@ class EngineCoreClient:
                                          stop_reason))
         plp = None if live.prompt_logprobs is None else list(live.prompt_logprobs)
         return RequestOutput(rid, None, live.prompt_token_ids, plp, outs, finished, metrics)
+
+
+def _root_log_level() -> int | None:
+    """The server's logging level for the cores, when the server has configured logging."""
+    root = logging.getLogger()
+    return root.level if root.handlers else None
 
 
 def _rebuild(error: tuple[str, str]) -> BaseException:

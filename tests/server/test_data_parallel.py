@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
+from pathlib import Path
 
 import httpx
 import pytest
@@ -41,7 +42,7 @@ def server(model_without_tokenizer, tmp_path_factory):
 
 
 def _cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1].split()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / 100.0
 
 

@@ -4,6 +4,7 @@ one forwarded (the final one always); a reader that fell behind gets the newest 
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import httpx
 import pytest
@@ -40,7 +41,7 @@ def test_unfinished_outputs_are_forwarded_every_interval_tokens(tokenizer_dir, i
     counts = [len(o.outputs[0].token_ids) for o in outs]
     assert outs[-1].finished and outs[-1].outputs[0].text == ANSWER
     assert not any(o.finished for o in outs[:-1])
-    assert counts[0] >= 1 and all(b - a >= interval for a, b in zip(counts[:-2], counts[1:-1])), counts
+    assert counts[0] >= 1 and all(b - a >= interval for a, b in itertools.pairwise(counts[:-1])), counts
     assert len(outs) <= len(ANSWER) // interval + 2, counts
     if interval == 1:
         assert len(outs) > len(ANSWER) // 2, counts    # a reader keeping up sees (nearly) every step
