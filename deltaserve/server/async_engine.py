@@ -13,9 +13,10 @@ aborted at once.
 The engine is either an LLMEngine stepped by this thread (`--no-engine-process`, tests with scripted
 engines) or an EngineCoreClient (engine_client.py), whose `step()` returns what the engine core processes
 sent; the routing, metrics and stream rules here are the same for both. Streams: each engine step gives at
-most one output per request; with `stream_interval` N an unfinished request's output is forwarded only once
-it has N tokens more than the last one forwarded, and a consumer that fell behind reads only the newest of
-the outputs queued for a request (they are cumulative), so a busy server sends fewer, larger chunks.
+most one output per request. With `stream_interval` N > 1 an unfinished request's output is forwarded only
+once it has N tokens more than the last one forwarded, and a consumer that fell behind reads only the newest
+of the outputs queued for a request (they are cumulative), so a busy server sends fewer, larger chunks; with 1
+(the default) every step's output reaches the consumer.
 """
 
 from __future__ import annotations
@@ -307,7 +308,7 @@ class RequestGroup:
                 item = await self._queue.get()
             finally:
                 self._reading, self._away_since = False, time.monotonic()
-            for got in self._newest(item):
+            for got in (self._newest(item) if self._engine.stream_interval > 1 else (item,)):
                 if isinstance(got, BaseException):
                     self._pending.clear()
                     raise got

@@ -1,5 +1,5 @@
 """`--stream-interval N`: an unfinished stream's output is forwarded once it has N tokens more than the last
-one forwarded (the final one always); a reader that fell behind gets the newest queued output per request."""
+one forwarded (the final one always), and a reader that fell behind gets the newest queued output per request."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_a_reader_behind_gets_only_the_newest_output_of_each_request(tokenizer_d
                              finished)
 
     async def main():
-        g = AsyncEngine(engine).open_group()
+        g = AsyncEngine(engine, stream_interval=2).open_group()
         g._pending.update({"a", "b"})
         for item in (out("a", "x"), out("b", "y"), out("a", "xx"), out("a", "xxx", True), out("b", "yy", True)):
             g._queue.put_nowait(item)
