@@ -48,11 +48,18 @@ def dumps(message: Any) -> bytes:
     return pickle.dumps(message, protocol=PROTOCOL)
 
 
-def pack_ids(ids: list[int]) -> bytes:
-    return array.array("i", ids).tobytes()
+def pack_ids(ids: list[int]) -> bytes | list:
+    """4 bytes a token; ids that do not fit an int32 (invalid anyway) travel as they are, so the engine's
+    validation refuses them with its own message."""
+    try:
+        return array.array("i", ids).tobytes()
+    except (OverflowError, TypeError):
+        return list(ids)
 
 
-def unpack_ids(data: bytes) -> list[int]:
+def unpack_ids(data: bytes | list) -> list[int]:
+    if isinstance(data, list):
+        return data
     a = array.array("i")
     a.frombytes(data)
     return a.tolist()

@@ -47,6 +47,7 @@ def _out(rid, text, ids, finished=False, reason=None):
 
 def test_ids_pack_and_deltas_carry_only_what_is_new():
     assert unpack_ids(pack_ids([0, 5, 2**31 - 1])) == [0, 5, 2**31 - 1]
+    assert unpack_ids(pack_ids([-1, 2**70])) == [-1, 2**70]          # invalid: the engine refuses them
     enc = DeltaEncoder()
     _, _, _, _, [first] = enc.encode(_out("r", "He", [7, 8]))
     _, _, _, _, [second] = enc.encode(_out("r", "Hello", [7, 8, 9]))
