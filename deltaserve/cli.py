@@ -51,6 +51,13 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
+def _open_fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
+    return value
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="Hugging Face checkpoint directory (default: the embedded model shipped in the package)")
@@ -64,11 +71,22 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
                    help="dummy: random weights from the model directory's config.json alone (benchmarks; "
                         "token-id prompts unless the directory has a tokenizer.json)")
+    p.add_argument("--quantization", "-q", default=None, choices=("fp8",),
+                   help="fp8: quantise a bf16 checkpoint's weights at load into block-FP8 (128 x 128 blocks); "
+                        "an FP8 checkpoint is read as FP8 without it")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
+                   help="fp8: e4m3 K/V cache with per-layer scales (checkpoint k_scale / v_scale, else calibrated "
+                        "at start-up); reference attention only for now (refused with the Triton kernels)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly (no CUDA graphs for decode steps, no compiled CPU decode step)")
     p.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
                    help="launch each step before reading the previous step's tokens, so host work overlaps the "
                         "GPU (default: on for CUDA devices, off on CPU)")
+    p.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction,
+                   help="resume requests from the cached KV blocks and GDN state snapshots of earlier ones (exact, "
+                        "token-granular)")
+    p.add_argument("--prefix-cache-state-fraction", type=_open_fraction, default=0.1, metavar="FRACTION",
+                   help="share of the cache budget for the prefix cache's GDN state snapshots")
     p.add_argument("--warm-up", default=None, action=argparse.BooleanOptionalAction,
                    help="run throw-away requests of several batch packings at startup so kernels are built before "
                         "serving (default: serve: on for CUDA devices; generate: off)")
@@ -237,7 +255,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
               load_format=args.load_format, enforce_eager=args.enforce_eager, compile=args.compile,
-              async_scheduling=args.async_scheduling,
+              async_scheduling=args.async_scheduling, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
+              prefix_cache_state_fraction=args.prefix_cache_state_fraction,
               warm_up=bool(args.warm_up))                 # one-off generation: only when asked
     print_outputs(llm.generate(prompts, params, use_tqdm=False), args)
     return 0

@@ -1,7 +1,8 @@
 """Frozen configuration objects. `ModelConfig.from_hf` is the only reader of a checkpoint's config.json.
 
 A config that deltaserve cannot run faithfully is refused with a ConfigError naming the field: an
-unknown model_type, a RoPE scaling it does not implement, a hidden activation other than SiLU, ...
+unknown model_type, a RoPE scaling it does not implement, a hidden activation other than SiLU, a
+quantization_config other than block-FP8 (QuantizationConfig), ...
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,84 @@ FULL_ATTENTION = "full_attention"
 
 class ConfigError(ValueError):
     """A config.json deltaserve cannot run faithfully; the message names the field."""
+
+
+# quantization_config.quant_method values seen in the wild, none of which is implemented except "fp8"
+_KNOWN_METHODS = ("awq", "gptq", "compressed-tensors", "bitsandbytes", "mxfp4", "modelopt", "modelopt_fp4",
+                  "fbgemm_fp8", "bitnet", "hqq", "eetq", "torchao", "quark", "gguf", "exl2", "aqlm", "marlin")
+_FP8_FIELDS = ("quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert",
+               "ignored_layers")
+_LAYER_PREFIX = re.compile(r"^(model\.language_model\.|model\.)?((mtp\.)?layers\.\d+\.|mtp\.)?")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationConfig:
+    """Block-FP8 weights (wave2.md §3): e4m3 values with one fp32 dequantisation multiplier per
+    weight_block_size block, activations unquantised (the dynamic scheme's per-token scales are a kernel
+    matter); modules_to_not_convert stay in the checkpoint dtype. online: a bf16 checkpoint quantised at load
+    (LLM(quantization="fp8")) into the same format, with Qwen's not-convert list."""
+
+    method: str = "fp8"
+    weight_block_size: tuple[int, int] = (128, 128)
+    activation_scheme: str = "dynamic"
+    modules_to_not_convert: tuple[str, ...] = ()
+    online: bool = False
+
+    def converts(self, *names: str) -> bool:
+        """Whether the checkpoint tensors of these modules (names relative to a decoder layer, e.g.
+        "self_attn.o_proj", or top level, "lm_head") are FP8 in every layer: no not-convert entry overlaps
+        any of them (an entry naming one layer's module keeps that module dense in every layer: a layer
+        kind has one representation, and dequantising the others at load is exact)."""
+        rel = [_LAYER_PREFIX.sub("", e) for e in self.modules_to_not_convert]
+        return not any(n == r or n.startswith(r + ".") or r.startswith(n + ".") for n in names for r in rel if r)
+
+
+# Qwen's modules_to_not_convert for online FP8 (published FP8 configs, wave2.md §3): routers, norms, the GDN
+# gate projections, conv and gates, the embeddings, lm_head and the MTP head's fc stay in the checkpoint dtype.
+ONLINE_FP8_NOT_CONVERT = ("lm_head", "embed_tokens", "input_layernorm", "post_attention_layernorm",
+                          "linear_attn.A_log", "linear_attn.conv1d", "linear_attn.dt_bias", "linear_attn.in_proj_ba",
+                          "linear_attn.in_proj_a", "linear_attn.in_proj_b", "linear_attn.norm", "mlp.gate",
+                          "mlp.shared_expert_gate", "self_attn.q_norm", "self_attn.k_norm", "mtp.fc", "mtp.norm",
+                          "mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden", "visual")
+
+
+def online_fp8() -> QuantizationConfig:
+    return QuantizationConfig(modules_to_not_convert=ONLINE_FP8_NOT_CONVERT, online=True)
+
+
+def parse_quantization(raw: Any) -> QuantizationConfig | None:
+    """config.json's quantization_config -> QuantizationConfig; anything not implemented is a ConfigError
+    naming the method or the field."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"quantization_config must be an object, got {type(raw).__name__}")
+    method = raw.get("quant_method")
+    if method != "fp8":
+        known = " (a known method, not implemented)" if method in _KNOWN_METHODS else ""
+        raise ConfigError(f"quantization_config.quant_method {method!r} is not supported{known}: only 'fp8' with "
+                          "128 x 128 weight blocks (Qwen's FP8 checkpoints) is implemented")
+    unknown = sorted(set(raw) - set(_FP8_FIELDS))
+    if unknown:
+        raise ConfigError(f"quantization_config fields {unknown} (quant_method 'fp8') are not implemented")
+    fmt = raw.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(f"quantization_config.fmt {fmt!r} is not supported (only 'e4m3')")
+    scheme = raw.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ConfigError(f"quantization_config.activation_scheme {scheme!r} is not supported (only 'dynamic': "
+                          "static activation scales are not implemented)")
+    block = raw.get("weight_block_size")
+    if block is None:
+        raise ConfigError("quantization_config.weight_block_size is missing: per-tensor / per-channel FP8 scales "
+                          "are not implemented (only weight_block_size [128, 128])")
+    if list(block) != [128, 128]:
+        raise ConfigError(f"quantization_config.weight_block_size {list(block)} is not supported (only [128, 128])")
+    skip = list(raw.get("modules_to_not_convert") or []) + list(raw.get("ignored_layers") or [])
+    if not all(isinstance(m, str) for m in skip):
+        raise ConfigError("quantization_config.modules_to_not_convert must be a list of module names")
+    return QuantizationConfig(weight_block_size=(128, 128), activation_scheme=scheme,
+                              modules_to_not_convert=tuple(skip))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +152,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str                 # the checkpoint's dtype ("bfloat16", ...)
+    quantization: QuantizationConfig | None = None   # block-FP8 weights (checkpoint or online); None: dense
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -134,7 +215,20 @@ class ModelConfig:
                 raise ConfigError(f"text_config.model_type {inner!r} does not belong to model_type {top_type!r}")
         # The VLM class reads tie_word_embeddings from the top level (model_spec.md §1.2).
         tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-        return _build(family, top_type, text, bool(tie), generation_config or {})
+        config = _build(family, top_type, text, bool(tie), generation_config or {})
+        quant = parse_quantization(raw.get("quantization_config", text.get("quantization_config")))
+        return dataclasses.replace(config, quantization=quant) if quant else config
+
+    def with_quantization(self, quantization: str | None) -> "ModelConfig":
+        """The config for LLM(quantization=...): None keeps the checkpoint's; "fp8" quantises a dense checkpoint
+        at load (an FP8 checkpoint is already FP8); anything else is refused."""
+        if quantization is None:
+            return self
+        if quantization != "fp8":
+            raise ConfigError(f"quantization {quantization!r} is not supported (only 'fp8')")
+        if self.quantization is not None:
+            return self
+        return dataclasses.replace(self, quantization=online_fp8())
 
 
 def _get(text: dict[str, Any], key: str, default: Any = dataclasses.MISSING) -> Any:

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Union
 import torch
 from tqdm.auto import tqdm
 
-from .engine.config import resolve_device, resolve_dtype  # noqa: F401  (re-exported)
+from .engine.config import DEFAULT_PREFIX_CACHE_STATE_FRACTION, resolve_device, resolve_dtype
 from .engine.llm_engine import DEFAULT_MODEL_PATH, LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -30,13 +30,18 @@ class LLM:
                  block_size: int = 16, enforce_reference_ops: bool = False, max_num_batched_tokens: int | None = None,
                  gpu_memory_utilization: float = 0.9, cpu_cache_bytes: int | None = None,
                  num_gpu_blocks: int | None = None, load_format: str = "auto", enforce_eager: bool = False,
-                 compile: str | None = None, async_scheduling: bool | None = None, warm_up: bool | None = None):
+                 compile: str | None = None, async_scheduling: bool | None = None, warm_up: bool | None = None,
+                 quantization: str | None = None, kv_cache_dtype: str = "auto",
+                 enable_prefix_caching: bool = True,
+                 prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION):
         self.engine = LLMEngine.from_args(
             model, device=device, dtype=dtype, seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             block_size=block_size, enforce_reference_ops=enforce_reference_ops,
             max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
             cpu_cache_bytes=cpu_cache_bytes, num_gpu_blocks=num_gpu_blocks, load_format=load_format,
-            enforce_eager=enforce_eager, compile=compile, async_scheduling=async_scheduling, warm_up=warm_up)
+            enforce_eager=enforce_eager, compile=compile, async_scheduling=async_scheduling, warm_up=warm_up,
+            quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+            enable_prefix_caching=enable_prefix_caching, prefix_cache_state_fraction=prefix_cache_state_fraction)
         self.model_path = self.engine.model_path
         self.config = self.engine.model_config
         self.tokenizer = self.engine.tokenizer

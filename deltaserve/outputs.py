@@ -38,3 +38,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] | None = None  # arrival / first-token / finish times (monotonic seconds)
+    num_cached_tokens: int = 0               # prompt tokens resumed from the prefix cache (first sequence)

@@ -21,7 +21,8 @@ class NewSequence:
     """A sequence joining the running batch (first admission, or again after preemption)."""
 
     seq_id: int
-    token_ids: list[int]             # prompt + tokens generated so far; all are (re)computed from position 0
+    token_ids: list[int]             # prompt + tokens generated so far; computed from its first chunk's
+                                     # num_computed on (> 0: resumed from the prefix cache)
     num_prompt_tokens: int
     params: SamplingParams
     seed: int | None                 # the sequence's own sampling seed; None: the runner's shared generator
@@ -48,7 +49,8 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]     # in scheduling order; the runner packs prefills before decodes
     freed_seq_ids: list[int]         # forget these first: finished, aborted or preempted since the last step
     num_preempted: int = 0           # sequences preempted while scheduling this step
-    # Cache copies applied before the forward, in order (prefix-cache restores, forks, copy-on-write):
+    # Cache copies applied before the forward, in order (prefix cache: slot -> snapshot saves, snapshot ->
+    # slot restores, copy-on-write of a cached partly filled block into a sequence's fresh block):
     state_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (src slot, dst slot)
     block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (src block, dst block)
 

@@ -1,8 +1,8 @@
 """Token-paged KV block ids: a free list and a reference count per block.
 
 Blocks are plain integers indexing `CacheBuffers.kv[:, :, block]`. A block is free when its count is
-zero. Counts above one are the seam for prefix caching (several requests sharing a prompt block); today
-every allocated block has exactly one owner. The free list is a stack, so a block freed a moment ago is
+zero. Counts above one mean sharing: the prefix cache's index (cache/prefix_index.py) and every request
+resuming from a cached prefix hold one reference each. The free list is a stack, so a block freed a moment ago is
 reused first (its memory is warm, and on CPU untouched pages of a large pool stay unallocated).
 """
 
@@ -37,6 +37,9 @@ class BlockPool:
         for b in taken:
             self._refs[b] = 1
         return taken
+
+    def ref_count(self, block: int) -> int:
+        return self._refs[block]
 
     def share(self, blocks: list[int]) -> None:
         """One more owner for blocks already allocated (prefix caching)."""

@@ -94,11 +94,37 @@ class CachePlan:
     max_model_len: int        # context limit after reconciling with the KV pool
     budget_bytes: int
     used_bytes: int
+    num_snapshot_slots: int = 0   # of num_slots, the prefix cache's state snapshots (the last ids)
+
+
+DEFAULT_PREFIX_CACHE_STATE_FRACTION = 0.1   # of the cache budget, for prefix-cache state snapshots
+MAX_SNAPSHOT_SLOTS = 4096   # bounds the host tables indexed by slot (block table rows, last tokens)
 
 
 def plan_cache(spec: CacheSpec, *, budget_bytes: int, max_num_seqs: int, max_model_len: int,
-               spare_slots: int = 0, num_blocks: int | None = None) -> CachePlan:
-    """num_blocks, when given, fixes the KV pool size (the budget then only sizes the slots)."""
+               spare_slots: int = 0, num_blocks: int | None = None, snapshot_fraction: float = 0.0) -> CachePlan:
+    """num_blocks, when given, fixes the KV pool size (the budget then only sizes the slots).
+    snapshot_fraction: this share of the budget becomes prefix-cache snapshot slots, taken first (the rest
+    is planned as without them); they come last in num_slots."""
+    snapshots = 0
+    if snapshot_fraction > 0:
+        snapshots = (int(budget_bytes * snapshot_fraction) // spec.state_slot_bytes if spec.state_slot_bytes
+                     else 4 * max_num_seqs)
+        snapshots = min(snapshots, MAX_SNAPSHOT_SLOTS)
+        budget_bytes -= snapshots * spec.state_slot_bytes
+    plan = _plan_live(spec, budget_bytes=budget_bytes, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                      spare_slots=spare_slots, num_blocks=num_blocks)
+    if not snapshots:
+        return plan
+    extra = snapshots * spec.state_slot_bytes
+    logger.debug("prefix cache: %d state snapshots x %.2f MiB (%.1f MiB)", snapshots,
+                 spec.state_slot_bytes / MiB, extra / MiB)
+    return dataclasses.replace(plan, num_slots=plan.num_slots + snapshots, num_snapshot_slots=snapshots,
+                               budget_bytes=plan.budget_bytes + extra, used_bytes=plan.used_bytes + extra)
+
+
+def _plan_live(spec: CacheSpec, *, budget_bytes: int, max_num_seqs: int, max_model_len: int,
+               spare_slots: int, num_blocks: int | None) -> CachePlan:
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     if num_blocks is not None and num_blocks < 1:

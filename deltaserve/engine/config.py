@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from ..cache.plan import DEFAULT_PREFIX_CACHE_STATE_FRACTION
 from ..config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -49,6 +50,9 @@ class EngineConfig:
     seed: int | None = 0                      # seed of the shared generator (requests without their own seed)
     enforce_reference_ops: bool = False       # torch references everywhere, even where Triton is available
     async_scheduling: bool | None = None      # schedule + launch step N+1 before reading step N; None: on CUDA
+    enable_prefix_caching: bool = True        # reuse cached KV blocks + GDN state snapshots of earlier requests
+    prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION  # budget share of the snapshots
+    prefix_cache_checkpoint_interval: int = 0  # also snapshot every this many prompt tokens (0: off)
 
     def __post_init__(self) -> None:
         def fail(field: str, why: str):
@@ -69,6 +73,14 @@ class EngineConfig:
             fail("cpu_cache_bytes", "must be a positive integer")
         if self.async_scheduling not in (None, True, False):
             fail("async_scheduling", "must be True, False or None (auto: on for CUDA devices)")
+        if not isinstance(self.enable_prefix_caching, bool):
+            fail("enable_prefix_caching", "must be True or False")
+        if isinstance(self.prefix_cache_state_fraction, bool) or \
+                not isinstance(self.prefix_cache_state_fraction, (int, float)) or \
+                not 0 < self.prefix_cache_state_fraction < 1:
+            fail("prefix_cache_state_fraction", "must be a number in (0, 1)")
+        if not isinstance(self.prefix_cache_checkpoint_interval, int) or self.prefix_cache_checkpoint_interval < 0:
+            fail("prefix_cache_checkpoint_interval", "must be an integer >= 0")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             fail("num_kv_blocks", "must be an integer >= 1")
 

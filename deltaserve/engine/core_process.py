@@ -17,7 +17,7 @@ when the pipe closes (the server died or closed it) or its parent changes, check
 
 Message layout (pickles of tuples, lists of ints, strings and the request's SamplingParams; no tensors):
   server -> core: ("add", request_id, token_ids: bytes of array('i'), params, arrival_time) | ("abort", [ids])
-                  | ("stop",)
+                  | ("reset_prefix_cache",) | ("stop",)
   core -> server: ("ready", info) | ("failed", message) | ("acks", [(request_id, error | None)])
                   | ("out", [delta], stats) | ("stats", stats) | ("dead", message)
   delta: (request_id, finished, metrics, prompt_logprobs | None, [(index, new_token_ids, text_delta,
@@ -104,7 +104,8 @@ def engine_info(engine: Any) -> dict[str, Any]:
     config = getattr(engine, "model_config", None)
     return {"max_model_len": int(engine.max_model_len),
             "vocab_size": getattr(config, "vocab_size", None) if config is not None else None,
-            "stats": engine.get_stats()}
+            "stats": engine.get_stats(),
+            "prefix_caching": bool(getattr(getattr(engine, "cache", None), "prefix_caching", False))}
 
 
 def run_engine_core(factory: Callable[[int], Any], conn: Connection, parent_pid: int, index: int = 0,
@@ -173,6 +174,8 @@ class _Core:
                 elif kind == "abort":
                     self.engine.abort_request(message[1])
                     aborted = True
+                elif kind == "reset_prefix_cache":
+                    self.engine.reset_prefix_cache()
                 elif kind == "stop":
                     return False
                 if not self.conn.poll(0):

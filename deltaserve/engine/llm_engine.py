@@ -33,10 +33,10 @@ from ..config import ModelConfig
 from ..env import settings
 from ..models.loader import check_load_format
 from ..outputs import PositionLogprobs, RequestOutput
-from ..runner.worker import Worker, WorkerConfig
+from ..runner.worker import KV_CACHE_DTYPES, Worker, WorkerConfig
 from ..sampling_params import SamplingParams
 from ..tokenizer import NoTokenizerError, Tokenizer
-from .config import EngineConfig, resolve_device, resolve_dtype
+from .config import DEFAULT_PREFIX_CACHE_STATE_FRACTION, EngineConfig, resolve_device, resolve_dtype
 from .detokenizer import IncrementalDetokenizer
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Request, Sequence, SeqStatus
@@ -60,6 +60,12 @@ class EngineStats:
     num_finished_total: dict[str, int]  # completions by finish reason ("stop", "length", "abort")
     num_steps_total: int = 0
     num_batched_tokens_total: int = 0  # tokens run through the model, recomputation included
+    prefix_cache_queries_total: int = 0   # tokens looked up in the prefix cache (first admissions)
+    prefix_cache_hits_total: int = 0      # ... of which were resumed from it
+    prefix_cache_blocks: int = 0          # KV blocks the prefix cache holds
+    prefix_cache_snapshots_total: int = 0  # state snapshot slots
+    prefix_cache_snapshots_used: int = 0
+    prefix_cache_snapshot_evictions_total: int = 0
 
 
 class LLMEngine:
@@ -74,7 +80,8 @@ class LLMEngine:
         self.model_path = model_path
         self.max_model_len = plan.max_model_len
         self.max_num_seqs = plan.max_num_seqs
-        self.scheduler = Scheduler(SchedulerConfig(plan.max_num_seqs, config.token_budget), cache)
+        self.scheduler = Scheduler(SchedulerConfig(plan.max_num_seqs, config.token_budget,
+                                                   config.prefix_cache_checkpoint_interval), cache)
         device = getattr(runner, "device", None)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else device is not None and torch.device(device).type == "cuda")
@@ -88,6 +95,7 @@ class LLMEngine:
         self._step_lock = threading.Lock()               # held while the engine state changes
         self._pending_adds: list[Request] = []
         self._pending_aborts: list[str] = []
+        self._pending_reset = False
         self._live_ids: set[str] = set()                 # pending + live request ids
         self._outbox: list[RequestOutput] = []           # outputs made between steps (aborts)
         self._finished_by_reason: collections.Counter[str] = collections.Counter()
@@ -105,7 +113,11 @@ class LLMEngine:
                   num_gpu_blocks: int | None = None, seed: int | None = 0,
                   enforce_reference_ops: bool = False, load_format: str = "auto",
                   enforce_eager: bool = False, compile: str | None = None,
-                  async_scheduling: bool | None = None, warm_up: bool | None = None) -> "LLMEngine":
+                  async_scheduling: bool | None = None, warm_up: bool | None = None,
+                  quantization: str | None = None, kv_cache_dtype: str = "auto",
+                  enable_prefix_caching: bool = True,
+                  prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION,
+                  prefix_cache_checkpoint_interval: int = 0) -> "LLMEngine":
         """Validate the options into configs, have a Worker (runner/worker.py) do the device half of start-up
         (load the checkpoint directory, default: the embedded model; select kernels; size the cache from the
         memory budget, GPU: measured, CPU: cpu_cache_bytes; allocate it; capture graphs), build the engine
@@ -120,14 +132,28 @@ class LLMEngine:
         DELTASERVE_COMPILE (default "off": eager measured faster on a small CPU). Ignored off CPU.
         async_scheduling: launch each step before reading the previous one's tokens; None: on for CUDA
         devices (on CPU the forward runs in the launching thread, so there is nothing to overlap).
-        warm_up: run `warm_up()` before returning; None: on CUDA (on CPU there are no kernels to build)."""
+        warm_up: run `warm_up()` before returning; None: on CUDA (on CPU there are no kernels to build).
+        quantization: "fp8" quantises a dense checkpoint's weights at load into block-FP8 (vLLM's name; an FP8
+        checkpoint's quantization_config is read from config.json without it).
+        kv_cache_dtype: "auto" (the activation dtype) or "fp8" / "fp8_e4m3": e4m3 K/V with per-layer multipliers
+        from the checkpoint's k_scale / v_scale, else calibrated at start-up (runner/kv_calibration.py); the
+        GDN state stays fp32. Reference attention only for now (refused with the Triton kernels).
+        enable_prefix_caching: resume requests from the KV blocks and GDN state snapshots of earlier ones
+        (engine/scheduler.py, cache/prefix_index.py); prefix_cache_state_fraction: the share of the cache
+        budget for state snapshots; prefix_cache_checkpoint_interval: also snapshot every this many prompt
+        tokens (0: only at request ends, prompt ends and branch points)."""
         t0 = time.perf_counter()
         config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                               gpu_memory_utilization=gpu_memory_utilization, cpu_cache_bytes=cpu_cache_bytes,
                               num_kv_blocks=num_gpu_blocks, seed=seed, enforce_reference_ops=enforce_reference_ops,
-                              async_scheduling=async_scheduling)
+                              async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
+                              prefix_cache_state_fraction=prefix_cache_state_fraction,
+                              prefix_cache_checkpoint_interval=prefix_cache_checkpoint_interval)
         check_load_format(load_format)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported "
+                             f"(one of {', '.join(KV_CACHE_DTYPES)})")
         if isinstance(model, dict):
             if load_format != "dummy":
                 raise ValueError("a config dict as the model needs load_format='dummy' (there are no weights to read)")
@@ -135,6 +161,7 @@ class LLMEngine:
         else:
             path = Path(model) if model is not None else DEFAULT_MODEL_PATH
             model_config = ModelConfig.from_hf(path)
+        model_config = model_config.with_quantization(quantization)
         dev = resolve_device(device)
         limit = model_config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
@@ -146,19 +173,32 @@ class LLMEngine:
             gpu_memory_utilization=gpu_memory_utilization, cpu_cache_bytes=cpu_cache_bytes or DEFAULT_CPU_CACHE_BYTES,
             num_kv_blocks=num_gpu_blocks, seed=seed,
             force_reference_ops=enforce_reference_ops or settings().force_reference_ops,
-            enforce_eager=enforce_eager, compile=compile or settings().compile))
+            enforce_eager=enforce_eager, compile=compile or settings().compile,
+            kv_cache_dtype="fp8" if kv_cache_dtype.startswith("fp8") else kv_cache_dtype,
+            prefix_cache_state_fraction=prefix_cache_state_fraction if enable_prefix_caching else 0.0))
         tokenizer = Tokenizer.from_dir(path) if path is not None else None
         runner = worker.start()
         plan = worker.plan
-        manager = HybridCacheManager(num_blocks=plan.num_blocks, block_size=block_size, num_slots=plan.num_slots)
+        manager = HybridCacheManager(num_blocks=plan.num_blocks, block_size=block_size,
+                                     num_slots=plan.num_slots - plan.num_snapshot_slots,
+                                     num_snapshot_slots=plan.num_snapshot_slots,
+                                     enable_prefix_caching=enable_prefix_caching)
+        prefix = "prefix caching off"
+        if enable_prefix_caching:
+            snap_bytes = plan.num_snapshot_slots * worker.cache_spec().state_slot_bytes
+            prefix = (f"prefix caching: {plan.num_snapshot_slots} of the state slots are snapshots "
+                      f"({snap_bytes / (1 << 20):.1f} MiB, prefix_cache_state_fraction {prefix_cache_state_fraction})")
+            if plan.num_snapshot_slots == 0:
+                logger.warning("prefix caching has no room for a state snapshot: no request can hit "
+                               "(raise prefix_cache_state_fraction or the cache budget)")
         if config.token_budget < plan.max_num_seqs:
             logger.info("max_num_batched_tokens %d < max_num_seqs %d: a full batch decodes over several steps",
                         config.token_budget, plan.max_num_seqs)
         engine = cls(model_config=model_config, tokenizer=tokenizer, runner=runner, cache=manager, plan=plan,
                      config=config, model_path=path)
         warm = engine.warm_up() if (warm_up if warm_up is not None else dev.type == "cuda") else None
-        logger.info("engine ready in %.1f s%s: %s", time.perf_counter() - t0,
-                    "" if warm is None else f" (warm-up {warm:.1f} s)", worker.summary())
+        logger.info("engine ready in %.1f s%s: %s; %s", time.perf_counter() - t0,
+                    "" if warm is None else f" (warm-up {warm:.1f} s)", worker.summary(), prefix)
         return engine
 
     def warm_up(self) -> float:
@@ -185,6 +225,7 @@ class LLMEngine:
         def drain() -> None:
             while self.has_unfinished_requests():
                 self.step()
+            self.cache.reset_prefix_cache()   # the prompts share prefixes: keep each packing's shape
 
         add(3, 17)
         add(1, 17, temperature=1.0, seed=0)
@@ -202,6 +243,10 @@ class LLMEngine:
         self._prompt_tokens_total = self._generation_tokens_total = 0
         self._steps_total = self._batched_tokens_total = 0
         self.scheduler.num_preempted_total = 0
+        self.cache.reset_prefix_cache()
+        self.scheduler.prefix_queries_total = self.scheduler.prefix_hits_total = 0
+        if self.cache.prefix is not None:
+            self.cache.prefix.num_evicted_snapshots = self.cache.prefix.num_evicted_blocks = 0
         assert self.cache.blocks.num_used == 0 and self.cache.slots.num_used == 0, "warm-up left cache in use"
         seconds = time.perf_counter() - t0
         logger.debug("warm-up: kernel variants of several packings built in %.1f s", seconds)
@@ -290,10 +335,27 @@ class LLMEngine:
             finally:
                 self._step_lock.release()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block and snapshot (now when no step runs, else as the next step starts);
+        running requests keep theirs. False when prefix caching is off."""
+        if not self.cache.prefix_caching:
+            return False
+        with self._lock:
+            self._pending_reset = True
+        if self._step_lock.acquire(blocking=False):
+            try:
+                self._apply_pending()
+            finally:
+                self._step_lock.release()
+        return True
+
     def _apply_pending(self) -> None:
         with self._lock:
             adds, self._pending_adds = self._pending_adds, []
             aborts, self._pending_aborts = self._pending_aborts, []
+            reset, self._pending_reset = self._pending_reset, False
+        if reset:
+            self.cache.reset_prefix_cache()
         for req in adds:
             self._requests[req.request_id] = req
             for seq in req.seqs:
@@ -331,7 +393,7 @@ class LLMEngine:
             self._apply_pending()
             outputs, self._outbox = self._outbox, []
             sched = self.scheduler.schedule()
-            if sched.is_empty and not sched.freed_seq_ids:
+            if sched.is_empty and not (sched.freed_seq_ids or sched.state_copies or sched.block_copies):
                 if self._inflight is not None:              # nothing new to run: read the step in flight
                     outputs.extend(self._collect_inflight())
                 elif self.scheduler.waiting and not self.scheduler.running:
@@ -408,11 +470,18 @@ class LLMEngine:
         """A snapshot; safe to call from another thread (counts may lag a running step by one)."""
         with self._lock:
             finished = dict(self._finished_by_reason)
+        prefix = self.cache.prefix
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,
             num_preempted_total=self.scheduler.num_preempted_total,
-            kv_blocks_total=self.cache.blocks.num_blocks, kv_blocks_used=self.cache.blocks.num_used,
+            kv_blocks_total=self.cache.blocks.num_blocks, kv_blocks_used=self.cache.num_live_blocks,
             state_slots_total=self.cache.slots.num_slots, state_slots_used=self.cache.slots.num_used,
             prompt_tokens_total=self._prompt_tokens_total, generation_tokens_total=self._generation_tokens_total,
             num_finished_total=finished, num_steps_total=self._steps_total,
-            num_batched_tokens_total=self._batched_tokens_total)
+            num_batched_tokens_total=self._batched_tokens_total,
+            prefix_cache_queries_total=self.scheduler.prefix_queries_total,
+            prefix_cache_hits_total=self.scheduler.prefix_hits_total,
+            prefix_cache_blocks=self.cache.num_cached_blocks,
+            prefix_cache_snapshots_total=0 if prefix is None else prefix.num_slots,
+            prefix_cache_snapshots_used=0 if prefix is None else prefix.num_snapshots,
+            prefix_cache_snapshot_evictions_total=0 if prefix is None else prefix.num_evicted_snapshots)

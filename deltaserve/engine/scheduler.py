@@ -13,6 +13,20 @@ Every step has a token budget (max_num_batched_tokens) and a cap on running sequ
    free state slot and room in the pool for their first chunk. Admission stops at the first one that
    does not fit (no overtaking), so a long prompt is not starved by short ones.
 
+Prefix caching (cache/prefix_index.py; on when the cache manager has an index): an admitted sequence looks
+up the longest cached prefix of its tokens (the last one is always recomputed: its logits are needed;
+prompt-logprob sequences look nothing up, so every position they report is computed) and starts there.
+Its commit points, positions whose state is saved for later requests, are set then (`_commit_points`):
+the end of the prompt less its last token (a resent or retried prompt hits), the branch point where the
+cached KV stops matching when that is deeper than the hit (every later request through that branch hits
+it exactly), and optional coarse checkpoints. A prefill chunk never runs past its next commit point, so
+the state in the slot after that chunk is the state at the point (`update` queues the copy). A sequence
+that leaves (finish, abort, preemption) is saved at its computed length, so the next turn of a
+conversation and a readmitted preempted sequence resume there. A commit point is only ever a position all
+of whose tokens are final (speculative tokens must never be committed). With n > 1 the other sequences
+of a request wait until the first one has passed its prompt's commit point and then resume from it
+instead of prefilling the prompt again.
+
 The scheduler deals in sequence ids and token counts; it reads `seq_id`, the token counts, `num_computed`
 and `status` of its sequences and asks the cache manager for blocks and slots.
 
@@ -30,6 +44,7 @@ import dataclasses
 from typing import Iterable
 
 from ..cache.manager import HybridCacheManager
+from ..cache.prefix_index import PrefixHit
 from ..step_io import ScheduledChunk, SchedulerOutput
 from .sequence import SeqStatus, Sequence
 
@@ -38,6 +53,7 @@ from .sequence import SeqStatus, Sequence
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
+    checkpoint_interval: int = 0     # prefix caching: also save the state every this many prompt tokens (0: off)
 
 
 class Scheduler:
@@ -49,20 +65,36 @@ class Scheduler:
         self._freed: list[int] = []                # ids the runner must forget at the next step
         self._scheduled: list[Sequence] = []       # the sequences of the last schedule(), chunk order
         self.num_preempted_total = 0
+        self._deferred: dict[int, list[Sequence]] = {}   # first sequence's id -> its siblings waiting for its prompt
+        self.prefix_queries_total = 0              # tokens looked up at first admissions
+        self.prefix_hits_total = 0                 # ... and how many of them were cached
 
     # ---- queue changes -----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
+        first = seq.request.seqs[0]
+        if self.cache.prefix_caching and seq is not first and first.num_computed < first.num_prompt_tokens - 1:
+            self._deferred.setdefault(first.seq_id, []).append(seq)
+            return
         self.waiting.append(seq)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + sum(len(v) for v in self._deferred.values())
+
+    def _remove_waiting(self, ids: set[int]) -> None:
+        if any(s.seq_id in ids for s in self.waiting):
+            self.waiting = collections.deque(s for s in self.waiting if s.seq_id not in ids)
+        for key in list(self._deferred):
+            kept = [s for s in self._deferred[key] if s.seq_id not in ids]
+            if kept:
+                self._deferred[key] = kept
+            else:
+                del self._deferred[key]
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its cache resources now."""
-        if seq.status is SeqStatus.RUNNING:
-            self.running.remove(seq)
-            self._release(seq)
-        elif seq.status is SeqStatus.WAITING:
-            self.waiting.remove(seq)
-        seq.status = SeqStatus.FINISHED
+        self.finish_many([seq])
 
     def finish_many(self, seqs: Iterable[Sequence]) -> None:
         """finish() for several sequences at once (one pass over the queues)."""
@@ -74,13 +106,12 @@ class Scheduler:
             if seq.seq_id in done:
                 self._release(seq)
         self.running = [s for s in self.running if s.seq_id not in done]
-        if any(s.seq_id in done for s in self.waiting):
-            self.waiting = collections.deque(s for s in self.waiting if s.seq_id not in done)
+        self._remove_waiting(done)
         for seq in seqs:
             seq.status = SeqStatus.FINISHED
 
     def _release(self, seq: Sequence) -> None:
-        self.cache.free(seq.seq_id)
+        self.cache.release(seq.seq_id, seq.token_ids, seq.num_computed)
         self._freed.append(seq.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -95,7 +126,34 @@ class Scheduler:
         return min(self.config.max_num_seqs, self.cache.slots.num_slots)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._deferred)
+
+    # ---- prefix caching ------------------------------------------------------------------------
+    def _lookup(self, seq: Sequence) -> PrefixHit:
+        max_len = 0 if seq.needs_prompt_logprobs else seq.num_tokens - 1
+        hit = self.cache.lookup(seq.token_ids, max_len)
+        return hit
+
+    def _commit_points(self, seq: Sequence, hit: PrefixHit) -> list[int]:
+        """Positions after which this sequence's state is saved (see the module docstring)."""
+        if not self.cache.prefix_caching:
+            return []
+        last = seq.num_tokens - 1
+        points = {seq.num_prompt_tokens - 1}
+        if hit.kv_len > hit.length:
+            points.add(hit.kv_len)
+        step = self.config.checkpoint_interval
+        if step > 0:
+            points.update(range(step, seq.num_prompt_tokens - 1, step))
+        return sorted(p for p in points if hit.length < p <= last)
+
+    def _after_chunk(self, seq: Sequence) -> None:
+        points = seq.commit_points
+        while points and points[0] <= seq.num_computed:
+            if points.pop(0) == seq.num_computed:
+                self.cache.save_state(seq.seq_id, seq.token_ids, seq.num_computed)
+        if seq.seq_id in self._deferred and seq.num_computed >= seq.num_prompt_tokens - 1:
+            self.waiting.extendleft(reversed(self._deferred.pop(seq.seq_id)))
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -109,7 +167,7 @@ class Scheduler:
             if seq.num_pending and seq.generation_done:       # its last token is still in flight
                 i += 1
                 continue
-            n = min(seq.num_scheduled_tokens - seq.num_computed, budget)
+            n = seq.cut_at_commit(min(seq.num_scheduled_tokens - seq.num_computed, budget))
             new_blocks = self.cache.grow(seq.seq_id, seq.num_computed + n)
             while new_blocks is None:                       # pool short: preempt the newest
                 victim = self.running.pop()
@@ -130,22 +188,32 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:                  # preempted with a token in flight: admit once it is read
                 break
-            n = min(seq.num_tokens, budget)
-            held = self.cache.admit(seq.seq_id, n)
+            hit = self._lookup(seq)
+            seq.num_computed = hit.length
+            seq.commit_points = self._commit_points(seq, hit)
+            n = seq.cut_at_commit(min(seq.num_tokens - hit.length, budget))
+            held = self.cache.admit(seq.seq_id, hit.length + n, hit)
             if held is None:
+                seq.num_computed, seq.commit_points = 0, []
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = hit.length
+                if self.cache.prefix_caching:
+                    self.prefix_queries_total += seq.num_tokens
+                    self.prefix_hits_total += hit.length
             slot, blocks = held
             new_seqs.append(seq.runner_data(slot, blocks))
-            chunks.append(ScheduledChunk(seq.seq_id, 0, n, []))
+            chunks.append(ScheduledChunk(seq.seq_id, hit.length, n, []))
             scheduled.append(seq)
             budget -= n
 
         freed, self._freed = self._freed, []
         self._scheduled = scheduled
-        return SchedulerOutput(new_seqs, chunks, freed, preempted)
+        state_copies, block_copies = self.cache.take_copies()
+        return SchedulerOutput(new_seqs, chunks, freed, preempted, state_copies, block_copies)
 
     def update(self, out: SchedulerOutput) -> list[Sequence]:
         """The step ran: the scheduled tokens are in the cache now. Returns the scheduled sequences in
@@ -153,4 +221,6 @@ class Scheduler:
         scheduled, self._scheduled = self._scheduled, []
         for seq, chunk in zip(scheduled, out.chunks):
             seq.num_computed += chunk.num_new
+            if self.cache.prefix_caching:
+                self._after_chunk(seq)
         return scheduled

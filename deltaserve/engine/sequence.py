@@ -44,7 +44,7 @@ class Request:
                 for s in self.seqs]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              None if self.prompt_logprobs is None else list(self.prompt_logprobs), outs,
-                             self.finished, dict(self.metrics))
+                             self.finished, dict(self.metrics), self.seqs[0].num_cached_tokens or 0)
 
 
 class Sequence:
@@ -59,6 +59,9 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed = 0                                # tokens whose KV / state is in the cache
+        # prefix caching: positions whose state is saved once computed (ascending; the scheduler's policy)
+        self.commit_points: list[int] = []
+        self.num_cached_tokens: int | None = None            # the prefix hit at first admission
         # tokens being sampled by a launched step whose result has not been read yet (0 or 1; async
         # scheduling schedules the next step before the current one's tokens reach the host)
         self.num_pending = 0
@@ -93,6 +96,12 @@ class Sequence:
     def seed(self) -> int | None:
         return None if self.params.seed is None else self.params.seed + self.index
 
+    def cut_at_commit(self, n: int) -> int:
+        """n, shortened so a chunk from num_computed ends at the next commit point rather than past it."""
+        if self.commit_points and self.commit_points[0] > self.num_computed:
+            return min(n, self.commit_points[0] - self.num_computed)
+        return n
+
     def runner_data(self, state_slot: int, block_ids: list[int]) -> NewSequence:
         prompt_lp = self.params.prompt_logprobs if self.needs_prompt_logprobs else None
         return NewSequence(self.seq_id, list(self.token_ids), self.num_prompt_tokens, self.params, self.seed,
@@ -103,8 +112,10 @@ class Sequence:
         return self.wants_prompt_logprobs and len(self.request.prompt_logprobs) < self.num_prompt_tokens
 
     def reset_for_recompute(self) -> None:
-        """Preempted: the cache is gone, everything is recomputed from position 0 on readmission."""
+        """Preempted: the cache is gone; on readmission it is recomputed from the longest cached prefix
+        (position 0 without prefix caching)."""
         self.num_computed = 0
+        self.commit_points = []
         self.num_preemptions += 1
         if self.needs_prompt_logprobs:
             self.request.prompt_logprobs = [None]      # partial: recomputed with the prompt

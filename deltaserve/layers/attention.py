@@ -4,6 +4,10 @@ q_proj rows are grouped per query head, [query head h | gate head h] each head_d
 k_proj and v_proj as one fused projection with the query and gate rows regrouped on load:
 rows [all query heads | all gate heads | k_proj | v_proj], so the gate is a plain [T, NH * D] slice that
 the fused output gate (kernels.sigmoid_mul) reads in place.
+
+With an FP8 KV cache (kv_cache_dtype "fp8") the layer hands the ops its pool with `kv_scale` [2, 1], the K and
+V dequantisation multipliers: the checkpoint's k_scale / v_scale when it has them, else calibrated at start-up
+(runner/kv_calibration.py). They start as NaN, so an uncalibrated FP8 cache cannot pass for a working one.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from torch import nn
 from ..batch import ForwardBatch
 from ..config import ModelConfig
 from ..ops import Kernels
-from .linear import Linear
+from ..ops.quant.fp8 import FP8_DTYPE, Fp8KvCache
+from .linear import Linear, fp8_layout
 from .norm import RMSNorm
 from .weights import Target, WeightMap, rows, whole
 
@@ -29,12 +34,18 @@ class GatedAttention(nn.Module):
         self.q_size = 2 * self.o_size                             # queries and gates
         self.kv_size = self.num_kv_heads * self.head_dim
         h = config.hidden_size
-        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, kernels, dtype=dtype, device=device)
-        self.o_proj = Linear(self.num_heads * self.head_dim, h, kernels, dtype=dtype, device=device)
+        quant = config.quantization
+        qkv_fp8 = fp8_layout(quant, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                             rows=(self.head_dim, self.kv_size))
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, kernels, dtype=dtype, device=device, fp8=qkv_fp8)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, kernels, dtype=dtype, device=device,
+                             fp8=fp8_layout(quant, ("self_attn.o_proj",)))
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps, kernels, dtype=dtype, device=device)
         self.k_norm = RMSNorm(self.head_dim, eps, kernels, dtype=dtype, device=device)
         self.scale = self.head_dim ** -0.5
+        self.register_buffer("kv_scale", torch.full((2, 1), float("nan"), device=device), persistent=False)
+        self.kv_scale_source = ""                                 # "checkpoint" | "calibration" once set
 
     @property
     def input_proj(self) -> Linear:
@@ -50,6 +61,8 @@ class GatedAttention(nn.Module):
                           cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """forward from qkv_proj(x) [T, q_size + 2 kv_size], computed by the caller."""
         T = projected.shape[0]
+        if kv_cache.dtype == FP8_DTYPE:
+            kv_cache = Fp8KvCache(kv_cache, self.kv_scale)
         q, gate, k, v = projected.split([self.o_size, self.o_size, self.kv_size, self.kv_size], dim=-1)
         # q/k norms, RoPE, the KV store and attention in one op (the norms here are zero-centred, as the op's
         # are); max_query_len tells it when every sequence has one query token
@@ -62,13 +75,21 @@ class GatedAttention(nn.Module):
 
     def checkpoint_weights(self) -> WeightMap:
         return {
-            "q_proj.weight": Target((self.q_size, self.qkv_proj.in_features), self._load_q_proj),
+            "q_proj.weight": Target((self.q_size, self.qkv_proj.in_features), self._load_q_proj,
+                                    fp8=self.qkv_proj.is_fp8),
             "k_proj.weight": rows(self.qkv_proj, self.q_size, self.kv_size),
             "v_proj.weight": rows(self.qkv_proj, self.q_size + self.kv_size, self.kv_size),
             "o_proj.weight": whole(self.o_proj.weight),
             "q_norm.weight": whole(self.q_norm.weight),
             "k_norm.weight": whole(self.k_norm.weight),
+            # FP8 KV-cache multipliers (optional: the loader does not require them)
+            "k_scale": Target((), lambda t: self._load_kv_scale(0, t)),
+            "v_scale": Target((), lambda t: self._load_kv_scale(1, t)),
         }
+
+    def _load_kv_scale(self, which: int, t: torch.Tensor) -> None:
+        self.kv_scale[which].copy_(t.float().reshape(1))
+        self.kv_scale_source = "checkpoint"
 
     def _load_q_proj(self, t: torch.Tensor) -> None:
         """Checkpoint rows [q_0 | gate_0 | q_1 | gate_1 | ...] -> [q_0 | q_1 | ... | gate_0 | gate_1 | ...]."""

@@ -18,7 +18,7 @@ from torch import nn
 from ..batch import ForwardBatch
 from ..config import ModelConfig
 from ..ops import GdnProjection, Kernels
-from .linear import Linear
+from .linear import Linear, fp8_layout
 from .norm import RMSNorm
 from .weights import Target, WeightMap, rows, whole
 
@@ -37,14 +37,19 @@ class GatedDeltaNet(nn.Module):
         self.norm_activation = config.gdn_norm_activation
         h = config.hidden_size
         self.split_sizes = [self.conv_dim, self.value_dim, self.nv, self.nv]
-        self.in_proj = Linear(h, sum(self.split_sizes), kernels, dtype=dtype, device=device)
+        quant = config.quantization
+        in_names = (("in_proj_qkvz", "in_proj_ba") if self.family == "qwen3_next"
+                    else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+        in_fp8 = fp8_layout(quant, tuple(f"linear_attn.{n}" for n in in_names), rows=(self.dk, self.dv, self.nv))
+        self.in_proj = Linear(h, sum(self.split_sizes), kernels, dtype=dtype, device=device, fp8=in_fp8)
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.conv_width, dtype=dtype, device=device),
                                         requires_grad=False)
         # Gate parameters stay fp32 whatever the activation dtype (as vLLM keeps A_log).
         self.A_log = nn.Parameter(torch.empty(self.nv, dtype=torch.float32, device=device), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.nv, dtype=torch.float32, device=device), requires_grad=False)
         self.norm_weight = nn.Parameter(torch.empty(self.dv, dtype=dtype, device=device), requires_grad=False)
-        self.out_proj = Linear(self.value_dim, h, kernels, dtype=dtype, device=device)
+        self.out_proj = Linear(self.value_dim, h, kernels, dtype=dtype, device=device,
+                               fp8=fp8_layout(quant, ("linear_attn.out_proj",)))
         self.scale = self.dk ** -0.5
 
     def project_input(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
@@ -115,8 +120,9 @@ class GatedDeltaNet(nn.Module):
                 **common,
             }
         return {
-            "in_proj_qkvz.weight": Target((2 * self.key_dim + 2 * self.value_dim, h), self._load_qkvz),
-            "in_proj_ba.weight": Target((2 * self.nv, h), self._load_ba),
+            "in_proj_qkvz.weight": Target((2 * self.key_dim + 2 * self.value_dim, h), self._load_qkvz,
+                                          fp8=self.in_proj.is_fp8),
+            "in_proj_ba.weight": Target((2 * self.nv, h), self._load_ba, fp8=self.in_proj.is_fp8),
             **common,
         }
 

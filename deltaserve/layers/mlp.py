@@ -7,18 +7,23 @@ import torch
 from torch import nn
 
 from ..ops import Kernels
-from .linear import Linear
+from .linear import Linear, fp8_layout
 from .weights import WeightMap, rows, whole
 
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, kernels: Kernels, *, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, quantization=None, prefix: str = "mlp"):
+        """quantization / prefix: the config's QuantizationConfig and this MLP's checkpoint name within a
+        decoder layer ("mlp", "mlp.shared_expert"), which decide whether its projections are FP8."""
         super().__init__()
         self.kernels = kernels
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, kernels, dtype=dtype, device=device)
-        self.down_proj = Linear(intermediate_size, hidden_size, kernels, dtype=dtype, device=device)
+        gate_up_fp8 = fp8_layout(quantization, (f"{prefix}.gate_proj", f"{prefix}.up_proj"), rows=(intermediate_size,))
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, kernels, dtype=dtype, device=device,
+                                   fp8=gate_up_fp8)
+        self.down_proj = Linear(intermediate_size, hidden_size, kernels, dtype=dtype, device=device,
+                                fp8=fp8_layout(quantization, (f"{prefix}.down_proj",)))
 
     @property
     def input_proj(self) -> Linear:

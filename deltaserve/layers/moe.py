@@ -13,6 +13,10 @@ combine. The shared gate's row is the router's last row, and topk_softmax append
 sigmoid(gate logit). A decode step's MoE block is four launches: router GEMV, route, w13, w2 + combine
 (at T <= 2 on Hopper the routing kernel also runs the shared slots' w13 rows: ops/moe/config.py).
 Other widths keep the shared expert as a separate MLP.
+
+Block-FP8 experts (every expert and the folded shared expert converted): w13 / w2 are float8_e4m3fn with
+w13_scale_inv / w2_scale_inv (fp32 per scale group, ops/quant/fp8.py), and `self.w13` / `self.w2` read as
+BlockFp8Weight operands; checkpoint pieces arrive as packed FP8 rows.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops import Kernels
-from .linear import Linear
+from ..ops.quant.fp8 import FP8_DTYPE, BlockFp8Weight, load_packed_rows
+from .linear import Fp8Layout, Linear, fp8_layout, fp8_scale_shape
 from .mlp import MLP
 from .weights import Target, WeightMap, prefixed, rows, whole
 
@@ -38,14 +43,42 @@ class SparseMoeBlock(nn.Module):
         # shared-expert slices stored as experts E.. (0: no shared expert, or kept separate)
         self.shared_slices = s // i if s > 0 and s % i == 0 else 0
         stored = e + self.shared_slices
+        quant = config.quantization
         # the router; with folded slices its last row is the shared expert's gate (one GEMV for both)
-        self.gate = Linear(h, e + (1 if self.shared_slices else 0), kernels, dtype=dtype, device=device)
-        self.w13 = nn.Parameter(torch.empty(stored, 2 * i, h, dtype=dtype, device=device), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(stored, h, i, dtype=dtype, device=device), requires_grad=False)
-        self.shared_expert = MLP(h, s, kernels, dtype=dtype, device=device) \
-            if s > 0 and not self.shared_slices else None
-        self.shared_expert_gate = Linear(h, 1, kernels, dtype=dtype, device=device) \
+        router_names = ("mlp.gate", "mlp.shared_expert_gate") if self.shared_slices else ("mlp.gate",)
+        self.gate = Linear(h, e + (1 if self.shared_slices else 0), kernels, dtype=dtype, device=device,
+                           fp8=fp8_layout(quant, router_names, rows=(e, 1) if self.shared_slices else ()))
+        expert_names = ("mlp.experts",) + (("mlp.shared_expert",) if self.shared_slices else ())
+        self.w13_fp8 = fp8_layout(quant, expert_names, rows=(i,))
+        self.w2_fp8 = None if self.w13_fp8 is None else Fp8Layout(col_group=fp8_layout(quant, expert_names,
+                                                                                          cols=(i,)).col_group)
+        self._expert_param("w13", (stored, 2 * i, h), self.w13_fp8, dtype, device)
+        self._expert_param("w2", (stored, h, i), self.w2_fp8, dtype, device)
+        self.shared_expert = MLP(h, s, kernels, dtype=dtype, device=device, quantization=quant,
+                                 prefix="mlp.shared_expert") if s > 0 and not self.shared_slices else None
+        self.shared_expert_gate = Linear(h, 1, kernels, dtype=dtype, device=device,
+                                         fp8=fp8_layout(quant, ("mlp.shared_expert_gate",))) \
             if self.shared_expert is not None else None
+
+    def _expert_param(self, name: str, shape: tuple[int, ...], fp8: Fp8Layout | None, dtype, device) -> None:
+        if fp8 is None:
+            setattr(self, name, nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False))
+            return
+        setattr(self, name, nn.Parameter(torch.empty(shape, dtype=FP8_DTYPE, device=device), requires_grad=False))
+        setattr(self, f"{name}_scale_inv", nn.Parameter(
+            torch.ones(fp8_scale_shape(shape, fp8), dtype=torch.float32, device=device), requires_grad=False))
+
+    def __getattr__(self, name: str):
+        # FP8 experts read as BlockFp8Weight operands (the Parameters stay w13 / w13_scale_inv, w2 / ...)
+        p = self.__dict__.get("_parameters", {})
+        if name in ("w13", "w2") and self.__dict__.get(f"{name}_fp8") is not None and f"{name}_scale_inv" in p:
+            layout = self.__dict__[f"{name}_fp8"]
+            return BlockFp8Weight(p[name], p[f"{name}_scale_inv"], layout.row_group, layout.col_group)
+        return super().__getattr__(name)
+
+    @property
+    def experts_fp8(self) -> bool:
+        return self.w13_fp8 is not None
 
     @property
     def input_proj(self) -> Linear:
@@ -68,6 +101,7 @@ class SparseMoeBlock(nn.Module):
 
     def checkpoint_weights(self, fused_experts: bool) -> WeightMap:
         h, i, e = self.w13.shape[-1], self.intermediate_size, self.num_experts
+        fp8 = self.experts_fp8
         mapping: WeightMap = {"gate.weight": rows(self.gate, 0, e)}
         if self.shared_expert_gate is not None:
             mapping["shared_expert_gate.weight"] = whole(self.shared_expert_gate.weight)
@@ -76,24 +110,46 @@ class SparseMoeBlock(nn.Module):
         elif self.shared_slices:
             s = self.shared_size
             mapping["shared_expert_gate.weight"] = rows(self.gate, e, 1)
-            mapping["shared_expert.gate_proj.weight"] = Target((s, h), lambda t: self._load_shared(t, 0, rows=True))
-            mapping["shared_expert.up_proj.weight"] = Target((s, h), lambda t: self._load_shared(t, i, rows=True))
-            mapping["shared_expert.down_proj.weight"] = Target((h, s), lambda t: self._load_shared(t, 0, rows=False))
+            mapping["shared_expert.gate_proj.weight"] = Target((s, h), lambda t: self._load_shared(t, 0, rows=True),
+                                                               fp8=fp8)
+            mapping["shared_expert.up_proj.weight"] = Target((s, h), lambda t: self._load_shared(t, i, rows=True),
+                                                             fp8=fp8)
+            mapping["shared_expert.down_proj.weight"] = Target((h, s), lambda t: self._load_shared(t, 0, rows=False),
+                                                               fp8=fp8)
         if fused_experts:
-            mapping["experts.gate_up_proj"] = Target((e, 2 * i, h), self.w13.data[:e].copy_)
-            mapping["experts.down_proj"] = Target((e, h, i), self.w2.data[:e].copy_)
+            mapping["experts.gate_up_proj"] = Target((e, 2 * i, h), lambda t: self._load("w13", slice(0, e), 0, t),
+                                                     fp8=fp8)
+            mapping["experts.down_proj"] = Target((e, h, i), lambda t: self._load("w2", slice(0, e), 0, t), fp8=fp8)
             return mapping
         for j in range(e):
-            mapping[f"experts.{j}.gate_proj.weight"] = Target((i, h), self.w13.data[j, :i].copy_)
-            mapping[f"experts.{j}.up_proj.weight"] = Target((i, h), self.w13.data[j, i:].copy_)
-            mapping[f"experts.{j}.down_proj.weight"] = Target((h, i), self.w2.data[j].copy_)
+            mapping[f"experts.{j}.gate_proj.weight"] = Target((i, h), lambda t, j=j: self._load("w13", j, 0, t),
+                                                              fp8=fp8)
+            mapping[f"experts.{j}.up_proj.weight"] = Target((i, h), lambda t, j=j: self._load("w13", j, i, t),
+                                                            fp8=fp8)
+            mapping[f"experts.{j}.down_proj.weight"] = Target((h, i), lambda t, j=j: self._load("w2", j, 0, t),
+                                                              fp8=fp8)
         return mapping
+
+    def _load(self, name: str, experts: int | slice, row_offset: int, t: torch.Tensor,
+              columns: tuple[int, int] | None = None) -> None:
+        """Checkpoint rows (packed FP8 rows when the experts are FP8, else dense) -> rows row_offset.. of
+        expert(s) `experts` of w13 / w2; columns (start, stop): only those checkpoint columns (the shared
+        expert's down projection slices)."""
+        if self.__dict__[f"{name}_fp8"] is not None:
+            full = getattr(self, name)
+            dst = BlockFp8Weight(full.qweight[experts], full.scale[experts], full.row_group, full.col_group)
+            load_packed_rows(dst, row_offset, t, columns=columns)
+            return
+        param = self._parameters[name]  # dense: the loader dequantised an FP8 checkpoint tensor already
+        if columns is not None:
+            t = t[..., columns[0] : columns[1]]
+        param.data[experts, row_offset : row_offset + t.shape[-2]].copy_(t)
 
     def _load_shared(self, t: torch.Tensor, row_offset: int, *, rows: bool) -> None:
         """Shared-expert gate / up rows [S, H] -> w13 rows of the slices; down [H, S] -> w2 columns."""
         i, e = self.intermediate_size, self.num_experts
         for j in range(self.shared_slices):
             if rows:
-                self.w13.data[e + j, row_offset : row_offset + i].copy_(t[j * i : (j + 1) * i])
+                self._load("w13", e + j, row_offset, t[j * i : (j + 1) * i])
             else:
-                self.w2.data[e + j].copy_(t[:, j * i : (j + 1) * i])
+                self._load("w2", e + j, 0, t, columns=(j * i, (j + 1) * i))

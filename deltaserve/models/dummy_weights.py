@@ -10,6 +10,8 @@ bf16 and the kernels see realistic data:
 - the causal conv taps: U(±1/sqrt(width)) (PyTorch's Conv1d default, as the checkpoints were initialised);
 - the GDN decay: A = exp(A_log) with A ~ U(1, 16) and softplus(dt_bias) ~ logU(1e-3, 1e-1) (Mamba-2's
   init), so per-token decays exp(g) span ~0.2 .. ~1 (short and long memories).
+- block-FP8 weights (a config with a quantization_config): the same N(0, 0.02) weight, stored as e4m3 values
+  with per-group multipliers drawn in U(0.5, 1.5) x 4 * 0.02 / 448, so the scales vary as real ones do;
 Every parameter must be claimed by one of the rules above: a parameter no rule knows is an error, so a new
 layer cannot silently keep uninitialised memory.
 """
@@ -25,6 +27,7 @@ from ..layers.gated_deltanet import GatedDeltaNet
 from ..layers.linear import Linear
 from ..layers.moe import SparseMoeBlock
 from ..layers.norm import RMSNorm
+from ..ops.quant.fp8 import FP8_MAX, BlockFp8Weight, is_fp8
 
 LINEAR_STD = 0.02
 A_RANGE = (1.0, 16.0)
@@ -54,14 +57,28 @@ def init_dummy_weights(model: nn.Module, *, seed: int = 0) -> None:
         p.fill_(value)
         done.add(id(p))
 
+    def fp8(w: BlockFp8Weight, std: float) -> None:
+        # one leading index (an expert) at a time: the fp32 draw is transient
+        qs = w.qweight.view(-1, *w.qweight.shape[-2:])
+        ss = w.scale.view(-1, *w.scale.shape[-2:])
+        for q, s in zip(qs, ss):
+            s.uniform_(0.5, 1.5, generator=gen).mul_(4 * std / FP8_MAX)
+            dense = torch.empty(q.shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=gen)
+            expanded = s.repeat_interleave(w.row_group, 0)[: q.shape[0]].repeat_interleave(w.col_group, 1)
+            q.copy_((dense / expanded[:, : q.shape[1]]).clamp(-FP8_MAX, FP8_MAX))
+        done.update({id(w.qweight), id(w.scale)})
+
+    def normal_or_fp8(w, std: float) -> None:
+        fp8(w, std) if is_fp8(w) else normal(w, std)
+
     for module in model.modules():
         if isinstance(module, Linear):
-            normal(module.weight, LINEAR_STD)
+            normal_or_fp8(module.weight, LINEAR_STD)
         elif isinstance(module, RMSNorm):
             fill(module.weight, 0.0 if module.zero_centered else 1.0)
         elif isinstance(module, SparseMoeBlock):
-            normal(module.w13, LINEAR_STD)
-            normal(module.w2, LINEAR_STD)
+            normal_or_fp8(module.w13, LINEAR_STD)
+            normal_or_fp8(module.w2, LINEAR_STD)
         elif isinstance(module, GatedDeltaNet):
             bound = 1.0 / math.sqrt(module.conv_width)
             uniform(module.conv_weight, -bound, bound)

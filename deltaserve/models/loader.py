@@ -4,7 +4,16 @@ HybridForCausalLM.
 Tensors are memory-mapped and copied one at a time into the preallocated parameters, so peak host
 memory stays near one copy of the weights. Before any copy, every expected tensor is checked for
 presence and shape; a problem is a CheckpointError naming the tensor. Unexpected tensors are listed in
-a warning, except the vision tower (model.visual.*), which is skipped on purpose.
+a warning, except the vision tower (model.visual.*), which is skipped on purpose, and quantization tensors
+(`*_scale*`, `*qweight*`, `*zeros*`, `*g_idx*`, ...) that nothing consumes, which are an error: dropping
+them would compute with the raw quantized values.
+
+Block-FP8 (config.quantization): each FP8 `X.weight` comes with `X.weight_scale_inv` (fused experts:
+`X_scale_inv`), both checked. A target that stores FP8 (Target.fp8) gets packed rows (values + block scales,
+ops/quant/fp8.py) so the layers' row regroupings move scales with their rows; a dense target (a module whose
+kind is not converted everywhere, e.g. the GDN in_proj beside the bf16 in_proj_ba) gets the tensor
+dequantised in fp32 (exact at fp32; rounded once in bf16). Online FP8 (quantization.online) quantises each
+dense tensor that lands in an FP8 target in 128 x 128 blocks first, into the same format.
 
 `load_format="dummy"` builds the model from its config alone with random weights drawn on the device
 (dummy_weights.py), for benchmarks at published shapes without a checkpoint.
@@ -23,6 +32,7 @@ from tqdm.auto import tqdm
 
 from ..config import ModelConfig
 from ..ops import Kernels
+from ..ops.quant.fp8 import FP8_DTYPE, dequantize_blocks, pack_rows, quantize_blocks
 from .dummy_weights import init_dummy_weights
 from .qwen3_next import HybridForCausalLM
 
@@ -31,6 +41,11 @@ logger = logging.getLogger(__name__)
 _VISION = re.compile(r"^(model\.)?visual\.")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 _LANGUAGE_PREFIX = "model.language_model."
+# tensors a checkpoint may have or not: the FP8 KV-cache multipliers of an attention layer
+_OPTIONAL = re.compile(r"\.self_attn\.(k|v)_scale$")
+# names of quantization tensors (FP8 / INT scales, GPTQ / AWQ packing, KV-cache scales): never silently dropped
+_QUANT_TENSOR = re.compile(r"(_scale(_inv)?|\.scales?|qweight|qzeros|\.zeros|g_idx|_zero_point|\.absmax|"
+                           r"quant_state|weight_packed|_amax)$|\.(k|v|q)_scale$")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")     # vLLM's names; "auto" reads safetensors
 
 
@@ -79,14 +94,25 @@ def load_model(path: str | Path, *, device: torch.device | str, dtype: torch.dty
     model = HybridForCausalLM(config, kernels, dtype=dtype, device=device, mtp_layers=mtp_layers)
     expected = model.checkpoint_weights(fused_experts)
 
+    scale_of = _fp8_scales(config, expected, by_name, path)
+    for name in [n for n in expected if _OPTIONAL.search(n) and n not in by_name]:
+        del expected[name]
     missing = [n for n in expected if n not in by_name]
     if missing:
         shown = ", ".join(f"{n} {list(expected[n].shape)}" for n in missing[:8])
         more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
         raise CheckpointError(f"checkpoint {path} is missing {len(missing)} tensor(s): {shown}{more}")
-    unexpected = sorted(n for n in by_name if n not in expected)
+    consumed = set(scale_of.values())
+    unexpected = sorted(n for n in by_name if n not in expected and n not in consumed)
     if config.tie_word_embeddings and "lm_head.weight" in unexpected:
         unexpected.remove("lm_head.weight")  # some exporters write the tied head out; it equals embed_tokens
+    quant_leftovers = [n for n in unexpected if _QUANT_TENSOR.search(n)]
+    if quant_leftovers:
+        method = config.quantization.method if config.quantization else "none (no quantization_config)"
+        raise CheckpointError(
+            f"checkpoint {path} has {len(quant_leftovers)} quantization tensor(s) this model does not consume "
+            f"(quantization: {method}): {', '.join(quant_leftovers[:8])}{' ...' if len(quant_leftovers) > 8 else ''}"
+            "; loading without them would compute with the raw quantized values")
     if unexpected:
         logger.warning("ignoring %d unexpected tensor(s) in %s: %s%s", len(unexpected), path,
                        ", ".join(unexpected[:10]), " ..." if len(unexpected) > 10 else "")
@@ -96,7 +122,7 @@ def load_model(path: str | Path, *, device: torch.device | str, dtype: torch.dty
     per_file: dict[Path, list[str]] = {}
     for name in expected:
         per_file.setdefault(by_name[name][1], []).append(name)
-    _check_shapes(per_file, by_name, expected)
+    _check_shapes(per_file, by_name, expected, scale_of)
     # A bar only when loading takes more than a moment (hundreds of MB or more).
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # Read straight onto the target device (safetensors memory-maps the file and copies one tensor at a time).
@@ -106,7 +132,9 @@ def load_model(path: str | Path, *, device: torch.device | str, dtype: torch.dty
         for file, names in per_file.items():
             with safe_open(str(file), framework="pt", device=read_device) as st:
                 for name in names:
-                    expected[name].load(st.get_tensor(by_name[name][0]))
+                    tensor = st.get_tensor(by_name[name][0])
+                    scale = _read(files, by_name, scale_of[name], read_device) if name in scale_of else None
+                    expected[name].load(_prepare(by_name[name][0], tensor, scale, expected[name].fp8, config))
                     bar.update(1)
     logger.debug("loaded %s: %s, %d layers (%d GDN, %d attention), %d MTP layer(s), %s on %s",
                  path.name, config.family, config.num_hidden_layers, len(config.gdn_layer_ids),
@@ -133,11 +161,61 @@ def build_dummy_model(config: ModelConfig, *, device: torch.device | str, dtype:
     return model.eval()
 
 
-def _check_shapes(per_file, by_name, expected) -> None:
+def _check_shapes(per_file, by_name, expected, scale_of) -> None:
     for file, names in per_file.items():
         with safe_open(str(file), framework="pt") as st:
             for name in names:
                 shape = tuple(st.get_slice(by_name[name][0]).get_shape())
+                if _OPTIONAL.search(name) and shape in ((), (1,)):
+                    continue
                 if shape != expected[name].shape:
                     raise CheckpointError(
                         f"tensor {by_name[name][0]} has shape {list(shape)}, expected {list(expected[name].shape)}")
+                if name in scale_of:
+                    dtype = st.get_slice(by_name[name][0]).get_dtype()
+                    if dtype not in ("F8_E4M3", "float8_e4m3fn"):
+                        raise CheckpointError(f"tensor {by_name[name][0]} has a weight_scale_inv but dtype {dtype} "
+                                              "(block-FP8 weights are float8_e4m3fn)")
+                    want = (*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128))
+                    scale_file = by_name[scale_of[name]][1]
+                    with safe_open(str(scale_file), framework="pt") as ss:
+                        got = tuple(ss.get_slice(by_name[scale_of[name]][0]).get_shape())
+                    if got != want:
+                        raise CheckpointError(f"tensor {by_name[scale_of[name]][0]} has shape {list(got)}, expected "
+                                              f"{list(want)} (one scale per 128 x 128 block of {list(shape)})")
+
+
+def _scale_name(name: str) -> str:
+    return name[: -len(".weight")] + ".weight_scale_inv" if name.endswith(".weight") else name + "_scale_inv"
+
+
+def _fp8_scales(config: ModelConfig, expected, by_name, path: Path) -> dict[str, str]:
+    """Expected tensor -> its weight_scale_inv's name, for the FP8 tensors of the checkpoint; scales in a
+    checkpoint without a quantization_config are an error (the values would be read as weights)."""
+    scale_of = {n: _scale_name(n) for n in expected if _scale_name(n) in by_name}
+    if scale_of and (config.quantization is None or config.quantization.online):
+        some = ", ".join(sorted(scale_of.values())[:4])
+        raise CheckpointError(f"checkpoint {path} holds FP8 scales ({some}, ...) but its config.json has no "
+                              "quantization_config (quant_method 'fp8')")
+    return scale_of
+
+
+def _read(files, by_name, name: str, device: str) -> torch.Tensor:
+    with safe_open(str(by_name[name][1]), framework="pt", device=device) as st:
+        return st.get_tensor(by_name[name][0])
+
+
+def _prepare(name: str, tensor: torch.Tensor, scale: torch.Tensor | None, fp8_target: bool,
+             config: ModelConfig) -> torch.Tensor:
+    """The tensor a target takes: packed FP8 rows for an FP8 target, a dense tensor otherwise."""
+    quant = config.quantization
+    if scale is None and tensor.dtype == FP8_DTYPE:
+        raise CheckpointError(f"tensor {name} is float8_e4m3fn but has no weight_scale_inv")
+    if scale is not None:
+        return pack_rows(tensor, scale) if fp8_target else dequantize_blocks(tensor, scale.float())
+    if fp8_target:
+        if quant is not None and quant.online:
+            return pack_rows(*quantize_blocks(tensor))
+        raise CheckpointError(f"tensor {name} is {tensor.dtype} without a weight_scale_inv, but the "
+                              "quantization_config converts it (not in modules_to_not_convert)")
+    return tensor

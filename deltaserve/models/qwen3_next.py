@@ -16,7 +16,7 @@ from ..batch import CacheBuffers, ForwardBatch
 from ..config import FULL_ATTENTION, ModelConfig
 from ..layers.attention import GatedAttention
 from ..layers.gated_deltanet import GatedDeltaNet
-from ..layers.linear import Linear
+from ..layers.linear import Linear, fp8_layout
 from ..layers.mlp import MLP
 from ..layers.moe import SparseMoeBlock
 from ..layers.norm import RMSNorm
@@ -41,7 +41,8 @@ class DecoderLayer(nn.Module):
         else:
             if config.intermediate_size <= 0:
                 raise ValueError(f"layer {layer_id} is dense but intermediate_size is {config.intermediate_size}")
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, kernels, **kw)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, kernels, quantization=config.quantization,
+                           **kw)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, **kw)
 
@@ -85,7 +86,7 @@ class MTPHead(nn.Module):
         h, eps = config.hidden_size, config.rms_norm_eps
         self.pre_fc_norm_embedding = RMSNorm(h, eps, kernels, **kw)
         self.pre_fc_norm_hidden = RMSNorm(h, eps, kernels, **kw)
-        self.fc = Linear(2 * h, h, kernels, **kw)
+        self.fc = Linear(2 * h, h, kernels, fp8=fp8_layout(config.quantization, ("fc",), cols=(h,)), **kw)
         moe = config.num_experts > 0 and config.family != "qwen3_5"
         self.layers = nn.ModuleList(
             DecoderLayer(config, 0, kernels, layer_type=FULL_ATTENTION, moe=moe, **kw) for _ in range(num_layers))

@@ -6,12 +6,17 @@ the per-op list is logged at DEBUG). Nothing here falls back silently at call ti
 handle its inputs raises. Where a sublayer step can run fused or as plain ops, its composite op
 (ops/fusion.py, called as a Kernels method) chooses from the batch shape, by the fold rules that
 select_kernels takes from beside the fused kernels.
+Block-FP8 weights (ops/quant/fp8.py BlockFp8Weight) are taken by the references natively (dequantised, fp32
+math). The Triton and decode-graph ops have no FP8 kernels yet: with fp8_weights, select_kernels wraps the
+weight-reading ops (FP8_WEIGHT_OPS) to dequantise to the activation dtype before the dense kernel, once per
+call, and says so (a warning and Kernels.summary()); never a silent wrong path.
 This package imports nothing from the rest of deltaserve.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections import Counter
 from typing import Callable, Mapping
@@ -28,6 +33,7 @@ from .gdn import reference as gdn_ref
 from .linear import reference as linear_ref
 from .moe import reference as moe_ref
 from .norm import reference as norm_ref
+from .quant.fp8 import BlockFp8Weight
 
 VerifyStash = gdn_ref.VerifyStash
 
@@ -71,6 +77,7 @@ class Kernels:
     conv_fold_rows: tuple[int, int] = (0, 0)
     gate_fold_rows: int = 0
     kept_reference: Mapping[str, str] = dataclasses.field(default_factory=dict)  # op -> why its kernel was refused
+    fp8_path: str = ""               # how FP8 weights are read: "" (none), "reference", "dequantize-then-<backend>"
 
     # ---- composite ops (ops/fusion.py): the sublayer steps that choose their fusions ----
     def gdn_in_proj(self, *args, **kwargs) -> GdnProjection:
@@ -86,12 +93,13 @@ class Kernels:
         """The choice in a few words: "triton (25 ops)", or "triton 23, reference 2 (chunk_gated_delta_rule,
         gdn_prefill: needs ...)"."""
         counts = Counter(self.backend.values())
+        fp8 = f"; FP8 weights: {self.fp8_path}" if self.fp8_path else ""
         if len(counts) == 1:
             (name, n), = counts.items()
-            return f"{name} ({n} ops)"
+            return f"{name} ({n} ops){fp8}"
         parts = ", ".join(f"{name} {n}" for name, n in counts.most_common())
         why = "; ".join(f"{', '.join(ops)}: {reason}" for reason, ops in _by_reason(self.kept_reference).items())
-        return f"{parts} ({why})" if why else parts
+        return (f"{parts} ({why})" if why else parts) + fp8
 
 
 def _by_reason(refused: Mapping[str, str]) -> dict[str, list[str]]:
@@ -130,6 +138,23 @@ REFERENCE_OPS: dict[str, Callable] = {
 }
 
 
+# The ops that read a projection or expert weight (the ones an FP8 weight reaches).
+FP8_WEIGHT_OPS = ("linear", "rms_norm_linear", "rms_norm_linear_conv", "gated_linear", "fused_moe",
+                  "fused_moe_routed")
+
+
+def _dequantizing(op: Callable) -> Callable:
+    """op with every BlockFp8Weight argument dequantised to the activation's (first argument's) dtype first."""
+
+    @functools.wraps(op)
+    def run(x, *args, **kwargs):
+        args = [a.dequantize(x.dtype) if isinstance(a, BlockFp8Weight) else a for a in args]
+        kwargs = {k: v.dequantize(x.dtype) if isinstance(v, BlockFp8Weight) else v for k, v in kwargs.items()}
+        return op(x, *args, **kwargs)
+
+    return run
+
+
 def _triton_ops(device: torch.device, shapes: Mapping[str, int]
                 ) -> tuple[dict[str, Callable], dict[str, str], dict[str, object]]:
     """The Triton implementations usable on `device` for a model of these shapes, why the others are not,
@@ -146,12 +171,14 @@ def _triton_ops(device: torch.device, shapes: Mapping[str, int]
 
 
 def select_kernels(device: torch.device | str, *, force_reference: bool = False,
-                   shapes: Mapping[str, int] | None = None, decode_graph_ops: bool = False) -> Kernels:
+                   shapes: Mapping[str, int] | None = None, decode_graph_ops: bool = False,
+                   fp8_weights: bool = False) -> Kernels:
     """Pick each op's implementation once for `device` and a model of `shapes` (head dims, see
     triton_registry.SHAPE_LIMITS); log the choice (DEBUG; Kernels.summary() says it in a line). An op whose
     Triton kernel cannot take these shapes keeps its reference, with a warning saying why, so the choice
     never changes at call time. decode_graph_ops: the decode-graph backend (ops/decode_graph.py) over the
-    references, for a compiled graph of decode-only batches (CPU only: no Triton there)."""
+    references, for a compiled graph of decode-only batches (CPU only: no Triton there). fp8_weights: the model
+    holds block-FP8 weights (see the module docstring for how each backend reads them)."""
     device = torch.device(device)
     chosen = dict(REFERENCE_OPS)
     backend = {name: "reference" for name in chosen}
@@ -168,7 +195,18 @@ def select_kernels(device: torch.device | str, *, force_reference: bool = False,
         backend.update(dict.fromkeys(triton_ops, "triton"))
         for why, names in _by_reason(refused).items():
             logger.warning("%s on %s: torch reference (%s)", ", ".join(names), device, why)
-    kernels = Kernels(backend=backend, **chosen, **rules, kept_reference=refused)
+    fp8_path = ""
+    if fp8_weights:
+        dense = sorted({backend[op] for op in FP8_WEIGHT_OPS if backend[op] != "reference"})
+        for op in FP8_WEIGHT_OPS:
+            if backend[op] != "reference":
+                chosen[op] = _dequantizing(chosen[op])
+        fp8_path = f"dequantize-then-{'/'.join(dense)}" if dense else "reference"
+        if dense:
+            logger.warning("FP8 weights on %s: no FP8 %s kernels yet; %s dequantise the weight to the activation "
+                           "dtype per call (correct, not fast)", device, "/".join(dense),
+                           ", ".join(op for op in FP8_WEIGHT_OPS if backend[op] != "reference"))
+    kernels = Kernels(backend=backend, **chosen, **rules, kept_reference=refused, fp8_path=fp8_path)
     logger.debug("ops on %s%s: %s", device, " (reference forced)" if force_reference else "",
                  ", ".join(f"{k}={v}" for k, v in sorted(backend.items())))
     return kernels

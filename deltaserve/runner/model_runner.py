@@ -146,9 +146,9 @@ class ModelRunner:
     def _apply_changes(self, out: SchedulerOutput) -> None:
         for seq_id in out.freed_seq_ids:
             self._seqs.pop(seq_id, None)
-        for src, dst in out.state_copies:
+        for src, dst in out.state_copies:   # one by one: a snapshot saved here may be restored by a later pair
             self.cache.copy_slot(src, dst)
-        if out.block_copies:
+        if out.block_copies:                 # distinct fresh destinations: one gather, then one scatter
             src, dst = (to_device(torch.tensor(x), self.device) for x in zip(*out.block_copies))
             self.cache.kv[:, :, dst] = self.cache.kv[:, :, src]
         for new in out.new_seqs:

@@ -14,19 +14,27 @@ manager, scheduler, warm-up requests) stays in engine/llm_engine.py.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import torch
 
-from ..cache.plan import CachePlan, CacheSpec, MiB, plan_cache
+from ..cache.plan import DEFAULT_PREFIX_CACHE_STATE_FRACTION, CachePlan, CacheSpec, MiB, plan_cache
 from ..config import ModelConfig
 from ..models.loader import build_dummy_model, load_model
 from ..models.qwen3_next import HybridForCausalLM
 from ..ops import Kernels, select_kernels
 from . import cpu_compile
 from .cuda_graphs import plan_decode_graphs
+from .kv_calibration import calibrate_kv_scales
 from .memory import allocate_cache, profile_gpu_cache_budget
 from .model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")     # vLLM's names; fp8 = fp8_e4m3
+# the ops that read or write the KV pool
+FP8_KV_OPS = ("store_kv", "attention_prologue", "paged_attention", "fused_paged_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +57,8 @@ class WorkerConfig:
     force_reference_ops: bool = False
     enforce_eager: bool = False      # no CUDA graphs, no compiled CPU decode step
     compile: str = "off"             # the compiled CPU decode step: "auto" | "on" | "off" (cpu_compile.py)
+    kv_cache_dtype: str = "auto"     # "auto" (the activation dtype) | "fp8" (e4m3 with per-layer multipliers)
+    prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION  # snapshots' budget share (0: none)
 
 
 class Worker:
@@ -67,17 +77,25 @@ class Worker:
         c = self.config
         self.load_model()
         plan = plan_cache(self.cache_spec(), budget_bytes=self.cache_budget(), max_num_seqs=c.max_num_seqs,
-                          max_model_len=c.max_model_len, num_blocks=c.num_kv_blocks)
+                          max_model_len=c.max_model_len, num_blocks=c.num_kv_blocks,
+                          snapshot_fraction=c.prefix_cache_state_fraction)
         return self.initialize_cache(plan)
 
     def load_model(self) -> HybridForCausalLM:
         c = self.config
-        self.kernels = select_kernels(c.device, force_reference=c.force_reference_ops, shapes=c.model.kernel_shapes)
+        self.kernels = select_kernels(c.device, force_reference=c.force_reference_ops, shapes=c.model.kernel_shapes,
+                                      fp8_weights=c.model.quantization is not None)
         if c.load_format == "dummy":
             self.model = build_dummy_model(c.model, device=c.device, dtype=c.dtype, kernels=self.kernels,
                                            seed=c.seed or 0)
         else:
             self.model = load_model(c.model_path, device=c.device, dtype=c.dtype, kernels=self.kernels, config=c.model)
+        if c.kv_cache_dtype == "fp8":
+            triton_attention = [op for op in FP8_KV_OPS if self.kernels.backend[op] != "reference"]
+            if triton_attention:
+                raise ValueError(f"kv_cache_dtype='fp8' on {c.device}: the Triton attention kernels "
+                                 f"({', '.join(triton_attention)}) do not read an FP8 cache yet; use "
+                                 "kv_cache_dtype='auto' (or enforce_reference_ops=True: the slow reference path)")
         self.graph_sizes = plan_decode_graphs(c.device, self.kernels,
                                               max_batch=min(c.max_num_seqs, c.max_num_batched_tokens),
                                               enforce_eager=c.enforce_eager)
@@ -87,7 +105,8 @@ class Worker:
         """Bytes per KV block and per state slot at this worker's dtype."""
         c = self.config
         elem = torch.empty((), dtype=c.dtype).element_size()
-        return CacheSpec.from_model(c.model, block_size=c.block_size, kv_dtype_bytes=elem, conv_dtype_bytes=elem)
+        kv = 1 if c.kv_cache_dtype == "fp8" else elem
+        return CacheSpec.from_model(c.model, block_size=c.block_size, kv_dtype_bytes=kv, conv_dtype_bytes=elem)
 
     def cache_budget(self) -> int:
         """Bytes the pools may take on this device (after load_model: a GPU budget is measured on the model)."""
@@ -103,12 +122,19 @@ class Worker:
         """Allocate the pools of `plan`, build the runner over them, capture the decode graphs (they bake in
         the pools' addresses, so they come after) and set up the compiled CPU decode step."""
         c = self.config
+        fp8_kv = c.kv_cache_dtype == "fp8"
+        if fp8_kv:
+            calibrate_kv_scales(self.model, device=c.device, dtype=c.dtype, block_size=c.block_size, seed=c.seed or 0)
         buffers = allocate_cache(self.model, num_slots=plan.num_slots, num_blocks=plan.num_blocks,
-                                 block_size=c.block_size, device=c.device, dtype=c.dtype)
+                                 block_size=c.block_size, device=c.device, dtype=c.dtype,
+                                 kv_dtype=torch.float8_e4m3fn if fp8_kv else None)
         runner = ModelRunner(self.model, buffers, device=c.device, max_model_len=plan.max_model_len, seed=c.seed)
         if self.graph_sizes:
             runner.capture_decode_graphs(min(plan.max_num_seqs, c.max_num_batched_tokens))
-        if self.compile_mode != "off" and not c.enforce_eager:
+        if self.compile_mode != "off" and not c.enforce_eager and (c.model.quantization is not None or fp8_kv):
+            logger.warning("compiled CPU decode is not implemented for FP8 weights or an FP8 KV cache; decoding "
+                           "eagerly")
+        elif self.compile_mode != "off" and not c.enforce_eager:
             runner.compiled_decode = cpu_compile.CompiledDecode(self.model, buffers,
                                                                 background=self.compile_mode == "auto")
         self.plan, self.runner = plan, runner
@@ -125,7 +151,8 @@ class Worker:
         return (f"{name} ({m.family}, {m.num_hidden_layers} layers: {len(m.gdn_layer_ids)} GDN + "
                 f"{len(m.attention_layer_ids)} attention{mtp}; {weights}) on {c.device}, "
                 f"{str(c.dtype).removeprefix('torch.')}; kernels: {self.kernels.summary()}; "
-                f"cache: {plan.num_slots} state slots, {plan.num_blocks} KV blocks x {c.block_size} tokens "
+                f"cache: {plan.num_slots} state slots, {plan.num_blocks} KV blocks x {c.block_size} tokens"
+                f"{' (fp8 e4m3)' if c.kv_cache_dtype == 'fp8' else ''} "
                 f"({_size(plan.used_bytes)}); max_model_len {plan.max_model_len}, max_num_seqs {plan.max_num_seqs}; "
                 f"{self._decode_summary()}")
 

@@ -23,14 +23,26 @@ from .. import __version__
 from .async_engine import AsyncEngine, EngineDeadError, EngineLike
 from .lifecycle import DEFAULT_SHUTDOWN_TIMEOUT, Lifecycle, LifecycleMiddleware, bind_socket, serve, watch_engine
 from .metrics import ServerMetrics
+from .openapi import install_openapi
 from .protocol import APIError
 from .serving_chat import create_chat_completion
 from .serving_completions import create_completion
-from .state import ClientGone, ServerConfig, ServerState, now
+from .serving_messages import anthropic_error_body, count_tokens, create_message
+from .serving_responses import create_response
+from .serving_tokenize import detokenize, model_card, tokenize
+from .state import ClientGone, ServerConfig, ServerState
 
 logger = logging.getLogger(__name__)
 
 PUBLIC_PATHS = ("/health",)
+ANTHROPIC_PATHS = ("/v1/messages",)   # and below: errors in Anthropic's body shape
+
+
+def error_body(path: str, error: APIError) -> dict[str, Any]:
+    """An error's body in the shape of the API the path belongs to."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return anthropic_error_body(error.status, error.message)
+    return error.body()
 
 
 def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
@@ -64,6 +76,7 @@ def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
     _add_cors(app, config)
     _add_error_handlers(app, metrics)
     _add_routes(app, state)
+    install_openapi(app)
     return app
 
 
@@ -84,9 +97,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": state.config.served_model_name, "object": "model", "created": now(),
-                "owned_by": "deltaserve", "root": state.config.model_path, "max_model_len": state.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card(state)]}
+
+    _add_api_routes(app, state)
 
     @app.get("/health")
     async def health():
@@ -99,59 +112,93 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def version():
         return {"version": __version__}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        reset = getattr(state.engine.engine, "reset_prefix_cache", None)
+        if reset is None or not reset():
+            return JSONResponse(APIError("prefix caching is off (--no-enable-prefix-caching)").body(), status_code=400)
+        return {"status": "ok"}
+
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+def _add_api_routes(app: FastAPI, state: ServerState) -> None:
+    """Anthropic Messages, Responses, tokenize / detokenize and the model card by id."""
+
+    def guarded(handler):
+        async def run(request: Request):
+            try:
+                return await handler(state, request)
+            except ClientGone:
+                return Response(status_code=499)
+        return run
+
+    for path, handler in (("/v1/messages", create_message), ("/v1/messages/count_tokens", count_tokens),
+                          ("/v1/responses", create_response), ("/tokenize", tokenize),
+                          ("/detokenize", detokenize)):
+        app.add_api_route(path, guarded(handler), methods=["POST"], name=handler.__name__)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != state.config.served_model_name:
+            raise APIError(f"The model {model_id!r} does not exist", status=404, param="model",
+                           code="model_not_found")
+        return model_card(state)
+
+
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
-    def reply(error: APIError) -> JSONResponse:
+    def reply(request: Request, error: APIError) -> JSONResponse:
         refused = error.status < 500 or error.code == "server_overloaded"   # turned away, not failed
         metrics.requests.labels(outcome="rejected" if refused else "error").inc()
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+        return JSONResponse(error_body(request.url.path, error), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        return reply(exc)
+        return reply(request, exc)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError):
-        return reply(APIError(str(exc), status=503, type="internal_server_error"))
+        return reply(request, APIError(str(exc), status=503, type="internal_server_error"))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
-        return reply(APIError(f"invalid request: {exc.errors()[:3]}"))
+        return reply(request, APIError(f"invalid request: {exc.errors()[:3]}"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return reply(APIError(f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code,
-                              type=kind))
+        return reply(request, APIError(f"{request.method} {request.url.path}: {exc.detail}",
+                                       status=exc.status_code, type=kind))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return reply(APIError(f"internal error: {type(exc).__name__}: {exc}", status=500,
-                              type="internal_server_error"))
+        return reply(request, APIError(f"internal error: {type(exc).__name__}: {exc}", status=500,
+                                       type="internal_server_error"))
 
 
 class _APIKeyMiddleware:
     """Plain ASGI middleware (keeps streaming and disconnect detection untouched): every path but
-    /health needs `Authorization: Bearer <key>`."""
+    /health needs `Authorization: Bearer <key>` or (Anthropic's clients) `x-api-key: <key>`."""
 
     def __init__(self, app: Any, api_key: str, on_reject: ServerMetrics):
-        self.app, self.expected, self.metrics = app, f"Bearer {api_key}".encode(), on_reject
+        self.app, self.metrics = app, on_reject
+        self.bearer, self.key = f"Bearer {api_key}".encode(), api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
+        headers = dict(scope["headers"])
+        bearer_ok = hmac.compare_digest(headers.get(b"authorization", b""), self.bearer)
+        key_ok = b"x-api-key" in headers and hmac.compare_digest(headers[b"x-api-key"], self.key)
+        if bearer_ok or key_ok:
             return await self.app(scope, receive, send)
         self.metrics.requests.labels(outcome="rejected").inc()
-        error = APIError("invalid or missing API key (send 'Authorization: Bearer <key>')", status=401,
-                         code="invalid_api_key")
-        await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+        error = APIError("invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
+                         status=401, code="invalid_api_key")
+        await JSONResponse(error_body(scope["path"], error), status_code=401)(scope, receive, send)
 
 
 def _add_body_limit(app: FastAPI, config: ServerConfig, metrics: ServerMetrics) -> None:
@@ -185,7 +232,8 @@ class _BodyLimitMiddleware:
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
             self.metrics.requests.labels(outcome="rejected").inc()
-            return await JSONResponse(self._error().body(), status_code=413)(scope, receive, send)
+            body = error_body(scope["path"], self._error())
+            return await JSONResponse(body, status_code=413)(scope, receive, send)
         received = 0
 
         async def limited_receive():

@@ -260,7 +260,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 num_gpu_blocks=args.num_gpu_blocks, cpu_cache_bytes=args.cpu_cache_bytes, seed=args.seed,
                 enforce_reference_ops=args.enforce_reference_ops, load_format=args.load_format,
                 enforce_eager=args.enforce_eager, compile=args.compile, async_scheduling=args.async_scheduling,
-                warm_up=args.warm_up)
+                warm_up=args.warm_up, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                enable_prefix_caching=args.enable_prefix_caching,
+                prefix_cache_state_fraction=args.prefix_cache_state_fraction)
 
 
 def build_replica(model: str | None, kwargs: dict[str, Any], data_parallel_size: int, index: int) -> Any:

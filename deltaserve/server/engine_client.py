@@ -230,6 +230,15 @@ class EngineCoreClient:
         for index, rids in by_core.items():
             self._cores[index].send(("abort", rids))
 
+    def reset_prefix_cache(self) -> bool:
+        """Every core drops its cached prefixes (as the engine does: now or as its next step starts); False
+        when prefix caching is off."""
+        if not all(c.info.get("prefix_caching") for c in self._cores):
+            return False
+        for core in self._cores:
+            core.send(("reset_prefix_cache",))
+        return True
+
     def has_unfinished_requests(self) -> bool:
         """Always True: the stepping thread keeps reading the pipes (step() blocks on them), so stats and a
         core's death arrive while no request runs, and each step's outputs take one thread hop to their

@@ -28,11 +28,18 @@ _GAUGES = (
     ("kv_blocks_used", "kv_blocks_used", "Paged KV-cache blocks in use."),
     ("state_slots_total", "state_slots_total", "GDN recurrent-state slots in the pool."),
     ("state_slots_used", "state_slots_used", "GDN recurrent-state slots in use."),
+    ("prefix_cache_blocks", "prefix_cache_blocks", "KV blocks the prefix cache holds."),
+    ("prefix_cache_snapshots_total", "prefix_cache_snapshots_total", "Prefix-cache GDN state snapshot slots."),
+    ("prefix_cache_snapshots_used", "prefix_cache_snapshots_used", "Prefix-cache GDN state snapshots held."),
 )
 _COUNTERS = (
     ("prompt_tokens_total", "prompt_tokens", "Prompt tokens processed."),
     ("generation_tokens_total", "generation_tokens", "Tokens generated."),
     ("num_preempted_total", "num_preemptions", "Requests preempted (their cache dropped, recomputed later)."),
+    ("prefix_cache_queries_total", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits_total", "prefix_cache_hits", "Prompt tokens resumed from the prefix cache."),
+    ("prefix_cache_snapshot_evictions_total", "prefix_cache_snapshot_evictions",
+     "Prefix-cache GDN state snapshots evicted."),
 )
 
 

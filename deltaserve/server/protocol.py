@@ -68,6 +68,11 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None                       # accepted, not used
     logit_bias: dict[str, float] | None = None    # only empty: biasing is not implemented
+    # accepted, not used (they change nothing in generation; README: "accepted and ignored")
+    metadata: dict[str, str] | None = None
+    store: bool | None = None                     # nothing is stored either way
+    service_tier: str | None = None
+    prediction: dict[str, Any] | None = None      # only null: predicted outputs are not implemented
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None
@@ -94,6 +99,8 @@ class _SamplingFields(_Strict):
             raise APIError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed with stream=true", param="stream_options")
+        if self.prediction is not None:
+            raise APIError("prediction (predicted outputs) is not supported", param="prediction")
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kwargs = dict(n=self.n, stop=self.stop, seed=self.seed, presence_penalty=self.presence_penalty,
@@ -178,6 +185,10 @@ class ChatMessage(_Strict):
     reasoning_content: str | None = None
 
 
+# the Qwen templates have one thinking switch: no effort level but "none" / "minimal" turns it off
+REASONING_EFFORT_THINKING = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
@@ -197,6 +208,20 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # OpenAI's thinking control, mapped onto the template's enable_thinking (REASONING_EFFORT_THINKING)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs, with `enable_thinking` from reasoning_effort when that is given."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            thinking = REASONING_EFFORT_THINKING[self.reasoning_effort]
+            if kwargs.get("enable_thinking", thinking) != thinking:
+                raise APIError(f"reasoning_effort={self.reasoning_effort!r} contradicts "
+                               f"chat_template_kwargs.enable_thinking={kwargs['enable_thinking']!r}",
+                               param="reasoning_effort")
+            kwargs["enable_thinking"] = thinking
+        return kwargs
 
     def check(self, limits: RequestLimits) -> None:
         max_logprobs = limits.max_logprobs
@@ -227,6 +252,7 @@ class ChatCompletionRequest(_SamplingFields):
         reserved = {"messages", "tools", "add_generation_prompt"} & set(self.chat_template_kwargs or {})
         if reserved:
             raise APIError(f"chat_template_kwargs must not set {sorted(reserved)}", param="chat_template_kwargs")
+        self.template_kwargs()   # a reasoning_effort contradicting enable_thinking is refused here
 
     def _check_tools(self) -> None:
         choice = self.tool_choice
@@ -289,6 +315,46 @@ def _arguments(text: str, i: int, j: int) -> dict[str, Any]:
         raise APIError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object",
                        param=f"messages.{i}.tool_calls.{j}.function.arguments")
     return value
+
+
+# ---- /tokenize and /detokenize (vLLM's shapes) --------------------------------------------------
+class TokenizeRequest(_Strict):
+    """Either `prompt` (add_special_tokens default true) or `messages` (chat template; default false)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+    # with messages only
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError("give exactly one of prompt or messages", param="prompt")
+        if self.prompt is not None:
+            chat_only = [f for f in ("add_generation_prompt", "chat_template_kwargs", "tools", "reasoning_effort")
+                         if getattr(self, f) is not None] + (["continue_final_message"] if self.continue_final_message
+                                                             else [])
+            if chat_only:
+                raise APIError(f"{chat_only[0]} needs messages, not prompt", param=chat_only[0])
+
+    def chat_request(self) -> ChatCompletionRequest:
+        fields = dict(messages=self.messages, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs,
+                      continue_final_message=self.continue_final_message, reasoning_effort=self.reasoning_effort,
+                      tool_choice="auto" if self.tools else None,
+                      add_generation_prompt=(not self.continue_final_message if self.add_generation_prompt is None
+                                             else self.add_generation_prompt))
+        return ChatCompletionRequest(**fields)
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- parsing and mapping ------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest) -> str:
         raise APIError("this model has no chat template: use /v1/completions", param="messages")
     messages = req.template_messages()
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.uses_tools else None
-    kwargs = req.chat_template_kwargs or {}
+    kwargs = req.template_kwargs()
     if state.config.content_special_tokens_as_text:
         messages, tools, kwargs = _escaped((messages, tools, kwargs), tokenizer.escape_special_tokens)
     try:
@@ -156,7 +156,10 @@ class _Run(StreamingRun):
 
     def _usage(self) -> dict[str, int]:
         out = self.final
-        return usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)) if out else usage(0, 0)
+        if out is None:
+            return usage(0, 0)
+        return usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
+                     getattr(out, "num_cached_tokens", 0))
 
     # ---- non-streaming -------------------------------------------------------------------------
     async def collect(self, group: RequestGroup) -> dict[str, Any]:

@@ -94,7 +94,8 @@ class _Run(StreamingRun):
     def _usage(self) -> dict[str, int]:
         prompt = sum(len(out.prompt_token_ids) for out in self.finals.values())
         completion = sum(len(c.token_ids) for out in self.finals.values() for c in out.outputs)
-        return usage(prompt, completion)
+        cached = sum(getattr(out, "num_cached_tokens", 0) for out in self.finals.values())
+        return usage(prompt, completion, cached)
 
     def _logprobs(self, out: RequestOutput, c: CompletionOutput, start: int, with_prompt: bool,
                   offset: int) -> dict[str, Any] | None:

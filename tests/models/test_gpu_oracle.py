@@ -10,8 +10,9 @@ logprob and every generated token's logprob, teacher-forced on the engine's own 
 - fp32: within FP32_TOL of transformers' fp32 (TF32 off on both sides); greedy tokens its argmax.
 - bf16: error quantiles no worse than transformers' own bf16 run's (oracle.assert_bf16_error_within, over
   the batch's positions in windows of about WINDOW, so an error confined to a few chunks shows); greedy
-  tokens transformers' fp32 argmax wherever its bf16 picks the same one, up to a near-tie as wide as
-  transformers' own bf16 error (its TIE_QUANTILE quantile over the run).
+  tokens transformers' fp32 argmax wherever its bf16 picks the same one, up to a near-tie as wide as twice
+  transformers' own bf16 error (its TIE_QUANTILE quantile over the run): the margin is a difference of two
+  logprobs, each of which bf16 moves by up to that error (CPUs with and without AMX-bf16 round differently).
 On CUDA (the target) every op must be a GPU kernel and the long prompt has 3000 tokens; the CPU variant
 runs the same harness at the same shapes with the reference ops and a 300-token long prompt."""
 
@@ -144,6 +145,6 @@ def test_default_kernels_match_transformers(tiny_model, oracle_rows, device, fam
     for window in torch.arange(len(ours)).tensor_split(-(-len(ours) // WINDOW)):
         assert_bf16_error_within(ours[window], ref32[window], ref16[window],
                                  f"positions {int(window[0])}..{int(window[-1])} of prompts {lengths} + continuations")
-    tie = (ref16 - ref32).abs().quantile(TIE_QUANTILE).item()
+    tie = 2 * (ref16 - ref32).abs().quantile(TIE_QUANTILE).item()
     for (ids, cont, _, lp32, _), lp16 in zip(runs, lp16s):
         assert_greedy_where_bf16_agrees(lp32, lp16, len(ids), cont, tie, f"a {len(ids)}-token prompt")

@@ -78,7 +78,7 @@ def test_force_reference_wins():
 
 
 def test_every_field_has_a_reference():
-    rules = {"backend", "conv_fold_rows", "gate_fold_rows", "kept_reference"}
+    rules = {"backend", "conv_fold_rows", "gate_fold_rows", "kept_reference", "fp8_path"}
     fields = {f.name for f in dataclasses.fields(ops.Kernels)} - rules
     assert fields == set(ops.REFERENCE_OPS)
 

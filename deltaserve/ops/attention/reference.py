@@ -11,6 +11,9 @@ Layouts:
 Query token i of a sequence sits at position seq_len - q_len + i and attends to cached positions
 <= its own (causal). GQA: query head j uses KV head j // (NH / NKV). Scores and softmax as in
 transformers' eager path: scores in the activation dtype, softmax in fp32 cast back, then @ v.
+
+An FP8 KV cache (kv_cache an ops.quant Fp8KvCache: e4m3 values + per-tensor / per-head multipliers) is
+quantised on store and dequantised to the activation dtype on read; every op here takes either.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..norm.reference import rms_norm
+from ..quant.fp8 import Fp8KvCache
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -63,18 +67,28 @@ def fused_paged_attention(
                            scale=scale)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | Fp8KvCache,
+             slot_mapping: torch.Tensor) -> None:
     live = slot_mapping >= 0
     slots = slot_mapping[live].long()
+    if isinstance(kv_cache, Fp8KvCache):
+        cache = kv_cache.cache
+        flat = cache.view(2, -1, cache.shape[-2], cache.shape[-1])
+        flat[0, slots] = kv_cache.quantize(k[live], 0)
+        flat[1, slots] = kv_cache.quantize(v[live], 1)
+        return
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
     flat[0, slots] = k[live].to(kv_cache.dtype)
     flat[1, slots] = v[live].to(kv_cache.dtype)
 
 
 def paged_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor, seq_lens: torch.Tensor,
+    q: torch.Tensor, kv_cache: torch.Tensor | Fp8KvCache, *, cu_seqlens: torch.Tensor, seq_lens: torch.Tensor,
     block_tables: torch.Tensor, scale: float,
 ) -> torch.Tensor:
+    fp8 = kv_cache if isinstance(kv_cache, Fp8KvCache) else None
+    if fp8 is not None:
+        kv_cache = fp8.cache
     nh, d = q.shape[1], q.shape[2]
     nkv, block_size = kv_cache.shape[-2], kv_cache.shape[2]
     group = nh // nkv                        # query heads h*group .. h*group+group-1 share KV head h
@@ -86,7 +100,8 @@ def paged_attention(
         if L == 0 or ctx <= 0:
             continue
         blocks = block_tables[n, : -(-ctx // block_size)].long()
-        kv = kv_cache[:, blocks].reshape(2, -1, nkv, d)[:, :ctx].to(q.dtype).transpose(1, 2)  # [2, NKV, ctx, D]
+        kv = kv_cache[:, blocks].reshape(2, -1, nkv, d)[:, :ctx]
+        kv = (kv.to(q.dtype) if fp8 is None else fp8.dequantize(kv, q.dtype)).transpose(1, 2)  # [2, NKV, ctx, D]
         qs = q[s:e].transpose(0, 1).reshape(nkv, group * L, d)     # [NKV, group*L, D]
         scores = (qs @ kv[0].transpose(1, 2) * scale).reshape(nkv, group, L, ctx)
         if L > 1:  # causal within the new tokens (a single decode token sees every cached position)

@@ -2,7 +2,10 @@
 layer's decode step also with the conv of its q|k|v channels behind it) and the
 gated output projection (a gate, optionally after a per-head RMSNorm, in front of it): the references,
 and the ops every Linear layer, the pre-norm sublayers, the sublayers' output projections and the logits
-call."""
+call.
+
+A block-FP8 weight (ops/quant/fp8.py BlockFp8Weight) is dequantised and multiplied in fp32 (exactly the
+checkpoint's values), the product rounded once to x's dtype; every op here reaches it through `linear`."""
 
 from __future__ import annotations
 
@@ -12,12 +15,15 @@ import torch.nn.functional as F
 from ..activation.reference import sigmoid_mul
 from ..conv1d.reference import causal_conv1d_update
 from ..norm.reference import rms_norm, rms_norm_gated
+from ..quant.fp8 import BlockFp8Weight
 
 GATE_ACTIVATIONS = ("silu", "swish", "sigmoid")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | BlockFp8Weight) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T -> [..., N] in x's dtype (torch's matmul, fp32 accumulation on GPU)."""
+    if isinstance(weight, BlockFp8Weight):
+        return F.linear(x.float(), weight.dequantize(torch.float32)).to(x.dtype)
     return F.linear(x, weight)
 
 

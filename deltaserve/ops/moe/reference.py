@@ -5,13 +5,23 @@
   w13 [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up), w2 [E, H, I]
   fused_moe: y_t = sum_j weights[t, j] * w2[e] (silu(gate_e x_t) * up_e x_t), e = ids[t, j]
   fused_moe_routed: fused_moe on topk_softmax's choice (one op, so a kernel can fuse the two)
-Weighted expert outputs are accumulated in fp32 and rounded once.
+Weighted expert outputs are accumulated in fp32 and rounded once. Block-FP8 experts (ops/quant/fp8.py
+BlockFp8Weight) are dequantised one expert at a time and their products computed in fp32.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ..quant.fp8 import BlockFp8Weight
+
+
+def _expert(w, e: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert e's weight, x) ready to multiply: fp32 for an FP8 weight, as they are otherwise."""
+    if isinstance(w, BlockFp8Weight):
+        return w.expert(e).dequantize(torch.float32), x.float()
+    return w[e], x
 
 
 def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
@@ -52,9 +62,11 @@ def fused_moe(
         picks = order[start : start + cnt]
         tokens = token_of[start : start + cnt]
         start += cnt
-        h = x[tokens] @ w13[e].t()
+        w, xe = _expert(w13, e, x[tokens])
+        h = xe @ w.t()
         h = F.silu(h[:, :inter]) * h[:, inter:]
-        y = h @ w2[e].t()
+        w, h = _expert(w2, e, h)
+        y = h @ w.t()
         out.index_add_(0, tokens, y.float() * topk_weights.flatten()[picks, None].float())
     return out.to(x.dtype)
 
@@ -80,7 +92,9 @@ def _fused_moe_pairs(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     for t, experts in enumerate(topk_ids.tolist()):
         for j in sorted(range(len(experts)), key=experts.__getitem__):
             e = experts[j]
-            h = F.linear(x[t : t + 1], w13[e])
-            y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2[e])
+            w, xe = _expert(w13, e, x[t : t + 1])
+            h = F.linear(xe, w)
+            w, h = _expert(w2, e, F.silu(h[:, :inter]) * h[:, inter:])
+            y = F.linear(h, w)
             out[t : t + 1] += y.float() * weights[t][j]
     return out.to(x.dtype)
