@@ -167,11 +167,14 @@ class EngineCoreClient:
     def close(self) -> None:
         """Ask every core to stop, wait a little, kill what is left."""
         self._closing = True
-        for core in self._cores:
-            try:
-                core.conn.send_bytes(dumps(("stop",)))
-            except OSError:
-                pass
+        for core in self._cores:   # through the sender thread: one writer per pipe
+            if core._sender.is_alive():
+                core.send(("stop",))
+            else:
+                try:
+                    core.conn.send_bytes(dumps(("stop",)))
+                except OSError:
+                    pass
             core.close()
         deadline = time.monotonic() + STOP_WAIT_S
         for core in self._cores:
