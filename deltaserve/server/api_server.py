@@ -51,7 +51,7 @@ def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
     """An app serving `engine`; its engine thread starts and stops with the app's lifespan, watched for
     death and stalled streams while it runs."""
     metrics = ServerMetrics(engine.get_stats)
-    async_engine = AsyncEngine(engine, metrics)
+    async_engine = AsyncEngine(engine, metrics, config.stream_interval)
     state = ServerState(async_engine, config, metrics)
     lifecycle = Lifecycle()
 

@@ -43,6 +43,7 @@ async def create_chat_completion(state: ServerState, http: Request):
         state.log_request(request_id, [(prompt, token_ids)], params)
         try:
             group.add(request_id, token_ids, params)
+            await group.accepted()
         except ValueError as exc:  # the engine's own validation
             raise APIError(str(exc)) from None
     except BaseException:
