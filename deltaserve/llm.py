@@ -30,13 +30,15 @@ class LLM:
                  block_size: int = 16, enforce_reference_ops: bool = False, max_num_batched_tokens: int | None = None,
                  gpu_memory_utilization: float = 0.9, cpu_cache_bytes: int | None = None,
                  num_gpu_blocks: int | None = None, load_format: str = "auto", enforce_eager: bool = False,
-                 compile: str | None = None, async_scheduling: bool | None = None, warm_up: bool | None = None):
+                 compile: str | None = None, async_scheduling: bool | None = None, warm_up: bool | None = None,
+                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False):
         self.engine = LLMEngine.from_args(
             model, device=device, dtype=dtype, seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             block_size=block_size, enforce_reference_ops=enforce_reference_ops,
             max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
             cpu_cache_bytes=cpu_cache_bytes, num_gpu_blocks=num_gpu_blocks, load_format=load_format,
-            enforce_eager=enforce_eager, compile=compile, async_scheduling=async_scheduling, warm_up=warm_up)
+            enforce_eager=enforce_eager, compile=compile, async_scheduling=async_scheduling, warm_up=warm_up,
+            tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel)
         self.model_path = self.engine.model_path
         self.config = self.engine.model_config
         self.tokenizer = self.engine.tokenizer
@@ -44,6 +46,10 @@ class LLM:
         self.device = self.engine.runner.device
         self.max_model_len = self.engine.max_model_len
         self._request_ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """End every worker process (tensor_parallel_size > 1); the LLM cannot generate afterwards."""
+        self.engine.shutdown()
 
     def generate(self, prompts: PromptType | Iterable[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

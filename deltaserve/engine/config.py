@@ -49,6 +49,8 @@ class EngineConfig:
     seed: int | None = 0                      # seed of the shared generator (requests without their own seed)
     enforce_reference_ops: bool = False       # torch references everywhere, even where Triton is available
     async_scheduling: bool | None = None      # schedule + launch step N+1 before reading step N; None: on CUDA
+    tensor_parallel_size: int = 1             # ranks the model is sharded over (one process and device each)
+    enable_expert_parallel: bool = False      # MoE: whole experts per rank instead of split expert widths
 
     def __post_init__(self) -> None:
         def fail(field: str, why: str):
@@ -69,6 +71,12 @@ class EngineConfig:
             fail("cpu_cache_bytes", "must be a positive integer")
         if self.async_scheduling not in (None, True, False):
             fail("async_scheduling", "must be True, False or None (auto: on for CUDA devices)")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            fail("tensor_parallel_size", "must be an integer >= 1")
+        if self.enable_expert_parallel not in (True, False):
+            fail("enable_expert_parallel", "must be True or False")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            fail("enable_expert_parallel", "needs tensor_parallel_size > 1 (experts are split over those ranks)")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             fail("num_kv_blocks", "must be an integer >= 1")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import os
 import logging
 import threading
 import time
@@ -105,7 +106,8 @@ class LLMEngine:
                   num_gpu_blocks: int | None = None, seed: int | None = 0,
                   enforce_reference_ops: bool = False, load_format: str = "auto",
                   enforce_eager: bool = False, compile: str | None = None,
-                  async_scheduling: bool | None = None, warm_up: bool | None = None) -> "LLMEngine":
+                  async_scheduling: bool | None = None, warm_up: bool | None = None,
+                  tensor_parallel_size: int = 1, enable_expert_parallel: bool = False) -> "LLMEngine":
         """Validate the options into configs, have a Worker (runner/worker.py) do the device half of start-up
         (load the checkpoint directory, default: the embedded model; select kernels; size the cache from the
         memory budget, GPU: measured, CPU: cpu_cache_bytes; allocate it; capture graphs), build the engine
@@ -120,13 +122,17 @@ class LLMEngine:
         DELTASERVE_COMPILE (default "off": eager measured faster on a small CPU). Ignored off CPU.
         async_scheduling: launch each step before reading the previous one's tokens; None: on for CUDA
         devices (on CPU the forward runs in the launching thread, so there is nothing to overlap).
-        warm_up: run `warm_up()` before returning; None: on CUDA (on CPU there are no kernels to build)."""
+        warm_up: run `warm_up()` before returning; None: on CUDA (on CPU there are no kernels to build).
+        tensor_parallel_size: shard the model over this many ranks, one process and device each
+        (engine/executor.py); enable_expert_parallel: MoE experts split whole across them. Under torchrun the
+        ranks other than 0 serve steps inside this call and exit when rank 0 shuts down."""
         t0 = time.perf_counter()
         config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                               gpu_memory_utilization=gpu_memory_utilization, cpu_cache_bytes=cpu_cache_bytes,
                               num_kv_blocks=num_gpu_blocks, seed=seed, enforce_reference_ops=enforce_reference_ops,
-                              async_scheduling=async_scheduling)
+                              async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
+                              enable_expert_parallel=enable_expert_parallel)
         check_load_format(load_format)
         if isinstance(model, dict):
             if load_format != "dummy":
@@ -139,16 +145,29 @@ class LLMEngine:
         limit = model_config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
-        worker = Worker(WorkerConfig(
+        worker_config = WorkerConfig(
             model=model_config, model_path=path, load_format=load_format, device=dev,
             dtype=resolve_dtype(dtype, model_config, dev), max_num_seqs=max_num_seqs,
             max_num_batched_tokens=config.token_budget, max_model_len=max_model_len or limit, block_size=block_size,
             gpu_memory_utilization=gpu_memory_utilization, cpu_cache_bytes=cpu_cache_bytes or DEFAULT_CPU_CACHE_BYTES,
             num_kv_blocks=num_gpu_blocks, seed=seed,
             force_reference_ops=enforce_reference_ops or settings().force_reference_ops,
-            enforce_eager=enforce_eager, compile=compile or settings().compile))
+            enforce_eager=enforce_eager, compile=compile or settings().compile)
         tokenizer = Tokenizer.from_dir(path) if path is not None else None
-        runner = worker.start()
+        if tensor_parallel_size > 1:
+            from ..distributed.parallel import Parallel, check_model_divides
+            from . import executor
+
+            check_model_divides(model_config, Parallel(0, tensor_parallel_size, enable_expert_parallel))
+            if int(os.environ.get("RANK", "0")) > 0:      # a torchrun rank other than 0
+                executor.run_torchrun_worker(worker_config, expert_parallel=enable_expert_parallel)
+                raise SystemExit(0)
+            runner = executor.start_tensor_parallel(worker_config, tensor_parallel_size,
+                                                    expert_parallel=enable_expert_parallel)
+            worker = runner.worker
+        else:
+            worker = Worker(worker_config)
+            runner = worker.start()
         plan = worker.plan
         manager = HybridCacheManager(num_blocks=plan.num_blocks, block_size=block_size, num_slots=plan.num_slots)
         if config.token_budget < plan.max_num_seqs:
@@ -160,6 +179,12 @@ class LLMEngine:
         logger.info("engine ready in %.1f s%s: %s", time.perf_counter() - t0,
                     "" if warm is None else f" (warm-up {warm:.1f} s)", worker.summary())
         return engine
+
+    def shutdown(self) -> None:
+        """End the worker processes of a tensor-parallel engine (a no-op for one device)."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def warm_up(self) -> float:
         """Run throw-away requests in the packings serving meets, so that Triton builds their kernel variants

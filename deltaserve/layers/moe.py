@@ -13,6 +13,14 @@ combine. The shared gate's row is the router's last row, and topk_softmax append
 sigmoid(gate logit). A decode step's MoE block is four launches: router GEMV, route, w13, w2 + combine
 (at T <= 2 on Hopper the routing kernel also runs the shared slots' w13 rows: ops/moe/config.py).
 Other widths keep the shared expert as a separate MLP.
+
+Tensor parallelism (distributed/parallel.py), default: every expert's intermediate dim is split (w13 rows,
+w2 columns; the shared expert and its slices too), the router is replicated, and the block's output is
+summed over the ranks (one all-reduce). Expert parallelism (`Parallel.expert_parallel`): each rank holds
+E / tp whole experts; every rank has every token (the hidden state is replicated), routes them all with the
+replicated router, keeps the (token, expert) pairs of its own experts (the others get weight 0) and the sum
+over the ranks combines them. The shared-expert slices are then held by every rank and weighted on rank 0
+only (a separate shared MLP stays tensor-parallel).
 """
 
 from __future__ import annotations
@@ -21,31 +29,53 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..distributed import comm
+from ..distributed.parallel import SINGLE, Parallel, Split, require_divisible
 from ..ops import Kernels
 from .linear import Linear
 from .mlp import MLP
-from .weights import Target, WeightMap, prefixed, rows, whole
+from .weights import Target, WeightMap, prefixed, read_ranges, rows, whole
+
+_NOT_THIS_RANK = (lambda t: None, lambda sl: None)   # (load, read) of an expert another rank holds
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: Kernels, *, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config: ModelConfig, kernels: Kernels, *, dtype: torch.dtype, device: torch.device | str,
+                 parallel: Parallel = SINGLE):
         super().__init__()
         self.kernels = kernels
+        self.parallel = parallel
         h, e, i = config.hidden_size, config.num_experts, config.moe_intermediate_size
         s = config.shared_expert_intermediate_size
         self.num_experts, self.top_k, self.renormalize = e, config.num_experts_per_tok, config.norm_topk_prob
         self.intermediate_size, self.shared_size = i, s
         # shared-expert slices stored as experts E.. (0: no shared expert, or kept separate)
         self.shared_slices = s // i if s > 0 and s % i == 0 else 0
-        stored = e + self.shared_slices
+        m = self.shared_slices
+        self.expert_parallel = parallel.sharded and parallel.expert_parallel
+        tp = parallel.size
+        if self.expert_parallel:
+            require_divisible("num_experts", e, parallel)
+        else:
+            require_divisible("moe_intermediate_size", i, parallel)
+        # this rank's experts [expert_start, expert_start + local_experts) and intermediate width
+        self.local_experts = parallel.local(e) if self.expert_parallel else e
+        self.expert_start = parallel.rank * self.local_experts if self.expert_parallel else 0
+        self.local_intermediate = i if self.expert_parallel else parallel.local(i)
+        i_full, i = i, self.local_intermediate
+        stored = self.local_experts + m
         # the router; with folded slices its last row is the shared expert's gate (one GEMV for both)
         self.gate = Linear(h, e + (1 if self.shared_slices else 0), kernels, dtype=dtype, device=device)
         self.w13 = nn.Parameter(torch.empty(stored, 2 * i, h, dtype=dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(stored, h, i, dtype=dtype, device=device), requires_grad=False)
-        self.shared_expert = MLP(h, s, kernels, dtype=dtype, device=device) \
-            if s > 0 and not self.shared_slices else None
+        self.shared_expert = MLP(h, s, kernels, dtype=dtype, device=device, parallel=parallel, reduce=False,
+                                 field="shared_expert_intermediate_size") if s > 0 and not self.shared_slices else None
         self.shared_expert_gate = Linear(h, 1, kernels, dtype=dtype, device=device) \
             if self.shared_expert is not None else None
+        if parallel.sharded:
+            experts = Split(0, ((e, tp), (m, 1)))
+            self.param_splits = ({"w13": experts, "w2": experts} if self.expert_parallel else
+                                 {"w13": Split(1, ((i_full, tp), (i_full, tp))), "w2": Split(2, ((i_full, tp),))})
 
     @property
     def input_proj(self) -> Linear:
@@ -60,14 +90,33 @@ class SparseMoeBlock(nn.Module):
         """forward from x and gate(x), computed by the caller."""
         # routing (the shared slices' sigmoid weights included) and the experts in one op (the op picks
         # whether the routing is its own kernel or done inside the w13 kernel)
-        out = self.kernels.fused_moe_routed(x, self.w13, self.w2, router_logits, self.top_k, self.renormalize,
-                                            shared_slices=self.shared_slices)
+        if self.expert_parallel:
+            out = self._local_experts(x, router_logits)
+        else:
+            out = self.kernels.fused_moe_routed(x, self.w13, self.w2, router_logits, self.top_k, self.renormalize,
+                                                shared_slices=self.shared_slices)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return comm.all_reduce(out) if self.parallel.sharded else out
+
+    def _local_experts(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: the routed pairs of this rank's experts (others weighted 0, so the sum over the
+        ranks is the full block); the shared slices (ids E..) count on rank 0 only."""
+        weights, ids = self.kernels.topk_softmax(router_logits, self.top_k, self.renormalize,
+                                                 shared_slices=self.shared_slices)
+        e, start = self.num_experts, self.expert_start
+        mine = (ids >= start) & (ids < start + self.local_experts)
+        local = ids - start
+        if self.shared_slices:
+            shared = ids >= e
+            local = torch.where(shared, ids - e + self.local_experts, local)
+            mine = mine | (shared & (self.parallel.rank == 0))
+        weights = torch.where(mine, weights, torch.zeros_like(weights))
+        return self.kernels.fused_moe(x, self.w13, self.w2, weights, torch.where(mine, local, torch.zeros_like(local)))
 
     def checkpoint_weights(self, fused_experts: bool) -> WeightMap:
-        h, i, e = self.w13.shape[-1], self.intermediate_size, self.num_experts
+        h, e, par = self.w13.shape[-1], self.num_experts, self.parallel
+        i_full, i = self.intermediate_size, self.local_intermediate
         mapping: WeightMap = {"gate.weight": rows(self.gate, 0, e)}
         if self.shared_expert_gate is not None:
             mapping["shared_expert_gate.weight"] = whole(self.shared_expert_gate.weight)
@@ -75,25 +124,49 @@ class SparseMoeBlock(nn.Module):
             mapping.update(prefixed("shared_expert", self.shared_expert.checkpoint_weights()))
         elif self.shared_slices:
             s = self.shared_size
+            # each slice's intermediate columns this rank holds (all of them under expert parallelism)
+            a, b = (0, i) if self.expert_parallel else par.piece(i_full)
+            ranges = [(j * i_full + a, j * i_full + b) for j in range(self.shared_slices)]
+            read_rows, read_cols = (None, None) if not par.sharded else (read_ranges(ranges), read_ranges(ranges, 1))
             mapping["shared_expert_gate.weight"] = rows(self.gate, e, 1)
-            mapping["shared_expert.gate_proj.weight"] = Target((s, h), lambda t: self._load_shared(t, 0, rows=True))
-            mapping["shared_expert.up_proj.weight"] = Target((s, h), lambda t: self._load_shared(t, i, rows=True))
-            mapping["shared_expert.down_proj.weight"] = Target((h, s), lambda t: self._load_shared(t, 0, rows=False))
+            mapping["shared_expert.gate_proj.weight"] = Target(
+                (s, h), lambda t: self._load_shared(t, 0, rows=True), read_rows)
+            mapping["shared_expert.up_proj.weight"] = Target(
+                (s, h), lambda t: self._load_shared(t, i, rows=True), read_rows)
+            mapping["shared_expert.down_proj.weight"] = Target(
+                (h, s), lambda t: self._load_shared(t, 0, rows=False), read_cols)
+        n, start = self.local_experts, self.expert_start
+        if not par.sharded:
+            reads = {"gate": None, "up": None, "down": None, "fused13": None, "fused2": None}
+        elif self.expert_parallel:
+            reads = {"gate": None, "up": None, "down": None, "fused13": lambda sl: sl[start:start + n],
+                     "fused2": lambda sl: sl[start:start + n]}
+        else:
+            a, b = par.piece(i_full)
+            reads = {"gate": lambda sl: sl[a:b], "up": lambda sl: sl[a:b], "down": lambda sl: sl[:, a:b],
+                     "fused13": lambda sl: torch.cat([sl[:, a:b], sl[:, i_full + a:i_full + b]], dim=1),
+                     "fused2": lambda sl: sl[:, :, a:b]}
         if fused_experts:
-            mapping["experts.gate_up_proj"] = Target((e, 2 * i, h), self.w13.data[:e].copy_)
-            mapping["experts.down_proj"] = Target((e, h, i), self.w2.data[:e].copy_)
+            mapping["experts.gate_up_proj"] = Target((e, 2 * i_full, h), self.w13.data[:n].copy_, reads["fused13"])
+            mapping["experts.down_proj"] = Target((e, h, i_full), self.w2.data[:n].copy_, reads["fused2"])
             return mapping
         for j in range(e):
-            mapping[f"experts.{j}.gate_proj.weight"] = Target((i, h), self.w13.data[j, :i].copy_)
-            mapping[f"experts.{j}.up_proj.weight"] = Target((i, h), self.w13.data[j, i:].copy_)
-            mapping[f"experts.{j}.down_proj.weight"] = Target((h, i), self.w2.data[j].copy_)
+            if not start <= j < start + n:
+                for name, shape in (("gate_proj", (i_full, h)), ("up_proj", (i_full, h)), ("down_proj", (h, i_full))):
+                    mapping[f"experts.{j}.{name}.weight"] = Target(shape, *_NOT_THIS_RANK)
+                continue
+            k = j - start
+            mapping[f"experts.{j}.gate_proj.weight"] = Target((i_full, h), self.w13.data[k, :i].copy_, reads["gate"])
+            mapping[f"experts.{j}.up_proj.weight"] = Target((i_full, h), self.w13.data[k, i:].copy_, reads["up"])
+            mapping[f"experts.{j}.down_proj.weight"] = Target((h, i_full), self.w2.data[k].copy_, reads["down"])
         return mapping
 
     def _load_shared(self, t: torch.Tensor, row_offset: int, *, rows: bool) -> None:
-        """Shared-expert gate / up rows [S, H] -> w13 rows of the slices; down [H, S] -> w2 columns."""
-        i, e = self.intermediate_size, self.num_experts
+        """Shared-expert gate / up rows [S, H] -> w13 rows of the slices; down [H, S] -> w2 columns (`t` holds
+        this rank's columns of each slice, one after another)."""
+        i, n = self.local_intermediate, self.local_experts
         for j in range(self.shared_slices):
             if rows:
-                self.w13.data[e + j, row_offset : row_offset + i].copy_(t[j * i : (j + 1) * i])
+                self.w13.data[n + j, row_offset : row_offset + i].copy_(t[j * i : (j + 1) * i])
             else:
-                self.w2.data[e + j].copy_(t[:, j * i : (j + 1) * i])
+                self.w2.data[n + j].copy_(t[:, j * i : (j + 1) * i])

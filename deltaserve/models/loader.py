@@ -6,6 +6,9 @@ memory stays near one copy of the weights. Before any copy, every expected tenso
 presence and shape; a problem is a CheckpointError naming the tensor. Unexpected tensors are listed in
 a warning, except the vision tower (model.visual.*), which is skipped on purpose.
 
+Under tensor parallelism each rank builds its shard of the model and reads only its slices of each tensor
+(a target's `read`, over the memory-mapped safetensors slice).
+
 `load_format="dummy"` builds the model from its config alone with random weights drawn on the device
 (dummy_weights.py), for benchmarks at published shapes without a checkpoint.
 """
@@ -22,6 +25,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from ..config import ModelConfig
+from ..distributed.parallel import SINGLE, Parallel
 from ..ops import Kernels
 from .dummy_weights import init_dummy_weights
 from .qwen3_next import HybridForCausalLM
@@ -66,7 +70,8 @@ def canonical_name(name: str, family: str) -> str:
 
 
 def load_model(path: str | Path, *, device: torch.device | str, dtype: torch.dtype, kernels: Kernels,
-               config: ModelConfig | None = None, show_progress: bool = True) -> HybridForCausalLM:
+               config: ModelConfig | None = None, show_progress: bool = True,
+               parallel: Parallel = SINGLE) -> HybridForCausalLM:
     path = Path(path)
     config = config or ModelConfig.from_hf(path)
     files = checkpoint_files(path)
@@ -76,7 +81,7 @@ def load_model(path: str | Path, *, device: torch.device | str, dtype: torch.dty
     mtp_ids = {int(m.group(1)) for n in by_name if (m := _MTP_LAYER.match(n))}
     mtp_layers = max(mtp_ids) + 1 if mtp_ids else 0
     fused_experts = any(".mlp.experts.gate_up_proj" in n for n in by_name)
-    model = HybridForCausalLM(config, kernels, dtype=dtype, device=device, mtp_layers=mtp_layers)
+    model = HybridForCausalLM(config, kernels, dtype=dtype, device=device, mtp_layers=mtp_layers, parallel=parallel)
     expected = model.checkpoint_weights(fused_experts)
 
     missing = [n for n in expected if n not in by_name]
@@ -106,7 +111,9 @@ def load_model(path: str | Path, *, device: torch.device | str, dtype: torch.dty
         for file, names in per_file.items():
             with safe_open(str(file), framework="pt", device=read_device) as st:
                 for name in names:
-                    expected[name].load(st.get_tensor(by_name[name][0]))
+                    target = expected[name]
+                    source = by_name[name][0]
+                    target.load(st.get_tensor(source) if target.read is None else target.read(st.get_slice(source)))
                     bar.update(1)
     logger.debug("loaded %s: %s, %d layers (%d GDN, %d attention), %d MTP layer(s), %s on %s",
                  path.name, config.family, config.num_hidden_layers, len(config.gdn_layer_ids),
@@ -121,10 +128,11 @@ def check_load_format(load_format: str) -> str:
 
 
 def build_dummy_model(config: ModelConfig, *, device: torch.device | str, dtype: torch.dtype, kernels: Kernels,
-                      seed: int = 0) -> HybridForCausalLM:
+                      seed: int = 0, parallel: Parallel = SINGLE) -> HybridForCausalLM:
     """The model of `config` (with its MTP head when the config declares one, as a published checkpoint
     has) holding seeded random weights created on `device`."""
-    model = HybridForCausalLM(config, kernels, dtype=dtype, device=device, mtp_layers=config.mtp_num_layers)
+    model = HybridForCausalLM(config, kernels, dtype=dtype, device=device, mtp_layers=config.mtp_num_layers,
+                              parallel=parallel)
     init_dummy_weights(model, seed=seed)
     logger.debug("dummy weights: %s, %d layers (%d GDN, %d attention), %d MTP layer(s), %.2f GB %s on %s",
                  config.family, config.num_hidden_layers, len(config.gdn_layer_ids), len(config.attention_layer_ids),

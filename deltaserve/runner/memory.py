@@ -22,7 +22,8 @@ def allocate_cache(model: HybridForCausalLM, *, num_slots: int, num_blocks: int,
     """The pools (cache/plan.py's layout; fp32 state, `dtype` conv windows and K/V). On CPU they are left
     uninitialised (pages are only touched once used; nothing reads a slot or block position before
     writing it)."""
-    shapes = pool_shapes(model.config, num_slots=num_slots, num_blocks=num_blocks, block_size=block_size)
+    shapes = pool_shapes(model.config, num_slots=num_slots, num_blocks=num_blocks, block_size=block_size,
+                         tp_size=model.parallel.size)
     make = torch.zeros if device.type == "cuda" else torch.empty
     return CacheBuffers(ssm=make(shapes.ssm, dtype=torch.float32, device=device),
                         conv=make(shapes.conv, dtype=dtype, device=device),

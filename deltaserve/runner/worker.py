@@ -1,6 +1,9 @@
 """The device half of start-up, and the unit that owns one device's model, cache pools and runner (one
 per tensor-parallel rank, later).
 
+One Worker per tensor-parallel rank (engine/executor.py starts the others): `parallel` says which shard of
+the model it holds; kernel selection sees the rank's head counts and the pools hold the rank's heads.
+
 `Worker.start()` runs the phases in order: `load_model` (select the kernels for the device and the
 model's shapes, build the model from the checkpoint or from dummy weights, decide whether decode steps
 will be CUDA graphs), `cache_budget` (GPU: measured after a warm-up forward of the largest step, the
@@ -20,6 +23,7 @@ import torch
 
 from ..cache.plan import CachePlan, CacheSpec, MiB, plan_cache
 from ..config import ModelConfig
+from ..distributed.parallel import SINGLE, Parallel
 from ..models.loader import build_dummy_model, load_model
 from ..models.qwen3_next import HybridForCausalLM
 from ..ops import Kernels, select_kernels
@@ -49,6 +53,7 @@ class WorkerConfig:
     force_reference_ops: bool = False
     enforce_eager: bool = False      # no CUDA graphs, no compiled CPU decode step
     compile: str = "off"             # the compiled CPU decode step: "auto" | "on" | "off" (cpu_compile.py)
+    parallel: Parallel = SINGLE      # this worker's tensor-parallel rank (its shard of the model)
 
 
 class Worker:
@@ -72,22 +77,32 @@ class Worker:
 
     def load_model(self) -> HybridForCausalLM:
         c = self.config
-        self.kernels = select_kernels(c.device, force_reference=c.force_reference_ops, shapes=c.model.kernel_shapes)
+        self.kernels = select_kernels(c.device, force_reference=c.force_reference_ops, shapes=self.kernel_shapes())
         if c.load_format == "dummy":
             self.model = build_dummy_model(c.model, device=c.device, dtype=c.dtype, kernels=self.kernels,
-                                           seed=c.seed or 0)
+                                           seed=c.seed or 0, parallel=c.parallel)
         else:
-            self.model = load_model(c.model_path, device=c.device, dtype=c.dtype, kernels=self.kernels, config=c.model)
+            self.model = load_model(c.model_path, device=c.device, dtype=c.dtype, kernels=self.kernels, config=c.model,
+                                    parallel=c.parallel, show_progress=c.parallel.rank == 0)
+        # collectives inside captured graphs / a compiled step are not validated yet: sharded decodes run eagerly
         self.graph_sizes = plan_decode_graphs(c.device, self.kernels,
                                               max_batch=min(c.max_num_seqs, c.max_num_batched_tokens),
-                                              enforce_eager=c.enforce_eager)
+                                              enforce_eager=c.enforce_eager or c.parallel.sharded)
         return self.model
 
+    def kernel_shapes(self) -> dict[str, int]:
+        """The model's kernel-selection dims plus this rank's head counts (what its kernels are called with)."""
+        m, p = self.config.model, self.config.parallel
+        return {**m.kernel_shapes, "gdn_num_k_heads": m.linear_num_key_heads // p.size,
+                "gdn_num_v_heads": m.linear_num_value_heads // p.size, "attn_num_heads": m.num_attention_heads // p.size,
+                "attn_num_kv_heads": max(1, m.num_key_value_heads // p.size)}
+
     def cache_spec(self) -> CacheSpec:
-        """Bytes per KV block and per state slot at this worker's dtype."""
+        """Bytes per KV block and per state slot at this worker's dtype (this rank's heads)."""
         c = self.config
         elem = torch.empty((), dtype=c.dtype).element_size()
-        return CacheSpec.from_model(c.model, block_size=c.block_size, kv_dtype_bytes=elem, conv_dtype_bytes=elem)
+        return CacheSpec.from_model(c.model, block_size=c.block_size, kv_dtype_bytes=elem, conv_dtype_bytes=elem,
+                                    tp_size=c.parallel.size)
 
     def cache_budget(self) -> int:
         """Bytes the pools may take on this device (after load_model: a GPU budget is measured on the model)."""
@@ -108,7 +123,7 @@ class Worker:
         runner = ModelRunner(self.model, buffers, device=c.device, max_model_len=plan.max_model_len, seed=c.seed)
         if self.graph_sizes:
             runner.capture_decode_graphs(min(plan.max_num_seqs, c.max_num_batched_tokens))
-        if self.compile_mode != "off" and not c.enforce_eager:
+        if self.compile_mode != "off" and not c.enforce_eager and not c.parallel.sharded:
             runner.compiled_decode = cpu_compile.CompiledDecode(self.model, buffers,
                                                                 background=self.compile_mode == "auto")
         self.plan, self.runner = plan, runner
@@ -122,8 +137,10 @@ class Worker:
         mtp = f", {n_mtp} MTP layer{'s' if n_mtp > 1 else ''}" if n_mtp else ""
         weights = (_size(sum(p.numel() * p.element_size() for p in self.model.parameters()))
                    + (" dummy" if c.load_format == "dummy" else "") + " weights")
+        tp = "" if not c.parallel.sharded else (
+            f"; tensor parallel {c.parallel.size}" + (" (experts: expert parallel)" if c.parallel.expert_parallel else ""))
         return (f"{name} ({m.family}, {m.num_hidden_layers} layers: {len(m.gdn_layer_ids)} GDN + "
-                f"{len(m.attention_layer_ids)} attention{mtp}; {weights}) on {c.device}, "
+                f"{len(m.attention_layer_ids)} attention{mtp}; {weights}{tp}) on {c.device}, "
                 f"{str(c.dtype).removeprefix('torch.')}; kernels: {self.kernels.summary()}; "
                 f"cache: {plan.num_slots} state slots, {plan.num_blocks} KV blocks x {c.block_size} tokens "
                 f"({_size(plan.used_bytes)}); max_model_len {plan.max_model_len}, max_num_seqs {plan.max_num_seqs}; "
