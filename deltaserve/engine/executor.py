@@ -66,7 +66,7 @@ def serve_steps(worker: Worker) -> None:
         runner.collect(runner.launch(sched))
 
 
-def _worker_main(config: WorkerConfig, init_method: str, parent_pid: int) -> None:
+def _worker_main(config: WorkerConfig, init_method: str, parent_pid: int, num_threads: int) -> None:
     logging.basicConfig(level=logging.WARNING)
 
     def orphan_guard() -> None:   # rank 0's process gone (even killed): leave at once
@@ -76,7 +76,7 @@ def _worker_main(config: WorkerConfig, init_method: str, parent_pid: int) -> Non
                 os._exit(3)
 
     threading.Thread(target=orphan_guard, daemon=True, name="orphan-guard").start()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(num_threads)      # the engine process's intra-op threads, per rank
     comm.init_distributed(config.parallel, config.device, init_method=init_method)
     try:
         serve_steps(_start_rank(config))
@@ -173,7 +173,7 @@ def start_tensor_parallel(config: WorkerConfig, size: int, *, expert_parallel: b
         for rank in range(1, size):
             rank_config = dataclasses.replace(config, parallel=Parallel(rank, size, expert_parallel),
                                               device=rank_device(config.device, rank))
-            p = ctx.Process(target=_worker_main, args=(rank_config, init_method, os.getpid()), daemon=True,
+            p = ctx.Process(target=_worker_main, args=(rank_config, init_method, os.getpid(), torch.get_num_threads()), daemon=True,
                             name=f"deltaserve-tp{rank}")
             p.start()
             processes.append(p)
