@@ -76,6 +76,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="compiled CPU decode step (torch.compile): auto = compile in the background, eager until "
                         "ready; on = compile first; off = never (default: $DELTASERVE_COMPILE, else off: on a small "
                         "CPU the eager step is the faster one, see the README's speed notes)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over this many devices, one worker process each (under torchrun: the "
+                        "WORLD_SIZE; the README shows the multi-node command)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE layers: whole experts per rank instead of every expert's width split over the ranks")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -237,7 +242,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
               load_format=args.load_format, enforce_eager=args.enforce_eager, compile=args.compile,
-              async_scheduling=args.async_scheduling,
+              async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
+              enable_expert_parallel=args.enable_expert_parallel,
               warm_up=bool(args.warm_up))                 # one-off generation: only when asked
     print_outputs(llm.generate(prompts, params, use_tqdm=False), args)
     return 0

@@ -9,6 +9,7 @@ breaks it at once through the closed connection). A collective that fails or tim
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -58,10 +59,8 @@ def env_parallel(expert_parallel: bool = False) -> Parallel:
 def destroy() -> None:
     global _plan_group
     if dist.is_initialized():
-        try:
+        with contextlib.suppress(Exception):   # a peer already gone: nothing left to tear down cleanly
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001  (a peer already gone: nothing left to tear down cleanly)
-            pass
     _plan_group = None
 
 

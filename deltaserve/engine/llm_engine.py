@@ -19,8 +19,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import os
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -31,12 +31,14 @@ import torch
 from ..cache.manager import HybridCacheManager
 from ..cache.plan import DEFAULT_CPU_CACHE_BYTES, CachePlan
 from ..config import ModelConfig
+from ..distributed.parallel import Parallel, check_model_divides
 from ..env import settings
 from ..models.loader import check_load_format
 from ..outputs import PositionLogprobs, RequestOutput
 from ..runner.worker import Worker, WorkerConfig
 from ..sampling_params import SamplingParams
 from ..tokenizer import NoTokenizerError, Tokenizer
+from . import executor
 from .config import EngineConfig, resolve_device, resolve_dtype
 from .detokenizer import IncrementalDetokenizer
 from .scheduler import Scheduler, SchedulerConfig
@@ -155,9 +157,6 @@ class LLMEngine:
             enforce_eager=enforce_eager, compile=compile or settings().compile)
         tokenizer = Tokenizer.from_dir(path) if path is not None else None
         if tensor_parallel_size > 1:
-            from ..distributed.parallel import Parallel, check_model_divides
-            from . import executor
-
             check_model_divides(model_config, Parallel(0, tensor_parallel_size, enable_expert_parallel))
             if int(os.environ.get("RANK", "0")) > 0:      # a torchrun rank other than 0
                 executor.run_torchrun_worker(worker_config, expert_parallel=enable_expert_parallel)

@@ -19,6 +19,8 @@ from torch import nn
 
 from ..batch import CacheBuffers, ForwardBatch
 from ..config import FULL_ATTENTION, ModelConfig
+from ..distributed import comm
+from ..distributed.parallel import SINGLE, Parallel, Split, require_divisible
 from ..layers.attention import GatedAttention
 from ..layers.gated_deltanet import GatedDeltaNet
 from ..layers.linear import Linear
@@ -26,8 +28,6 @@ from ..layers.mlp import MLP
 from ..layers.moe import SparseMoeBlock
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
-from ..distributed import comm
-from ..distributed.parallel import SINGLE, Parallel, Split, require_divisible
 from ..layers.weights import WeightMap, prefixed, sharded, whole
 from ..ops import Kernels
 

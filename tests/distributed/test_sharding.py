@@ -48,7 +48,7 @@ def _dummy_config(family: str, shared_folded: bool) -> ModelConfig:
                                                      ("qwen3_5", False, False), ("qwen3_5_moe", False, True)])
 def test_dummy_weights_per_rank_are_the_tp1_slices(family, shared_folded, ep):
     config = _dummy_config(family, shared_folded)
-    kw = dict(device="cpu", dtype=torch.float32, kernels=KERNELS, seed=3)
+    kw = {"device": "cpu", "dtype": torch.float32, "kernels": KERNELS, "seed": 3}
     full = build_dummy_model(config, **kw)
     ranks = [(p, build_dummy_model(config, parallel=p, **kw)) for p in (Parallel(r, 2, ep) for r in range(2))]
     _assert_slices(full, ranks)
@@ -64,7 +64,7 @@ def test_dummy_weights_per_rank_are_the_tp1_slices(family, shared_folded, ep):
 ])
 def test_checkpoint_shards_are_the_tp1_slices(tiny_model, spec, ep):
     path = tiny_model(spec)
-    kw = dict(device="cpu", dtype=torch.float32, kernels=KERNELS, show_progress=False)
+    kw = {"device": "cpu", "dtype": torch.float32, "kernels": KERNELS, "show_progress": False}
     full = load_model(path, **kw)
     ranks = [(p, load_model(path, parallel=p, **kw)) for p in (Parallel(r, 2, ep) for r in range(2))]
     _assert_slices(full, ranks)

@@ -16,8 +16,8 @@ from deltaserve.distributed.parallel import ShardingError
 from tests.conftest import TinySpec, random_ids
 
 PROMPT_LENGTHS = (3, 70, 21, 45)      # over the 32-token budget: chunked; short ones decode beside chunks
-ENGINE = dict(device="cpu", dtype="float32", max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks=9,
-              block_size=16)
+ENGINE = {"device": "cpu", "dtype": "float32", "max_num_batched_tokens": 32, "max_num_seqs": 4, "num_gpu_blocks": 9,
+          "block_size": 16}
 PARAMS = SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=0, ignore_eos=True)
 
 
