@@ -119,7 +119,7 @@ class Worker:
         the pools' addresses, so they come after) and set up the compiled CPU decode step."""
         c = self.config
         buffers = allocate_cache(self.model, num_slots=plan.num_slots, num_blocks=plan.num_blocks,
-                                 block_size=c.block_size, device=c.device, dtype=c.dtype)
+                                 block_size=c.block_size, device=c.device, dtype=c.dtype, tp_size=c.parallel.size)
         runner = ModelRunner(self.model, buffers, device=c.device, max_model_len=plan.max_model_len, seed=c.seed)
         if self.graph_sizes:
             runner.capture_decode_graphs(min(plan.max_num_seqs, c.max_num_batched_tokens))

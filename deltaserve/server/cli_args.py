@@ -241,7 +241,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .lifecycle import answering_while_loading, bind_socket
 
     engine_args = {
-        "model": args.model, "device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len,
+        "device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "block_size": args.block_size, "gpu_memory_utilization": args.gpu_memory_utilization,
         "num_gpu_blocks": args.num_gpu_blocks, "cpu_cache_bytes": args.cpu_cache_bytes, "seed": args.seed,
@@ -250,11 +250,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "warm_up": args.warm_up, "tensor_parallel_size": args.tensor_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel}
     if int(os.environ.get("RANK", "0")) > 0:    # a torchrun rank other than 0: no server, it runs rank 0's steps
-        LLMEngine.from_args(**engine_args)       # returns by SystemExit(0) once rank 0 stops
+        LLMEngine.from_args(args.model, **engine_args)   # returns by SystemExit(0) once rank 0 stops
         return 0
     sock = bind_socket(args.host, args.port)   # a port in use fails now, not after the model has loaded
     with answering_while_loading(sock, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile):
-        engine = LLMEngine.from_args(**engine_args)   # 503 until the engine can serve
+        engine = LLMEngine.from_args(args.model, **engine_args)   # 503 until the engine can serve
     config = server_config(args, str(args.model or DEFAULT_MODEL_PATH))
     return run_server(engine, config, host=args.host, port=args.port, log_level=args.uvicorn_log_level, sock=sock,
                       shutdown_timeout=args.shutdown_timeout)
