@@ -4,14 +4,19 @@ and preemption; a killed worker ends the run with an error within seconds; shutd
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.distributed.comm import PeerFailure
+from deltaserve.distributed.comm import PeerFailure, free_port
 from deltaserve.distributed.parallel import ShardingError
 from tests.conftest import TinySpec, random_ids
 
@@ -101,3 +106,51 @@ def test_worker_killed_mid_run_breaks_the_step(tiny_model):
         assert time.monotonic() - t0 < 5
     finally:
         llm.shutdown()
+
+
+def _env() -> dict:
+    root = str(Path(__file__).resolve().parents[2])
+    return {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+
+
+def test_interpreter_exit_ends_the_workers(tiny_model):
+    """No shutdown() call: the workers still end with the engine's process."""
+    script = textwrap.dedent(f"""
+        from deltaserve import LLM
+        if __name__ == "__main__":
+            llm = LLM({str(tiny_model(TinySpec(family="qwen3_5")))!r}, device="cpu", tensor_parallel_size=2)
+            print(llm.engine.runner.processes[0].pid, flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=_env())
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout.split()[-1])
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.1)
+    assert not _alive(pid), "the worker outlived the engine's process"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:        # a zombie waiting for its reaper counts as gone
+        return f.read().split()[2] != "Z"
+
+
+def test_torchrun_single_node_matches_one_process(tiny_model):
+    """The multi-node entry point on one node: `torchrun --nproc-per-node 2 -m deltaserve generate -tp 2`."""
+    path = tiny_model(TinySpec(family="qwen3_5_moe", ratio=2, fused_experts=True, seed=5))
+    args = ["generate", "--model", str(path), "--device", "cpu", "--prompt-token-ids", "[5, 9, 2, 7, 1]",
+            "--max-tokens", "6", "--temperature", "0", "--json"]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    port = str(free_port())
+    tp = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", port, "-m", "deltaserve", *args,
+                         "-tp", "2"], capture_output=True, text=True, timeout=180, env=_env())
+    assert tp.returncode == 0, tp.stderr[-3000:]
+    one = subprocess.run([sys.executable, "-m", "deltaserve", *args], capture_output=True, text=True, timeout=120,
+                         env=_env())
+    assert one.returncode == 0, one.stderr[-3000:]
+    tokens = [json.loads(line)["token_ids"] for line in tp.stdout.splitlines() if line.startswith("{")]
+    assert tokens == [json.loads(one.stdout.splitlines()[-1])["token_ids"]]   # printed once: by rank 0
