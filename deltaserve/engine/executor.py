@@ -173,8 +173,8 @@ def start_tensor_parallel(config: WorkerConfig, size: int, *, expert_parallel: b
         for rank in range(1, size):
             rank_config = dataclasses.replace(config, parallel=Parallel(rank, size, expert_parallel),
                                               device=rank_device(config.device, rank))
-            p = ctx.Process(target=_worker_main, args=(rank_config, init_method, os.getpid(), torch.get_num_threads()), daemon=True,
-                            name=f"deltaserve-tp{rank}")
+            p = ctx.Process(target=_worker_main, name=f"deltaserve-tp{rank}", daemon=True,
+                            args=(rank_config, init_method, os.getpid(), torch.get_num_threads()))
             p.start()
             processes.append(p)
     try:

@@ -46,8 +46,9 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps, kernels, dtype=dtype, device=device)
         self.scale = self.head_dim ** -0.5
         if parallel.sharded:
-            tp, o, kv = parallel.size, config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
-            self.qkv_proj.param_splits = {"weight": Split(0, ((o, tp), (o, tp), (kv, self.kv_parts), (kv, self.kv_parts)))}
+            tp, kvp = parallel.size, self.kv_parts
+            o, kv = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+            self.qkv_proj.param_splits = {"weight": Split(0, ((o, tp), (o, tp), (kv, kvp), (kv, kvp)))}
             self.o_proj.param_splits = {"weight": Split(1, ((o, tp),))}
 
     @property

@@ -94,7 +94,8 @@ class Worker:
         """The model's kernel-selection dims plus this rank's head counts (what its kernels are called with)."""
         m, p = self.config.model, self.config.parallel
         return {**m.kernel_shapes, "gdn_num_k_heads": m.linear_num_key_heads // p.size,
-                "gdn_num_v_heads": m.linear_num_value_heads // p.size, "attn_num_heads": m.num_attention_heads // p.size,
+                "gdn_num_v_heads": m.linear_num_value_heads // p.size,
+                "attn_num_heads": m.num_attention_heads // p.size,
                 "attn_num_kv_heads": max(1, m.num_key_value_heads // p.size)}
 
     def cache_spec(self) -> CacheSpec:
@@ -137,8 +138,8 @@ class Worker:
         mtp = f", {n_mtp} MTP layer{'s' if n_mtp > 1 else ''}" if n_mtp else ""
         weights = (_size(sum(p.numel() * p.element_size() for p in self.model.parameters()))
                    + (" dummy" if c.load_format == "dummy" else "") + " weights")
-        tp = "" if not c.parallel.sharded else (
-            f"; tensor parallel {c.parallel.size}" + (" (experts: expert parallel)" if c.parallel.expert_parallel else ""))
+        ep = " (experts: expert parallel)" if c.parallel.expert_parallel else ""
+        tp = f"; tensor parallel {c.parallel.size}{ep}" if c.parallel.sharded else ""
         return (f"{name} ({m.family}, {m.num_hidden_layers} layers: {len(m.gdn_layer_ids)} GDN + "
                 f"{len(m.attention_layer_ids)} attention{mtp}; {weights}{tp}) on {c.device}, "
                 f"{str(c.dtype).removeprefix('torch.')}; kernels: {self.kernels.summary()}; "
