@@ -162,6 +162,10 @@ def start_tensor_parallel(config: WorkerConfig, size: int, *, expert_parallel: b
     """Rank 0's side of start-up. Under torchrun (WORLD_SIZE in the environment) the other ranks are the other
     torchrun processes (they call `run_torchrun_worker`); otherwise spawn them here."""
     processes = []
+    if config.device.type == "cuda":
+        first, count = config.device.index or 0, torch.cuda.device_count()
+        if first + size > count:
+            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs from cuda:{first}; {count} visible")
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         if int(os.environ["WORLD_SIZE"]) != size:
             raise ValueError(f"tensor_parallel_size {size} differs from torchrun's WORLD_SIZE "

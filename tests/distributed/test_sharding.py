@@ -106,3 +106,17 @@ def test_block_quantised_shards_must_be_whole_blocks():
     refuse_split_blocks("moe_intermediate_size", 512, Parallel(0, 4))       # 128 a rank
     with pytest.raises(ShardingError, match="moe_intermediate_size = 512"):
         refuse_split_blocks("moe_intermediate_size", 512, Parallel(0, 8))   # 64 a rank: splits a block
+
+
+def test_distributed_package_imports_only_torch():
+    """distributed/ is a leaf under the layers: it imports torch and itself, nothing else of deltaserve."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "deltaserve" / "distributed"
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                assert node.level == 1, (path.name, node.module)
+            elif isinstance(node, ast.ImportFrom):
+                assert not (node.module or "").startswith("deltaserve"), (path.name, node.module)
