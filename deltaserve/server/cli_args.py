@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
@@ -239,18 +240,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .api_server import run_server
     from .lifecycle import answering_while_loading, bind_socket
 
+    engine_args = {
+        "device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size, "gpu_memory_utilization": args.gpu_memory_utilization,
+        "num_gpu_blocks": args.num_gpu_blocks, "cpu_cache_bytes": args.cpu_cache_bytes, "seed": args.seed,
+        "enforce_reference_ops": args.enforce_reference_ops, "load_format": args.load_format,
+        "enforce_eager": args.enforce_eager, "compile": args.compile, "async_scheduling": args.async_scheduling,
+        "warm_up": args.warm_up, "tensor_parallel_size": args.tensor_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel, "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype, "enable_prefix_caching": args.enable_prefix_caching,
+        "prefix_cache_state_fraction": args.prefix_cache_state_fraction}
+    if int(os.environ.get("RANK", "0")) > 0:    # a torchrun rank other than 0: no server, it runs rank 0's steps
+        LLMEngine.from_args(args.model, **engine_args)   # returns by SystemExit(0) once rank 0 stops
+        return 0
     sock = bind_socket(args.host, args.port)   # a port in use fails now, not after the model has loaded
     with answering_while_loading(sock, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile):
-        engine = LLMEngine.from_args(            # 503 until the engine can serve
-            args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-            num_gpu_blocks=args.num_gpu_blocks, cpu_cache_bytes=args.cpu_cache_bytes, seed=args.seed,
-            enforce_reference_ops=args.enforce_reference_ops, load_format=args.load_format,
-            enforce_eager=args.enforce_eager, compile=args.compile, async_scheduling=args.async_scheduling,
-            warm_up=args.warm_up, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-            enable_prefix_caching=args.enable_prefix_caching,
-            prefix_cache_state_fraction=args.prefix_cache_state_fraction)
+        engine = LLMEngine.from_args(args.model, **engine_args)   # 503 until the engine can serve
     config = server_config(args, str(args.model or DEFAULT_MODEL_PATH))
     return run_server(engine, config, host=args.host, port=args.port, log_level=args.uvicorn_log_level, sock=sock,
                       shutdown_timeout=args.shutdown_timeout)
