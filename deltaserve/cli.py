@@ -94,6 +94,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="compiled CPU decode step (torch.compile): auto = compile in the background, eager until "
                         "ready; on = compile first; off = never (default: $DELTASERVE_COMPILE, else off: on a small "
                         "CPU the eager step is the faster one, see the README's speed notes)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over this many devices, one worker process each (under torchrun: the "
+                        "WORLD_SIZE; the README shows the multi-node command)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE layers: whole experts per rank instead of every expert's width split over the ranks")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -255,7 +260,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
               load_format=args.load_format, enforce_eager=args.enforce_eager, compile=args.compile,
-              async_scheduling=args.async_scheduling, quantization=args.quantization,
+              async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
+              enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
               prefix_cache_state_fraction=args.prefix_cache_state_fraction,
               warm_up=bool(args.warm_up))                 # one-off generation: only when asked

@@ -33,7 +33,8 @@ class LLM:
                  compile: str | None = None, async_scheduling: bool | None = None, warm_up: bool | None = None,
                  quantization: str | None = None, kv_cache_dtype: str = "auto",
                  enable_prefix_caching: bool = True,
-                 prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION):
+                 prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION,
+                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False):
         self.engine = LLMEngine.from_args(
             model, device=device, dtype=dtype, seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             block_size=block_size, enforce_reference_ops=enforce_reference_ops,
@@ -41,7 +42,8 @@ class LLM:
             cpu_cache_bytes=cpu_cache_bytes, num_gpu_blocks=num_gpu_blocks, load_format=load_format,
             enforce_eager=enforce_eager, compile=compile, async_scheduling=async_scheduling, warm_up=warm_up,
             quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-            enable_prefix_caching=enable_prefix_caching, prefix_cache_state_fraction=prefix_cache_state_fraction)
+            enable_prefix_caching=enable_prefix_caching, prefix_cache_state_fraction=prefix_cache_state_fraction,
+            tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel)
         self.model_path = self.engine.model_path
         self.config = self.engine.model_config
         self.tokenizer = self.engine.tokenizer
@@ -49,6 +51,10 @@ class LLM:
         self.device = self.engine.runner.device
         self.max_model_len = self.engine.max_model_len
         self._request_ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """End every worker process (tensor_parallel_size > 1); the LLM cannot generate afterwards."""
+        self.engine.shutdown()
 
     def generate(self, prompts: PromptType | Iterable[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

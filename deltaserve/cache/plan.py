@@ -39,14 +39,17 @@ class PoolShapes:
 
 
 def pool_shapes(config: ModelConfig, *, num_slots: int, num_blocks: int, block_size: int,
-                num_attention_layers: int | None = None) -> PoolShapes:
-    """num_attention_layers: the KV pool's layer count when it is not the model's (the MTP head's cache)."""
+                num_attention_layers: int | None = None, tp_size: int = 1) -> PoolShapes:
+    """num_attention_layers: the KV pool's layer count when it is not the model's (the MTP head's cache).
+    tp_size: one tensor-parallel rank's pools (its GDN heads; its KV heads, one when the ranks outnumber them)."""
     n_gdn = len(config.gdn_layer_ids)
     n_attn = len(config.attention_layer_ids) if num_attention_layers is None else num_attention_layers
+    kv_heads = max(1, config.num_key_value_heads // tp_size)
     return PoolShapes(
-        ssm=(n_gdn, num_slots, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim),
-        conv=(n_gdn, num_slots, config.linear_conv_kernel_dim - 1, config.gdn_conv_dim),
-        kv=(n_attn, 2, num_blocks, block_size, config.num_key_value_heads, config.head_dim))
+        ssm=(n_gdn, num_slots, config.linear_num_value_heads // tp_size, config.linear_key_head_dim,
+             config.linear_value_head_dim),
+        conv=(n_gdn, num_slots, config.linear_conv_kernel_dim - 1, config.gdn_conv_dim // tp_size),
+        kv=(n_attn, 2, num_blocks, block_size, kv_heads, config.head_dim))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +61,11 @@ class CacheSpec:
     @classmethod
     def from_model(cls, config: ModelConfig, *, block_size: int, kv_dtype_bytes: int, conv_dtype_bytes: int,
                    state_dtype_bytes: int = STATE_DTYPE_BYTES,
-                   num_attention_layers: int | None = None) -> "CacheSpec":
+                   num_attention_layers: int | None = None, tp_size: int = 1) -> "CacheSpec":
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         one = pool_shapes(config, num_slots=1, num_blocks=1, block_size=block_size,
-                          num_attention_layers=num_attention_layers)
+                          num_attention_layers=num_attention_layers, tp_size=tp_size)
         return cls(block_size=block_size, kv_block_bytes=math.prod(one.kv) * kv_dtype_bytes,
                    state_slot_bytes=math.prod(one.ssm) * state_dtype_bytes + math.prod(one.conv) * conv_dtype_bytes)
 

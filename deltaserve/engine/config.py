@@ -53,6 +53,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True        # reuse cached KV blocks + GDN state snapshots of earlier requests
     prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION  # budget share of the snapshots
     prefix_cache_checkpoint_interval: int = 0  # also snapshot every this many prompt tokens (0: off)
+    tensor_parallel_size: int = 1             # ranks the model is sharded over (one process and device each)
+    enable_expert_parallel: bool = False      # MoE: whole experts per rank instead of split expert widths
 
     def __post_init__(self) -> None:
         def fail(field: str, why: str):
@@ -81,6 +83,12 @@ class EngineConfig:
             fail("prefix_cache_state_fraction", "must be a number in (0, 1)")
         if not isinstance(self.prefix_cache_checkpoint_interval, int) or self.prefix_cache_checkpoint_interval < 0:
             fail("prefix_cache_checkpoint_interval", "must be an integer >= 0")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            fail("tensor_parallel_size", "must be an integer >= 1")
+        if self.enable_expert_parallel not in (True, False):
+            fail("enable_expert_parallel", "must be True or False")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            fail("enable_expert_parallel", "needs tensor_parallel_size > 1 (experts are split over those ranks)")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             fail("num_kv_blocks", "must be an integer >= 1")
 

@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ import torch
 from ..cache.manager import HybridCacheManager
 from ..cache.plan import DEFAULT_CPU_CACHE_BYTES, CachePlan
 from ..config import ModelConfig
+from ..distributed.parallel import Parallel, check_model_divides
 from ..env import settings
 from ..models.loader import check_load_format
 from ..outputs import PositionLogprobs, RequestOutput
@@ -37,6 +39,7 @@ from ..runner.worker import KV_CACHE_DTYPES, Worker, WorkerConfig
 from ..sampling_params import SamplingParams
 from ..structured.engine_hooks import EngineGrammars
 from ..tokenizer import NoTokenizerError, Tokenizer
+from . import executor
 from .config import DEFAULT_PREFIX_CACHE_STATE_FRACTION, EngineConfig, resolve_device, resolve_dtype
 from .detokenizer import IncrementalDetokenizer
 from .scheduler import Scheduler, SchedulerConfig
@@ -67,6 +70,16 @@ class EngineStats:
     prefix_cache_snapshots_total: int = 0  # state snapshot slots
     prefix_cache_snapshots_used: int = 0
     prefix_cache_snapshot_evictions_total: int = 0
+
+
+def check_parallel_features(model_config: ModelConfig, kv_cache_dtype: str) -> None:
+    """Refuse, by name, what tensor parallelism does not shard yet (before any process starts)."""
+    if model_config.quantization is not None:
+        raise ValueError("tensor_parallel_size > 1 with FP8 weights (quantization='fp8' or an FP8 checkpoint's "
+                         "quantization_config) is not supported yet: use tensor_parallel_size=1")
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"tensor_parallel_size > 1 with kv_cache_dtype={kv_cache_dtype!r} is not supported yet: "
+                         "use kv_cache_dtype='auto'")
 
 
 class LLMEngine:
@@ -120,7 +133,8 @@ class LLMEngine:
                   quantization: str | None = None, kv_cache_dtype: str = "auto",
                   enable_prefix_caching: bool = True,
                   prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION,
-                  prefix_cache_checkpoint_interval: int = 0) -> "LLMEngine":
+                  prefix_cache_checkpoint_interval: int = 0,
+                  tensor_parallel_size: int = 1, enable_expert_parallel: bool = False) -> "LLMEngine":
         """Validate the options into configs, have a Worker (runner/worker.py) do the device half of start-up
         (load the checkpoint directory, default: the embedded model; select kernels; size the cache from the
         memory budget, GPU: measured, CPU: cpu_cache_bytes; allocate it; capture graphs), build the engine
@@ -144,7 +158,10 @@ class LLMEngine:
         enable_prefix_caching: resume requests from the KV blocks and GDN state snapshots of earlier ones
         (engine/scheduler.py, cache/prefix_index.py); prefix_cache_state_fraction: the share of the cache
         budget for state snapshots; prefix_cache_checkpoint_interval: also snapshot every this many prompt
-        tokens (0: only at request ends, prompt ends and branch points)."""
+        tokens (0: only at request ends, prompt ends and branch points).
+        tensor_parallel_size: shard the model over this many ranks, one process and device each
+        (engine/executor.py); enable_expert_parallel: MoE experts split whole across them. Under torchrun the
+        ranks other than 0 serve steps inside this call and exit when rank 0 shuts down."""
         t0 = time.perf_counter()
         config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
@@ -152,7 +169,9 @@ class LLMEngine:
                               num_kv_blocks=num_gpu_blocks, seed=seed, enforce_reference_ops=enforce_reference_ops,
                               async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
                               prefix_cache_state_fraction=prefix_cache_state_fraction,
-                              prefix_cache_checkpoint_interval=prefix_cache_checkpoint_interval)
+                              prefix_cache_checkpoint_interval=prefix_cache_checkpoint_interval,
+                              tensor_parallel_size=tensor_parallel_size,
+                              enable_expert_parallel=enable_expert_parallel)
         check_load_format(load_format)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported "
@@ -169,7 +188,7 @@ class LLMEngine:
         limit = model_config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
-        worker = Worker(WorkerConfig(
+        worker_config = WorkerConfig(
             model=model_config, model_path=path, load_format=load_format, device=dev,
             dtype=resolve_dtype(dtype, model_config, dev), max_num_seqs=max_num_seqs,
             max_num_batched_tokens=config.token_budget, max_model_len=max_model_len or limit, block_size=block_size,
@@ -178,9 +197,20 @@ class LLMEngine:
             force_reference_ops=enforce_reference_ops or settings().force_reference_ops,
             enforce_eager=enforce_eager, compile=compile or settings().compile,
             kv_cache_dtype="fp8" if kv_cache_dtype.startswith("fp8") else kv_cache_dtype,
-            prefix_cache_state_fraction=prefix_cache_state_fraction if enable_prefix_caching else 0.0))
+            prefix_cache_state_fraction=prefix_cache_state_fraction if enable_prefix_caching else 0.0)
         tokenizer = Tokenizer.from_dir(path) if path is not None else None
-        runner = worker.start()
+        if tensor_parallel_size > 1:
+            check_parallel_features(model_config, kv_cache_dtype)
+            check_model_divides(model_config, Parallel(0, tensor_parallel_size, enable_expert_parallel))
+            if int(os.environ.get("RANK", "0")) > 0:      # a torchrun rank other than 0
+                executor.run_torchrun_worker(worker_config, expert_parallel=enable_expert_parallel)
+                raise SystemExit(0)
+            runner = executor.start_tensor_parallel(worker_config, tensor_parallel_size,
+                                                    expert_parallel=enable_expert_parallel)
+            worker = runner.worker
+        else:
+            worker = Worker(worker_config)
+            runner = worker.start()
         plan = worker.plan
         manager = HybridCacheManager(num_blocks=plan.num_blocks, block_size=block_size,
                                      num_slots=plan.num_slots - plan.num_snapshot_slots,
@@ -203,6 +233,12 @@ class LLMEngine:
         logger.info("engine ready in %.1f s%s: %s; %s", time.perf_counter() - t0,
                     "" if warm is None else f" (warm-up {warm:.1f} s)", worker.summary(), prefix)
         return engine
+
+    def shutdown(self) -> None:
+        """End the worker processes of a tensor-parallel engine (a no-op for one device)."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def warm_up(self) -> float:
         """Run throw-away requests in the packings serving meets, so that Triton builds their kernel variants

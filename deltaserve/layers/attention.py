@@ -8,6 +8,10 @@ the fused output gate (kernels.sigmoid_mul) reads in place.
 With an FP8 KV cache (kv_cache_dtype "fp8") the layer hands the ops its pool with `kv_scale` [2, 1], the K and
 V dequantisation multipliers: the checkpoint's k_scale / v_scale when it has them, else calibrated at start-up
 (runner/kv_calibration.py). They start as NaN, so an uncalibrated FP8 cache cannot pass for a working one.
+
+Tensor parallelism splits the query heads (with their gates); KV heads are split too, or, when the ranks
+outnumber them, each rank holds the one KV head its query heads use (replicated). o_proj is row-parallel,
+its output summed over the ranks.
 """
 
 from __future__ import annotations
@@ -17,19 +21,25 @@ from torch import nn
 
 from ..batch import ForwardBatch
 from ..config import ModelConfig
+from ..distributed import comm
+from ..distributed.parallel import SINGLE, Parallel, Split, kv_parts, require_divisible
 from ..ops import Kernels
 from ..ops.quant.fp8 import FP8_DTYPE, Fp8KvCache
 from .linear import Linear, fp8_layout
 from .norm import RMSNorm
-from .weights import Target, WeightMap, rows, whole
+from .weights import Target, WeightMap, read_ranges, rows, sharded, whole
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: Kernels, *, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config: ModelConfig, kernels: Kernels, *, dtype: torch.dtype, device: torch.device | str,
+                 parallel: Parallel = SINGLE):
         super().__init__()
         self.kernels = kernels
+        self.parallel = parallel
+        require_divisible("num_attention_heads", config.num_attention_heads, parallel)
+        self.kv_parts = kv_parts(config.num_key_value_heads, parallel)
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+            parallel.local(config.num_attention_heads), config.num_key_value_heads // self.kv_parts, config.head_dim)
         self.o_size = self.num_heads * self.head_dim              # queries; as many gate rows
         self.q_size = 2 * self.o_size                             # queries and gates
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -46,6 +56,11 @@ class GatedAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.register_buffer("kv_scale", torch.full((2, 1), float("nan"), device=device), persistent=False)
         self.kv_scale_source = ""                                 # "checkpoint" | "calibration" once set
+        if parallel.sharded:
+            tp, kvp = parallel.size, self.kv_parts
+            o, kv = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+            self.qkv_proj.param_splits = {"weight": Split(0, ((o, tp), (o, tp), (kv, kvp), (kv, kvp)))}
+            self.o_proj.param_splits = {"weight": Split(1, ((o, tp),))}
 
     @property
     def input_proj(self) -> Linear:
@@ -71,20 +86,37 @@ class GatedAttention(nn.Module):
             v.view(T, self.num_kv_heads, self.head_dim), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
             *cos_sin, kv_cache, batch.slot_mapping, cu_seqlens=batch.cu_seqlens, seq_lens=batch.seq_lens,
             block_tables=batch.block_tables, scale=self.scale, max_query_len=1 if batch.num_prefills == 0 else None)
-        return self.kernels.gated_linear(o.view(T, self.o_size), gate, self.o_proj.weight, activation="sigmoid")
+        out = self.kernels.gated_linear(o.view(T, self.o_size), gate, self.o_proj.weight, activation="sigmoid")
+        return comm.all_reduce(out) if self.parallel.sharded else out
 
     def checkpoint_weights(self) -> WeightMap:
-        return {
-            "q_proj.weight": Target((self.q_size, self.qkv_proj.in_features), self._load_q_proj,
-                                    fp8=self.qkv_proj.is_fp8),
-            "k_proj.weight": rows(self.qkv_proj, self.q_size, self.kv_size),
-            "v_proj.weight": rows(self.qkv_proj, self.q_size + self.kv_size, self.kv_size),
-            "o_proj.weight": whole(self.o_proj.weight),
+        par = self.parallel
+        common = {
             "q_norm.weight": whole(self.q_norm.weight),
             "k_norm.weight": whole(self.k_norm.weight),
             # FP8 KV-cache multipliers (optional: the loader does not require them)
             "k_scale": Target((), lambda t: self._load_kv_scale(0, t)),
             "v_scale": Target((), lambda t: self._load_kv_scale(1, t)),
+        }
+        if not par.sharded:
+            return {
+                "q_proj.weight": Target((self.q_size, self.qkv_proj.in_features), self._load_q_proj,
+                                        fp8=self.qkv_proj.is_fp8),
+                "k_proj.weight": rows(self.qkv_proj, self.q_size, self.kv_size),
+                "v_proj.weight": rows(self.qkv_proj, self.q_size + self.kv_size, self.kv_size),
+                "o_proj.weight": whole(self.o_proj.weight),
+                **common,
+            }
+        # q_proj rows are per head [q_h | gate_h]: a rank's heads are one contiguous range
+        full_q, full_kv = par.size * self.q_size, self.kv_parts * self.kv_size
+        kv_rows = [par.piece(full_kv, self.kv_parts)]
+        return {
+            "q_proj.weight": Target((full_q, self.qkv_proj.in_features), self._load_q_proj,
+                                    read_ranges([par.piece(full_q)]), fp8=self.qkv_proj.is_fp8),
+            "k_proj.weight": rows(self.qkv_proj, self.q_size, full_kv, kv_rows),
+            "v_proj.weight": rows(self.qkv_proj, self.q_size + self.kv_size, full_kv, kv_rows),
+            "o_proj.weight": sharded(self.o_proj.weight, self.o_proj.param_splits["weight"], par),
+            **common,
         }
 
     def _load_kv_scale(self, which: int, t: torch.Tensor) -> None:
@@ -93,6 +125,6 @@ class GatedAttention(nn.Module):
 
     def _load_q_proj(self, t: torch.Tensor) -> None:
         """Checkpoint rows [q_0 | gate_0 | q_1 | gate_1 | ...] -> [q_0 | q_1 | ... | gate_0 | gate_1 | ...]."""
-        q, gate = t.view(self.num_heads, 2, self.head_dim, -1).unbind(1)
+        q, gate = t.reshape(self.num_heads, 2, self.head_dim, -1).unbind(1)
         self.qkv_proj.load_rows(0, q.reshape(self.o_size, -1))
         self.qkv_proj.load_rows(self.o_size, gate.reshape(self.o_size, -1))

@@ -8,6 +8,11 @@ indexed by the batch's state slots: prefill chunks continue from a saved state, 
 it in place. The input projections are fused into one matrix with rows
     q (nk*dk) | k (nk*dk) | v (nv*dv) | z (nv*dv) | b (nv) | a (nv)
 i.e. Qwen3.5's split layout; Qwen3-Next's interleaved in_proj_qkvz / in_proj_ba are de-interleaved on load.
+
+Tensor parallelism (distributed/parallel.py) splits the layer by key-head groups: a rank holds nk / tp key
+heads with their nv / tp value heads (each of the six in_proj segments, the conv channels, A_log and
+dt_bias cut the same way; the gated norm is per head, so local), out_proj is row-parallel and its output
+is summed over the ranks (one all-reduce). The state pools hold only the rank's heads.
 """
 
 from __future__ import annotations
@@ -17,21 +22,27 @@ from torch import nn
 
 from ..batch import ForwardBatch
 from ..config import ModelConfig
+from ..distributed import comm
+from ..distributed.parallel import SINGLE, Parallel, Split, require_divisible
 from ..ops import GdnProjection, Kernels
 from .linear import Linear, fp8_layout
 from .norm import RMSNorm
-from .weights import Target, WeightMap, rows, whole
+from .weights import Target, WeightMap, read_ranges, rows, sharded, whole
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: Kernels, *, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config: ModelConfig, kernels: Kernels, *, dtype: torch.dtype, device: torch.device | str,
+                 parallel: Parallel = SINGLE):
         super().__init__()
         self.kernels = kernels
+        self.parallel = parallel
         self.family = config.family
-        self.nk, self.nv = config.linear_num_key_heads, config.linear_num_value_heads
+        require_divisible("linear_num_key_heads", config.linear_num_key_heads, parallel)
+        # this rank's heads (all of them at tp = 1)
+        self.nk, self.nv = parallel.local(config.linear_num_key_heads), parallel.local(config.linear_num_value_heads)
         self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
-        self.key_dim, self.value_dim = config.gdn_key_dim, config.gdn_value_dim
-        self.conv_dim = config.gdn_conv_dim
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_width = config.linear_conv_kernel_dim
         self.eps = config.rms_norm_eps
         self.norm_activation = config.gdn_norm_activation
@@ -51,6 +62,14 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_dim, h, kernels, dtype=dtype, device=device,
                                fp8=fp8_layout(quant, ("linear_attn.out_proj",)))
         self.scale = self.dk ** -0.5
+        if parallel.sharded:
+            tp = parallel.size
+            kd, vd, nv = config.gdn_key_dim, config.gdn_value_dim, config.linear_num_value_heads
+            conv = Split(0, ((kd, tp), (kd, tp), (vd, tp)))
+            self.in_proj.param_splits = {"weight": Split(0, conv.segments + ((vd, tp), (nv, tp), (nv, tp)))}
+            self.out_proj.param_splits = {"weight": Split(1, ((vd, tp),))}
+            self.param_splits = {"conv_weight": conv, "A_log": Split(0, ((nv, tp),)),
+                                 "dt_bias": Split(0, ((nv, tp),))}
 
     def project_input(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
                       conv_state: torch.Tensor) -> GdnProjection:
@@ -77,11 +96,12 @@ class GatedDeltaNet(nn.Module):
         z = z2.view(T, self.nv, self.dv)
         P = batch.num_prefill_tokens
         prefill_out = self._prefill(mixed[:P], z[:P], a[:P], b[:P], batch, ssm_state, conv_state) if P else None
-        return self.kernels.gdn_out_proj(
+        out = self.kernels.gdn_out_proj(
             prefill_out, mixed[P:], z[P:], a[P:], b[P:], conv_weight=self.conv_weight, A_log=self.A_log,
             dt_bias=self.dt_bias, norm_weight=self.norm_weight, eps=self.eps, scale=self.scale,
             conv_state=conv_state, ssm_state=ssm_state, state_indices=batch.decode_slots(),
             norm_activation=self.norm_activation, conv_applied=projection.conv_applied, weight=self.out_proj.weight)
+        return comm.all_reduce(out) if self.parallel.sharded else out
 
     def _prefill(self, mixed: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: ForwardBatch,
                  ssm_state: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
@@ -100,36 +120,50 @@ class GatedDeltaNet(nn.Module):
 
     # ---- checkpoint layout --------------------------------------------------------------------
     def checkpoint_weights(self) -> WeightMap:
-        h = self.in_proj.in_features
+        h, par = self.in_proj.in_features, self.parallel
         offsets = {"qkv": 0, "z": self.conv_dim, "b": self.conv_dim + self.value_dim,
                    "a": self.conv_dim + self.value_dim + self.nv}
+        splits = getattr(self, "param_splits", {})
+        conv_split = splits.get("conv_weight")
+        conv_ranges = conv_split.ranges(par) if conv_split is not None else None
+        tp = par.size
         common = {
-            "conv1d.weight": Target((self.conv_dim, 1, self.conv_width),
-                                    lambda t: self.conv_weight.data.copy_(t[:, 0, :])),
-            "A_log": whole(self.A_log),
-            "dt_bias": whole(self.dt_bias),
+            "conv1d.weight": Target((tp * self.conv_dim, 1, self.conv_width),
+                                    lambda t: self.conv_weight.data.copy_(t[:, 0, :]),
+                                    read_ranges(conv_ranges) if conv_ranges else None),
+            "A_log": sharded(self.A_log, splits.get("A_log"), par),
+            "dt_bias": sharded(self.dt_bias, splits.get("dt_bias"), par),
             "norm.weight": whole(self.norm_weight),
-            "out_proj.weight": whole(self.out_proj.weight),
+            "out_proj.weight": sharded(self.out_proj.weight, getattr(self.out_proj, "param_splits", {}).get("weight"),
+                                       par),
         }
         if self.family != "qwen3_next":
+            nv_rows = [par.piece(tp * self.nv)] if par.sharded else None
             return {
-                "in_proj_qkv.weight": rows(self.in_proj, offsets["qkv"], self.conv_dim),
-                "in_proj_z.weight": rows(self.in_proj, offsets["z"], self.value_dim),
-                "in_proj_b.weight": rows(self.in_proj, offsets["b"], self.nv),
-                "in_proj_a.weight": rows(self.in_proj, offsets["a"], self.nv),
+                "in_proj_qkv.weight": rows(self.in_proj, offsets["qkv"], tp * self.conv_dim, conv_ranges),
+                "in_proj_z.weight": rows(self.in_proj, offsets["z"], tp * self.value_dim,
+                                         [par.piece(tp * self.value_dim)] if par.sharded else None),
+                "in_proj_b.weight": rows(self.in_proj, offsets["b"], tp * self.nv, nv_rows),
+                "in_proj_a.weight": rows(self.in_proj, offsets["a"], tp * self.nv, nv_rows),
                 **common,
             }
+        # interleaved per key-head group: a rank's groups are one contiguous row range
+        qkvz_rows, ba_rows = 2 * self.key_dim + 2 * self.value_dim, 2 * self.nv
         return {
-            "in_proj_qkvz.weight": Target((2 * self.key_dim + 2 * self.value_dim, h), self._load_qkvz,
+            "in_proj_qkvz.weight": Target((tp * qkvz_rows, h), self._load_qkvz,
+                                          read_ranges([par.piece(tp * qkvz_rows)]) if par.sharded else None,
                                           fp8=self.in_proj.is_fp8),
-            "in_proj_ba.weight": Target((2 * self.nv, h), self._load_ba, fp8=self.in_proj.is_fp8),
+            "in_proj_ba.weight": Target((tp * ba_rows, h), self._load_ba,
+                                        read_ranges([par.piece(tp * ba_rows)]) if par.sharded else None,
+                                        fp8=self.in_proj.is_fp8),
             **common,
         }
 
     def _load_qkvz(self, t: torch.Tensor) -> None:
-        """Qwen3-Next: rows grouped per key head g as [q_g | k_g | v_{g r..g r+r-1} | z_{g r..}] (§2.4)."""
+        """Qwen3-Next: rows grouped per key head g as [q_g | k_g | v_{g r..g r+r-1} | z_{g r..}] (§2.4); `t` holds
+        this rank's groups."""
         r = self.nv // self.nk
-        grouped = t.view(self.nk, 2 * self.dk + 2 * r * self.dv, -1)
+        grouped = t.reshape(self.nk, 2 * self.dk + 2 * r * self.dv, -1)
         q, k, v, z = grouped.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=1)
         flat = lambda x: x.reshape(-1, t.shape[-1])  # noqa: E731  (group-major = head-major order)
         self.in_proj.load_rows(0, flat(q))
@@ -139,6 +173,6 @@ class GatedDeltaNet(nn.Module):
 
     def _load_ba(self, t: torch.Tensor) -> None:
         r = self.nv // self.nk
-        b, a = t.view(self.nk, 2 * r, -1).split([r, r], dim=1)
+        b, a = t.reshape(self.nk, 2 * r, -1).split([r, r], dim=1)
         self.in_proj.load_rows(self.conv_dim + self.value_dim, b.reshape(-1, t.shape[-1]))
         self.in_proj.load_rows(self.conv_dim + self.value_dim + self.nv, a.reshape(-1, t.shape[-1]))

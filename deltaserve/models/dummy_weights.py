@@ -14,6 +14,11 @@ bf16 and the kernels see realistic data:
   with per-group multipliers drawn in U(0.5, 1.5) x 4 * 0.02 / 448, so the scales vary as real ones do;
 Every parameter must be claimed by one of the rules above: a parameter no rule knows is an error, so a new
 layer cannot silently keep uninitialised memory.
+
+Under tensor parallelism a sharded parameter (its module's `param_splits`) is drawn at its full tp = 1 shape
+from the same generator stream and cut to the rank's slice (distributed/parallel.py `Split.take`), so every
+rank's weights are exactly the slices of the tp = 1 dummy model (one full tensor at a time is drawn on the
+device: transient memory of the largest parameter).
 """
 
 from __future__ import annotations
@@ -44,14 +49,33 @@ def init_dummy_weights(model: nn.Module, *, seed: int = 0) -> None:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     done: set[int] = set()
+    parallel = getattr(model, "parallel", None)
+    splits: dict[int, object] = {}               # id(param) -> its Split, for the sharded ones
+    if parallel is not None and parallel.sharded:
+        for module in model.modules():
+            for name, split in getattr(module, "param_splits", {}).items():
+                splits[id(getattr(module, name))] = split
+
+    def draw(p: torch.Tensor, fill_fn) -> None:
+        """fill_fn(t) fills t in place; a sharded p gets its slice of a full-shape draw."""
+        split = splits.get(id(p))
+        if split is None:
+            fill_fn(p)
+        else:
+            full = torch.empty(split.full_shape(tuple(p.shape)), dtype=p.dtype, device=p.device)
+            fill_fn(full)
+            p.copy_(split.take(full, parallel))
+        done.add(id(p))
 
     def normal(p: torch.Tensor, std: float) -> None:
-        p.normal_(0.0, std, generator=gen)
-        done.add(id(p))
+        draw(p, lambda t: t.normal_(0.0, std, generator=gen))
 
-    def uniform(p: torch.Tensor, lo: float, hi: float) -> None:
-        p.uniform_(lo, hi, generator=gen)
-        done.add(id(p))
+    def uniform(p: torch.Tensor, lo: float, hi: float, then=None) -> None:
+        def fill_fn(t):
+            t.uniform_(lo, hi, generator=gen)
+            if then is not None:
+                then(t)
+        draw(p, fill_fn)
 
     def fill(p: torch.Tensor, value: float) -> None:
         p.fill_(value)
@@ -82,12 +106,9 @@ def init_dummy_weights(model: nn.Module, *, seed: int = 0) -> None:
         elif isinstance(module, GatedDeltaNet):
             bound = 1.0 / math.sqrt(module.conv_width)
             uniform(module.conv_weight, -bound, bound)
-            uniform(module.A_log, *A_RANGE)
-            module.A_log.log_()
+            uniform(module.A_log, *A_RANGE, then=torch.Tensor.log_)
             # dt ~ logU(DT_RANGE); dt_bias = softplus^-1(dt) = dt + log(-expm1(-dt))
-            uniform(module.dt_bias, math.log(DT_RANGE[0]), math.log(DT_RANGE[1]))
-            dt = module.dt_bias.exp_()
-            module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            uniform(module.dt_bias, math.log(DT_RANGE[0]), math.log(DT_RANGE[1]), then=_softplus_inverse_of_exp)
             fill(module.norm_weight, 1.0)
     for name, p in model.named_parameters():
         if id(p) in done:
@@ -97,3 +118,8 @@ def init_dummy_weights(model: nn.Module, *, seed: int = 0) -> None:
         else:
             raise TypeError(f"dummy weights: no rule for parameter {name} {list(p.shape)}; "
                             "add one to deltaserve/models/dummy_weights.py")
+
+
+def _softplus_inverse_of_exp(t: torch.Tensor) -> None:
+    dt = t.exp_()
+    t.copy_(dt + torch.log(-torch.expm1(-dt)))

@@ -15,6 +15,9 @@ kind is not converted everywhere, e.g. the GDN in_proj beside the bf16 in_proj_b
 dequantised in fp32 (exact at fp32; rounded once in bf16). Online FP8 (quantization.online) quantises each
 dense tensor that lands in an FP8 target in 128 x 128 blocks first, into the same format.
 
+Under tensor parallelism each rank builds its shard of the model and reads only its slices of each tensor
+(a target's `read`, over the memory-mapped safetensors slice).
+
 `load_format="dummy"` builds the model from its config alone with random weights drawn on the device
 (dummy_weights.py), for benchmarks at published shapes without a checkpoint.
 """
@@ -31,6 +34,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from ..config import ModelConfig
+from ..distributed.parallel import SINGLE, Parallel
 from ..ops import Kernels
 from ..ops.quant.fp8 import FP8_DTYPE, dequantize_blocks, pack_rows, quantize_blocks
 from .dummy_weights import init_dummy_weights
@@ -81,7 +85,8 @@ def canonical_name(name: str, family: str) -> str:
 
 
 def load_model(path: str | Path, *, device: torch.device | str, dtype: torch.dtype, kernels: Kernels,
-               config: ModelConfig | None = None, show_progress: bool = True) -> HybridForCausalLM:
+               config: ModelConfig | None = None, show_progress: bool = True,
+               parallel: Parallel = SINGLE) -> HybridForCausalLM:
     path = Path(path)
     config = config or ModelConfig.from_hf(path)
     files = checkpoint_files(path)
@@ -91,7 +96,7 @@ def load_model(path: str | Path, *, device: torch.device | str, dtype: torch.dty
     mtp_ids = {int(m.group(1)) for n in by_name if (m := _MTP_LAYER.match(n))}
     mtp_layers = max(mtp_ids) + 1 if mtp_ids else 0
     fused_experts = any(".mlp.experts.gate_up_proj" in n for n in by_name)
-    model = HybridForCausalLM(config, kernels, dtype=dtype, device=device, mtp_layers=mtp_layers)
+    model = HybridForCausalLM(config, kernels, dtype=dtype, device=device, mtp_layers=mtp_layers, parallel=parallel)
     expected = model.checkpoint_weights(fused_experts)
 
     scale_of = _fp8_scales(config, expected, by_name, path)
@@ -132,9 +137,14 @@ def load_model(path: str | Path, *, device: torch.device | str, dtype: torch.dty
         for file, names in per_file.items():
             with safe_open(str(file), framework="pt", device=read_device) as st:
                 for name in names:
-                    tensor = st.get_tensor(by_name[name][0])
-                    scale = _read(files, by_name, scale_of[name], read_device) if name in scale_of else None
-                    expected[name].load(_prepare(by_name[name][0], tensor, scale, expected[name].fp8, config))
+                    target, source = expected[name], by_name[name][0]
+                    if target.read is not None and (name in scale_of or target.fp8):
+                        raise NotImplementedError(f"{name}: tensor-parallel shards of FP8 weights are not supported")
+                    tensor = st.get_tensor(source) if target.read is None else target.read(st.get_slice(source))
+                    if tensor is not None:      # None: a tensor this rank does not hold (another's experts)
+                        scale = _read(files, by_name, scale_of[name], read_device) if name in scale_of else None
+                        tensor = _prepare(source, tensor, scale, target.fp8, config)
+                    target.load(tensor)
                     bar.update(1)
     logger.debug("loaded %s: %s, %d layers (%d GDN, %d attention), %d MTP layer(s), %s on %s",
                  path.name, config.family, config.num_hidden_layers, len(config.gdn_layer_ids),
@@ -149,10 +159,11 @@ def check_load_format(load_format: str) -> str:
 
 
 def build_dummy_model(config: ModelConfig, *, device: torch.device | str, dtype: torch.dtype, kernels: Kernels,
-                      seed: int = 0) -> HybridForCausalLM:
+                      seed: int = 0, parallel: Parallel = SINGLE) -> HybridForCausalLM:
     """The model of `config` (with its MTP head when the config declares one, as a published checkpoint
     has) holding seeded random weights created on `device`."""
-    model = HybridForCausalLM(config, kernels, dtype=dtype, device=device, mtp_layers=config.mtp_num_layers)
+    model = HybridForCausalLM(config, kernels, dtype=dtype, device=device, mtp_layers=config.mtp_num_layers,
+                              parallel=parallel)
     init_dummy_weights(model, seed=seed)
     logger.debug("dummy weights: %s, %d layers (%d GDN, %d attention), %d MTP layer(s), %.2f GB %s on %s",
                  config.family, config.num_hidden_layers, len(config.gdn_layer_ids), len(config.attention_layer_ids),

@@ -5,6 +5,11 @@
 Mixer: Gated DeltaNet ("linear_attention") or gated full attention; FFN: sparse MoE or dense SwiGLU,
 both per ModelConfig. The families differ only in weight names and layouts, handled here and in
 the layers' `checkpoint_weights`.
+
+Under tensor parallelism (`parallel`, distributed/parallel.py) every layer holds its rank's slices and sums
+its output over the ranks; the embedding and lm_head are vocabulary-parallel: a rank embeds the ids in its
+vocabulary rows (zeros elsewhere, summed over the ranks) and the logits are all-gathered, so every rank
+holds the full logits and samples the same token (same seeds, same ops).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from torch import nn
 
 from ..batch import CacheBuffers, ForwardBatch
 from ..config import FULL_ATTENTION, ModelConfig
+from ..distributed import comm
+from ..distributed.parallel import SINGLE, Parallel, Split, require_divisible
 from ..layers.attention import GatedAttention
 from ..layers.gated_deltanet import GatedDeltaNet
 from ..layers.linear import Linear, fp8_layout
@@ -21,28 +28,29 @@ from ..layers.mlp import MLP
 from ..layers.moe import SparseMoeBlock
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
-from ..layers.weights import WeightMap, prefixed, whole
+from ..layers.weights import WeightMap, prefixed, sharded, whole
 from ..ops import Kernels
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, kernels: Kernels, *, dtype: torch.dtype,
-                 device: torch.device | str, layer_type: str | None = None, moe: bool | None = None):
+                 device: torch.device | str, layer_type: str | None = None, moe: bool | None = None,
+                 parallel: Parallel = SINGLE):
         super().__init__()
         self.layer_type = layer_type or config.layer_types[layer_id]
         self.is_moe = config.moe_layers[layer_id] if moe is None else moe
         kw = dict(dtype=dtype, device=device)
         if self.layer_type == FULL_ATTENTION:
-            self.self_attn = GatedAttention(config, kernels, **kw)
+            self.self_attn = GatedAttention(config, kernels, parallel=parallel, **kw)
         else:
-            self.linear_attn = GatedDeltaNet(config, kernels, **kw)
+            self.linear_attn = GatedDeltaNet(config, kernels, parallel=parallel, **kw)
         if self.is_moe:
-            self.mlp = SparseMoeBlock(config, kernels, **kw)
+            self.mlp = SparseMoeBlock(config, kernels, parallel=parallel, **kw)
         else:
             if config.intermediate_size <= 0:
                 raise ValueError(f"layer {layer_id} is dense but intermediate_size is {config.intermediate_size}")
             self.mlp = MLP(config.hidden_size, config.intermediate_size, kernels, quantization=config.quantization,
-                           **kw)
+                           parallel=parallel, **kw)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, **kw)
 
@@ -80,7 +88,7 @@ class MTPHead(nn.Module):
     shares embed_tokens and lm_head with the main model and has its own KV cache layer."""
 
     def __init__(self, config: ModelConfig, num_layers: int, kernels: Kernels, *, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, parallel: Parallel = SINGLE):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         h, eps = config.hidden_size, config.rms_norm_eps
@@ -89,7 +97,8 @@ class MTPHead(nn.Module):
         self.fc = Linear(2 * h, h, kernels, fp8=fp8_layout(config.quantization, ("fc",), cols=(h,)), **kw)
         moe = config.num_experts > 0 and config.family != "qwen3_5"
         self.layers = nn.ModuleList(
-            DecoderLayer(config, 0, kernels, layer_type=FULL_ATTENTION, moe=moe, **kw) for _ in range(num_layers))
+            DecoderLayer(config, 0, kernels, layer_type=FULL_ATTENTION, moe=moe, parallel=parallel, **kw)
+            for _ in range(num_layers))
         self.norm = RMSNorm(h, eps, kernels, **kw)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
@@ -117,18 +126,26 @@ class HybridForCausalLM(nn.Module):
     """Embedding -> decoder layers -> final norm -> lm_head, over a packed ForwardBatch."""
 
     def __init__(self, config: ModelConfig, kernels: Kernels, *, dtype: torch.dtype, device: torch.device | str,
-                 mtp_layers: int = 0):
+                 mtp_layers: int = 0, parallel: Parallel = SINGLE):
         super().__init__()
-        self.config, self.kernels = config, kernels
+        self.config, self.kernels, self.parallel = config, kernels, parallel
         kw = dict(dtype=dtype, device=device)
-        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, **kw), requires_grad=False)
+        require_divisible("vocab_size", config.vocab_size, parallel)
+        vocab = parallel.local(config.vocab_size)
+        self.vocab_start = parallel.rank * vocab
+        self.embed_tokens = nn.Parameter(torch.empty(vocab, config.hidden_size, **kw), requires_grad=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, kernels, **kw) for i in range(config.num_hidden_layers))
+            DecoderLayer(config, i, kernels, parallel=parallel, **kw) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, **kw)
         self.lm_head = (None if config.tie_word_embeddings
-                        else Linear(config.hidden_size, config.vocab_size, kernels, **kw))
+                        else Linear(config.hidden_size, vocab, kernels, **kw))
         self.rope = RotaryEmbedding(config.rotary_dim, config.rope_theta, device=device)
-        self.mtp = MTPHead(config, mtp_layers, kernels, **kw) if mtp_layers else None
+        self.mtp = MTPHead(config, mtp_layers, kernels, parallel=parallel, **kw) if mtp_layers else None
+        if parallel.sharded:
+            self._vocab_split = Split(0, ((config.vocab_size, parallel.size),))
+            self.param_splits = {"embed_tokens": self._vocab_split}
+            if self.lm_head is not None:
+                self.lm_head.param_splits = {"weight": self._vocab_split}
         # layer index -> index into the GDN pools or the attention KV layers
         self._state_index = {}
         for kind_ids in (config.gdn_layer_ids, config.attention_layer_ids):
@@ -137,8 +154,11 @@ class HybridForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, cache: CacheBuffers) -> torch.Tensor:
         """Final normed hidden states [T, H] for every token of the batch."""
         pending = {} if batch.last_tokens is None else {"last_tokens": batch.last_tokens, "slots": batch.state_slots}
-        x, cos, sin = self.kernels.embed_rope(batch.input_ids, self.embed_tokens, batch.positions, self.rope.inv_freq,
-                                              **pending)
+        if self.parallel.sharded:
+            x, cos, sin = self._embed_vocab_parallel(batch, pending)
+        else:
+            x, cos, sin = self.kernels.embed_rope(batch.input_ids, self.embed_tokens, batch.positions,
+                                                  self.rope.inv_freq, **pending)
         cos_sin = (cos, sin)
         residual = None
         for i, layer in enumerate(self.layers):
@@ -148,19 +168,35 @@ class HybridForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
+    def _embed_vocab_parallel(self, batch: ForwardBatch, pending: dict) -> tuple:
+        """The rank's vocabulary rows embed their ids, other ids give zeros; the sum over the ranks is the
+        embedding (ids still being sampled are resolved from last_tokens first)."""
+        ids = batch.input_ids
+        if pending:
+            ids = torch.where(ids < 0, pending["last_tokens"][pending["slots"].long().clamp_min(0)], ids)
+        local = ids.long() - self.vocab_start
+        mine = (local >= 0) & (local < self.embed_tokens.shape[0])
+        x, cos, sin = self.kernels.embed_rope(torch.where(mine, local, 0), self.embed_tokens, batch.positions,
+                                              self.rope.inv_freq)
+        x = x * mine[:, None].to(x.dtype)
+        return comm.all_reduce(x), cos, sin
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head.weight
-        return self.kernels.linear(hidden, weight)
+        logits = self.kernels.linear(hidden, weight)
+        return comm.all_gather(logits, dim=-1) if self.parallel.sharded else logits
 
     def checkpoint_weights(self, fused_experts: bool) -> WeightMap:
         """Expected checkpoint tensors by canonical name (Qwen3.5's `model.language_model.` read as `model.`)."""
         prefix = "model."
-        mapping: WeightMap = {f"{prefix}embed_tokens.weight": whole(self.embed_tokens),
+        splits = getattr(self, "param_splits", {})
+        mapping: WeightMap = {f"{prefix}embed_tokens.weight": sharded(self.embed_tokens, splits.get("embed_tokens"),
+                                                                      self.parallel),
                               f"{prefix}norm.weight": whole(self.norm.weight)}
         for i, layer in enumerate(self.layers):
             mapping.update(prefixed(f"{prefix}layers.{i}", layer.checkpoint_weights(fused_experts)))
         if self.lm_head is not None:
-            mapping["lm_head.weight"] = whole(self.lm_head.weight)
+            mapping["lm_head.weight"] = sharded(self.lm_head.weight, splits.get("embed_tokens"), self.parallel)
         if self.mtp is not None:
             mapping.update(prefixed("mtp", self.mtp.checkpoint_weights(fused_experts)))
         return mapping

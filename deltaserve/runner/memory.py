@@ -18,12 +18,14 @@ GRAPH_SLACK_BYTES = 8 * MiB
 
 
 def allocate_cache(model: HybridForCausalLM, *, num_slots: int, num_blocks: int, block_size: int,
-                   device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> CacheBuffers:
+                   device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
+                   tp_size: int = 1) -> CacheBuffers:
     """The pools (cache/plan.py's layout; fp32 state, `dtype` conv windows, K/V in kv_dtype, default `dtype`:
     float8_e4m3fn for an FP8 KV cache). On CPU they are left
     uninitialised (pages are only touched once used; nothing reads a slot or block position before
-    writing it)."""
-    shapes = pool_shapes(model.config, num_slots=num_slots, num_blocks=num_blocks, block_size=block_size)
+    writing it). tp_size: a tensor-parallel rank's pools (its heads)."""
+    shapes = pool_shapes(model.config, num_slots=num_slots, num_blocks=num_blocks, block_size=block_size,
+                         tp_size=tp_size)
     make = torch.zeros if device.type == "cuda" else torch.empty
     return CacheBuffers(ssm=make(shapes.ssm, dtype=torch.float32, device=device),
                         conv=make(shapes.conv, dtype=dtype, device=device),

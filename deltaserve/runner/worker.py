@@ -1,6 +1,9 @@
 """The device half of start-up, and the unit that owns one device's model, cache pools and runner (one
 per tensor-parallel rank, later).
 
+One Worker per tensor-parallel rank (engine/executor.py starts the others): `parallel` says which shard of
+the model it holds; kernel selection sees the rank's head counts and the pools hold the rank's heads.
+
 `Worker.start()` runs the phases in order: `load_model` (select the kernels for the device and the
 model's shapes, build the model from the checkpoint or from dummy weights, decide whether decode steps
 will be CUDA graphs), `cache_budget` (GPU: measured after a warm-up forward of the largest step, the
@@ -21,6 +24,7 @@ import torch
 
 from ..cache.plan import DEFAULT_PREFIX_CACHE_STATE_FRACTION, CachePlan, CacheSpec, MiB, plan_cache
 from ..config import ModelConfig
+from ..distributed.parallel import SINGLE, Parallel
 from ..models.loader import build_dummy_model, load_model
 from ..models.qwen3_next import HybridForCausalLM
 from ..ops import Kernels, select_kernels
@@ -59,6 +63,7 @@ class WorkerConfig:
     compile: str = "off"             # the compiled CPU decode step: "auto" | "on" | "off" (cpu_compile.py)
     kv_cache_dtype: str = "auto"     # "auto" (the activation dtype) | "fp8" (e4m3 with per-layer multipliers)
     prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION  # snapshots' budget share (0: none)
+    parallel: Parallel = SINGLE      # this worker's tensor-parallel rank (its shard of the model)
 
 
 class Worker:
@@ -83,30 +88,41 @@ class Worker:
 
     def load_model(self) -> HybridForCausalLM:
         c = self.config
-        self.kernels = select_kernels(c.device, force_reference=c.force_reference_ops, shapes=c.model.kernel_shapes,
+        self.kernels = select_kernels(c.device, force_reference=c.force_reference_ops, shapes=self.kernel_shapes(),
                                       fp8_weights=c.model.quantization is not None)
         if c.load_format == "dummy":
             self.model = build_dummy_model(c.model, device=c.device, dtype=c.dtype, kernels=self.kernels,
-                                           seed=c.seed or 0)
+                                           seed=c.seed or 0, parallel=c.parallel)
         else:
-            self.model = load_model(c.model_path, device=c.device, dtype=c.dtype, kernels=self.kernels, config=c.model)
+            self.model = load_model(c.model_path, device=c.device, dtype=c.dtype, kernels=self.kernels, config=c.model,
+                                    parallel=c.parallel, show_progress=c.parallel.rank == 0)
         if c.kv_cache_dtype == "fp8":
             triton_attention = [op for op in FP8_KV_OPS if self.kernels.backend[op] != "reference"]
             if triton_attention:
                 raise ValueError(f"kv_cache_dtype='fp8' on {c.device}: the Triton attention kernels "
                                  f"({', '.join(triton_attention)}) do not read an FP8 cache yet; use "
                                  "kv_cache_dtype='auto' (or enforce_reference_ops=True: the slow reference path)")
+        # collectives inside captured graphs / a compiled step are not validated yet: sharded decodes run eagerly
         self.graph_sizes = plan_decode_graphs(c.device, self.kernels,
                                               max_batch=min(c.max_num_seqs, c.max_num_batched_tokens),
-                                              enforce_eager=c.enforce_eager)
+                                              enforce_eager=c.enforce_eager or c.parallel.sharded)
         return self.model
 
+    def kernel_shapes(self) -> dict[str, int]:
+        """The model's kernel-selection dims plus this rank's head counts (what its kernels are called with)."""
+        m, p = self.config.model, self.config.parallel
+        return {**m.kernel_shapes, "gdn_num_k_heads": m.linear_num_key_heads // p.size,
+                "gdn_num_v_heads": m.linear_num_value_heads // p.size,
+                "attn_num_heads": m.num_attention_heads // p.size,
+                "attn_num_kv_heads": max(1, m.num_key_value_heads // p.size)}
+
     def cache_spec(self) -> CacheSpec:
-        """Bytes per KV block and per state slot at this worker's dtype."""
+        """Bytes per KV block and per state slot at this worker's dtype (this rank's heads)."""
         c = self.config
         elem = torch.empty((), dtype=c.dtype).element_size()
         kv = 1 if c.kv_cache_dtype == "fp8" else elem
-        return CacheSpec.from_model(c.model, block_size=c.block_size, kv_dtype_bytes=kv, conv_dtype_bytes=elem)
+        return CacheSpec.from_model(c.model, block_size=c.block_size, kv_dtype_bytes=kv, conv_dtype_bytes=elem,
+                                    tp_size=c.parallel.size)
 
     def cache_budget(self) -> int:
         """Bytes the pools may take on this device (after load_model: a GPU budget is measured on the model)."""
@@ -127,14 +143,15 @@ class Worker:
             calibrate_kv_scales(self.model, device=c.device, dtype=c.dtype, block_size=c.block_size, seed=c.seed or 0)
         buffers = allocate_cache(self.model, num_slots=plan.num_slots, num_blocks=plan.num_blocks,
                                  block_size=c.block_size, device=c.device, dtype=c.dtype,
-                                 kv_dtype=torch.float8_e4m3fn if fp8_kv else None)
+                                 kv_dtype=torch.float8_e4m3fn if fp8_kv else None, tp_size=c.parallel.size)
         runner = ModelRunner(self.model, buffers, device=c.device, max_model_len=plan.max_model_len, seed=c.seed)
         if self.graph_sizes:
             runner.capture_decode_graphs(min(plan.max_num_seqs, c.max_num_batched_tokens))
-        if self.compile_mode != "off" and not c.enforce_eager and (c.model.quantization is not None or fp8_kv):
+        compiled = self.compile_mode != "off" and not c.enforce_eager and not c.parallel.sharded
+        if compiled and (c.model.quantization is not None or fp8_kv):
             logger.warning("compiled CPU decode is not implemented for FP8 weights or an FP8 KV cache; decoding "
                            "eagerly")
-        elif self.compile_mode != "off" and not c.enforce_eager:
+        elif compiled:
             runner.compiled_decode = cpu_compile.CompiledDecode(self.model, buffers,
                                                                 background=self.compile_mode == "auto")
         self.plan, self.runner = plan, runner
@@ -148,8 +165,10 @@ class Worker:
         mtp = f", {n_mtp} MTP layer{'s' if n_mtp > 1 else ''}" if n_mtp else ""
         weights = (_size(sum(p.numel() * p.element_size() for p in self.model.parameters()))
                    + (" dummy" if c.load_format == "dummy" else "") + " weights")
+        ep = " (experts: expert parallel)" if c.parallel.expert_parallel else ""
+        tp = f"; tensor parallel {c.parallel.size}{ep}" if c.parallel.sharded else ""
         return (f"{name} ({m.family}, {m.num_hidden_layers} layers: {len(m.gdn_layer_ids)} GDN + "
-                f"{len(m.attention_layer_ids)} attention{mtp}; {weights}) on {c.device}, "
+                f"{len(m.attention_layer_ids)} attention{mtp}; {weights}{tp}) on {c.device}, "
                 f"{str(c.dtype).removeprefix('torch.')}; kernels: {self.kernels.summary()}; "
                 f"cache: {plan.num_slots} state slots, {plan.num_blocks} KV blocks x {c.block_size} tokens"
                 f"{' (fp8 e4m3)' if c.kv_cache_dtype == 'fp8' else ''} "

@@ -201,6 +201,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
     _check_device_and_dtype(args.device, args.dtype)
     if args.data_parallel_size > 1 and not args.engine_process:
         raise ValueError("--data-parallel-size > 1 needs engine core processes (drop --no-engine-process)")
+    if args.data_parallel_size > 1 and args.tensor_parallel_size > 1:
+        raise ValueError("--data-parallel-size > 1 with --tensor-parallel-size > 1 is not implemented")
     check_server_args(args)
 
 
@@ -263,7 +265,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 enforce_eager=args.enforce_eager, compile=args.compile, async_scheduling=args.async_scheduling,
                 warm_up=args.warm_up, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                 enable_prefix_caching=args.enable_prefix_caching,
-                prefix_cache_state_fraction=args.prefix_cache_state_fraction)
+                prefix_cache_state_fraction=args.prefix_cache_state_fraction,
+                tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel)
 
 
 def build_replica(model: str | None, kwargs: dict[str, Any], data_parallel_size: int, index: int, *,
@@ -303,10 +306,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .lifecycle import answering_while_loading, bind_socket
 
     model_dir = str(args.model or DEFAULT_MODEL_PATH)
+    if int(os.environ.get("RANK", "0")) > 0:    # a torchrun rank other than 0: no server, it runs rank 0's steps
+        from ..engine.llm_engine import LLMEngine
+
+        LLMEngine.from_args(args.model, **engine_kwargs(args))   # returns by SystemExit(0) once rank 0 stops
+        return 0
     sock = bind_socket(args.host, args.port)   # a port in use fails now, not after the model has loaded
     client = None
     with answering_while_loading(sock, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile):
-        if args.engine_process:                  # 503 until every engine core can serve
+        # the engine core is a daemon process, which cannot start tensor-parallel rank processes: with -tp > 1
+        # the engine runs in the server process
+        if args.engine_process and args.tensor_parallel_size == 1:   # 503 until every engine core can serve
             from .engine_client import EngineCoreClient, EngineCoreSpec
 
             factory = functools.partial(build_replica, args.model, engine_kwargs(args), args.data_parallel_size)
