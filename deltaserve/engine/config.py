@@ -13,6 +13,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -53,6 +54,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True        # reuse cached KV blocks + GDN state snapshots of earlier requests
     prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION  # budget share of the snapshots
     prefix_cache_checkpoint_interval: int = 0  # also snapshot every this many prompt tokens (0: off)
+    scheduling_policy: str = "fcfs"           # waiting-queue order: "fcfs" (arrival) or "priority" (vLLM's names)
 
     def __post_init__(self) -> None:
         def fail(field: str, why: str):
@@ -81,6 +83,8 @@ class EngineConfig:
             fail("prefix_cache_state_fraction", "must be a number in (0, 1)")
         if not isinstance(self.prefix_cache_checkpoint_interval, int) or self.prefix_cache_checkpoint_interval < 0:
             fail("prefix_cache_checkpoint_interval", "must be an integer >= 0")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            fail("scheduling_policy", f"must be one of {', '.join(SCHEDULING_POLICIES)}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             fail("num_kv_blocks", "must be an integer >= 1")
 
