@@ -125,13 +125,17 @@ class AsyncEngine:
             g.fail(StreamStalledError(f"the client did not read the response for over {timeout:g} s"))
         return len(stalled)
 
-    def _add(self, group: "RequestGroup", request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def _add(self, group: "RequestGroup", request_id: str, prompt: str | list[int], params: SamplingParams,
+             priority: int = 0) -> None:
         if self.error is not None:
             raise EngineDeadError(f"the engine loop has failed: {self.error!r}")
         with self._cond:
             self._routes[request_id] = _Route(group)
             try:
-                self.engine.add_request(request_id, prompt, params)
+                if priority:
+                    self.engine.add_request(request_id, prompt, params, priority=priority)
+                else:
+                    self.engine.add_request(request_id, prompt, params)
             except BaseException:
                 del self._routes[request_id]
                 raise
@@ -232,9 +236,9 @@ class RequestGroup:
     def request_ids(self) -> list[str]:
         return sorted(self._pending)
 
-    def add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> None:
         """Submit one request; raises ValueError (bad request) before anything runs."""
-        self._engine._add(self, request_id, prompt, params)
+        self._engine._add(self, request_id, prompt, params, priority)
         self._pending.add(request_id)
 
     def _put(self, item: RequestOutput | BaseException) -> None:  # called from the engine thread

@@ -250,7 +250,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             enforce_eager=args.enforce_eager, compile=args.compile, async_scheduling=args.async_scheduling,
             warm_up=args.warm_up, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
             enable_prefix_caching=args.enable_prefix_caching,
-            prefix_cache_state_fraction=args.prefix_cache_state_fraction)
+            prefix_cache_state_fraction=args.prefix_cache_state_fraction,
+            scheduling_policy=args.scheduling_policy)
     config = server_config(args, str(args.model or DEFAULT_MODEL_PATH))
     return run_server(engine, config, host=args.host, port=args.port, log_level=args.uvicorn_log_level, sock=sock,
                       shutdown_timeout=args.shutdown_timeout)

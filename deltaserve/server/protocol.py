@@ -82,6 +82,8 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None            # top-n logprobs of every prompt token (the first: null)
+    priority: int = Field(default=0, **_INT64)    # lower first; needs --scheduling-policy priority
 
     def check_common(self, limits: RequestLimits) -> None:
         if not 1 <= self.n <= limits.max_n:
@@ -101,13 +103,19 @@ class _SamplingFields(_Strict):
             raise APIError("stream_options is only allowed with stream=true", param="stream_options")
         if self.prediction is not None:
             raise APIError("prediction (predicted outputs) is not supported", param="prediction")
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= limits.max_logprobs:
+                raise APIError(f"prompt_logprobs must be in [0, {limits.max_logprobs}], got {self.prompt_logprobs}",
+                               param="prompt_logprobs")
+            if self.stream:
+                raise APIError("prompt_logprobs is not supported with stream=true", param="prompt_logprobs")
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kwargs = dict(n=self.n, stop=self.stop, seed=self.seed, presence_penalty=self.presence_penalty,
                       frequency_penalty=self.frequency_penalty, ignore_eos=self.ignore_eos,
                       min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
                       include_stop_str_in_output=self.include_stop_str_in_output,
-                      skip_special_tokens=self.skip_special_tokens)
+                      skip_special_tokens=self.skip_special_tokens, prompt_logprobs=self.prompt_logprobs)
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                         repetition_penalty=self.repetition_penalty)
         kwargs.update({k: v for k, v in optional.items() if v is not None})
@@ -121,8 +129,14 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
-    best_of: int | None = None                    # only == n: no server-side best-of selection
+    best_of: int | None = None                    # sample best_of, return the n with the highest cumulative logprob
     suffix: str | None = None                     # not supported (no fill-in-the-middle)
+    # vLLM extra: keep only the prompt's last k tokens (-1: max_model_len)
+    truncate_prompt_tokens: int | None = Field(default=None, **_INT64)
+
+    @property
+    def num_candidates(self) -> int:
+        return self.best_of if self.best_of is not None else self.n
 
     def check(self, limits: RequestLimits) -> None:
         max_logprobs = limits.max_logprobs
@@ -131,10 +145,28 @@ class CompletionRequest(_SamplingFields):
         self.check_common(limits)
         if self.suffix is not None:
             raise APIError("suffix is not supported", param="suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise APIError(f"best_of must equal n ({self.n}); best-of selection is not supported", param="best_of")
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError(f"best_of ({self.best_of}) must be >= n ({self.n})", param="best_of")
+        if self.num_candidates > self.n and self.stream:
+            raise APIError("best_of > n is not supported with stream=true", param="best_of")
+        if self.num_candidates > self.n and self.temperature == 0:
+            raise APIError("best_of > n needs sampling (temperature > 0): greedy candidates are identical",
+                           param="best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             raise APIError(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}", param="logprobs")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise APIError(f"max_tokens must be >= 0, got {self.max_tokens}", param="max_tokens")
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise APIError("max_tokens=0 generates nothing: it needs echo=true or prompt_logprobs (scoring the "
+                           "prompt)", param="max_tokens")
+        if (self.echo and self.logprobs is not None and self.prompt_logprobs is not None
+                and self.prompt_logprobs != self.logprobs):
+            raise APIError(f"with echo=true and logprobs={self.logprobs} the prompt's logprobs are the echoed "
+                           f"ones: prompt_logprobs must equal logprobs or be omitted", param="prompt_logprobs")
+        k = self.truncate_prompt_tokens
+        if k is not None and k < 1 and k != -1:
+            raise APIError(f"truncate_prompt_tokens must be >= 1 or -1 (max_model_len), got {k}",
+                           param="truncate_prompt_tokens")
         if isinstance(self.prompt, list) and not self.prompt:
             raise APIError("prompt must not be empty", param="prompt")
 
