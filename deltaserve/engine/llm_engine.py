@@ -271,8 +271,8 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (the engine runs "
-                             f"{self.config.scheduling_policy!r})")
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (serve: --scheduling-policy "
+                             f"priority); the engine runs {self.config.scheduling_policy!r}")
         text, ids = self._prompt_ids(prompt, params)
         vocab = self.model_config.vocab_size
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]

@@ -84,3 +84,34 @@ def test_priority_with_preemption_and_n_keeps_outputs_exact():
     for i, p in enumerate(prompts):
         assert [c.token_ids for c in finals[f"r{i}"].outputs] == [reference_tokens(p, 6)] * 2
     assert_all_free(engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prefill_only_request_generates_nothing_and_frees(async_scheduling):
+    """max_tokens=0 (scoring): the prompt runs, the token sampled after it is dropped, finish "length"."""
+    engine = engine_with("fcfs", max_num_seqs=4)
+    engine.async_scheduling = async_scheduling
+    prompts = random_prompts(3, seed=5, lo=20, hi=90)         # longer than the 64-token budget: chunked
+    for i, p in enumerate(prompts):
+        engine.add_request(f"s{i}", p, SamplingParams(max_tokens=0, prompt_logprobs=0))
+    engine.add_request("g", prompts[0], greedy(3))
+    finals = run_all(engine)
+    for i in range(3):
+        out = finals[f"s{i}"].outputs[0]
+        assert out.token_ids == [] and out.finish_reason == "length"
+    assert finals["g"].outputs[0].token_ids == reference_tokens(prompts[0], 3)
+    assert engine.get_stats().generation_tokens_total == 3
+    assert_all_free(engine)
+
+
+def test_max_tokens_0_needs_prompt_logprobs_and_truncation_validates():
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    engine = engine_with("fcfs")
+    engine.add_request("t", list(range(1, 30)), greedy(2, truncate_prompt_tokens=5))
+    out = run_all(engine)["t"]
+    assert out.prompt_token_ids == list(range(25, 30))
+    assert out.outputs[0].token_ids == reference_tokens(list(range(25, 30)), 2)

@@ -163,3 +163,16 @@ def test_chat_max_tokens_0_without_prompt_logprobs_is_400(server):
     r = httpx.post(f"{server.url}/chat/completions", json={
         "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_priority_on_an_fcfs_server_is_400_like_vllm(server):
+    """This server runs the default policy (fcfs): a non-zero priority is refused by name; 0 is fine."""
+    for path, extra in (("completions", {"prompt": "x"}), ("chat/completions",
+                                                           {"messages": [{"role": "user", "content": "x"}]})):
+        r = httpx.post(f"{server.url}/{path}", json={"model": "tiny", "max_tokens": 1, "priority": 2, **extra},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+        assert "scheduling_policy" in r.json()["error"]["message"]
+        r = httpx.post(f"{server.url}/{path}", json={"model": "tiny", "max_tokens": 1, "priority": 0, **extra},
+                       timeout=60)
+        assert r.status_code == 200
