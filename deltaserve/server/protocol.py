@@ -1,6 +1,6 @@
 """OpenAI request schemas, validated strictly: an unknown field, a wrong type or a value we cannot honour
 is an `APIError` (HTTP 400) naming the field. Standard OpenAI fields that deltaserve does not implement
-are accepted only with values that make them no-ops (`user`, `best_of == n`, an empty `logit_bias`, ...).
+are accepted only with values that make them no-ops (`user`, an empty `logit_bias`, ...).
 
 `to_sampling_params` maps the OpenAI names (and vLLM's extras) onto `SamplingParams`, whose own
 validation errors become 400s too.
