@@ -11,6 +11,8 @@ which blocks were added, so this object stays small whatever the context lengths
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 from .outputs import PositionLogprobs
 from .sampling_params import SamplingParams
@@ -44,6 +46,16 @@ class ScheduledChunk:
 
 
 @dataclasses.dataclass
+class GrammarMasks:
+    """Token bitmasks of the step's constrained sequences (structured/manager.py), maybe still being filled
+    on a host thread: `get()` waits and returns an int32 host tensor [len(seq_ids), ceil(vocab / 32)], row i
+    for seq_ids[i] (bit t set: token t allowed). The runner calls it only after queueing the forward."""
+
+    seq_ids: list[int]
+    get: Callable[[], Any]
+
+
+@dataclasses.dataclass
 class SchedulerOutput:
     new_seqs: list[NewSequence]
     chunks: list[ScheduledChunk]     # in scheduling order; the runner packs prefills before decodes
@@ -53,6 +65,7 @@ class SchedulerOutput:
     # slot restores, copy-on-write of a cached partly filled block into a sequence's fresh block):
     state_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (src slot, dst slot)
     block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (src block, dst block)
+    grammar: GrammarMasks | None = None  # masks of the constrained sequences sampling this step (the engine's)
 
     @property
     def num_tokens(self) -> int:

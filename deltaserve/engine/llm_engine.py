@@ -35,6 +35,7 @@ from ..models.loader import check_load_format
 from ..outputs import PositionLogprobs, RequestOutput
 from ..runner.worker import KV_CACHE_DTYPES, Worker, WorkerConfig
 from ..sampling_params import SamplingParams
+from ..structured.engine_hooks import EngineGrammars
 from ..tokenizer import NoTokenizerError, Tokenizer
 from .config import DEFAULT_PREFIX_CACHE_STATE_FRACTION, EngineConfig, resolve_device, resolve_dtype
 from .detokenizer import IncrementalDetokenizer
@@ -104,6 +105,8 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self._steps_total = 0
         self._batched_tokens_total = 0
+        # structured output, logit_bias and bad_words: checks, matchers, masks (structured/engine_hooks.py)
+        self.grammars = EngineGrammars(tokenizer, model_config.vocab_size, self.eos_token_ids)
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -288,12 +291,14 @@ class LLMEngine:
             raise ValueError(
                 f"request needs {len(ids) + max_new} tokens of KV cache ({len(ids)} prompt + {max_new} new) but the "
                 f"whole pool holds {self.cache.blocks.num_blocks * self.cache.block_size}; lower max_tokens")
+        params = self.grammars.check(request_id, params)
         req = Request(request_id, text, ids, params, time.monotonic() if arrival_time is None else arrival_time,
                       stream=stream, priority=priority)
         req.seqs = [Sequence(next(self._seq_ids), req, i, max_new_tokens=max_new, eos_token_ids=self.eos_token_ids,
                              detokenizer=self._detokenizer(ids, params)) for i in range(params.n)]
         with self._lock:
             if request_id in self._live_ids:
+                self.grammars.forget(request_id)
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._live_ids.add(request_id)
             self._pending_adds.append(req)
@@ -375,6 +380,7 @@ class LLMEngine:
             self.cache.reset_prefix_cache()
         for req in adds:
             self._requests[req.request_id] = req
+            self.grammars.admit(req.request_id, [seq.seq_id for seq in req.seqs])
             for seq in req.seqs:
                 self._seqs[seq.seq_id] = seq
                 self.scheduler.add(seq)
@@ -393,6 +399,7 @@ class LLMEngine:
     def _retire(self, req: Request) -> None:
         for seq in req.seqs:
             self._seqs.pop(seq.seq_id, None)
+            self.grammars.retire(seq.seq_id)
         del self._requests[req.request_id]
         with self._lock:
             for seq in req.seqs:
@@ -416,8 +423,10 @@ class LLMEngine:
                 elif self.scheduler.waiting and not self.scheduler.running:
                     raise RuntimeError("scheduler admitted nothing with an idle batch (a request cannot fit)")
                 return outputs
-            if self._inflight is not None and not self.runner.can_launch_ahead(sched):
+            if self._inflight is not None and (not self.runner.can_launch_ahead(sched)
+                                               or self.grammars.needs_pending(sched, self._seqs)):
                 outputs.extend(self._collect_inflight())
+            sched.grammar = self.grammars.masks(sched, self._seqs)   # filled while the forward runs
             now = time.monotonic()
             for new in sched.new_seqs:
                 self._seqs[new.seq_id].request.metrics.setdefault("first_scheduled_time", now)
@@ -460,7 +469,11 @@ class LLMEngine:
                 finished.append(seq)
             else:
                 appended += 1
+                grammar_done = self.grammars.accept(seq_id, token)
                 if seq.append_token(token, self._with_text(lp)):
+                    finished.append(seq)
+                elif grammar_done:                   # the grammar is complete: the sequence ends here
+                    seq.finish_reason, seq.stop_reason = "stop", None
                     finished.append(seq)
             if "first_token_time" not in req.metrics:
                 req.metrics["first_token_time"] = now

@@ -289,12 +289,23 @@ class ModelRunner:
                 else self._index([st.state_slot for st in states])
             handle.sample = self.sampler.launch(
                 logits[self._index(plan.sample_rows)] if len(plan.sample_rows) < len(plan.rows) else logits, rows,
-                record=(self.last_tokens, slots))
+                record=(self.last_tokens, slots), masks=self._grammar_masks(out, plan.samples))
             for row in rows:
                 row.num_pending += 1
         for seq_id, st, first, count, start in plan.prompt_parts:
             handle.prompt_parts.append((seq_id, self._prompt_logprobs(logits[first : first + count], st, start)))
         return handle
+
+    @staticmethod
+    def _grammar_masks(out: SchedulerOutput, samples: list[tuple[int, _SeqState]]):
+        """Structured output: the step's bitmasks (waited for here, after the forward was queued) and the
+        sampling row of each; None when no sequence of the step is constrained."""
+        if out.grammar is None or not out.grammar.seq_ids:
+            return None
+        row_of = {seq_id: i for i, (seq_id, _) in enumerate(samples)}
+        missing = [s for s in out.grammar.seq_ids if s not in row_of]
+        assert not missing, f"grammar masks for sequences that do not sample this step: {missing}"
+        return out.grammar.get(), [row_of[s] for s in out.grammar.seq_ids]
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step's tokens (the host sync), append them and return the step's output."""

@@ -1,8 +1,10 @@
 """Logits -> next tokens (+ logprobs), each row with its own SamplingParams, vectorised over the batch.
 
-Order of operations (vLLM's): returned logprobs come from the raw model distribution; then penalties
-(repetition over prompt + output, presence / frequency over output) and min_tokens suppression of stop
-tokens, then greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample.
+Order of operations (vLLM's): returned logprobs come from the raw model distribution; then logit_bias,
+penalties (repetition over prompt + output, presence / frequency over output), bad words (the last token
+of a bad word whose earlier tokens end the output; one-token words always) and min_tokens suppression of
+stop tokens, then the structured-output bitmask (structured/manager.py: disallowed tokens to -inf), then
+greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample.
 
 Sampling inverts the CDF with one uniform number per row, in two levels (which block of 128 tokens, then
 which token in it) with the cumulative sums in float64, so a 150k vocabulary loses no precision
@@ -47,13 +49,16 @@ class SamplingRow:
         return len(self.token_ids) + self.num_pending - self.num_prompt_tokens
 
     def needs_history(self) -> bool:
-        """Whether sampling reads the generated token values (penalties), not just how many there are."""
+        """Whether sampling reads the generated token values (penalties, bad words of several tokens), not
+        just how many there are."""
         p = self.params
-        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                or any(len(w) > 1 for w in p.bad_words_token_ids))
 
     def adjusts_logits(self) -> bool:
         p = self.params
         return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                or bool(p.logit_bias) or bool(p.bad_words)
                 or (bool(self.stop_token_ids) and self.num_generated < p.min_tokens))
 
 
@@ -186,17 +191,40 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], ns: list[int]) ->
     return PendingLogprobs(token_ids, ns, HostCopy(*_logprob_tensors(logprobs, targets, k)))
 
 
+def _banned_by_bad_words(row: SamplingRow) -> list[int]:
+    """Tokens a row may not sample next: the last token of each bad word whose other tokens end the output
+    (vLLM's rule; the output only, not the prompt)."""
+    out = row.token_ids[row.num_prompt_tokens:]
+    banned = []
+    for word in row.params.bad_words_token_ids:
+        k = len(word) - 1
+        if k == 0 or (len(out) >= k and out[len(out) - k:] == word[:-1]):
+            banned.append(word[-1])
+    return banned
+
+
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:
-    """Penalties and min_tokens suppression of rows `which` of logits [N, V], in place, in this order per
-    row: repetition (prompt + output tokens), presence / frequency (output tokens), stop tokens to -inf
-    before min_tokens. Gathered over the rows into one index list per kind (no per-row transfers)."""
+    """logit_bias, penalties, bad words and min_tokens suppression of rows `which` of logits [N, V], in
+    place, in this order per row: logit_bias added, repetition (prompt + output tokens), presence /
+    frequency (output tokens), bad words' and (before min_tokens) stop tokens to -inf. Gathered over the
+    rows into one index list per kind (no per-row transfers)."""
     V, dev = logits.shape[1], logits.device
+    bias: list[list] = [[], [], []]      # row, token, bias
     rep: list[list] = [[], [], []]       # row, token, penalty
     cnt: list[list] = [[], []]           # row (index into cnt_rows), output token
     cnt_rows, freq, pres = [], [], []
     stop: list[list] = [[], []]          # row, token
     for i in which:
         row, p = rows[i], rows[i].params
+        if p.logit_bias:
+            items = sorted((t, b) for t, b in p.logit_bias.items() if t < V)
+            bias[0] += [i] * len(items)
+            bias[1] += [t for t, _ in items]
+            bias[2] += [b for _, b in items]
+        if p.bad_words:
+            ids = sorted({t for t in _banned_by_bad_words(row) if t < V})
+            stop[0] += [i] * len(ids)
+            stop[1] += ids
         if p.repetition_penalty != 1.0:
             seen = sorted(set(row.token_ids))
             rep[0] += [i] * len(seen)
@@ -213,6 +241,9 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], which: list[
             ids = sorted(t for t in row.stop_token_ids if t < V)
             stop[0] += [i] * len(ids)
             stop[1] += ids
+    if bias[0]:
+        r, t = to_device(torch.tensor(bias[:2], dtype=torch.long), dev)
+        logits.index_put_((r, t), to_device(torch.tensor(bias[2], dtype=logits.dtype), dev), accumulate=True)
     if rep[0]:
         r, t = to_device(torch.tensor(rep[:2], dtype=torch.long), dev)
         pen = to_device(torch.tensor(rep[2], dtype=logits.dtype), dev)
@@ -230,6 +261,26 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], which: list[
         logits.index_put_((r, t), torch.full(t.shape, float("-inf"), dtype=logits.dtype, device=dev))
 
 
+def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Structured output: logits row rows[i] keeps only the tokens bitmask[i] (host int32) allows. On CPU
+    xgrammar's own kernel (the masks come from xgrammar; about twice the torch reference's speed), elsewhere
+    the torch reference."""
+    everything = rows == list(range(logits.shape[0]))
+    if logits.device.type == "cpu":
+        import xgrammar
+
+        if everything:
+            xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1])
+        else:
+            index = torch.tensor(rows)
+            part = logits[index]
+            xgrammar.apply_token_bitmask_inplace(part, bitmask, vocab_size=logits.shape[1])
+            logits[index] = part
+        return
+    index = None if everything else to_device(torch.tensor(rows), logits.device)
+    sampling_ref.apply_token_bitmask(logits, to_device(bitmask, logits.device), index)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int | None, temperature_sample: Callable | None = None):
         self.device = torch.device(device)
@@ -242,24 +293,29 @@ class Sampler:
         return self.launch(logits, rows).get()
 
     def launch(self, logits: torch.Tensor, rows: list[SamplingRow], *,
-               record: tuple[torch.Tensor, torch.Tensor] | None = None) -> PendingSample:
+               record: tuple[torch.Tensor, torch.Tensor] | None = None,
+               masks: tuple[torch.Tensor, list[int]] | None = None) -> PendingSample:
         """Queue the sampling of one token per row. Per-row options reach the device as one pinned copy;
         the tokens (and logprobs) go back in one transfer, read by `.get()` (the only host sync).
         Logits stay in their dtype where the result cannot depend on it (argmax; the temperature op widens
         as it reads); everything else works on an fp32 copy. record = (last_tokens, slots [N] on the
         device): row i's token is also written to last_tokens[slots[i]] on the device (by the temperature
-        op itself where it draws every row: no extra kernel)."""
+        op itself where it draws every row: no extra kernel). masks = (bitmask int32 [M, ceil(V / 32)] on
+        the host, the row of each mask row): structured output; those rows sample only allowed tokens."""
         dev = logits.device
         lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         adjust = [i for i, r in enumerate(rows) if r.adjusts_logits()]
-        if lp_rows or adjust or not _no_filters(rows, logits.shape[1]):
+        if lp_rows or adjust or masks is not None or not _no_filters(rows, logits.shape[1]):
             logits = logits.float()
         if lp_rows:
             lp_index = None if len(lp_rows) == len(rows) else to_device(torch.tensor(lp_rows), dev)
             raw = log_softmax(logits if lp_index is None else logits[lp_index])
-        if adjust:
+        if adjust or masks is not None:
             logits = logits.clone()
+        if adjust:
             _apply_penalties(logits, rows, adjust)
+        if masks is not None:
+            _apply_bitmask(logits, *masks)
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
             tokens = logits.argmax(dim=-1)

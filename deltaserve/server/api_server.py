@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.resources
 import logging
 import socket
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from .. import __version__
 from .async_engine import AsyncEngine, EngineDeadError, EngineLike
@@ -34,8 +35,9 @@ from .state import ClientGone, ServerConfig, ServerState
 
 logger = logging.getLogger(__name__)
 
-PUBLIC_PATHS = ("/health",)
+PUBLIC_PATHS = ("/health", "/")   # "/": the chat page, whose API calls send the key typed into it
 ANTHROPIC_PATHS = ("/v1/messages",)   # and below: errors in Anthropic's body shape
+CHAT_PAGE = importlib.resources.files(__package__).joinpath("static/chat.html").read_text(encoding="utf-8")
 
 
 def error_body(path: str, error: APIError) -> dict[str, Any]:
@@ -49,7 +51,7 @@ def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
     """An app serving `engine`; its engine thread starts and stops with the app's lifespan, watched for
     death and stalled streams while it runs."""
     metrics = ServerMetrics(engine.get_stats)
-    async_engine = AsyncEngine(engine, metrics)
+    async_engine = AsyncEngine(engine, metrics, config.stream_interval)
     state = ServerState(async_engine, config, metrics)
     lifecycle = Lifecycle()
 
@@ -100,6 +102,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return {"object": "list", "data": [model_card(state)]}
 
     _add_api_routes(app, state)
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page():
+        return HTMLResponse(CHAT_PAGE)
 
     @app.get("/health")
     async def health():

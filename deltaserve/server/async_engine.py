@@ -9,6 +9,14 @@ a group that has not finished (client gone, handler cancelled) aborts its reques
 their KV blocks and state slots. `fail` ends a group from the event loop with an error its consumer sees
 after the outputs already queued (server shutdown, a client that stopped reading): its engine requests are
 aborted at once.
+
+The engine is either an LLMEngine stepped by this thread (`--no-engine-process`, tests with scripted
+engines) or an EngineCoreClient (engine_client.py), whose `step()` returns what the engine core processes
+sent; the routing, metrics and stream rules here are the same for both. Streams: each engine step gives at
+most one output per request. With `stream_interval` N > 1 an unfinished request's output is forwarded only
+once it has N tokens more than the last one forwarded, and a consumer that fell behind reads only the newest
+of the outputs queued for a request (they are cumulative), so a busy server sends fewer, larger chunks; with 1
+(the default) every step's output reaches the consumer.
 """
 
 from __future__ import annotations
@@ -60,15 +68,19 @@ class _Route:
     """Where the engine thread sends one engine request's outputs."""
 
     group: "RequestGroup"
+    forwarded_tokens: int = -1          # tokens of the last output forwarded (-1: none yet)
     num_tokens: dict[int, int] = dataclasses.field(default_factory=dict)   # per choice index
     last_token_time: dict[int, float] = dataclasses.field(default_factory=dict)
     first_token_seen: bool = False
 
 
 class AsyncEngine:
-    def __init__(self, engine: EngineLike, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: EngineLike, metrics: ServerMetrics | None = None, stream_interval: int = 1):
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.engine = engine
         self.metrics = metrics
+        self.stream_interval = stream_interval
         self._cond = threading.Condition()
         self._routes: dict[str, _Route] = {}   # guarded by _cond
         self._stop = False
@@ -95,6 +107,9 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
+        dead = getattr(self.engine, "dead_reason", None)     # engine core processes: one has exited
+        if dead is not None and dead() is not None:
+            return False
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
     # ---- requests ----------------------------------------------------------------------------
@@ -126,20 +141,23 @@ class AsyncEngine:
         return len(stalled)
 
     def _add(self, group: "RequestGroup", request_id: str, prompt: str | list[int], params: SamplingParams,
-             priority: int = 0) -> None:
+             priority: int = 0) -> Any:
+        """Returns what the engine's add_request returned: None, or (engine core processes) a future that
+        completes when the engine accepted the request."""
         if self.error is not None:
             raise EngineDeadError(f"the engine loop has failed: {self.error!r}")
         with self._cond:
             self._routes[request_id] = _Route(group)
             try:
-                if priority:
-                    self.engine.add_request(request_id, prompt, params, priority=priority)
+                if priority:     # only then: engines without priority scheduling need not take the keyword
+                    accepted = self.engine.add_request(request_id, prompt, params, priority=priority)
                 else:
-                    self.engine.add_request(request_id, prompt, params)
+                    accepted = self.engine.add_request(request_id, prompt, params)
             except BaseException:
                 del self._routes[request_id]
                 raise
             self._cond.notify_all()
+        return accepted
 
     def _abort(self, request_ids: list[str]) -> None:
         with self._cond:
@@ -180,6 +198,11 @@ class AsyncEngine:
             return  # aborted by its consumer meanwhile
         if self.metrics is not None:
             self._observe(route, out)
+        if self.stream_interval > 1 and not out.finished:
+            tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+            if route.forwarded_tokens >= 0 and tokens - route.forwarded_tokens < self.stream_interval:
+                return      # cumulative outputs: the next one forwarded carries these tokens too
+            route.forwarded_tokens = tokens
         route.group._put(out)
 
     def _observe(self, route: _Route, out: RequestOutput) -> None:
@@ -226,6 +249,7 @@ class RequestGroup:
         self._engine, self._loop = engine, loop
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._pending: set[str] = set()
+        self._accepting: list[tuple[str, Any]] = []   # (request id, future) of adds not yet accepted
         self._closed = False
         self._failed = False
         self.aborted = False
@@ -237,9 +261,24 @@ class RequestGroup:
         return sorted(self._pending)
 
     def add(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> None:
-        """Submit one request; raises ValueError (bad request) before anything runs."""
-        self._engine._add(self, request_id, prompt, params, priority)
+        """Submit one request; raises ValueError (bad request) before anything runs, here or (engine core
+        processes) from `accepted()`."""
+        accepted = self._engine._add(self, request_id, prompt, params, priority)
         self._pending.add(request_id)
+        if accepted is not None:
+            self._accepting.append((request_id, accepted))
+
+    async def accepted(self) -> None:
+        """Wait until the engine has accepted every request added; raises the first refusal (ValueError for
+        a bad request). Immediate for an in-process engine, whose add_request validates synchronously."""
+        waiting, self._accepting = self._accepting, []
+        for _, future in waiting:
+            try:
+                await asyncio.wrap_future(future)
+            except ValueError:
+                raise
+            except Exception as exc:
+                raise EngineDeadError(f"the engine could not take the request: {exc}") from None
 
     def _put(self, item: RequestOutput | BaseException) -> None:  # called from the engine thread
         try:
@@ -273,12 +312,28 @@ class RequestGroup:
                 item = await self._queue.get()
             finally:
                 self._reading, self._away_since = False, time.monotonic()
-            if isinstance(item, BaseException):
-                self._pending.clear()
-                raise item
-            if item.finished:
-                self._pending.discard(item.request_id)
-            yield item
+            for got in (self._newest(item) if self._engine.stream_interval > 1 else (item,)):
+                if isinstance(got, BaseException):
+                    self._pending.clear()
+                    raise got
+                if got.finished:
+                    self._pending.discard(got.request_id)
+                yield got
+
+    def _newest(self, item: RequestOutput | BaseException) -> list[RequestOutput | BaseException]:
+        """`item` and whatever else is queued, keeping only the newest output of each request (outputs are
+        cumulative), in the order of those newest outputs; an error ends the list."""
+        if self._queue.empty():
+            return [item]
+        items: dict[Any, RequestOutput | BaseException] = {}
+        while True:
+            key = item.request_id if isinstance(item, RequestOutput) else object()
+            items.pop(key, None)     # re-insert: a newer output replaces and moves behind the others
+            items[key] = item
+            if isinstance(item, BaseException) or self._queue.empty():
+                break
+            item = self._queue.get_nowait()
+        return list(items.values())
 
     def fail(self, error: BaseException) -> None:
         """Event loop only: abort the unfinished engine requests now; the consumer gets `error` after the

@@ -132,6 +132,7 @@ async def start_generation(state: ServerState, req: ChatCompletionRequest, id_pr
         state.log_request(request_id, [(prompt, token_ids)], params)
         try:
             group.add(request_id, token_ids, params)
+            await group.accepted()
         except ValueError as exc:  # the engine's own validation
             raise APIError(str(exc)) from None
     except BaseException:

@@ -1,11 +1,13 @@
-"""`deltaserve serve [MODEL]`: flags -> checked before anything loads -> LLMEngine + ServerConfig -> uvicorn."""
+"""`deltaserve serve [MODEL]`: flags -> checked before anything loads -> engine core process(es) (or an in-thread
+LLMEngine with --no-engine-process) + ServerConfig -> uvicorn."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from .lifecycle import DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_STREAM_INACTIVITY_TIMEOUT
@@ -81,6 +83,7 @@ def add_serve_parser(subparsers, add_model_arguments: Callable[[argparse.Argumen
                         "an error)")
     add_model_arguments(p)
     add_engine_arguments(p)
+    add_layout_arguments(p)
     add_server_arguments(p)
     p.set_defaults(func=cmd_serve)
 
@@ -98,6 +101,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-cache-bytes", type=_int_at_least(1), default=None,
                    help="cache budget on CPU (default: the engine's)")
     g.add_argument("--enforce-reference-ops", action="store_true", help="torch reference ops even on CUDA")
+
+
+def add_layout_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("process layout")
+    g.add_argument("--engine-process", default=True, action=argparse.BooleanOptionalAction,
+                   help="run the engine (scheduler, runner, sampler) in an engine core process of its own, beside "
+                        "the API server process (HTTP, tokenization, SSE); --no-engine-process: in a thread of the "
+                        "server process (debugging)")
+    g.add_argument("--data-parallel-size", "-dp", type=_int_at_least(1), default=1,
+                   help="engine core replicas behind the one API server, each a full engine; requests go to the "
+                        "one with the fewest outstanding requests (CUDA: replica i on cuda:i; CPU: they share it)")
 
 
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
@@ -119,6 +133,9 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"), help="uvicorn's log level")
 
+    g.add_argument("--stream-interval", type=_int_at_least(1), default=1,
+                   help="tokens between a stream's chunks: 1 sends each step's token at once; N > 1 coalesces N "
+                        "steps' tokens into one chunk (fewer, larger chunks under load); the last chunk is never held")
     g = p.add_argument_group("request limits")
     g.add_argument("--max-request-bytes", type=_int_at_least(1), default=DEFAULT_MAX_REQUEST_BYTES,
                    help="largest request body; a larger one gets 413, as soon as its bytes pass the limit")
@@ -181,6 +198,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
     if args.max_model_len is not None and args.max_model_len < 2:
         raise ValueError(f"--max-model-len must be >= 2 (a prompt token and a generated one), got {args.max_model_len}")
     _check_device_and_dtype(args.device, args.dtype)
+    if args.data_parallel_size > 1 and not args.engine_process:
+        raise ValueError("--data-parallel-size > 1 needs engine core processes (drop --no-engine-process)")
     check_server_args(args)
 
 
@@ -229,29 +248,65 @@ def server_config(args: argparse.Namespace, model_path: str) -> ServerConfig:
         tokenizer_workers=args.tokenizer_workers, allowed_origins=args.allowed_origins or (),
         enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
         content_special_tokens_as_text=args.content_special_tokens_as_text, ssl_keyfile=args.ssl_keyfile,
-        ssl_certfile=args.ssl_certfile, stream_inactivity_timeout=args.stream_inactivity_timeout or None)
+        ssl_certfile=args.ssl_certfile, stream_inactivity_timeout=args.stream_inactivity_timeout or None,
+        stream_interval=args.stream_interval)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """LLMEngine.from_args keyword arguments from the flags."""
+    return dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                num_gpu_blocks=args.num_gpu_blocks, cpu_cache_bytes=args.cpu_cache_bytes, seed=args.seed,
+                enforce_reference_ops=args.enforce_reference_ops, load_format=args.load_format,
+                enforce_eager=args.enforce_eager, compile=args.compile, async_scheduling=args.async_scheduling,
+                warm_up=args.warm_up, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                enable_prefix_caching=args.enable_prefix_caching,
+                prefix_cache_state_fraction=args.prefix_cache_state_fraction,
+                scheduling_policy=args.scheduling_policy)
+
+
+def build_replica(model: str | None, kwargs: dict[str, Any], data_parallel_size: int, index: int) -> Any:
+    """Runs in engine core `index`: its LLMEngine. Several replicas on CUDA take one device each; on CPU they
+    split the cores between them."""
+    import torch
+
+    from ..engine.config import resolve_device
+    from ..engine.llm_engine import LLMEngine
+
+    if data_parallel_size > 1:
+        device = resolve_device(kwargs["device"])
+        if device.type == "cuda":
+            if torch.cuda.device_count() < data_parallel_size:
+                raise ValueError(f"--data-parallel-size {data_parallel_size} needs as many CUDA devices; "
+                                 f"{torch.cuda.device_count()} visible")
+            kwargs = {**kwargs, "device": f"cuda:{index}"}
+        else:
+            torch.set_num_threads(max(1, torch.get_num_threads() // data_parallel_size))
+    return LLMEngine.from_args(model, **kwargs)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     check_serve_args(args)
-    from ..engine.llm_engine import LLMEngine
     from ..llm import DEFAULT_MODEL_PATH
     from .api_server import run_server
     from .lifecycle import answering_while_loading, bind_socket
 
+    model_dir = str(args.model or DEFAULT_MODEL_PATH)
     sock = bind_socket(args.host, args.port)   # a port in use fails now, not after the model has loaded
+    client = None
     with answering_while_loading(sock, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile):
-        engine = LLMEngine.from_args(            # 503 until the engine can serve
-            args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-            num_gpu_blocks=args.num_gpu_blocks, cpu_cache_bytes=args.cpu_cache_bytes, seed=args.seed,
-            enforce_reference_ops=args.enforce_reference_ops, load_format=args.load_format,
-            enforce_eager=args.enforce_eager, compile=args.compile, async_scheduling=args.async_scheduling,
-            warm_up=args.warm_up, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-            enable_prefix_caching=args.enable_prefix_caching,
-            prefix_cache_state_fraction=args.prefix_cache_state_fraction,
-            scheduling_policy=args.scheduling_policy)
-    config = server_config(args, str(args.model or DEFAULT_MODEL_PATH))
-    return run_server(engine, config, host=args.host, port=args.port, log_level=args.uvicorn_log_level, sock=sock,
-                      shutdown_timeout=args.shutdown_timeout)
+        if args.engine_process:                  # 503 until every engine core can serve
+            from .engine_client import EngineCoreClient, EngineCoreSpec
+
+            factory = functools.partial(build_replica, args.model, engine_kwargs(args), args.data_parallel_size)
+            engine = client = EngineCoreClient(EngineCoreSpec(factory, model_dir, args.data_parallel_size)).start()
+        else:
+            engine = build_replica(args.model, engine_kwargs(args), 1, 0)
+    config = server_config(args, model_dir)
+    try:
+        return run_server(engine, config, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                          sock=sock, shutdown_timeout=args.shutdown_timeout)
+    finally:
+        if client is not None:
+            client.close()

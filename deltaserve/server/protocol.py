@@ -15,7 +15,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams
 
 _INT64 = dict(ge=-(2**63), le=2**63 - 1)
 
@@ -67,7 +67,6 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None                       # accepted, not used
-    logit_bias: dict[str, float] | None = None    # only empty: biasing is not implemented
     # accepted, not used (they change nothing in generation; README: "accepted and ignored")
     metadata: dict[str, str] | None = None
     store: bool | None = None                     # nothing is stored either way
@@ -84,6 +83,14 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None            # top-n logprobs of every prompt token (the first: null)
     priority: int = Field(default=0, **_INT64)    # lower first; needs --scheduling-policy priority
+    # ---- structured output and logit control (checked in _check_structured) ----
+    logit_bias: dict[str, float] | None = None    # OpenAI: token id (as a string) -> bias in [-100, 100]
+    bad_words: list[str] | None = None            # vLLM: words never to generate
+    structured_outputs: StructuredOutputsRequest | None = None   # vLLM's structured_outputs
+    guided_json: Union[dict[str, Any], str, None] = None          # vLLM's older names for the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_common(self, limits: RequestLimits) -> None:
         if not 1 <= self.n <= limits.max_n:
@@ -97,8 +104,9 @@ class _SamplingFields(_Strict):
             if bad:
                 raise APIError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, "
                                f"{limits.vocab_size})", param="stop_token_ids")
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported", param="logit_bias")
+        self._check_logit_bias(limits)
+        if self.bad_words is not None and any(not w.strip() for w in self.bad_words):
+            raise APIError("bad_words must be non-blank strings", param="bad_words")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed with stream=true", param="stream_options")
         if self.prediction is not None:
@@ -110,16 +118,70 @@ class _SamplingFields(_Strict):
             if self.stream:
                 raise APIError("prompt_logprobs is not supported with stream=true", param="prompt_logprobs")
 
+    def _check_logit_bias(self, limits: RequestLimits) -> None:
+        for key, bias in (self.logit_bias or {}).items():
+            if not re.fullmatch(r"\d+", key):
+                raise APIError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            if limits.vocab_size is not None and int(key) >= limits.vocab_size:
+                raise APIError(f"logit_bias: token id {key} is outside the vocabulary [0, {limits.vocab_size})",
+                               param="logit_bias")
+            if not -100 <= bias <= 100:
+                raise APIError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}",
+                               param="logit_bias")
+
+    def structured_sources(self) -> dict[str, StructuredOutputsParams]:
+        """Each field given that constrains the output, as StructuredOutputsParams (APIError naming a bad one)."""
+        found: dict[str, StructuredOutputsParams] = {}
+        if self.structured_outputs is not None:
+            found["structured_outputs"] = _structured(self.structured_outputs.model_dump(exclude_none=True, by_alias=True),
+                                                      "structured_outputs")
+        for field, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, field) is not None:
+                found[field] = _structured({key: getattr(self, field)}, field)
+        return found
+
+    def structured_output(self) -> StructuredOutputsParams | None:
+        """The output constraint (at most one field may give one)."""
+        found = self.structured_sources()
+        if len(found) > 1:
+            raise APIError(f"give one output constraint, not {' and '.join(found)}", param=list(found)[1])
+        return next(iter(found.values()), None)
+
     def sampling_kwargs(self) -> dict[str, Any]:
         kwargs = dict(n=self.n, stop=self.stop, seed=self.seed, presence_penalty=self.presence_penalty,
                       frequency_penalty=self.frequency_penalty, ignore_eos=self.ignore_eos,
                       min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
                       include_stop_str_in_output=self.include_stop_str_in_output,
-                      skip_special_tokens=self.skip_special_tokens, prompt_logprobs=self.prompt_logprobs)
+                      skip_special_tokens=self.skip_special_tokens, prompt_logprobs=self.prompt_logprobs,
+                      logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+                      bad_words=self.bad_words or None, structured_outputs=self.structured_output())
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                         repetition_penalty=self.repetition_penalty)
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         return kwargs
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's `structured_outputs` object: exactly one constraint (see SamplingParams' StructuredOutputsParams)."""
+
+    json_: Union[dict[str, Any], str, None] = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Union[dict[str, Any], str, None] = None
+    disable_any_whitespace: bool = False
+
+
+def _structured(fields: dict[str, Any], param: str) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as exc:
+        raise APIError(str(exc).replace("SamplingParams.structured_outputs", param, 1), param=param) from None
+
+
+_SamplingFields.model_rebuild()
 
 
 class CompletionRequest(_SamplingFields):
@@ -221,9 +283,32 @@ class ChatMessage(_Strict):
 REASONING_EFFORT_THINKING = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
 
 
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """OpenAI's response_format as a grammar: json_object any object, json_schema its schema (strict or
+        not, the output follows the schema: the grammar cannot do less)."""
+        if self.type == "text":
+            if self.json_schema is not None:
+                raise APIError("response_format.json_schema needs type 'json_schema'", param="response_format")
+            return None
+        if self.type == "json_object":
+            if self.json_schema is not None:
+                raise APIError("response_format.json_schema needs type 'json_schema'", param="response_format")
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None:
+            raise APIError("response_format type 'json_schema' needs json_schema", param="response_format.json_schema")
+        schema = self.json_schema.schema_ if self.json_schema.schema_ is not None else {}   # OpenAI: any JSON
+        return _structured({"json": schema}, "response_format.json_schema")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -271,11 +356,6 @@ class ChatCompletionRequest(_SamplingFields):
             if not 0 <= self.top_logprobs <= max_logprobs:
                 raise APIError(f"top_logprobs must be in [0, {max_logprobs}], got {self.top_logprobs}",
                                param="top_logprobs")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise APIError(f"response_format {self.response_format.type!r} is not supported (structured output "
-                           "is not implemented); only 'text'", param="response_format")
-        if self.parallel_tool_calls is False:
-            raise APIError("parallel_tool_calls=false is not supported", param="parallel_tool_calls")
         self._check_tools()
         if self.continue_final_message and self.add_generation_prompt:
             raise APIError("continue_final_message needs add_generation_prompt=false", param="continue_final_message")
@@ -288,15 +368,48 @@ class ChatCompletionRequest(_SamplingFields):
 
     def _check_tools(self) -> None:
         choice = self.tool_choice
-        if isinstance(choice, NamedToolChoice) or choice == "required":
-            what = "a named tool_choice" if isinstance(choice, NamedToolChoice) else "tool_choice='required'"
-            raise APIError(f"{what} is not supported (forcing a call needs structured output); use 'auto' or "
-                           "'none'", param="tool_choice")
-        if choice == "auto" and not self.tools:
-            raise APIError("tool_choice='auto' needs tools", param="tool_choice")
+        if choice in ("auto", "required") and not self.tools:
+            raise APIError(f"tool_choice={choice!r} needs tools", param="tool_choice")
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
             raise APIError("tools contain duplicate function names", param="tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise APIError(f"tool_choice names {choice.function.name!r}, which is not in tools",
+                           param="tool_choice.function.name")
+        if self.tool_call_grammar:
+            field = "tool_choice" if self.forces_tool_call else "parallel_tool_calls"
+            if self.structured_sources() | self._format_source():
+                raise APIError(f"{field} constrains the output to tool calls; it cannot be combined with another "
+                               "output constraint", param=field)
+            if self.min_tokens:
+                raise APIError(f"min_tokens cannot be combined with {field} (a completed call allows only the end "
+                               "of the message)", param="min_tokens")
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required"
+
+    @property
+    def tool_call_grammar(self) -> bool:
+        """The output is constrained to tool calls: a forced call, or at most one (parallel_tool_calls false)."""
+        return self.uses_tools and (self.forces_tool_call or self.parallel_tool_calls is False)
+
+    @property
+    def forced_tools(self) -> list[Tool]:
+        """The tools a forced call may use: the named one, or all of them for 'required'."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t for t in self.tools or [] if t.function.name == self.tool_choice.function.name]
+        return list(self.tools or []) if self.tool_choice == "required" else []
+
+    def _format_source(self) -> dict[str, StructuredOutputsParams]:
+        c = self.response_format.constraint() if self.response_format is not None else None
+        return {"response_format": c} if c is not None else {}
+
+    def structured_output(self) -> StructuredOutputsParams | None:
+        found = self.structured_sources() | self._format_source()
+        if len(found) > 1:
+            raise APIError(f"give one output constraint, not {' and '.join(found)}", param=list(found)[1])
+        return next(iter(found.values()), None)
 
     @property
     def uses_tools(self) -> bool:

@@ -14,7 +14,7 @@ from ..tokenizer import TooManyTokens
 from .async_engine import EngineDeadError, RequestGroup
 from .logprobs import chat_logprobs
 from .output_parser import MessageDelta, MessageParser
-from .protocol import APIError, ChatCompletionRequest, parse_request, to_sampling_params
+from .protocol import APIError, ChatCompletionRequest, NamedToolChoice, parse_request, to_sampling_params
 from .reasoning import ReasoningParser, starts_in_reasoning
 from .serving_completions import prompt_logprobs_json
 from .state import ServerState, WaitingTicket, now, unless_disconnected, usage
@@ -39,10 +39,12 @@ async def create_chat_completion(state: ServerState, http: Request):
     try:
         prompt, token_ids = await state.in_pool(tokenize_chat, state, req)
         state.check_length(len(token_ids), max_tokens, prompt_field="messages", max_field=max_field)
+        params = _with_tool_call_grammar(state, req, params, prompt)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         state.log_request(request_id, [(prompt, token_ids)], params)
         try:
             group.add(request_id, token_ids, params, priority=req.priority)
+            await group.accepted()
         except ValueError as exc:  # the engine's own validation
             raise APIError(str(exc), param="priority" if str(exc).startswith("priority") else None) from None
     except BaseException:
@@ -54,6 +56,21 @@ async def create_chat_completion(state: ServerState, http: Request):
     if req.stream:
         return StreamingResponse(run.stream(group), media_type="text/event-stream")
     return JSONResponse(await unless_disconnected(http, run.collect(group)))
+
+
+def _with_tool_call_grammar(state: ServerState, req: ChatCompletionRequest, params, prompt: str):
+    """tool_choice "required" / named, or parallel_tool_calls false: the output is constrained to the
+    model's tool-call format (structured/tool_calls.py), so it parses as calls of the given tools."""
+    if not req.tool_call_grammar:
+        return params
+    from ..structured.tool_calls import tool_call_constraint
+
+    choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else (
+        req.tool_choice or "auto")
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    constraint = tool_call_constraint(state.tokenizer.chat_template, tools, choice,
+                                      req.parallel_tool_calls is not False, starts_in_reasoning(prompt))
+    return params.clone(structured_outputs=constraint)
 
 
 def tokenize_chat(state: ServerState, req: ChatCompletionRequest) -> tuple[str, list[int]]:

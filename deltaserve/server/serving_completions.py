@@ -44,6 +44,7 @@ async def create_completion(state: ServerState, http: Request):
         try:
             for i, p in enumerate(prompts):
                 group.add(f"{base_id}-{i}", p.token_ids, params, priority=req.priority)
+            await group.accepted()
         except ValueError as exc:  # the engine's own validation (token ids out of range, too long, ...)
             raise APIError(str(exc), param="priority" if str(exc).startswith("priority") else None) from None
         if req.echo and state.tokenizer is not None:  # token-id prompts are known to be valid now
@@ -172,6 +173,8 @@ class _Run(StreamingRun):
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if prompt_lps:
                     choice["prompt_logprobs"] = prompt_logprobs_json(out)
+                if self.state.tokenizer is None:    # no text to return: the token ids are the completion
+                    choice["token_ids"] = list(c.token_ids)
                 choices.append(choice)
         choices.sort(key=lambda ch: ch["index"])
         return {"id": self.id, "object": "text_completion", "created": self.created,
@@ -201,7 +204,12 @@ class _Run(StreamingRun):
         if echo:
             text = prompt_text + text
         self.sent_text[index], self.sent_tokens[index] = len(c.text), len(c.token_ids)
-        if not text and not c.finish_reason and not (logprobs and logprobs["tokens"]) and not first:
+        # without a tokenizer there is no text: each chunk carries its new token ids instead
+        new_ids = c.token_ids[sent_tokens:] if self.state.tokenizer is None else None
+        if not text and not c.finish_reason and not (logprobs and logprobs["tokens"]) and not first and not new_ids:
             return None
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_reason}
+        if new_ids is not None:
+            choice["token_ids"] = new_ids
+        return choice

@@ -64,6 +64,7 @@ class ServerConfig:
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     stream_inactivity_timeout: float | None = DEFAULT_STREAM_INACTIVITY_TIMEOUT  # s a response may sit unread
+    stream_interval: int = 1                     # tokens between a stream's chunks (--stream-interval)
 
 
 class WorkerPool(concurrent.futures.Executor):

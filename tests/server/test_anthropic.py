@@ -129,7 +129,7 @@ def test_max_tokens_stop_reason(client):
     ({"max_tokens": 10, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages"),
     ({"max_tokens": 10, "messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, "frobnicate"),
     ({"max_tokens": 10, "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
-      "tool_choice": {"type": "any"}}, "tool_choice"),
+      "tool_choice": {"type": "tool"}}, "tool_choice"),
     ({"max_tokens": 10, "messages": [{"role": "user", "content": "hi"}],
       "thinking": {"type": "enabled", "budget_tokens": 50}}, "budget_tokens"),
     ({"max_tokens": 10, "messages": [{"role": "assistant", "content": [

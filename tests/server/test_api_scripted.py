@@ -202,12 +202,11 @@ BAD_CHAT = [
     ({"presence_penalty": 3}, "presence_penalty", "presence_penalty"),
     ({"top_logprobs": 3}, "top_logprobs", "logprobs"),
     ({"logprobs": True, "top_logprobs": 50}, "top_logprobs", "top_logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "not supported"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
-     "not supported"),
-    ({"parallel_tool_calls": False}, "parallel_tool_calls", "not supported"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "json_schema"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name", "not in tools"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
     ({"temperature": "hot"}, "temperature", "temperature"),
     ({"frobnicate": True}, "frobnicate", "not a supported field"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
@@ -273,7 +272,7 @@ def test_openai_client_sees_bad_request_errors(client):
     with pytest.raises(openai.BadRequestError, match="does not exist"):
         client.completions.create(model="other-model", prompt="hi")
     with pytest.raises(openai.BadRequestError, match="not a supported field"):
-        client.completions.create(model="scripted", prompt="hi", extra_body={"guided_json": {}})
+        client.completions.create(model="scripted", prompt="hi", extra_body={"guided_jsn": {}})
     with pytest.raises(openai.BadRequestError, match="temperature"):  # refused before any SSE is sent
         client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}], stream=True,
                                        temperature=-3)

@@ -51,13 +51,15 @@ def test_anthropic_thinking_sets_the_switch(thinking, enabled):
     assert (chat.chat_template_kwargs or {}).get("enable_thinking") == enabled
 
 
-def test_anthropic_forced_tool_choices_reach_the_chat_refusal():
+def test_anthropic_forced_tool_choices_map_onto_the_chat_forced_calls():
     tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    expect = {"any": "required", "tool": {"type": "function", "function": {"name": "f"}}}
     for choice in ({"type": "any"}, {"type": "tool", "name": "f"}):
-        with pytest.raises(APIError) as exc:
-            _anthropic(messages=[{"role": "user", "content": "hi"}], tools=tools,
-                       tool_choice=choice).check(RequestLimits())
-        assert exc.value.param == "tool_choice"
+        chat = _anthropic(messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice=choice)
+        chat.check(RequestLimits())
+        got = chat.tool_choice.model_dump(exclude_none=True) if hasattr(chat.tool_choice, "model_dump") \
+            else chat.tool_choice
+        assert got == expect[choice["type"]]
 
 
 def test_responses_items_map_onto_template_messages():

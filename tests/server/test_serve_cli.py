@@ -10,6 +10,7 @@ import pytest
 from deltaserve.cli import build_parser, main
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.server.cli_args import check_serve_args, server_config
+from deltaserve.server.engine_client import EngineCoreClient
 
 
 class _Loaded(Exception):
@@ -26,6 +27,8 @@ def loads(monkeypatch):
         raise _Loaded()
 
     monkeypatch.setattr(LLMEngine, "from_args", staticmethod(from_args))
+    # the engine core process would build a real engine: build replica 0 here instead
+    monkeypatch.setattr(EngineCoreClient, "start", lambda self: self.spec.factory(0))
     return calls
 
 

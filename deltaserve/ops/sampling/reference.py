@@ -41,3 +41,19 @@ def temperature_sample(logits: torch.Tensor, temperature: torch.Tensor, u: torch
     if record is not None:
         record[0].index_copy_(0, record[1].long(), tokens)
     return tokens
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """In place: logits [N, V] keep only the tokens allowed by bitmask (int32 [M, ceil(V / 32)], bit t of
+    word t // 32 set = token t allowed); the rest become -inf. rows [M] int64: the logits row of each mask
+    row (None: M == N, row i for row i). Words past V are ignored; tokens past the mask's width are banned."""
+    V = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)
+    if allowed.shape[1] < V:
+        allowed = F.pad(allowed, (0, V - allowed.shape[1]), value=False)
+    allowed = allowed[:, :V]
+    if rows is None:
+        logits.masked_fill_(~allowed, float("-inf"))
+    else:
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
