@@ -168,7 +168,8 @@ class _Core:
                 if kind == "add":
                     _, rid, ids, params, arrival, priority = message
                     try:
-                        self.engine.add_request(rid, unpack_ids(ids), params, arrival, priority=priority)
+                        extra = {"priority": priority} if priority else {}   # engines without the policy
+                        self.engine.add_request(rid, unpack_ids(ids), params, arrival, **extra)
                         acks.append((rid, None))
                     except Exception as exc:   # the engine's validation: the server answers 400
                         acks.append((rid, (type(exc).__name__, str(exc))))
