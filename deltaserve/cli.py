@@ -87,6 +87,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "token-granular)")
     p.add_argument("--prefix-cache-state-fraction", type=_open_fraction, default=0.1, metavar="FRACTION",
                    help="share of the cache budget for the prefix cache's GDN state snapshots")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
+                   help="waiting-queue order: fcfs (arrival) or priority (the request's `priority`, lower first)")
     p.add_argument("--warm-up", default=None, action=argparse.BooleanOptionalAction,
                    help="run throw-away requests of several batch packings at startup so kernels are built before "
                         "serving (default: serve: on for CUDA devices; generate: off)")

@@ -34,7 +34,8 @@ class LLM:
                  quantization: str | None = None, kv_cache_dtype: str = "auto",
                  enable_prefix_caching: bool = True,
                  prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION,
-                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False):
+                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
+                 scheduling_policy: str = "fcfs"):
         self.engine = LLMEngine.from_args(
             model, device=device, dtype=dtype, seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             block_size=block_size, enforce_reference_ops=enforce_reference_ops,
@@ -43,7 +44,8 @@ class LLM:
             enforce_eager=enforce_eager, compile=compile, async_scheduling=async_scheduling, warm_up=warm_up,
             quantization=quantization, kv_cache_dtype=kv_cache_dtype,
             enable_prefix_caching=enable_prefix_caching, prefix_cache_state_fraction=prefix_cache_state_fraction,
-            tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel)
+            tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel,
+            scheduling_policy=scheduling_policy)
         self.model_path = self.engine.model_path
         self.config = self.engine.model_config
         self.tokenizer = self.engine.tokenizer
@@ -58,8 +60,9 @@ class LLM:
 
     def generate(self, prompts: PromptType | Iterable[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs in prompt order. A prompt is text, {"prompt_token_ids": [...]} or {"prompt": text}."""
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Outputs in prompt order. A prompt is text, {"prompt_token_ids": [...]} or {"prompt": text}.
+        priority: one value per prompt (lower first), with scheduling_policy="priority"."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, Iterable):
@@ -72,11 +75,14 @@ class LLM:
         for p in prompts:
             if not isinstance(p, (str, dict)):
                 raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(p).__name__}")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priorities)} priorities")
         ids = [f"llm-{next(self._request_ids)}" for _ in prompts]
         added = []
         try:
-            for rid, prompt, sp in zip(ids, prompts, params):
-                self.engine.add_request(rid, prompt, sp, stream=False)
+            for rid, prompt, sp, prio in zip(ids, prompts, params, priorities):
+                self.engine.add_request(rid, prompt, sp, stream=False, priority=prio)
                 added.append(rid)
         except BaseException:
             self.engine.abort_request(added)

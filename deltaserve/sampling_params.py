@@ -81,7 +81,7 @@ class SamplingParams:
     top_k: int = 0                    # 0 or -1 = all tokens
     min_p: float = 0.0                # drop tokens with p < min_p * p_max
     seed: int | None = None           # per-request seed: same tokens whatever else is in the batch
-    max_tokens: int | None = 16       # None = up to the context limit
+    max_tokens: int | None = 16       # None = up to the context limit; 0 = prefill only (needs prompt_logprobs)
     min_tokens: int = 0               # EOS / stop token ids are suppressed until this many tokens
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
@@ -100,6 +100,7 @@ class SamplingParams:
     bad_words: list[str] | None = None           # never generate these words (their token sequences)
     # bad_words as token-id sequences, filled by the engine from its tokenizer (`resolve_bad_words`)
     _bad_words_token_ids: list[list[int]] | None = dataclasses.field(default=None, repr=False, compare=False)
+    truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens; -1 = max_model_len
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -136,8 +137,11 @@ class SamplingParams:
             fail("min_p", "must be in [0, 1]")
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", "must be an integer or None")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            fail("max_tokens", "must be an integer >= 1 or None")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens < 0):
+            fail("max_tokens", "must be an integer >= 1 or None (0 only with prompt_logprobs)")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            fail("max_tokens", "0 (no generated token) needs prompt_logprobs: there would be nothing to return")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             fail("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -150,6 +154,9 @@ class SamplingParams:
             value = getattr(self, field)
             if value is not None and (not isinstance(value, int) or value < 0):
                 fail(field, "must be an integer >= 0 or None")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or (k < 1 and k != -1)):
+            fail("truncate_prompt_tokens", "must be an integer >= 1, -1 (max_model_len) or None")
         if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
             fail("repetition_penalty", "must be a finite number > 0")
         for field in ("presence_penalty", "frequency_penalty"):

@@ -13,6 +13,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -55,6 +56,7 @@ class EngineConfig:
     prefix_cache_checkpoint_interval: int = 0  # also snapshot every this many prompt tokens (0: off)
     tensor_parallel_size: int = 1             # ranks the model is sharded over (one process and device each)
     enable_expert_parallel: bool = False      # MoE: whole experts per rank instead of split expert widths
+    scheduling_policy: str = "fcfs"           # waiting-queue order: "fcfs" (arrival) or "priority" (vLLM's names)
 
     def __post_init__(self) -> None:
         def fail(field: str, why: str):
@@ -89,6 +91,8 @@ class EngineConfig:
             fail("enable_expert_parallel", "must be True or False")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             fail("enable_expert_parallel", "needs tensor_parallel_size > 1 (experts are split over those ranks)")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            fail("scheduling_policy", f"must be one of {', '.join(SCHEDULING_POLICIES)}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             fail("num_kv_blocks", "must be an integer >= 1")
 

@@ -16,7 +16,8 @@ when the pipe closes (the server died or closed it) or its parent changes, check
 `IDLE_POLL_S` seconds.
 
 Message layout (pickles of tuples, lists of ints, strings and the request's SamplingParams; no tensors):
-  server -> core: ("add", request_id, token_ids: bytes of array('i'), params, arrival_time) | ("abort", [ids])
+  server -> core: ("add", request_id, token_ids: bytes of array('i'), params, arrival_time, priority)
+                  | ("abort", [ids])
                   | ("reset_prefix_cache",) | ("stop",)
   core -> server: ("ready", info) | ("failed", message) | ("acks", [(request_id, error | None)])
                   | ("out", [delta], stats) | ("stats", stats) | ("dead", message)
@@ -165,9 +166,10 @@ class _Core:
                 message = pickle.loads(self.conn.recv_bytes())
                 kind = message[0]
                 if kind == "add":
-                    _, rid, ids, params, arrival = message
+                    _, rid, ids, params, arrival, priority = message
                     try:
-                        self.engine.add_request(rid, unpack_ids(ids), params, arrival)
+                        extra = {"priority": priority} if priority else {}   # engines without the policy
+                        self.engine.add_request(rid, unpack_ids(ids), params, arrival, **extra)
                         acks.append((rid, None))
                     except Exception as exc:   # the engine's validation: the server answers 400
                         acks.append((rid, (type(exc).__name__, str(exc))))

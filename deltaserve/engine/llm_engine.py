@@ -95,7 +95,8 @@ class LLMEngine:
         self.max_model_len = plan.max_model_len
         self.max_num_seqs = plan.max_num_seqs
         self.scheduler = Scheduler(SchedulerConfig(plan.max_num_seqs, config.token_budget,
-                                                   config.prefix_cache_checkpoint_interval), cache)
+                                                   config.prefix_cache_checkpoint_interval,
+                                                   config.scheduling_policy), cache)
         device = getattr(runner, "device", None)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else device is not None and torch.device(device).type == "cuda")
@@ -134,7 +135,8 @@ class LLMEngine:
                   enable_prefix_caching: bool = True,
                   prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION,
                   prefix_cache_checkpoint_interval: int = 0,
-                  tensor_parallel_size: int = 1, enable_expert_parallel: bool = False) -> "LLMEngine":
+                  tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
+                  scheduling_policy: str = "fcfs") -> "LLMEngine":
         """Validate the options into configs, have a Worker (runner/worker.py) do the device half of start-up
         (load the checkpoint directory, default: the embedded model; select kernels; size the cache from the
         memory budget, GPU: measured, CPU: cpu_cache_bytes; allocate it; capture graphs), build the engine
@@ -161,7 +163,9 @@ class LLMEngine:
         tokens (0: only at request ends, prompt ends and branch points).
         tensor_parallel_size: shard the model over this many ranks, one process and device each
         (engine/executor.py); enable_expert_parallel: MoE experts split whole across them. Under torchrun the
-        ranks other than 0 serve steps inside this call and exit when rank 0 shuts down."""
+        ranks other than 0 serve steps inside this call and exit when rank 0 shuts down.
+        scheduling_policy: "fcfs" admits waiting requests in arrival order; "priority" by add_request's
+        `priority` (lower first, ties by arrival; vLLM's --scheduling-policy)."""
         t0 = time.perf_counter()
         config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
@@ -171,7 +175,8 @@ class LLMEngine:
                               prefix_cache_state_fraction=prefix_cache_state_fraction,
                               prefix_cache_checkpoint_interval=prefix_cache_checkpoint_interval,
                               tensor_parallel_size=tensor_parallel_size,
-                              enable_expert_parallel=enable_expert_parallel)
+                              enable_expert_parallel=enable_expert_parallel,
+                              scheduling_policy=scheduling_policy)
         check_load_format(load_format)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported "
@@ -293,15 +298,22 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | dict[str, Any], params: SamplingParams,
-                    arrival_time: float | None = None, *, stream: bool = True) -> None:
+                    arrival_time: float | None = None, *, stream: bool = True, priority: int = 0) -> None:
         """Validate and queue a request; it joins the batch at the next step. `prompt` is text, token ids,
         or {"prompt_token_ids": [...], "prompt": optional text}. stream=False: report only the final
-        output (saves building an output per token)."""
+        output (saves building an output per token). priority: lower is admitted first; only with
+        scheduling_policy="priority" (else it must be 0, as in vLLM). params.truncate_prompt_tokens keeps the
+        prompt's last k tokens; params.max_tokens=0 runs the prompt only (its logprobs) and generates nothing."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        text, ids = self._prompt_ids(prompt)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (serve: --scheduling-policy "
+                             f"priority); the engine runs {self.config.scheduling_policy!r}")
+        text, ids = self._prompt_ids(prompt, params)
         vocab = self.model_config.vocab_size
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
@@ -318,7 +330,7 @@ class LLMEngine:
                 f"whole pool holds {self.cache.blocks.num_blocks * self.cache.block_size}; lower max_tokens")
         params = self.grammars.check(request_id, params)
         req = Request(request_id, text, ids, params, time.monotonic() if arrival_time is None else arrival_time,
-                      stream=stream)
+                      stream=stream, priority=priority)
         req.seqs = [Sequence(next(self._seq_ids), req, i, max_new_tokens=max_new, eos_token_ids=self.eos_token_ids,
                              detokenizer=self._detokenizer(ids, params)) for i in range(params.n)]
         with self._lock:
@@ -328,12 +340,13 @@ class LLMEngine:
             self._live_ids.add(request_id)
             self._pending_adds.append(req)
 
-    def _prompt_ids(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
+    def _prompt_ids(self, prompt: str | list[int] | dict[str, Any],
+                    params: SamplingParams) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
             elif "prompt" in prompt:
-                return self._prompt_ids(prompt["prompt"])
+                return self._prompt_ids(prompt["prompt"], params)
             else:
                 raise ValueError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
         elif isinstance(prompt, str):
@@ -349,11 +362,16 @@ class LLMEngine:
         ids = list(ids)
         if not ids:
             raise ValueError("prompt is empty (no tokens)")
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = self.max_model_len if keep == -1 else keep
+            if len(ids) > keep:
+                text, ids = None, ids[-keep:]     # the text no longer matches the kept tokens
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        if len(ids) + 1 > self.max_model_len:
+        if len(ids) + (params.max_tokens != 0) > self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context limit is {self.max_model_len} "
                              "(prompt + at least one generated token)")
         return text, ids
@@ -483,13 +501,17 @@ class LLMEngine:
             if seq.status is SeqStatus.FINISHED:
                 continue
             req = seq.request
-            appended += 1
-            grammar_done = self.grammars.accept(seq_id, token)
-            if seq.append_token(token, self._with_text(lp)):
+            if seq.max_new_tokens == 0:      # prefill only (max_tokens=0): the token sampled after the prompt is dropped
+                seq.finish_reason = "length"
                 finished.append(seq)
-            elif grammar_done:                   # the grammar is complete: the sequence ends here
-                seq.finish_reason, seq.stop_reason = "stop", None
-                finished.append(seq)
+            else:
+                appended += 1
+                grammar_done = self.grammars.accept(seq_id, token)
+                if seq.append_token(token, self._with_text(lp)):
+                    finished.append(seq)
+                elif grammar_done:                   # the grammar is complete: the sequence ends here
+                    seq.finish_reason, seq.stop_reason = "stop", None
+                    finished.append(seq)
             if "first_token_time" not in req.metrics:
                 req.metrics["first_token_time"] = now
                 self._prompt_tokens_total += len(req.prompt_token_ids)

@@ -9,7 +9,8 @@ Every step has a token budget (max_num_batched_tokens) and a cap on running sequ
    to be recomputed from scratch later (the GDN state cannot be rolled back). Preemption never changes
    a sequence's output: it recomputes the same tokens, and sampling draws depend only on the seed and
    the position (runner/sampler.py).
-2. If nothing was preempted, waiting sequences are admitted in arrival order while there is budget, a
+2. If nothing was preempted, waiting sequences are admitted in queue order (arrival; with the "priority"
+   policy by `queue_key`: lower priority value first, ties by arrival) while there is budget, a
    free state slot and room in the pool for their first chunk. Admission stops at the first one that
    does not fit (no overtaking), so a long prompt is not starved by short ones.
 
@@ -54,6 +55,13 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     checkpoint_interval: int = 0     # prefix caching: also save the state every this many prompt tokens (0: off)
+    policy: str = "fcfs"             # waiting-queue order (`queue_key`): "fcfs" or "priority"
+
+
+def queue_key(seq: Sequence) -> tuple[int, float, int]:
+    """The "priority" policy's order of the waiting queue: lower priority value first, then arrival, then
+    sequence index (the n sequences of a request stay together). FCFS is plain arrival order."""
+    return seq.request.priority, seq.request.arrival_time, seq.seq_id
 
 
 class Scheduler:
@@ -76,7 +84,20 @@ class Scheduler:
         if self.cache.prefix_caching and seq is not first and first.num_computed < first.num_prompt_tokens - 1:
             self._deferred.setdefault(first.seq_id, []).append(seq)
             return
-        self.waiting.append(seq)
+        self._enqueue(seq, front=False)
+
+    def _enqueue(self, seq: Sequence, *, front: bool) -> None:
+        """FCFS: new sequences at the back, preempted ones at the front. Priority: each at its place by
+        `queue_key` (a preempted sequence keeps its rank, so a more urgent arrival overtakes it)."""
+        if self.config.policy != "priority":
+            if front:
+                self.waiting.appendleft(seq)
+            else:
+                self.waiting.append(seq)
+            return
+        key = queue_key(seq)
+        i = next((i for i, other in enumerate(self.waiting) if queue_key(other) > key), len(self.waiting))
+        self.waiting.insert(i, seq)
 
     @property
     def num_waiting(self) -> int:
@@ -118,7 +139,7 @@ class Scheduler:
         self._release(seq)
         seq.reset_for_recompute()
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         self.num_preempted_total += 1
 
     @property
@@ -153,7 +174,11 @@ class Scheduler:
             if points.pop(0) == seq.num_computed:
                 self.cache.save_state(seq.seq_id, seq.token_ids, seq.num_computed)
         if seq.seq_id in self._deferred and seq.num_computed >= seq.num_prompt_tokens - 1:
-            self.waiting.extendleft(reversed(self._deferred.pop(seq.seq_id)))
+            if self.config.policy == "priority":
+                for sibling in self._deferred.pop(seq.seq_id):
+                    self._enqueue(sibling, front=True)
+            else:
+                self.waiting.extendleft(reversed(self._deferred.pop(seq.seq_id)))
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

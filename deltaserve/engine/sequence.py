@@ -21,8 +21,10 @@ class SeqStatus(enum.Enum):
 
 class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float, *, stream: bool = True):
+                 arrival_time: float, *, stream: bool = True, priority: int = 0):
         self.request_id = request_id
+        self.arrival_time = arrival_time
+        self.priority = priority          # lower runs first under the "priority" scheduling policy
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params

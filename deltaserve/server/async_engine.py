@@ -140,7 +140,8 @@ class AsyncEngine:
             g.fail(StreamStalledError(f"the client did not read the response for over {timeout:g} s"))
         return len(stalled)
 
-    def _add(self, group: "RequestGroup", request_id: str, prompt: str | list[int], params: SamplingParams) -> Any:
+    def _add(self, group: "RequestGroup", request_id: str, prompt: str | list[int], params: SamplingParams,
+             priority: int = 0) -> Any:
         """Returns what the engine's add_request returned: None, or (engine core processes) a future that
         completes when the engine accepted the request."""
         if self.error is not None:
@@ -148,7 +149,10 @@ class AsyncEngine:
         with self._cond:
             self._routes[request_id] = _Route(group)
             try:
-                accepted = self.engine.add_request(request_id, prompt, params)
+                if priority:     # only then: engines without priority scheduling need not take the keyword
+                    accepted = self.engine.add_request(request_id, prompt, params, priority=priority)
+                else:
+                    accepted = self.engine.add_request(request_id, prompt, params)
             except BaseException:
                 del self._routes[request_id]
                 raise
@@ -256,10 +260,10 @@ class RequestGroup:
     def request_ids(self) -> list[str]:
         return sorted(self._pending)
 
-    def add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> None:
         """Submit one request; raises ValueError (bad request) before anything runs, here or (engine core
         processes) from `accepted()`."""
-        accepted = self._engine._add(self, request_id, prompt, params)
+        accepted = self._engine._add(self, request_id, prompt, params, priority)
         self._pending.add(request_id)
         if accepted is not None:
             self._accepting.append((request_id, accepted))

@@ -266,7 +266,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 warm_up=args.warm_up, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                 enable_prefix_caching=args.enable_prefix_caching,
                 prefix_cache_state_fraction=args.prefix_cache_state_fraction,
-                tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel)
+                tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
+                scheduling_policy=args.scheduling_policy)
 
 
 def build_replica(model: str | None, kwargs: dict[str, Any], data_parallel_size: int, index: int, *,

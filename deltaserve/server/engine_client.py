@@ -199,7 +199,7 @@ class EngineCoreClient:
         return min(self._cores, key=lambda c: c.outstanding).index
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> concurrent.futures.Future:
+                    arrival_time: float | None = None, *, priority: int = 0) -> concurrent.futures.Future:
         """Send a request; the future completes when its core has accepted it (raises what the engine's
         validation raised)."""
         if isinstance(prompt, str):
@@ -218,7 +218,7 @@ class EngineCoreClient:
             self._acks[request_id] = future
             core.outstanding += 1
         core.send(("add", request_id, pack_ids(ids), params,
-                   time.monotonic() if arrival_time is None else arrival_time))
+                   time.monotonic() if arrival_time is None else arrival_time, priority))
         return future
 
     def abort_request(self, request_ids: Any) -> None:

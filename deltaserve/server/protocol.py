@@ -1,6 +1,6 @@
 """OpenAI request schemas, validated strictly: an unknown field, a wrong type or a value we cannot honour
 is an `APIError` (HTTP 400) naming the field. Standard OpenAI fields that deltaserve does not implement
-are accepted only with values that make them no-ops (`user`, `best_of == n`, an empty `logit_bias`, ...).
+are accepted only with values that make them no-ops (`user`, an empty `logit_bias`, ...).
 
 `to_sampling_params` maps the OpenAI names (and vLLM's extras) onto `SamplingParams`, whose own
 validation errors become 400s too.
@@ -81,6 +81,8 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None            # top-n logprobs of every prompt token (the first: null)
+    priority: int = Field(default=0, **_INT64)    # lower first; needs --scheduling-policy priority
     # ---- structured output and logit control (checked in _check_structured) ----
     logit_bias: dict[str, float] | None = None    # OpenAI: token id (as a string) -> bias in [-100, 100]
     bad_words: list[str] | None = None            # vLLM: words never to generate
@@ -109,6 +111,12 @@ class _SamplingFields(_Strict):
             raise APIError("stream_options is only allowed with stream=true", param="stream_options")
         if self.prediction is not None:
             raise APIError("prediction (predicted outputs) is not supported", param="prediction")
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= limits.max_logprobs:
+                raise APIError(f"prompt_logprobs must be in [0, {limits.max_logprobs}], got {self.prompt_logprobs}",
+                               param="prompt_logprobs")
+            if self.stream:
+                raise APIError("prompt_logprobs is not supported with stream=true", param="prompt_logprobs")
 
     def _check_logit_bias(self, limits: RequestLimits) -> None:
         for key, bias in (self.logit_bias or {}).items():
@@ -145,7 +153,7 @@ class _SamplingFields(_Strict):
                       frequency_penalty=self.frequency_penalty, ignore_eos=self.ignore_eos,
                       min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
                       include_stop_str_in_output=self.include_stop_str_in_output,
-                      skip_special_tokens=self.skip_special_tokens,
+                      skip_special_tokens=self.skip_special_tokens, prompt_logprobs=self.prompt_logprobs,
                       logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
                       bad_words=self.bad_words or None, structured_outputs=self.structured_output())
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -183,8 +191,14 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
-    best_of: int | None = None                    # only == n: no server-side best-of selection
+    best_of: int | None = None                    # sample best_of, return the n with the highest cumulative logprob
     suffix: str | None = None                     # not supported (no fill-in-the-middle)
+    # vLLM extra: keep only the prompt's last k tokens (-1: max_model_len)
+    truncate_prompt_tokens: int | None = Field(default=None, **_INT64)
+
+    @property
+    def num_candidates(self) -> int:
+        return self.best_of if self.best_of is not None else self.n
 
     def check(self, limits: RequestLimits) -> None:
         max_logprobs = limits.max_logprobs
@@ -193,10 +207,28 @@ class CompletionRequest(_SamplingFields):
         self.check_common(limits)
         if self.suffix is not None:
             raise APIError("suffix is not supported", param="suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise APIError(f"best_of must equal n ({self.n}); best-of selection is not supported", param="best_of")
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError(f"best_of ({self.best_of}) must be >= n ({self.n})", param="best_of")
+        if self.num_candidates > self.n and self.stream:
+            raise APIError("best_of > n is not supported with stream=true", param="best_of")
+        if self.num_candidates > self.n and self.temperature == 0:
+            raise APIError("best_of > n needs sampling (temperature > 0): greedy candidates are identical",
+                           param="best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             raise APIError(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}", param="logprobs")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise APIError(f"max_tokens must be >= 0, got {self.max_tokens}", param="max_tokens")
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise APIError("max_tokens=0 generates nothing: it needs echo=true or prompt_logprobs (scoring the "
+                           "prompt)", param="max_tokens")
+        if (self.echo and self.logprobs is not None and self.prompt_logprobs is not None
+                and self.prompt_logprobs != self.logprobs):
+            raise APIError(f"with echo=true and logprobs={self.logprobs} the prompt's logprobs are the echoed "
+                           f"ones: prompt_logprobs must equal logprobs or be omitted", param="prompt_logprobs")
+        k = self.truncate_prompt_tokens
+        if k is not None and k < 1 and k != -1:
+            raise APIError(f"truncate_prompt_tokens must be >= 1 or -1 (max_model_len), got {k}",
+                           param="truncate_prompt_tokens")
         if isinstance(self.prompt, list) and not self.prompt:
             raise APIError("prompt must not be empty", param="prompt")
 

@@ -16,6 +16,7 @@ from .logprobs import chat_logprobs
 from .output_parser import MessageDelta, MessageParser
 from .protocol import APIError, ChatCompletionRequest, NamedToolChoice, parse_request, to_sampling_params
 from .reasoning import ReasoningParser, starts_in_reasoning
+from .serving_completions import prompt_logprobs_json
 from .state import ServerState, WaitingTicket, now, unless_disconnected, usage
 from .streaming import StreamingRun
 from .tool_parsers import QwenToolParser, ToolCallDelta
@@ -42,10 +43,10 @@ async def create_chat_completion(state: ServerState, http: Request):
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         state.log_request(request_id, [(prompt, token_ids)], params)
         try:
-            group.add(request_id, token_ids, params)
+            group.add(request_id, token_ids, params, priority=req.priority)
             await group.accepted()
         except ValueError as exc:  # the engine's own validation
-            raise APIError(str(exc)) from None
+            raise APIError(str(exc), param="priority" if str(exc).startswith("priority") else None) from None
     except BaseException:
         group.close()
         ticket.release()
@@ -196,8 +197,11 @@ class _Run(StreamingRun):
                 message["content"] = delta.content or None
             choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c, 0),
                             "finish_reason": self._finish_reason(c, choice), "stop_reason": c.stop_reason})
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
+        body = {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.state.config.served_model_name, "choices": choices, "usage": self._usage()}
+        if self.req.prompt_logprobs is not None:      # vLLM's extension: the rendered prompt's logprobs
+            body["prompt_logprobs"] = prompt_logprobs_json(self.final)
+        return body
 
     # ---- streaming -----------------------------------------------------------------------------
     async def stream(self, group: RequestGroup) -> AsyncIterator[str]:

@@ -28,24 +28,25 @@ async def create_completion(state: ServerState, http: Request):
     req.check(state.limits)
     state.check_model(req.model)
     raw = _raw_prompts(state, req)
-    want_prompt_logprobs = req.echo and req.logprobs is not None
-    params = to_sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
-                                prompt_logprobs=req.logprobs if want_prompt_logprobs else None)
+    params = _sampling_params(req)
+    keep = _kept_prompt_tokens(state, req)
     ticket = state.waiting.admit(len(raw))
     group = state.engine.open_group()
     try:
         prompts = [_Prompt(item, await state.encode(item)) if isinstance(item, str) else _Prompt(None, item)
                    for item in raw]
         for p in prompts:
+            if keep is not None and len(p.token_ids) > keep:   # the echoed text is the kept tokens' text
+                p.text, p.token_ids = None, p.token_ids[-keep:]
             state.check_length(len(p.token_ids), req.max_tokens, prompt_field="prompt", max_field="max_tokens")
         base_id = f"cmpl-{uuid.uuid4().hex}"
         state.log_request(base_id, [(p.text, p.token_ids) for p in prompts], params)
         try:
             for i, p in enumerate(prompts):
-                group.add(f"{base_id}-{i}", p.token_ids, params)
+                group.add(f"{base_id}-{i}", p.token_ids, params, priority=req.priority)
             await group.accepted()
         except ValueError as exc:  # the engine's own validation (token ids out of range, too long, ...)
-            raise APIError(str(exc)) from None
+            raise APIError(str(exc), param="priority" if str(exc).startswith("priority") else None) from None
         if req.echo and state.tokenizer is not None:  # token-id prompts are known to be valid now
             for p in prompts:
                 if p.text is None:
@@ -59,6 +60,47 @@ async def create_completion(state: ServerState, http: Request):
     if req.stream:
         return StreamingResponse(run.stream(group), media_type="text/event-stream")
     return JSONResponse(await unless_disconnected(http, run.collect(group)))
+
+
+def _sampling_params(req: CompletionRequest):
+    """The engine's params. echo + logprobs: the prompt's logprobs are computed too. max_tokens=0 (scoring):
+    the prompt only, no generated token (the engine needs prompt logprobs for it; echo without logprobs asks
+    for them and does not show them). best_of > n: best_of candidates, each with its sampled tokens'
+    logprobs (their sum ranks them)."""
+    echo_logprobs = req.echo and req.logprobs is not None
+    prompt_logprobs = req.logprobs if echo_logprobs else req.prompt_logprobs
+    if req.max_tokens == 0 and prompt_logprobs is None:
+        prompt_logprobs = 0
+    logprobs = req.logprobs
+    if req.num_candidates > req.n and logprobs is None:
+        logprobs = 0
+    return to_sampling_params(req, n=req.num_candidates, max_tokens=req.max_tokens, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs)
+
+
+def _kept_prompt_tokens(state: ServerState, req: CompletionRequest) -> int | None:
+    """truncate_prompt_tokens as a token count (vLLM: -1 is the context length; more than it is refused)."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return None
+    if k > state.max_model_len:
+        raise APIError(f"truncate_prompt_tokens={k} exceeds the model's context of {state.max_model_len} tokens",
+                       param="truncate_prompt_tokens")
+    return state.max_model_len if k == -1 else k
+
+
+def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's prompt_logprobs: per prompt token null (the first) or {token id: {logprob, rank, decoded_token}}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if pos is None else
+            {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for t, lp in pos.items()}
+            for pos in out.prompt_logprobs]
+
+
+def _cumulative_logprob(c: CompletionOutput) -> float:
+    return sum(pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs or []) if pos is not None and t in pos)
 
 
 def _raw_prompts(state: ServerState, req: CompletionRequest) -> list[str | list[int]]:
@@ -93,6 +135,7 @@ class _Run(StreamingRun):
 
     def _usage(self) -> dict[str, int]:
         prompt = sum(len(out.prompt_token_ids) for out in self.finals.values())
+        # every candidate counts (best_of > n: the ones not returned too, as vLLM and OpenAI bill them)
         completion = sum(len(c.token_ids) for out in self.finals.values() for c in out.outputs)
         cached = sum(getattr(out, "num_cached_tokens", 0) for out in self.finals.values())
         return usage(prompt, completion, cached)
@@ -102,7 +145,7 @@ class _Run(StreamingRun):
         if self.req.logprobs is None:
             return None
         ids, positions = c.token_ids[start:], list((c.logprobs or [])[start:len(c.token_ids)])
-        if with_prompt:
+        if with_prompt:   # the first prompt token has no logprob (null), as in OpenAI and vLLM
             prompt_positions = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids))
             ids, positions = out.prompt_token_ids + ids, prompt_positions + positions
         return completion_logprobs(ids, positions, self.state.token_text, offset)
@@ -116,16 +159,23 @@ class _Run(StreamingRun):
         except EngineDeadError as exc:
             raise APIError(str(exc), status=500, type="internal_server_error") from None
         choices = []
+        prompt_lps = self.req.prompt_logprobs is not None
         for out in sorted(self.finals.values(), key=self._prompt_index):
             i = self._prompt_index(out)
             prompt = self.prompts[i]
-            for c in out.outputs:
+            outputs = out.outputs
+            if self.req.num_candidates > self.req.n:   # best_of: the n likeliest candidates, best first
+                outputs = sorted(outputs, key=_cumulative_logprob, reverse=True)[:self.req.n]
+            for rank, c in enumerate(outputs):
                 text = (prompt.text or "") + c.text if self.req.echo else c.text
-                choices.append({"index": i * self.req.n + c.index, "text": text,
-                                "logprobs": self._logprobs(out, c, 0, self.req.echo, 0),
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                choice = {"index": i * self.req.n + rank, "text": text,
+                          "logprobs": self._logprobs(out, c, 0, self.req.echo, 0),
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if prompt_lps:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(out)
                 if self.state.tokenizer is None:    # no text to return: the token ids are the completion
-                    choices[-1]["token_ids"] = list(c.token_ids)
+                    choice["token_ids"] = list(c.token_ids)
+                choices.append(choice)
         choices.sort(key=lambda ch: ch["index"])
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.state.config.served_model_name, "choices": choices, "usage": self._usage()}

@@ -245,7 +245,7 @@ BAD_COMPLETION = [
     ({"prompt": "x " * 600}, "prompt", "context"),
     ({"logprobs": 21}, "logprobs", "logprobs"),
     ({"suffix": "end"}, "suffix", "not supported"),
-    ({"best_of": 3}, "best_of", "best_of"),
+    ({"n": 3, "best_of": 2}, "best_of", "best_of"),
     ({"echo": "yes"}, "echo", "echo"),
     ({"stop": [""]}, "stop", "stop"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens", "min_tokens"),
