@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..triton_common import next_pow2
+from .gluon_chain import shared_layout
 
 CHUNK = 64
 DIMS = (128, 128)  # (K, V): the layouts are written for 128-wide k / q rows
@@ -297,7 +298,7 @@ def _prep_body(k_desc, q_desc, w_desc, u_desc, p_desc, kb_desc, k, q, s_k_t, s_k
 
 
 def _nvmma_desc(x: torch.Tensor, shape: list[int], strides: list[int], block: list[int], dtype) -> TensorDescriptor:
-    return TensorDescriptor(x, shape, strides, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+    return TensorDescriptor(x, shape, strides, block, shared_layout(tuple(block), dtype))
 
 
 def _rows(x: torch.Tensor) -> TensorDescriptor:
