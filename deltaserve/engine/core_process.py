@@ -94,7 +94,7 @@ class DeltaEncoder:
             self._sent.pop(out.request_id, None)
         else:
             self._sent[out.request_id] = (sent, plp_sent)
-        return (out.request_id, out.finished, out.metrics, new_plp, choices)
+        return (out.request_id, out.finished, out.metrics, new_plp, choices, out.num_cached_tokens)
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)

@@ -306,7 +306,7 @@ class EngineCoreClient:
             raise EngineCoreError(self._dead)
 
     def _apply(self, core: _Core, delta: tuple) -> RequestOutput | None:
-        rid, finished, metrics, prompt_logprobs, choices = delta
+        rid, finished, metrics, prompt_logprobs, choices, num_cached = delta
         with self._lock:
             live = self._live.get(rid)
             if live is None:
@@ -330,7 +330,7 @@ class EngineCoreClient:
                                          None if c.logprobs is None else list(c.logprobs), finish_reason,
                                          stop_reason))
         plp = None if live.prompt_logprobs is None else list(live.prompt_logprobs)
-        return RequestOutput(rid, None, live.prompt_token_ids, plp, outs, finished, metrics)
+        return RequestOutput(rid, None, live.prompt_token_ids, plp, outs, finished, metrics, num_cached)
 
 
 def _root_log_level() -> int | None:

@@ -99,3 +99,17 @@ def test_offline_llm_refuses_data_parallel_by_name():
 
     with pytest.raises(TypeError, match="data_parallel_size"):
         LLM(data_parallel_size=2)
+
+
+def test_cached_tokens_cross_the_engine_core_pipe(server):
+    """A resent prompt's usage reports the prefix-cache hit the core measured (num_cached_tokens travels in
+    the deltas)."""
+    ids = [(11 * j) % 200 + 5 for j in range(40)]
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        cached = []
+        for _ in range(3):   # replicas are picked by load: every replica has seen the prompt by the third send
+            r = c.post("/completions", json=body)
+            assert r.status_code == 200, r.text
+            cached.append(((r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
+    assert cached[0] == 0 and max(cached) == len(ids) - 1, cached

@@ -49,14 +49,14 @@ def test_ids_pack_and_deltas_carry_only_what_is_new():
     assert unpack_ids(pack_ids([0, 5, 2**31 - 1])) == [0, 5, 2**31 - 1]
     assert unpack_ids(pack_ids([-1, 2**70])) == [-1, 2**70]          # invalid: the engine refuses them
     enc = DeltaEncoder()
-    _, _, _, _, [first] = enc.encode(_out("r", "He", [7, 8]))
-    _, _, _, _, [second] = enc.encode(_out("r", "Hello", [7, 8, 9]))
-    _, finished, _, _, [last] = enc.encode(_out("r", "Hello", [7, 8, 9], True, "stop"))
+    _, _, _, _, [first], _ = enc.encode(_out("r", "He", [7, 8]))
+    _, _, _, _, [second], _ = enc.encode(_out("r", "Hello", [7, 8, 9]))
+    _, finished, _, _, [last], _ = enc.encode(_out("r", "Hello", [7, 8, 9], True, "stop"))
     assert first[1:4] == ([7, 8], "He", False) and second[1:4] == ([9], "llo", False)
     assert last[1:4] == ([], "", False) and last[5] == "stop" and finished
-    _, _, _, _, [fresh] = enc.encode(_out("r", "Hello", [7, 8, 9]))   # finished requests are forgotten
+    _, _, _, _, [fresh], _ = enc.encode(_out("r", "Hello", [7, 8, 9]))   # finished requests are forgotten
     assert fresh[1] == [7, 8, 9]
-    _, _, _, _, [replaced] = enc.encode(_out("r", "Help", [7, 8, 9, 1]))  # text not extending what was sent
+    _, _, _, _, [replaced], _ = enc.encode(_out("r", "Help", [7, 8, 9, 1]))  # text not extending what was sent
     assert replaced[2:4] == ("Help", True)
 
 
