@@ -84,6 +84,13 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_model_dir(tmp_path_factory.mktemp("tiny-qwen3-next"))
 
 
+def start_tiny_server(model_dir: Path, log_dir: Path, *extra: str, max_model_len: int = 256) -> ServerProcess:
+    """`deltaserve serve` on a tiny real model (CPU, fp32), served as "tiny"."""
+    return ServerProcess(["-m", "deltaserve", "serve", "--model", str(model_dir), "--device", "cpu",
+                          "--max-model-len", str(max_model_len), "--served-model-name", "tiny",
+                          "--uvicorn-log-level", "warning", *extra], log_dir / "server.log").start()
+
+
 def start_scripted_server(tokenizer_dir: Path, log_dir: Path, *extra: str) -> ServerProcess:
     return ServerProcess([str(HERE / "scripted_server.py"), "--model", str(tokenizer_dir), *extra],
                          log_dir / "scripted.log").start()

@@ -14,7 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import ServerProcess
+from .conftest import start_tiny_server
 
 pytest.importorskip("deltaserve.engine.llm_engine")
 
@@ -26,10 +26,7 @@ PROMPTS = [f"{w} {i}" for i, w in enumerate(
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    proc = ServerProcess(["-m", "deltaserve", "serve", "--model", str(tiny_model_dir), "--device", "cpu",
-                          "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "tiny",
-                          "--uvicorn-log-level", "warning"],
-                         tmp_path_factory.mktemp("engine-server") / "server.log").start()
+    proc = start_tiny_server(tiny_model_dir, tmp_path_factory.mktemp("engine-server"), max_model_len=MAX_MODEL_LEN)
     yield proc
     proc.stop()
 

@@ -9,7 +9,7 @@ import pytest
 
 from deltaserve.server.chat_blocks import BlockAssembler
 from deltaserve.server.output_parser import MessageDelta
-from deltaserve.server.protocol import APIError, RequestLimits, parse_request
+from deltaserve.server.protocol import RequestLimits, parse_request
 from deltaserve.server.protocol_anthropic import MessagesRequest
 from deltaserve.server.protocol_responses import ResponsesRequest
 from deltaserve.server.tool_parsers import ToolCallDelta

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import ServerProcess
+from .conftest import start_tiny_server
 
 pytest.importorskip("deltaserve.engine.llm_engine")
 
@@ -16,10 +16,8 @@ MAX_MODEL_LEN = 256
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    proc = ServerProcess(["-m", "deltaserve", "serve", "--model", str(tiny_model_dir), "--device", "cpu",
-                          "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "tiny",
-                          "--scheduling-policy", "priority", "--uvicorn-log-level", "warning"],
-                         tmp_path_factory.mktemp("extras-server") / "server.log").start()
+    proc = start_tiny_server(tiny_model_dir, tmp_path_factory.mktemp("extras-server"),
+                             "--scheduling-policy", "priority", max_model_len=MAX_MODEL_LEN)
     yield proc
     proc.stop()
 

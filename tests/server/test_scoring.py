@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import ServerProcess
+from .conftest import start_tiny_server
 
 pytest.importorskip("deltaserve.engine.llm_engine")
 
@@ -21,10 +21,7 @@ TOL = 1e-4          # same weights, same fp32 CPU ops; only the batch packing di
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    proc = ServerProcess(["-m", "deltaserve", "serve", "--model", str(tiny_model_dir), "--device", "cpu",
-                          "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "tiny",
-                          "--uvicorn-log-level", "warning"],
-                         tmp_path_factory.mktemp("scoring-server") / "server.log").start()
+    proc = start_tiny_server(tiny_model_dir, tmp_path_factory.mktemp("scoring-server"), max_model_len=MAX_MODEL_LEN)
     yield proc
     proc.stop()
 
