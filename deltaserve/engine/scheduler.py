@@ -4,8 +4,8 @@ Every step has a token budget (max_num_batched_tokens) and a cap on running sequ
 
 1. Running sequences, oldest admission first, each get what they still need: one token when decoding,
    the rest of their prompt (cut to the remaining budget) when prefilling. A sequence that needs a new
-   KV block when the pool is empty takes it from the most recently admitted running sequence, which is
-   preempted: its blocks and state slot are freed and it goes back to the front of the waiting queue,
+   KV block when the pool is empty takes it from the most recently admitted running sequence (with the
+   "priority" policy: the least urgent one not yet scheduled this step), which is preempted: its blocks and state slot are freed and it goes back to the front of the waiting queue,
    to be recomputed from scratch later (the GDN state cannot be rolled back). Preemption never changes
    a sequence's output: it recomputes the same tokens, and sampling draws depend only on the seed and
    the position (runner/sampler.py).
@@ -135,6 +135,13 @@ class Scheduler:
         self.cache.release(seq.seq_id, seq.token_ids, seq.num_computed)
         self._freed.append(seq.seq_id)
 
+    def _victim(self, first_unscheduled: int) -> Sequence:
+        """Which running sequence gives its blocks back: FCFS the newest admitted; "priority" the least urgent
+        (the largest `queue_key`) of those this step has not scheduled yet, so no chunk already planned is lost."""
+        if self.config.policy != "priority":
+            return self.running[-1]
+        return max(self.running[first_unscheduled:], key=queue_key)
+
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
         seq.reset_for_recompute()
@@ -194,8 +201,9 @@ class Scheduler:
                 continue
             n = seq.cut_at_commit(min(seq.num_scheduled_tokens - seq.num_computed, budget))
             new_blocks = self.cache.grow(seq.seq_id, seq.num_computed + n)
-            while new_blocks is None:                       # pool short: preempt the newest
-                victim = self.running.pop()
+            while new_blocks is None:                       # pool short: preempt a sequence not yet scheduled
+                victim = self._victim(i)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted += 1
                 if victim is seq:

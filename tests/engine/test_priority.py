@@ -115,3 +115,24 @@ def test_max_tokens_0_needs_prompt_logprobs_and_truncation_validates():
     out = run_all(engine)["t"]
     assert out.prompt_token_ids == list(range(25, 30))
     assert out.outputs[0].token_ids == reference_tokens(list(range(25, 30)), 2)
+
+
+@pytest.mark.parametrize("policy, victim", [("fcfs", "r2"), ("priority", "r1")])
+def test_preemption_takes_the_least_urgent_under_priority_the_newest_under_fcfs(policy, victim):
+    """r2 arrives after r0 and r1 run, more urgent under "priority": it is the newest admitted, but the pool's
+    shortage preempts r1 (the least urgent) under "priority", r2 (the newest) under FCFS."""
+    engine = engine_with(policy, max_num_seqs=3, num_blocks=9)
+    preempted = []
+    take = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda seq: (preempted.append(seq.request.request_id), take(seq))
+    prompts = random_prompts(3, seed=4, lo=4, hi=5)
+    late = 0 if policy == "fcfs" else -1
+    for i in range(2):
+        engine.add_request(f"r{i}", prompts[i], greedy(12), arrival_time=float(i))
+    engine.step()
+    engine.add_request("r2", prompts[2], greedy(12), arrival_time=2.0, priority=late)
+    finals = run_all(engine)
+    assert preempted and preempted[0] == victim, preempted
+    for i, p in enumerate(prompts):
+        assert finals[f"r{i}"].outputs[0].token_ids == reference_tokens(p, 12)
+    assert_all_free(engine)
