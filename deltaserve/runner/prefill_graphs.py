@@ -88,7 +88,7 @@ def plan_prefill_graphs(device: torch.device, kernels: Kernels, *, max_num_batch
     why = eager_reason(device, kernels, enforce_eager=enforce_eager, enabled=enabled)
     if why is not None:
         expected = enforce_eager or not enabled or torch.device(device).type != "cuda"
-        logger.log(logging.DEBUG if expected else logging.INFO, "prefill steps run eagerly (no CUDA graphs): %s",
+        logger.log(logging.DEBUG if expected else logging.INFO, "prefill steps run eagerly (no piecewise graphs): %s",
                    why)
         return []
     return prefill_capture_sizes(max_num_batched_tokens)
@@ -112,6 +112,20 @@ def _mixer_of_kind(model: torch.nn.Module, kind: str) -> torch.nn.Module:
 
 def _core_width(mixer: torch.nn.Module) -> int:
     return mixer.o_size if hasattr(mixer, "o_size") else mixer.value_dim
+
+
+def dummy_prefill_batch(num_tokens: int, block_size: int, device: torch.device) -> ForwardBatch:
+    """One fresh sequence of num_tokens tokens in slot 0, blocks 0, 1, 2, ..."""
+    nblocks = -(-num_tokens // block_size)
+    t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)
+    return ForwardBatch(
+        input_ids=torch.zeros(num_tokens, dtype=torch.long, device=device),
+        positions=torch.arange(num_tokens, device=device), cu_seqlens=t([0, num_tokens], torch.int32),
+        seq_lens=t([num_tokens], torch.int32), state_slots=t([0], torch.int32),
+        has_initial_state=t([False], torch.bool),
+        slot_mapping=torch.arange(num_tokens, device=device),
+        block_tables=torch.arange(nblocks, device=device, dtype=torch.int32)[None],
+        num_prefills=1, num_prefill_tokens=num_tokens)
 
 
 class _EagerPiece:
@@ -145,6 +159,9 @@ class PrefillGraphs:
                       for k in kinds}
         self._o = {k: torch.zeros(T, _core_width(_mixer_of_kind(model, k)), dtype=dtype, device=dev) for k in kinds}
         self._graphs: dict[int, list[torch.cuda.CUDAGraph | _EagerPiece]] = {}
+        self.buffer_bytes = sum(t.numel() * t.element_size() for t in (
+            self._ids, self._pos, self._cos, self._sin, self._residual, self._hidden, *self._proj.values(),
+            *self._o.values()))
         self.pool_bytes = 0
         self.capture_seconds = 0.0
         self.num_runs = 0                 # steps run as piecewise graphs
@@ -244,8 +261,6 @@ class PrefillGraphs:
     def warm_up_cores(self, cache: CacheBuffers, block_size: int) -> None:
         """Run every bucket once as a lone fresh prompt of T tokens (slot 0, blocks 0..: `cache` is scratch
         or not yet in use), so the cores build their kernel variants for those lengths now."""
-        from .memory import dummy_prefill_batch  # memory.py imports this module
-
         for T in self.sizes:
             if T <= cache.num_blocks * block_size:          # a KV pool smaller than the bucket: skip it
                 self.run(dummy_prefill_batch(T, block_size, self.device), cache)

@@ -33,6 +33,7 @@ from .cuda_graphs import plan_decode_graphs
 from .kv_calibration import calibrate_kv_scales
 from .memory import allocate_cache, profile_gpu_cache_budget
 from .model_runner import ModelRunner
+from .prefill_graphs import plan_prefill_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class WorkerConfig:
     seed: int | None = 0             # dummy weights and the sampler's shared generator
     force_reference_ops: bool = False
     enforce_eager: bool = False      # no CUDA graphs, no compiled CPU decode step
+    prefill_cuda_graphs: bool = True  # prefill / mixed steps as piecewise CUDA graphs (runner/prefill_graphs.py)
     compile: str = "off"             # the compiled CPU decode step: "auto" | "on" | "off" (cpu_compile.py)
     kv_cache_dtype: str = "auto"     # "auto" (the activation dtype) | "fp8" (e4m3 with per-layer multipliers)
     prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION  # snapshots' budget share (0: none)
@@ -74,6 +76,7 @@ class Worker:
         self.kernels: Kernels | None = None
         self.model: HybridForCausalLM | None = None
         self.graph_sizes: list[int] = []             # decode batch buckets to capture ([]: eager decodes)
+        self.prefill_sizes: list[int] = []           # prefill token-count buckets ([]: eager prefills)
         self.plan: CachePlan | None = None
         self.runner: ModelRunner | None = None
 
@@ -106,6 +109,9 @@ class Worker:
         self.graph_sizes = plan_decode_graphs(c.device, self.kernels,
                                               max_batch=min(c.max_num_seqs, c.max_num_batched_tokens),
                                               enforce_eager=c.enforce_eager or c.parallel.sharded)
+        self.prefill_sizes = plan_prefill_graphs(c.device, self.kernels, max_num_batched_tokens=c.max_num_batched_tokens,
+                                                 enforce_eager=c.enforce_eager or c.parallel.sharded,
+                                                 enabled=c.prefill_cuda_graphs)
         return self.model
 
     def kernel_shapes(self) -> dict[str, int]:
@@ -132,7 +138,8 @@ class Worker:
         return profile_gpu_cache_budget(self.model, device=c.device, dtype=c.dtype,
                                         max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
                                         block_size=c.block_size, utilization=c.gpu_memory_utilization,
-                                        graph_batch_size=max(self.graph_sizes, default=0))
+                                        graph_batch_size=max(self.graph_sizes, default=0),
+                                        prefill_graph_sizes=self.prefill_sizes)
 
     def initialize_cache(self, plan: CachePlan) -> ModelRunner:
         """Allocate the pools of `plan`, build the runner over them, capture the decode graphs (they bake in
@@ -147,6 +154,12 @@ class Worker:
         runner = ModelRunner(self.model, buffers, device=c.device, max_model_len=plan.max_model_len, seed=c.seed)
         if self.graph_sizes:
             runner.capture_decode_graphs(min(plan.max_num_seqs, c.max_num_batched_tokens))
+        if self.prefill_sizes:
+            runner.capture_prefill_graphs(self.prefill_sizes)
+            g = runner.prefill_graphs
+            logger.info("captured %d piecewise prefill CUDA graphs (%d layers + 1 pieces x token buckets %s) in "
+                        "%.1f s; graph memory %s (pool) + %s (static buffers)", g.num_graphs, len(self.model.layers),
+                        ", ".join(map(str, g.sizes)), g.capture_seconds, _size(g.pool_bytes), _size(g.buffer_bytes))
         compiled = self.compile_mode != "off" and not c.enforce_eager and not c.parallel.sharded
         if compiled and (c.model.quantization is not None or fp8_kv):
             logger.warning("compiled CPU decode is not implemented for FP8 weights or an FP8 KV cache; decoding "
@@ -176,6 +189,12 @@ class Worker:
                 f"{self._decode_summary()}")
 
     def _decode_summary(self) -> str:
+        pg = self.runner.prefill_graphs
+        prefill = (f"; prefill: piecewise CUDA graphs for steps up to {pg.max_size} tokens "
+                   f"({_size(pg.pool_bytes + pg.buffer_bytes)})" if pg is not None else "")
+        return self._decode_only_summary() + prefill
+
+    def _decode_only_summary(self) -> str:
         graphs = self.runner.graphs
         if graphs is not None:
             return (f"decode: {len(graphs.sizes)} CUDA graphs for batches up to {graphs.max_size} "

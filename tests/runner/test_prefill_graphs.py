@@ -17,8 +17,14 @@ from deltaserve.models.loader import load_model
 from deltaserve.ops import REFERENCE_OPS, Kernels, select_kernels
 from deltaserve.runner.memory import allocate_cache
 from deltaserve.runner.model_runner import ModelRunner
-from deltaserve.runner.prefill_graphs import (PIECE_OPS, PREFILL_LADDER, PrefillGraphs, bucket_for, eager_reason,
-                                              prefill_capture_sizes)
+from deltaserve.runner.prefill_graphs import (
+    PIECE_OPS,
+    PREFILL_LADDER,
+    PrefillGraphs,
+    bucket_for,
+    eager_reason,
+    prefill_capture_sizes,
+)
 from deltaserve.step_io import NewSequence, ScheduledChunk, SchedulerOutput
 from tests.conftest import TinySpec, random_ids
 
