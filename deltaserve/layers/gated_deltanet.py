@@ -146,14 +146,15 @@ class GatedDeltaNet(nn.Module):
         """The prefill rows' output before the projection [P, HV, V]: conv, gates, chunked delta rule, gated norm."""
         k, P, n_pre = self.kernels, mixed.shape[0], batch.num_prefills
         cu, slots, initial = batch.cu_seqlens[: n_pre + 1], batch.state_slots[:n_pre], batch.has_initial_state[:n_pre]
+        offsets = batch.prefill_chunk_offsets()                 # once per step, shared by every GDN layer
         conv = k.causal_conv1d_fn(mixed, self.conv_weight, conv_state=conv_state, cu_seqlens=cu, state_indices=slots,
-                                  has_initial_state=initial)
+                                  has_initial_state=initial, chunk_offsets=offsets)
         q, key, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         g, beta = k.gdn_gating(self.A_log, a, self.dt_bias, b)
         o = k.chunk_gated_delta_rule(
             q.view(P, self.nk, self.dk), key.view(P, self.nk, self.dk), v.view(P, self.nv, self.dv), g, beta,
             scale=self.scale, cu_seqlens=cu, ssm_state=ssm_state, state_indices=slots, has_initial_state=initial,
-            max_seqlen=batch.max_prefill_len)
+            max_seqlen=batch.max_prefill_len, chunk_offsets=offsets)
         return k.rms_norm_gated(o, z, self.norm_weight, self.eps, activation=self.norm_activation)
 
     # ---- checkpoint layout --------------------------------------------------------------------

@@ -81,7 +81,7 @@ def _runner(model) -> ModelRunner:
 
 
 def _new(seq_id: int, n: int, slot: int, first_block: int, seed: int) -> NewSequence:
-    blocks = list(range(first_block, first_block + 16))    # 64 tokens' worth
+    blocks = list(range(first_block, first_block + -(-max(n, 64) // BS)))    # at least 64 tokens' worth
     return NewSequence(seq_id, random_ids(n, seed=seed), n, SamplingParams(temperature=0), None, frozenset(), None,
                        slot, blocks)
 
@@ -244,3 +244,21 @@ def test_captured_pieces_give_the_eager_hidden_states_and_tokens(tiny_model, fam
         gc.collect()
         torch.cuda.empty_cache()
     assert results[1] == results[0]
+
+
+def test_step_chunk_offsets_are_built_once_per_step(model):
+    """Every GDN layer of a step reads the same chunk offsets, built on first use (ops/chunks.py); a copy of the
+    batch with other sequence bounds builds its own."""
+    import dataclasses
+
+    from deltaserve.ops.chunks import PREFILL_CHUNK, chunk_offsets
+
+    runner = _runner(model)
+    news = [_new(i, n, i, 32 * i, seed=30 + i) for i, n in enumerate((70, 3))]
+    runner._apply_changes(SchedulerOutput(news, [], []))
+    batch = runner.build_batch([ScheduledChunk(0, 0, 70, []), ScheduledChunk(1, 0, 3, [])])
+    first = batch.prefill_chunk_offsets()
+    assert first.tolist() == [0, 2, 3] and batch.prefill_chunk_offsets() is first
+    assert torch.equal(first, chunk_offsets(batch.cu_seqlens, PREFILL_CHUNK))
+    other = dataclasses.replace(batch, cu_seqlens=torch.tensor([0, 3, 73], dtype=torch.int32))
+    assert other.prefill_chunk_offsets().tolist() == [0, 1, 3]
