@@ -257,12 +257,20 @@ class PrefillGraphs:
         self.num_runs += 1
         return self._hidden[:n]
 
-    @torch.inference_mode()
     def warm_up_cores(self, cache: CacheBuffers, block_size: int) -> None:
-        """Run every bucket once as a lone fresh prompt of T tokens (slot 0, blocks 0..: `cache` is scratch
-        or not yet in use), so the cores build their kernel variants for those lengths now."""
-        for T in self.sizes:
-            if T <= cache.num_blocks * block_size:          # a KV pool smaller than the bucket: skip it
-                self.run(dummy_prefill_batch(T, block_size, self.device), cache)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        """Run every bucket once as a lone fresh prompt of T tokens, so the cores build their kernel variants
+        for those lengths now (warm_up_lone_prompts)."""
+        warm_up_lone_prompts(self.run, cache, block_size, self.sizes, self.device)
+
+
+@torch.inference_mode()
+def warm_up_lone_prompts(forward, cache: CacheBuffers, block_size: int, lengths: list[int],
+                         device: torch.device) -> None:
+    """forward(batch, cache) once per length, a lone fresh prompt (slot 0, blocks 0..: `cache` must be scratch or
+    not in use yet), so that Triton builds that step's kernel variants at start-up, not under the first such
+    prompt (the MoE tiles, for one, follow the token count). Lengths the KV pool cannot hold are skipped."""
+    for n in lengths:
+        if n <= cache.num_blocks * block_size:
+            forward(dummy_prefill_batch(n, block_size, device), cache)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)

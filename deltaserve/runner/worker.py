@@ -8,8 +8,9 @@ the model it holds; kernel selection sees the rank's head counts and the pools h
 model's shapes, build the model from the checkpoint or from dummy weights, decide whether decode steps
 will be CUDA graphs), `cache_budget` (GPU: measured after a warm-up forward of the largest step, the
 graphs' pool set aside; CPU: the configured bytes), `plan_cache` on that budget (cache/plan.py), and
-`initialize_cache` (allocate the pools, build the ModelRunner over them, capture the decode graphs, set
-up the compiled CPU decode step). They are separate methods so that a driver over several workers can
+`initialize_cache` (allocate the pools, build the ModelRunner over them, capture the decode graphs and the
+piecewise prefill graphs, run a lone prompt per prefill bucket so its kernels are built, set up the compiled
+CPU decode step). They are separate methods so that a driver over several workers can
 take the smallest budget of all before any of them allocates. The engine's half (tokenizer, cache
 manager, scheduler, warm-up requests) stays in engine/llm_engine.py.
 """
@@ -33,7 +34,7 @@ from .cuda_graphs import plan_decode_graphs
 from .kv_calibration import calibrate_kv_scales
 from .memory import allocate_cache, profile_gpu_cache_budget
 from .model_runner import ModelRunner
-from .prefill_graphs import plan_prefill_graphs
+from .prefill_graphs import plan_prefill_graphs, prefill_capture_sizes, warm_up_lone_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +143,9 @@ class Worker:
                                         prefill_graph_sizes=self.prefill_sizes)
 
     def initialize_cache(self, plan: CachePlan) -> ModelRunner:
-        """Allocate the pools of `plan`, build the runner over them, capture the decode graphs (they bake in
-        the pools' addresses, so they come after) and set up the compiled CPU decode step."""
+        """Allocate the pools of `plan`, build the runner over them, capture the decode and prefill graphs (they
+        bake in the pools' addresses, so they come after; on CUDA each prefill bucket then runs once, graphs or
+        not, so the first prompts of those lengths build no kernels) and set up the compiled CPU decode step."""
         c = self.config
         fp8_kv = c.kv_cache_dtype == "fp8"
         if fp8_kv:
@@ -160,6 +162,9 @@ class Worker:
             logger.info("captured %d piecewise prefill CUDA graphs (%d layers + 1 pieces x token buckets %s) in "
                         "%.1f s; graph memory %s (pool) + %s (static buffers)", g.num_graphs, len(self.model.layers),
                         ", ".join(map(str, g.sizes)), g.capture_seconds, _size(g.pool_bytes), _size(g.buffer_bytes))
+        elif c.device.type == "cuda":   # eager prefills: build the kernels of the same lengths now
+            warm_up_lone_prompts(self.model, buffers, c.block_size, prefill_capture_sizes(c.max_num_batched_tokens),
+                                 c.device)
         compiled = self.compile_mode != "off" and not c.enforce_eager and not c.parallel.sharded
         if compiled and (c.model.quantization is not None or fp8_kv):
             logger.warning("compiled CPU decode is not implemented for FP8 weights or an FP8 KV cache; decoding "
