@@ -215,8 +215,12 @@ def test_cpu_engine_runs_prefills_eagerly_and_says_why(tiny_model, caplog):
 def test_captured_pieces_give_the_eager_hidden_states_and_tokens(tiny_model, family):
     """Captured pieces (fp32) against the eager forward, step by step as in the CPU tests, then engine
     tokens with prefill graphs on and off."""
+    from deltaserve.config import ModelConfig
+
     path = tiny_model(TinySpec(family=family, ratio=2, seed=41))
-    kernels = select_kernels("cuda", shapes=None)
+    config = ModelConfig.from_hf(path)
+    kernels = select_kernels("cuda", shapes=config.kernel_shapes)        # as the worker selects them
+    assert eager_reason(torch.device("cuda"), kernels, enforce_eager=False) is None
     model = load_model(path, device="cuda", dtype=torch.float32, kernels=kernels, show_progress=False)
     cache = allocate_cache(model, num_slots=6, num_blocks=96, block_size=BS, device=torch.device("cuda"),
                            dtype=torch.float32)
