@@ -266,3 +266,20 @@ def test_step_chunk_offsets_are_built_once_per_step(model):
     assert torch.equal(first, chunk_offsets(batch.cu_seqlens, PREFILL_CHUNK))
     other = dataclasses.replace(batch, cu_seqlens=torch.tensor([0, 3, 73], dtype=torch.int32))
     assert other.prefill_chunk_offsets().tolist() == [0, 1, 3]
+
+
+def test_budget_estimate_covers_the_static_buffers(model):
+    """The cache budget sets static_buffer_bytes aside before the graphs exist: at least what they allocate."""
+    from deltaserve.runner.prefill_graphs import static_buffer_bytes
+
+    g = PrefillGraphs(model, SIZES, device=torch.device("cpu"))
+    assert g.buffer_bytes <= static_buffer_bytes(model, max(SIZES)) <= 1.5 * g.buffer_bytes
+
+
+def test_the_knob_reaches_the_engine_from_the_command_line():
+    from deltaserve.cli import build_parser
+    from deltaserve.server.cli_args import engine_kwargs
+
+    parser = build_parser()
+    assert engine_kwargs(parser.parse_args(["serve", "m"]))["prefill_cuda_graphs"] is True
+    assert engine_kwargs(parser.parse_args(["serve", "m", "--no-prefill-cuda-graphs"]))["prefill_cuda_graphs"] is False
