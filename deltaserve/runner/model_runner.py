@@ -289,8 +289,9 @@ class ModelRunner:
             if self.compiled_decode is not None and self.is_decode(chunks[0]):  # prefills sort first
                 model = self.compiled_decode
             batch = self.build_batch(chunks)
-            if model is self.model and self.prefill_graphs is not None and self.prefill_graphs.handles(batch.num_tokens):
-                hidden = self.prefill_graphs.run(batch, self.cache)
+            pieces = self.prefill_graphs if model is self.model else None
+            if pieces is not None and pieces.handles(batch.num_tokens):
+                hidden = pieces.run(batch, self.cache)
             else:
                 hidden = model(batch, self.cache)
         handle = StepHandle(plan.samples)

@@ -110,7 +110,8 @@ class Worker:
         self.graph_sizes = plan_decode_graphs(c.device, self.kernels,
                                               max_batch=min(c.max_num_seqs, c.max_num_batched_tokens),
                                               enforce_eager=c.enforce_eager or c.parallel.sharded)
-        self.prefill_sizes = plan_prefill_graphs(c.device, self.kernels, max_num_batched_tokens=c.max_num_batched_tokens,
+        self.prefill_sizes = plan_prefill_graphs(c.device, self.kernels,
+                                                 max_num_batched_tokens=c.max_num_batched_tokens,
                                                  enforce_eager=c.enforce_eager or c.parallel.sharded,
                                                  enabled=c.prefill_cuda_graphs)
         return self.model
@@ -162,7 +163,7 @@ class Worker:
             logger.info("captured %d piecewise prefill CUDA graphs (%d layers + 1 pieces x token buckets %s) in "
                         "%.1f s; graph memory %s (pool) + %s (static buffers)", g.num_graphs, len(self.model.layers),
                         ", ".join(map(str, g.sizes)), g.capture_seconds, _size(g.pool_bytes), _size(g.buffer_bytes))
-        elif c.device.type == "cuda":   # eager prefills: build the kernels of the same lengths now
+        elif c.device.type == "cuda" and not c.parallel.sharded:   # eager prefills: their kernels now
             warm_up_lone_prompts(self.model, buffers, c.block_size, prefill_capture_sizes(c.max_num_batched_tokens),
                                  c.device)
         compiled = self.compile_mode != "off" and not c.enforce_eager and not c.parallel.sharded
