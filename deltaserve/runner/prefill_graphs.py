@@ -43,8 +43,9 @@ logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 
-# Token-count buckets (vLLM's piecewise ladder is similar: powers of two up to the step budget).
-PREFILL_LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Token-count buckets: powers of two up to 256, then half octaves (a step pads to at most 1.5x its tokens' work
+# there, where steps are GPU-bound; each bucket costs L + 1 captures at start-up, no memory: buffers are shared).
+PREFILL_LADDER = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 # The ops the pieces call (token-wise); the cores' ops run eagerly and may be anything.
 PIECE_OPS = ("embed_rope", "rms_norm", "rms_norm_linear", "linear", "gated_linear", "topk_softmax", "fused_moe",
              "fused_moe_routed", "silu_and_mul", "sigmoid_mul")

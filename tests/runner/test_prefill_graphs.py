@@ -43,7 +43,8 @@ def test_capture_sizes_climb_the_ladder_to_the_step_budget():
     assert prefill_capture_sizes(8) == [8]
     assert prefill_capture_sizes(16) == [16]
     assert prefill_capture_sizes(48) == [16, 32, 48]
-    assert prefill_capture_sizes(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert prefill_capture_sizes(2048) == [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert prefill_capture_sizes(5000) == [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 5000]
     assert prefill_capture_sizes(100_000) == list(PREFILL_LADDER)
     assert [bucket_for(n, [16, 32, 48]) for n in (1, 16, 17, 48, 49)] == [16, 16, 32, 48, None]
 
