@@ -12,7 +12,7 @@ from ..batch import CacheBuffers
 from ..cache.plan import MiB, gpu_cache_budget, pool_shapes
 from ..models.qwen3_next import HybridForCausalLM
 from .cuda_graphs import capture_sizes, padded_decode_batch
-from .prefill_graphs import PIECE_SLACK_BYTES, dummy_prefill_batch, static_buffer_bytes
+from .prefill_graphs import BUCKET_SLACK_BYTES, dummy_prefill_batch, static_buffer_bytes
 
 # Per captured graph, on top of the measured activations: the pool's segment rounding and each graph's
 # live output (~6 MiB a graph on an H200 for a tiny model: torch.cuda.memory_reserved() around the capture).
@@ -45,7 +45,7 @@ def profile_gpu_cache_budget(model: HybridForCausalLM, *, device: torch.device, 
     graph_batch_size rows plus GRAPH_SLACK_BYTES per graph (the graphs are captured after the cache exists,
     so their memory is set aside here; the capture logs what they really took), and (prefill_graph_sizes)
     the piecewise prefill graphs': their static buffers, their pool estimated as the activation peak of an
-    eager forward of the largest bucket (a piece holds at most a layer's scratch), PIECE_SLACK_BYTES a piece."""
+    eager forward of the largest bucket (a piece holds at most a layer's scratch), BUCKET_SLACK_BYTES a bucket."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -71,8 +71,7 @@ def profile_gpu_cache_budget(model: HybridForCausalLM, *, device: torch.device, 
             torch.cuda.synchronize(device)
             forward_peak = torch.cuda.max_memory_allocated(device) - base
             del out
-        pieces = len(prefill_graph_sizes) * (len(model.layers) + 1)
-        graphs += forward_peak + static_buffer_bytes(model, top) + pieces * PIECE_SLACK_BYTES
+        graphs += forward_peak + static_buffer_bytes(model, top) + len(prefill_graph_sizes) * BUCKET_SLACK_BYTES
     if graph_batch_size > 0:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
