@@ -187,17 +187,19 @@ def _workload(n: int, seed: int):
 
 def test_engine_tokens_with_piecewise_graphs_equal_eager(tiny_model):
     """Greedy tokens of staggered requests (prompts longer than the step budget: chunked; arrivals beside
-    decodes: mixed steps) with the piecewise path on and off."""
+    decodes: mixed steps) with the piecewise path (and decode graphs beside it) on and off."""
     path = tiny_model(TinySpec(family="qwen3_next", ratio=2, seed=5))
     prompts, params = _workload(8, seed=3)
     results = []
     for graphs in (False, True):
         llm = LLM(path, device="cpu", max_num_seqs=6, max_num_batched_tokens=48)
         if graphs:
+            llm.engine.runner.capture_decode_graphs(4)
             llm.engine.runner.capture_prefill_graphs(prefill_capture_sizes(48))
         outs = llm.generate(prompts, params, use_tqdm=False)
         results.append([o.outputs[0].token_ids for o in outs])
-    assert llm.engine.runner.prefill_graphs.num_runs > 0
+    runner = llm.engine.runner
+    assert runner.prefill_graphs.num_runs > 0 and runner.graphs.num_replays > 0
     assert results[1] == results[0]
 
 
