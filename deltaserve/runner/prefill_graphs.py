@@ -269,9 +269,14 @@ def warm_up_lone_prompts(forward, cache: CacheBuffers, block_size: int, lengths:
                          device: torch.device) -> None:
     """forward(batch, cache) once per length, a lone fresh prompt (slot 0, blocks 0..: `cache` must be scratch or
     not in use yet), so that Triton builds that step's kernel variants at start-up, not under the first such
-    prompt (the MoE tiles, for one, follow the token count). Lengths the KV pool cannot hold are skipped."""
-    for n in lengths:
-        if n <= cache.num_blocks * block_size:
-            forward(dummy_prefill_batch(n, block_size, device), cache)
+    prompt (the MoE tiles, for one, follow the token count). Lengths the KV pool cannot hold are skipped; what
+    the prompts wrote (slot 0's state, the blocks) is zeroed again, as the pools were allocated."""
+    done = [n for n in lengths if n <= cache.num_blocks * block_size]
+    for n in done:
+        forward(dummy_prefill_batch(n, block_size, device), cache)
+    if done:
+        cache.ssm[:, 0].zero_()
+        cache.conv[:, 0].zero_()
+        cache.kv[:, :, : -(-max(done) // block_size)].zero_()
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)

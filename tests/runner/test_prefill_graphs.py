@@ -286,3 +286,14 @@ def test_the_knob_reaches_the_engine_from_the_command_line():
     parser = build_parser()
     assert engine_kwargs(parser.parse_args(["serve", "m"]))["prefill_cuda_graphs"] is True
     assert engine_kwargs(parser.parse_args(["serve", "m", "--no-prefill-cuda-graphs"]))["prefill_cuda_graphs"] is False
+
+
+def test_start_up_prompts_leave_the_pools_as_allocated(model):
+    """The lone prompts that build each bucket's kernels at start-up write slot 0 and the first blocks, then
+    zero them again."""
+    runner = _runner(model)
+    graphs = _graphs(model)
+    graphs.warm_up_cores(runner.cache, BS)
+    for pool in (runner.cache.ssm, runner.cache.conv, runner.cache.kv):
+        assert not pool.any()
+    assert graphs.num_runs == len(SIZES)
