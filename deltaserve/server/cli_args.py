@@ -263,6 +263,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 num_gpu_blocks=args.num_gpu_blocks, cpu_cache_bytes=args.cpu_cache_bytes, seed=args.seed,
                 enforce_reference_ops=args.enforce_reference_ops, load_format=args.load_format,
                 enforce_eager=args.enforce_eager, compile=args.compile, async_scheduling=args.async_scheduling,
+                prefill_cuda_graphs=args.prefill_cuda_graphs,
                 warm_up=args.warm_up, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                 enable_prefix_caching=args.enable_prefix_caching,
                 prefix_cache_state_fraction=args.prefix_cache_state_fraction,
