@@ -113,6 +113,10 @@ class TensorParallelRunner:
         self._dead = f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
         logger.error("%s: the engine stops", self._dead)
 
+    def dead_reason(self) -> str | None:
+        """Which worker rank exited and how (seen by the watchdog as it happens), or None."""
+        return self._dead
+
     def _check(self) -> None:
         if self._closing:
             raise RuntimeError("the tensor-parallel engine was shut down")
