@@ -7,6 +7,12 @@ CPU ranks for tests) or, under torchrun, find them already running; every rank j
 `SchedulerOutput` (step_io.py) and every rank runs the same step; every rank samples the same token from
 the all-gathered logits (same seeds), and only rank 0's RunnerOutput goes back to the engine.
 
+Decode CUDA graphs per rank (on by default on CUDA): every rank plans the same buckets from the same config
+(agreed at start-up: one rank that cannot capture makes them all decode eagerly), captures them in the same
+order (largest first, runner/cuda_graphs.py) after the NCCL communicator is warmed up (a collective
+inside a capture cannot create it), and, given the same broadcast SchedulerOutput, replays the same bucket
+each decode step, so the all-reduces captured in the graphs pair up across the ranks.
+
 Failure: a worker that dies breaks the step's collectives at once (closed connection; the collectives also
 time out, distributed/comm.py), the engine's next step raises `PeerFailure` naming the rank and its exit
 code, and a watchdog thread logs the death as it happens. Workers exit when rank 0's process is gone.
@@ -37,6 +43,10 @@ logger = logging.getLogger(__name__)
 _STOP = ("stop", None)
 _JOIN_TIMEOUT_S = 10.0
 
+# Decode buckets every rank captures whatever its device (tests set it: on CPU the capture is DecodeGraphs'
+# eager stand-in over the static buffers); None: each rank's own plan (CUDA graphs on CUDA, eager elsewhere).
+forced_graph_sizes: list[int] | None = None
+
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
     """One device per rank: cuda:rank on GPUs (counted from the device given), the CPU otherwise."""
@@ -45,10 +55,21 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def _start_rank(config: WorkerConfig) -> Worker:
-    """Every rank's start-up after joining the group: load the shard, plan on the smallest budget, allocate."""
+def _start_rank(config: WorkerConfig, graph_sizes: list[int] | None = None) -> Worker:
+    """Every rank's start-up after joining the group: load the shard, agree on the decode graphs, plan on the
+    smallest budget, allocate (and capture). graph_sizes: forced_graph_sizes as rank 0 saw it."""
     worker = Worker(config)
     worker.load_model()
+    if graph_sizes is not None:
+        worker.graph_sizes = list(graph_sizes)
+    if comm.all_reduce_min(len(worker.graph_sizes)) == 0:    # every rank captures, or none
+        worker.graph_sizes = []
+    elif config.device.type == "cuda":
+        comm.warm_up(config.device)          # the NCCL communicator exists before any capture
+    if worker.graph_sizes and config.parallel.rank == 0:
+        logger.info("tensor parallel %d: decode CUDA graphs on every rank (%d buckets up to %d sequences)%s",
+                    config.parallel.size, len(worker.graph_sizes), max(worker.graph_sizes),
+                    "" if config.device.type == "cuda" else " [the CPU stand-in: eager forwards]")
     budget = comm.all_reduce_min(worker.cache_budget())
     plan = plan_cache(worker.cache_spec(), budget_bytes=budget, max_num_seqs=config.max_num_seqs,
                       max_model_len=config.max_model_len, num_blocks=config.num_kv_blocks,
@@ -67,7 +88,8 @@ def serve_steps(worker: Worker) -> None:
         runner.collect(runner.launch(sched))
 
 
-def _worker_main(config: WorkerConfig, init_method: str, parent_pid: int, num_threads: int) -> None:
+def _worker_main(config: WorkerConfig, init_method: str, parent_pid: int, num_threads: int,
+                 graph_sizes: list[int] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING)
 
     def orphan_guard() -> None:   # rank 0's process gone (even killed): leave at once
@@ -80,7 +102,7 @@ def _worker_main(config: WorkerConfig, init_method: str, parent_pid: int, num_th
     torch.set_num_threads(num_threads)      # the engine process's intra-op threads, per rank
     comm.init_distributed(config.parallel, config.device, init_method=init_method)
     try:
-        serve_steps(_start_rank(config))
+        serve_steps(_start_rank(config, graph_sizes))
     finally:
         comm.destroy()
 
@@ -183,12 +205,14 @@ def start_tensor_parallel(config: WorkerConfig, size: int, *, expert_parallel: b
             rank_config = dataclasses.replace(config, parallel=Parallel(rank, size, expert_parallel),
                                               device=rank_device(config.device, rank))
             p = ctx.Process(target=_worker_main, name=f"deltaserve-tp{rank}", daemon=True,
-                            args=(rank_config, init_method, os.getpid(), torch.get_num_threads()))
+                            args=(rank_config, init_method, os.getpid(), torch.get_num_threads(),
+                                  forced_graph_sizes))
             p.start()
             processes.append(p)
     try:
         comm.init_distributed(Parallel(0, size, expert_parallel), config.device, init_method=init_method)
-        worker = _start_rank(dataclasses.replace(config, parallel=Parallel(0, size, expert_parallel)))
+        worker = _start_rank(dataclasses.replace(config, parallel=Parallel(0, size, expert_parallel)),
+                             forced_graph_sizes)
     except BaseException as e:
         for p in processes:
             p.kill()
