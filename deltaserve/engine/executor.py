@@ -15,7 +15,10 @@ each decode step, so the all-reduces captured in the graphs pair up across the r
 
 Failure: a worker that dies breaks the step's collectives at once (closed connection; the collectives also
 time out, distributed/comm.py), the engine's next step raises `PeerFailure` naming the rank and its exit
-code, and a watchdog thread logs the death as it happens. Workers exit when rank 0's process is gone.
+code, and a watchdog thread logs the death as it happens. A collective captured in a CUDA graph has no
+timeout (a replay waiting on a dead peer spins on the GPU and rank 0's next sync never returns): with graphs
+on CUDA, a death while a step is in flight that the step does not report within HANG_GRACE_S ends rank 0's
+process (exit 1, logged), never a hang. Workers exit when rank 0's process is gone.
 `shutdown()` (LLM.shutdown, the server's exit, interpreter exit) stops and joins every worker.
 """
 
@@ -42,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 _STOP = ("stop", None)
 _JOIN_TIMEOUT_S = 10.0
+HANG_GRACE_S = 5.0          # a rank died with a graph step in flight: how long the step gets to fail by itself
 
 # Decode buckets every rank captures whatever its device (tests set it: on CPU the capture is DecodeGraphs'
 # eager stand-in over the static buffers); None: each rank's own plan (CUDA graphs on CUDA, eager elsewhere).
@@ -117,6 +121,10 @@ class TensorParallelRunner:
         self.processes = processes           # ranks 1.. (empty under torchrun: torchrun owns them)
         self._dead: str | None = None
         self._closing = False
+        self._inflight = 0                   # steps launched and not yet collected
+        self._seen = threading.Event()       # the engine has been told of the death (a step raised)
+        self._may_hang = getattr(self.runner, "graphs", None) is not None and worker.config.device.type == "cuda"
+        self._exit = os._exit
         if processes:
             threading.Thread(target=self._watch, daemon=True, name="tp-watchdog").start()
         atexit.register(self.shutdown)
@@ -134,6 +142,20 @@ class TensorParallelRunner:
         proc.join(0.1)
         self._dead = f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
         logger.error("%s: the engine stops", self._dead)
+        if self._may_hang:
+            self._guard_hang()
+
+    def _guard_hang(self) -> None:
+        """A step in flight that neither fails nor finishes within HANG_GRACE_S waits in a captured collective
+        that cannot time out: exit the process rather than hang (the server then reports the core's exit)."""
+        deadline = time.monotonic() + HANG_GRACE_S
+        while time.monotonic() < deadline:
+            if self._seen.is_set() or self._closing or self._inflight == 0:
+                return
+            time.sleep(0.05)
+        logger.critical("%s while a step was waiting on it inside a CUDA graph (captured collectives cannot time "
+                        "out): exiting", self._dead)
+        self._exit(1)
 
     def dead_reason(self) -> str | None:
         """Which worker rank exited and how (seen by the watchdog as it happens), or None."""
@@ -143,23 +165,34 @@ class TensorParallelRunner:
         if self._closing:
             raise RuntimeError("the tensor-parallel engine was shut down")
         if self._dead is not None:
+            self._seen.set()
             raise PeerFailure(self._dead)
 
     def launch(self, sched):
         self._check()
+        self._inflight += 1
         try:
             comm.broadcast_object(("step", sched))
             return self.runner.launch(sched)
-        except PeerFailure as e:
-            raise self._failure(e) from e
+        except BaseException as e:
+            self._inflight -= 1
+            if isinstance(e, PeerFailure):
+                raise self._failure(e) from e
+            raise
 
     def collect(self, handle):
-        return self.runner.collect(handle)
+        try:
+            return self.runner.collect(handle)
+        except PeerFailure as e:
+            raise self._failure(e) from e
+        finally:
+            self._inflight -= 1
 
     def execute(self, sched):
         return self.collect(self.launch(sched))
 
     def _failure(self, e: PeerFailure) -> PeerFailure:
+        self._seen.set()
         for _ in range(20):       # the watchdog names the rank once its exit is seen (it is, within ~0.1 s)
             if self._dead is not None or not self.processes:
                 break

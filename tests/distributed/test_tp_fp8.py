@@ -109,3 +109,23 @@ def test_a_shard_that_mixes_two_blocks_in_a_scale_group_is_refused_by_name(dim, 
     read = Slices(dim, ranges)
     with pytest.raises(ShardingError, match=f"model.layers.0.mlp.down_proj.weight: this rank's {words}"):
         fp8_shard_rows("model.layers.0.mlp.down_proj.weight", read(q), s, read, block_k=64, row_group=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_fp8_checkpoint_tp2_matches_tp1_on_gpus(tiny_model, tmp_path):
+    """The same on two GPUs (NCCL, the dequantise-first FP8 path, decode CUDA graphs where the kernels allow);
+    fp32, so the all-reduce's summation order is the only difference."""
+    path = write_fp8_checkpoint(tiny_model(TinySpec(family="qwen3_5_moe", ratio=2, fused_experts=True, seed=5)),
+                                tmp_path / "fp8")
+    gpu = {**ENGINE, "device": "cuda", "num_gpu_blocks": 64}
+    llm = LLM(path, **gpu)
+    ref = _run(llm)
+    del llm
+    torch.cuda.empty_cache()
+    llm = LLM(path, tensor_parallel_size=2, **gpu)
+    try:
+        _assert_same(ref, _run(llm))
+    finally:
+        llm.shutdown()

@@ -71,3 +71,34 @@ def test_cuda_graphs_under_tp2_equal_eager(tiny_model):
         finally:
             llm.shutdown()
     _assert_same(*results)
+
+
+@pytest.mark.parametrize("in_flight", [True, False], ids=["step-in-flight", "idle"])
+def test_a_rank_dying_under_a_graph_step_ends_rank_0_not_hangs(monkeypatch, in_flight):
+    """A collective captured in a CUDA graph cannot time out: a worker's death while a step is in flight that
+    the step does not report within HANG_GRACE_S exits rank 0's process (a fake runner with graphs on a CUDA
+    device; exit recorded instead of taken). Idle, the next step reports the death instead."""
+    import multiprocessing
+    import time
+    import types
+
+    monkeypatch.setattr(executor, "HANG_GRACE_S", 0.3)
+    worker = types.SimpleNamespace(runner=types.SimpleNamespace(graphs=object()),
+                                   config=types.SimpleNamespace(device=types.SimpleNamespace(type="cuda")))
+    proc = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(1.0,))  # dies after set-up
+    exits = []
+    runner = executor.TensorParallelRunner.__new__(executor.TensorParallelRunner)
+    try:
+        proc.start()
+        runner.__init__(worker, [proc])
+        runner._exit = exits.append
+        runner._inflight = 1 if in_flight else 0
+        deadline = time.monotonic() + 10
+        while runner.dead_reason() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.6)
+        assert "rank 1" in runner.dead_reason() and "code 0" in runner.dead_reason()
+        assert exits == ([1] if in_flight else [])
+    finally:
+        runner._closing = True
+        proc.join(5)
