@@ -141,10 +141,10 @@ def load_model(path: str | Path, *, device: torch.device | str, dtype: torch.dty
             with safe_open(str(file), framework="pt", device=read_device) as st:
                 for name in names:
                     target, source = expected[name], by_name[name][0]
-                    if target.read is not None and name in scale_of and not isinstance(target.read, Slices):
-                        raise NotImplementedError(f"{name}: an FP8 shard needs a Slices read (layers/weights.py)")
                     tensor = st.get_tensor(source) if target.read is None else target.read(st.get_slice(source))
                     if tensor is not None:      # None: a tensor this rank does not hold (another's experts)
+                        if target.read is not None and name in scale_of and not isinstance(target.read, Slices):
+                            raise NotImplementedError(f"{name}: an FP8 shard needs a Slices read (layers/weights.py)")
                         scale = _read(files, by_name, scale_of[name], read_device) if name in scale_of else None
                         tensor = _prepare(source, tensor, scale, target, config)
                     target.load(tensor)

@@ -36,17 +36,20 @@ def _assert_same(ref, ours) -> None:
 
 
 @pytest.mark.parametrize("spec,ep", [
-    (TinySpec(family="qwen3_next", ratio=2, seed=2), False),
+    (TinySpec(family="qwen3_next", ratio=2, mtp=True, seed=2), False),
     (TinySpec(family="qwen3_5", ratio=3, seed=3), False),
     (TinySpec(family="qwen3_5_moe", ratio=2, fused_experts=True, seed=5), False),
     (TinySpec(family="qwen3_5_moe", ratio=2, fused_experts=True, seed=5), True),
-], ids=["next-tp2", "qwen3_5-tp2", "qwen3_5_moe-tp2", "qwen3_5_moe-ep2"])
+    (TinySpec(family="qwen3_next", ratio=2, mtp=True, seed=2), True),
+], ids=["next-tp2", "qwen3_5-tp2", "qwen3_5_moe-tp2", "qwen3_5_moe-ep2", "next-ep2"])
 def test_fp8_checkpoint_tp2_matches_tp1(tiny_model, tmp_path, spec, ep):
     path = write_fp8_checkpoint(tiny_model(spec), tmp_path / "fp8")
     ref = _run(LLM(path, **ENGINE))
     llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=ep, **ENGINE)
     try:
-        assert llm.model.layers[-1].self_attn.o_proj.is_fp8
+        model = llm.model
+        assert model.layers[-1].self_attn.o_proj.is_fp8
+        assert model.mtp is None or model.mtp.layers[0].self_attn.o_proj.is_fp8
         _assert_same(ref, _run(llm))
     finally:
         llm.shutdown()
