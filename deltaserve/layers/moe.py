@@ -38,8 +38,8 @@ from ..config import ModelConfig
 from ..distributed import comm
 from ..distributed.parallel import SINGLE, Parallel, Split, require_divisible
 from ..ops import Kernels
-from ..ops.quant.fp8 import BLOCK, FP8_DTYPE, BlockFp8Weight, load_packed_rows
-from .linear import Fp8Layout, Linear, fp8_layout, fp8_scale_shape
+from ..ops.quant.fp8 import BLOCK, FP8_DTYPE, BlockFp8Weight
+from .linear import Fp8Layout, Linear, fp8_layout, fp8_scale_shape, load_fp8_rows
 from .mlp import MLP
 from .weights import Slices, Target, WeightMap, prefixed, read_ranges, rows, whole
 
@@ -228,7 +228,7 @@ class SparseMoeBlock(nn.Module):
         """An expert tensor's target (w2: a column shard of w2)."""
         layout = self.w2_fp8 if w2 else self.w13_fp8
         return Target(shape, load, read, fp8=self.experts_fp8, block_k=self._w2_block(w2),
-                      row_group=layout.row_group if layout is not None else BLOCK)
+                      row_group=layout.row_group if layout is not None else 1)
 
     def _load(self, name: str, experts: int | slice, row_offset: int, t: torch.Tensor,
               columns: tuple[int, int] | None = None, block_k: int = BLOCK) -> None:
@@ -238,7 +238,7 @@ class SparseMoeBlock(nn.Module):
         if self.__dict__[f"{name}_fp8"] is not None:
             full = getattr(self, name)
             dst = BlockFp8Weight(full.qweight[experts], full.scale[experts], full.row_group, full.col_group)
-            load_packed_rows(dst, row_offset, t, columns=columns, block_k=block_k)
+            load_fp8_rows(dst, row_offset, t, columns=columns, block_k=block_k)
             return
         param = self._parameters[name]  # dense: the loader dequantised an FP8 checkpoint tensor already
         if columns is not None:

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from ..distributed.parallel import refuse_split_blocks
-from ..ops.quant.fp8 import BLOCK, is_fp8, load_packed_rows
-from .linear import Linear
+from ..ops.quant.fp8 import BLOCK, is_fp8
+from .linear import Linear, load_fp8_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,14 +48,15 @@ class Slices:
 class Target:
     """shape: the checkpoint's (full) shape; read: this rank's part (None: all of it); fp8: the target stores
     block-FP8 and takes packed rows, with one multiplier per `block_k` columns (128 unless its columns are
-    sharded: then its holder's column group) in scale groups of `row_group` rows."""
+    sharded: then its holder's column group); row_group: its holder's rows per multiplier, when known, so that
+    a row shard not starting on them is refused before any copy (1: checked at the copy, load_fp8_rows)."""
 
     shape: tuple[int, ...]
     load: Callable[[torch.Tensor], None]
     read: Callable[[Any], torch.Tensor] | None = None
     fp8: bool = False
     block_k: int = BLOCK
-    row_group: int = BLOCK
+    row_group: int = 1
 
 
 def read_ranges(ranges: list[tuple[int, int]], dim: int = 0) -> Slices:
@@ -64,7 +65,7 @@ def read_ranges(ranges: list[tuple[int, int]], dim: int = 0) -> Slices:
 
 
 def _shard_scales(name: str, q: torch.Tensor, scale: torch.Tensor, read: Slices | None, block_k: int,
-                  row_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  row_group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the scale tensor cut to the shard's leading dims, per shard row its checkpoint block row's index,
     per block_k shard columns their checkpoint block column's index)."""
     nd = q.dim()
@@ -83,7 +84,7 @@ def _shard_scales(name: str, q: torch.Tensor, scale: torch.Tensor, read: Slices 
 
 
 def fp8_shard_rows(name: str, q: torch.Tensor, scale: torch.Tensor, read: Slices | None, *, block_k: int = BLOCK,
-                   row_group: int = BLOCK) -> torch.Tensor:
+                   row_group: int = 1) -> torch.Tensor:
     """A rank's FP8 values q (already cut by `read` from the checkpoint tensor whose block multipliers are
     `scale`, read whole) -> packed rows [..., rows, K + ceil(K / block_k)] (ops/quant/fp8.py pack_rows)."""
     scale, row_blocks, col_blocks = _shard_scales(name, q, scale, read, block_k, row_group)
@@ -104,7 +105,7 @@ WeightMap = dict[str, Target]
 
 def whole(param: torch.Tensor) -> Target:
     if is_fp8(param):  # an FP8 Linear's weight (a BlockFp8Weight)
-        return Target(tuple(param.shape), lambda t: load_packed_rows(param, 0, t), fp8=True,
+        return Target(tuple(param.shape), lambda t: load_fp8_rows(param, 0, t), fp8=True,
                       row_group=param.row_group)
     return Target(tuple(param.shape), lambda t: param.data.copy_(t))
 
@@ -112,7 +113,7 @@ def whole(param: torch.Tensor) -> Target:
 def rows(linear: Linear, offset: int, num_rows: int, ranges: list[tuple[int, int]] | None = None) -> Target:
     """Checkpoint rows into rows offset.. of `linear`; `ranges` (of the checkpoint's num_rows): only those rows
     (a tensor-parallel rank's)."""
-    group = linear.fp8.row_group if linear.is_fp8 else BLOCK
+    group = linear.fp8.row_group if linear.is_fp8 else 1
     return Target((num_rows, linear.in_features), lambda t: linear.load_rows(offset, t),
                   None if ranges is None else read_ranges(ranges), fp8=linear.is_fp8, row_group=group)
 
@@ -125,7 +126,7 @@ def sharded(param: torch.Tensor, split, parallel) -> Target:
     read = read_ranges(split.ranges(parallel), split.dim)
     if is_fp8(param):   # packed rows: one multiplier per column group when the columns are the split dim
         block_k = param.col_group if split.dim == param.qweight.dim() - 1 else BLOCK
-        return Target(split.full_shape(tuple(param.shape)), lambda t: load_packed_rows(param, 0, t, block_k=block_k),
+        return Target(split.full_shape(tuple(param.shape)), lambda t: load_fp8_rows(param, 0, t, block_k=block_k),
                       read, fp8=True, block_k=block_k, row_group=param.row_group)
     return Target(split.full_shape(tuple(param.shape)), lambda t: param.data.copy_(t), read)
 

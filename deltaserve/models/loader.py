@@ -36,7 +36,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from ..config import ModelConfig
-from ..distributed.parallel import SINGLE, Parallel
+from ..distributed.parallel import SINGLE, Parallel, ShardingError
 from ..layers.weights import Slices, Target, fp8_shard_dense, fp8_shard_rows
 from ..ops import Kernels
 from ..ops.quant.fp8 import BLOCK, FP8_DTYPE, dequantize_blocks, pack_rows, quantize_blocks
@@ -147,7 +147,10 @@ def load_model(path: str | Path, *, device: torch.device | str, dtype: torch.dty
                             raise NotImplementedError(f"{name}: an FP8 shard needs a Slices read (layers/weights.py)")
                         scale = _read(files, by_name, scale_of[name], read_device) if name in scale_of else None
                         tensor = _prepare(source, tensor, scale, target, config)
-                    target.load(tensor)
+                    try:
+                        target.load(tensor)
+                    except ShardingError as e:
+                        raise ShardingError(f"{source}: {e}") from None
                     bar.update(1)
     logger.debug("loaded %s: %s, %d layers (%d GDN, %d attention), %d MTP layer(s), %s on %s",
                  path.name, config.family, config.num_hidden_layers, len(config.gdn_layer_ids),

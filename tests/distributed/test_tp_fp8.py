@@ -132,3 +132,22 @@ def test_fp8_checkpoint_tp2_matches_tp1_on_gpus(tiny_model, tmp_path):
         _assert_same(ref, _run(llm))
     finally:
         llm.shutdown()
+
+
+def test_a_copy_that_would_mix_two_blocks_in_a_scale_group_is_refused():
+    """The copy's own check (for targets that do not know their holder's groups): rows 64..192 straddle two
+    checkpoint blocks with different multipliers, the holder has one multiplier per 128 rows."""
+    from deltaserve.layers.linear import Fp8Layout, Linear
+    from deltaserve.ops import select_kernels
+
+    q, s = _checkpoint(256, 256)
+    read = Slices(0, ((64, 192),))
+    packed = fp8_shard_rows("w", read(q), s, read)
+    linear = Linear(256, 128, select_kernels(torch.device("cpu")), dtype=torch.float32, device="cpu",
+                    fp8=Fp8Layout(128, 128))
+    with pytest.raises(ShardingError, match="FP8 rows 0..128 put values of checkpoint blocks"):
+        linear.load_rows(0, packed)
+    ok = Linear(256, 128, select_kernels(torch.device("cpu")), dtype=torch.float32, device="cpu",
+                fp8=Fp8Layout(64, 128))
+    ok.load_rows(0, packed)
+    assert torch.equal(ok.weight.dequantize(), dequantize_blocks(q, s)[64:192])
