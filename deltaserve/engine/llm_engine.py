@@ -74,9 +74,6 @@ class EngineStats:
 
 def check_parallel_features(model_config: ModelConfig, kv_cache_dtype: str) -> None:
     """Refuse, by name, what tensor parallelism does not shard yet (before any process starts)."""
-    if model_config.quantization is not None:
-        raise ValueError("tensor_parallel_size > 1 with FP8 weights (quantization='fp8' or an FP8 checkpoint's "
-                         "quantization_config) is not supported yet: use tensor_parallel_size=1")
     if kv_cache_dtype != "auto":
         raise ValueError(f"tensor_parallel_size > 1 with kv_cache_dtype={kv_cache_dtype!r} is not supported yet: "
                          "use kv_cache_dtype='auto'")

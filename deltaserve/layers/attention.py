@@ -49,7 +49,7 @@ class GatedAttention(nn.Module):
                              rows=(self.head_dim, self.kv_size))
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, kernels, dtype=dtype, device=device, fp8=qkv_fp8)
         self.o_proj = Linear(self.num_heads * self.head_dim, h, kernels, dtype=dtype, device=device,
-                             fp8=fp8_layout(quant, ("self_attn.o_proj",)))
+                             fp8=fp8_layout(quant, ("self_attn.o_proj",), cols=(self.o_size,) if parallel.sharded else ()))
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps, kernels, dtype=dtype, device=device)
         self.k_norm = RMSNorm(self.head_dim, eps, kernels, dtype=dtype, device=device)

@@ -60,7 +60,8 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.nv, dtype=torch.float32, device=device), requires_grad=False)
         self.norm_weight = nn.Parameter(torch.empty(self.dv, dtype=dtype, device=device), requires_grad=False)
         self.out_proj = Linear(self.value_dim, h, kernels, dtype=dtype, device=device,
-                               fp8=fp8_layout(quant, ("linear_attn.out_proj",)))
+                               fp8=fp8_layout(quant, ("linear_attn.out_proj",),
+                                              cols=(self.value_dim,) if parallel.sharded else ()))
         self.scale = self.dk ** -0.5
         if parallel.sharded:
             tp = parallel.size

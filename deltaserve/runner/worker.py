@@ -106,10 +106,10 @@ class Worker:
                 raise ValueError(f"kv_cache_dtype='fp8' on {c.device}: the Triton attention kernels "
                                  f"({', '.join(triton_attention)}) do not read an FP8 cache yet; use "
                                  "kv_cache_dtype='auto' (or enforce_reference_ops=True: the slow reference path)")
-        # collectives inside captured graphs / a compiled step are not validated yet: sharded decodes run eagerly
+        # under tensor parallelism every rank plans the same buckets (engine/executor.py checks they agree)
         self.graph_sizes = plan_decode_graphs(c.device, self.kernels,
                                               max_batch=min(c.max_num_seqs, c.max_num_batched_tokens),
-                                              enforce_eager=c.enforce_eager or c.parallel.sharded)
+                                              enforce_eager=c.enforce_eager)
         self.prefill_sizes = plan_prefill_graphs(c.device, self.kernels,
                                                  max_num_batched_tokens=c.max_num_batched_tokens,
                                                  enforce_eager=c.enforce_eager or c.parallel.sharded,
