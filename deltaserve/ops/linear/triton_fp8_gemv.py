@@ -1,17 +1,20 @@
 """Triton GEMV for block-FP8 weights at decode (few rows of x): y = x W^T with W a BlockFp8Weight (ops/quant/
-fp8.py), streaming the e4m3 weights (one byte each) and applying the block multipliers per K step.
+fp8.py), streaming the e4m3 weights (one byte each) and applying the block multipliers per K step; x stays in
+its dtype (weight-only quantisation: the decode product is the dequantised weight's, up to summation order).
 
 A program owns BN weight rows and walks K in steps of BK = the weight's column group (128 at published shapes),
-so each step needs one multiplier per row: its [BN, BK] tile is widened to fp32, the rows' dot products with the
-M rows of x are taken in fp32 and scaled by the step's multipliers (scale[n // row_group, k_step]) before they
-join the fp32 accumulator: sum over steps of s[n, j] * sum_k x[m, k] q[n, k], the dequantised product up to
-summation order. No host reads, launch parameters from the shapes only (CUDA-graph capturable).
-
-Not yet chosen by select_kernels (the FP8 path there is dequantise-then-dense): the fused pre-norm / gate /
-conv epilogues of the bf16 GEMVs and the tuning per (N, K) are the next step (issue 28 item 4).
+so each step needs one multiplier per row: its [BN, BK] tile is widened in registers, the rows' dot products
+with the M rows of x are taken in fp32 and scaled by the step's multipliers (scale[n // row_group, k_step])
+before they join the fp32 accumulator: sum over steps of s[n, j] * sum_k x[m, k] q[n, k].
+Two forms (Fp8GemvConfig.dot): CUDA-core FMAs (M = 1, or fp32 x), or the swapped tensor-core product
+W tile [BN, BK] (widened to x's dtype, exact: e4m3 fits bf16 / fp16) @ x^T [BK, >= 16] (M = 2..16).
+No host reads, launch parameters from the shapes only (CUDA-graph capturable). Chosen by ops/linear/
+triton_fp8.py for M <= MAX_ROWS; larger M takes the W8A8 GEMM (triton_fp8_gemm.py).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -19,54 +22,100 @@ import triton.language as tl
 
 from ..quant.fp8 import BlockFp8Weight
 
-MAX_ROWS = 16          # rows of x this kernel takes (decode batches); larger M belongs to a block-scaled GEMM
+MAX_ROWS = 16          # rows of x this kernel takes (decode batches); larger M belongs to the W8A8 GEMM
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8GemvConfig:
+    block_n: int = 16
+    warps: int = 4
+    stages: int = 4
+    dot: bool = False
+
+
+def default_fp8_gemv_config(M: int, N: int, K: int, dtype: torch.dtype) -> Fp8GemvConfig:
+    """M = 1 (or fp32 x): CUDA cores, 16 rows per program (8 where that leaves under two programs per SM of
+    an H200); M = 2..16 bf16 / fp16: tensor cores, 64 rows. Not tuned on the device yet
+    (`benchmarks/fp8_ops.py --gemv` measures them)."""
+    if M == 1 or dtype == torch.float32:
+        return Fp8GemvConfig(block_n=16 if N >= 16 * 264 else 8, warps=4, stages=4)
+    return Fp8GemvConfig(block_n=64, warps=4, stages=4, dot=True)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemv_kernel(x, q, s, y, M, N, K, s_xm, s_qn, s_sn, s_ym,
-                     ROW_GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                     ROW_GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     DOT: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BN + tl.arange(0, BN)
     row_ok = rows < N
     ms = tl.arange(0, BM)
     m_ok = ms < M
     ks = tl.arange(0, BK)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
     srow = rows // ROW_GROUP
+    qp = q + rows[:, None].to(tl.int64) * s_qn + ks[None, :]
+    if DOT:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        xp = x + ms[None, :].to(tl.int64) * s_xm + ks[:, None]
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        xp = x + ms[:, None].to(tl.int64) * s_xm + ks[None, :]
     for j in range(0, tl.cdiv(K, BK)):
-        cols = j * BK + ks
-        col_ok = cols < K
-        w = tl.load(q + rows[:, None].to(tl.int64) * s_qn + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                    other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)                       # [BN, BK]
-        xt = tl.load(x + ms[:, None] * s_xm + cols[None, :], mask=m_ok[:, None] & col_ok[None, :],
-                     other=0.0).to(tl.float32)                                                   # [BM, BK]
-        part = tl.sum(xt[:, None, :] * w[None, :, :], axis=2)                                    # [BM, BN]
+        col_ok = j * BK + ks < K
+        w = tl.load(qp + j * BK, mask=row_ok[:, None] & col_ok[None, :], other=0).to(tl.float8e4nv, bitcast=True)
         scale = tl.load(s + srow * s_sn + j, mask=row_ok, other=0.0)                             # [BN]
-        acc += part * scale[None, :]
-    tl.store(y + ms[:, None] * s_ym + rows[None, :], acc.to(y.dtype.element_ty),
-             mask=m_ok[:, None] & row_ok[None, :])
+        if DOT:
+            xt = tl.load(xp + j * BK, mask=col_ok[:, None] & m_ok[None, :], other=0.0)          # [BK, BM]
+            acc += tl.dot(w.to(xt.dtype), xt) * scale[:, None]
+        elif BM == 1:
+            xv = tl.load(xp + j * BK, mask=m_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w.to(tl.float32) * xv, axis=1)[None, :] * scale[None, :]
+        else:
+            xt = tl.load(xp + j * BK, mask=m_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            part = tl.sum(xt[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)                 # [BM, BN]
+            acc += part * scale[None, :]
+    if DOT:
+        tl.store(y + ms[None, :] * s_ym + rows[:, None], acc.to(y.dtype.element_ty),
+                 mask=row_ok[:, None] & m_ok[None, :])
+    else:
+        tl.store(y + ms[:, None] * s_ym + rows[None, :], acc.to(y.dtype.element_ty),
+                 mask=m_ok[:, None] & row_ok[None, :])
 
 
-def fp8_gemv(x: torch.Tensor, weight: BlockFp8Weight, *, block_n: int = 16) -> torch.Tensor:
-    """x [..., K] (at most MAX_ROWS rows) @ weight^T -> [..., N] in x's dtype, fp32 accumulation."""
-    q, s = weight.qweight, weight.scale
+def check_fp8_gemv(weight: BlockFp8Weight) -> str | None:
+    """Why the FP8 GEMV cannot take this weight (None: it can)."""
+    q = weight.qweight
     if q.dim() != 2 or q.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fp8_gemv: weight must be float8_e4m3fn [N, K], got {q.dtype} {tuple(q.shape)}")
+        return f"weight must be float8_e4m3fn [N, K], got {q.dtype} {tuple(q.shape)}"
+    bk = weight.col_group
+    if bk < 16 or bk & (bk - 1):
+        return f"column group {bk} must be a power of two >= 16"
+    return None
+
+
+def fp8_gemv(x: torch.Tensor, weight: BlockFp8Weight, config: Fp8GemvConfig | None = None) -> torch.Tensor:
+    """x [..., K] (at most MAX_ROWS rows) @ weight^T -> [..., N] in x's dtype, fp32 accumulation."""
+    why = check_fp8_gemv(weight)
+    if why is not None:
+        raise ValueError(f"fp8_gemv: {why}")
+    q, s = weight.qweight, weight.scale
     N, K = q.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     if x.shape[-1] != K or M > MAX_ROWS:
         raise ValueError(f"fp8_gemv: x {tuple(x.shape)} must have K = {K} and at most {MAX_ROWS} rows")
-    bk = weight.col_group
-    if bk < 16 or bk & (bk - 1):
-        raise ValueError(f"fp8_gemv: column group {bk} must be a power of two >= 16")
+    cfg = config or default_fp8_gemv_config(M, N, K, x.dtype)
+    if cfg.dot and (x.dtype == torch.float32 or cfg.block_n < 16):
+        raise ValueError(f"fp8_gemv: config dot=True needs bf16 / fp16 x and block_n >= 16, got {x.dtype}, {cfg}")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     q, s = q.contiguous(), s.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M:
-        _fp8_gemv_kernel[(triton.cdiv(N, block_n),)](
+    if M and N:
+        bm = max(16, triton.next_power_of_2(M)) if cfg.dot else triton.next_power_of_2(M)
+        _fp8_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
             x2, q.view(torch.uint8), s, y, M, N, K, x2.stride(0), q.stride(0), s.stride(0), y.stride(0),
-            ROW_GROUP=weight.row_group, BM=max(1, triton.next_power_of_2(M)), BN=block_n, BK=bk)
+            ROW_GROUP=weight.row_group, BM=bm, BN=cfg.block_n, BK=weight.col_group, DOT=cfg.dot,
+            num_warps=cfg.warps, num_stages=cfg.stages)
     return y.reshape(*lead, N)
