@@ -50,7 +50,7 @@ def _refuse_once(op: str, weight: BlockFp8Weight, kernel: str, why: str) -> None
 def fp8_linear(x: torch.Tensor, weight: BlockFp8Weight, op: str = "linear") -> torch.Tensor:
     """x [..., K] @ weight^T in x's dtype: the FP8 GEMV up to MAX_ROWS rows, the W8A8 GEMM above."""
     check(weight.qweight.dim() == 2, op, f"weight must be [N, K], got {tuple(weight.shape)}")
-    N, K = weight.shape
+    K = weight.shape[1]
     check(x.dim() >= 1 and x.shape[-1] == K, op, f"x must be [..., {K}] for weight {tuple(weight.shape)}, "
           f"got {tuple(x.shape)}")
     check(x.dtype in ACTIVATION_DTYPES, op, f"unsupported dtype {x.dtype} (expected one of {ACTIVATION_DTYPES})")

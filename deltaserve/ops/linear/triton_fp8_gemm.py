@@ -102,7 +102,7 @@ def _w8a8_kernel(a, a_s, b, b_s, y, M, N, K, s_am, s_asm, s_bn, s_bsn, s_ym,
     asp = a_s + rows.to(tl.int64) * s_asm
     bsp = b_s + (cols // ROW_GROUP).to(tl.int64) * s_bsn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for j in range(0, tl.cdiv(K, BK)):
+    for j in range(tl.cdiv(K, BK)):
         k_ok = kk + j * BK < K
         bt = tl.load(bp + j * BK, mask=k_ok[:, None] & col_ok[None, :], other=0).to(tl.float8e4nv, bitcast=True)
         sb = tl.load(bsp + j, mask=col_ok, other=0.0)

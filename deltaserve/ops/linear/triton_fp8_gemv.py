@@ -60,7 +60,7 @@ def _fp8_gemv_kernel(x, q, s, y, M, N, K, s_xm, s_qn, s_sn, s_ym,
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         xp = x + ms[:, None].to(tl.int64) * s_xm + ks[None, :]
-    for j in range(0, tl.cdiv(K, BK)):
+    for j in range(tl.cdiv(K, BK)):
         col_ok = j * BK + ks < K
         w = tl.load(qp + j * BK, mask=row_ok[:, None] & col_ok[None, :], other=0).to(tl.float8e4nv, bitcast=True)
         scale = tl.load(s + srow * s_sn + j, mask=row_ok, other=0.0)                             # [BN]

@@ -67,7 +67,7 @@ def _fp8_gemv_w13_kernel(x, q13, s13, ids, inter, H, I, s_x, s_qe, s_qn, s_se, s
     su = s13 + e * s_se + ((rows + I) // RG).to(tl.int64) * s_sn
     acc_g = tl.zeros([BN], dtype=tl.float32)
     acc_u = tl.zeros([BN], dtype=tl.float32)
-    for j in range(0, tl.cdiv(H, BK)):
+    for j in range(tl.cdiv(H, BK)):
         k_ok = kk + j * BK < H
         xv = tl.load(x + t * s_x + j * BK + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         m = row_ok[:, None] & k_ok[None, :]
@@ -92,7 +92,7 @@ def _fp8_gemv_w2_kernel(inter, q2, s2, ids, weights, out, H, I, s_qe, s_qn, s_se
         wp = q2 + e * s_qe + rows[:, None].to(tl.int64) * s_qn + kk[None, :]
         sp = s2 + e * s_se + (rows // RG).to(tl.int64) * s_sn
         acc = tl.zeros([BN], dtype=tl.float32)
-        for k in range(0, tl.cdiv(I, BK)):
+        for k in range(tl.cdiv(I, BK)):
             k_ok = kk + k * BK < I
             hv = tl.load(inter + a * I + k * BK + kk, mask=k_ok, other=0.0)
             w = tl.load(wp + k * BK, mask=row_ok[:, None] & k_ok[None, :], other=0).to(tl.float8e4nv, bitcast=True)
@@ -122,7 +122,7 @@ def _fp8_w13_kernel(x, q13, s13, inter, sorted_ids, block_expert, A, H, I, s_x, 
         su = s13 + e * s_se + ((cols + I) // RG).to(tl.int64) * s_sn
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-        for j in range(0, tl.cdiv(H, BK)):
+        for j in range(tl.cdiv(H, BK)):
             k_ok = kk + j * BK < H
             xa = tl.load(xp + j * BK, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             m = k_ok[:, None] & col_ok[None, :]
@@ -151,7 +151,7 @@ def _fp8_w2_kernel(inter, q2, s2, y, sorted_ids, block_expert, A, H, I, s_qe, s_
         wp = q2 + e * s_qe + cols[None, :].to(tl.int64) * s_qn + kk[:, None]
         sp = s2 + e * s_se + (cols // RG).to(tl.int64) * s_sn
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for j in range(0, tl.cdiv(I, BK)):
+        for j in range(tl.cdiv(I, BK)):
             k_ok = kk + j * BK < I
             ha = tl.load(hp + j * BK, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(wp + j * BK, mask=k_ok[:, None] & col_ok[None, :], other=0).to(tl.float8e4nv, bitcast=True)
