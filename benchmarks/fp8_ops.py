@@ -18,6 +18,7 @@ from HBM, not L2; triton.testing.do_bench flushes the L2 before each replay) div
 output is checked against its dequantising reference (relative error printed).
 
 Run (GPU):  PYTHONPATH=. python benchmarks/fp8_ops.py --out DIR [--gemv] [--gemm] [--moe]   (none: all three)
+            [--sweep]: also alternative tiles of the FP8 GEMV and the W8A8 GEMM, the fastest printed per shape
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from gpu_common import RunLog, ceilings, device_env, graph_seconds
 from deltaserve.ops.linear import reference as lin_ref
 from deltaserve.ops.linear import triton as lin_bf16
 from deltaserve.ops.linear import triton_fp8 as lin_fp8
+from deltaserve.ops.linear.triton_fp8_gemm import W8A8Config, w8a8_gemm
+from deltaserve.ops.linear.triton_fp8_gemv import Fp8GemvConfig, fp8_gemv
 from deltaserve.ops.moe import reference as moe_ref
 from deltaserve.ops.moe import triton as moe_bf16
 from deltaserve.ops.moe import triton_fp8 as moe_fp8
@@ -76,7 +79,32 @@ def time_per_call(fn, calls: int) -> float:
     return graph_seconds(fn, calls, warmup=5, rep=40)
 
 
-def run_gemv(ceil, log) -> list:
+def gemv_sweep(M: int) -> list:
+    """Alternative FP8 GEMV tiles for M rows (--sweep)."""
+    if M == 1:
+        return [Fp8GemvConfig(block_n=bn, warps=w, stages=3, k_groups=kg)
+                for bn in (4, 8, 16) for kg in (1, 4, 16) for w in (4, 8) if bn * kg <= 64]
+    return [Fp8GemvConfig(block_n=bn, warps=4, stages=st, dot=True) for bn in (32, 64, 128) for st in (3, 4)]
+
+
+GEMM_SWEEP = [W8A8Config(block_m=bm, block_n=bn, group_m=8, warps=w, stages=3)
+              for bm in (64, 128) for bn in (128, 256) for w in (4, 8)]
+
+
+def best_of(configs, fn, calls) -> tuple:
+    """(seconds, config) of the fastest config (fn(i, cfg)); configs that fail to compile are skipped."""
+    best = (float("inf"), None)
+    for cfg in configs:
+        try:
+            t = time_per_call(lambda i, cfg=cfg: fn(i, cfg), calls)
+        except Exception as exc:  # noqa: BLE001  (out of resources: not a candidate)
+            print(f"  skip {cfg}: {type(exc).__name__}", flush=True)
+            continue
+        best = min(best, (t, cfg), key=lambda p: p[0])
+    return best
+
+
+def run_gemv(ceil, log, sweep: bool = False) -> list:
     rows = []
     for name, N, K in DENSE_SHAPES:
         fbytes = N * K + 4 * N * math.ceil(K / 128) / 128
@@ -98,12 +126,16 @@ def run_gemv(ceil, log) -> list:
             log(f"gemv {name:28s} M={M:2d}  fp8 {t8 * 1e6:7.2f} us ({row['fp8_frac_copy']:.0%} copy)  cuBLAS bf16 "
                 f"{t_cublas * 1e6:7.2f} us ({row['bf16_frac_copy']:.0%})  triton bf16 {t_ours * 1e6:7.2f} us  "
                 f"x{row['x_bf16']:.2f}  err {err:.1e}")
+            if sweep:
+                tb, cb = best_of(gemv_sweep(M), lambda i, cfg, x=x, ws=ws8: fp8_gemv(x, ws[i], cfg), calls)
+                row.update(best_us=tb * 1e6, best_config=str(cb))
+                log(f"     best {tb * 1e6:7.2f} us ({(fbytes + io) / tb / 1e12 / ceil['copy_TBps']:.0%} copy): {cb}")
         del ws8, ws16
         torch.cuda.empty_cache()
     return rows
 
 
-def run_gemm(ceil, log) -> list:
+def run_gemm(ceil, log, sweep: bool = False) -> list:
     rows = []
     peak8 = 2 * ceil["bf16_TFLOPs"]
     for name, N, K in DENSE_SHAPES[:5]:
@@ -118,10 +150,15 @@ def run_gemm(ceil, log) -> list:
             row = {"shape": name, "M": M, "N": N, "K": K, "w8a8_us": t8 * 1e6, "cublas_bf16_us": t16 * 1e6,
                    "w8a8_TFLOPs": fl / t8 / 1e12, "bf16_TFLOPs": fl / t16 / 1e12, "x_bf16": t16 / t8,
                    "frac_fp8_peak": fl / t8 / 1e12 / peak8, "rel_err_vs_dequantised": err}
+            if sweep:
+                tb, cb = best_of(GEMM_SWEEP, lambda i, cfg, x=x, w=w8: w8a8_gemm(x, w, cfg), 2)
+                row.update(best_us=tb * 1e6, best_config=str(cb), best_TFLOPs=fl / tb / 1e12)
             rows.append(row)
             log(f"gemm {name:28s} M={M:5d}  w8a8 {t8 * 1e6:8.1f} us {row['w8a8_TFLOPs']:6.0f} TF/s "
                 f"({row['frac_fp8_peak']:.0%} of 2x bf16)  cuBLAS bf16 {t16 * 1e6:8.1f} us "
-                f"{row['bf16_TFLOPs']:6.0f} TF/s  x{row['x_bf16']:.2f}  err {err:.1e}")
+                f"{row['bf16_TFLOPs']:6.0f} TF/s  x{row['x_bf16']:.2f}  err {err:.1e}"
+                + (f"\n     best {row['best_us']:8.1f} us {row['best_TFLOPs']:6.0f} TF/s: {row['best_config']}"
+                   if sweep else ""))
     return rows
 
 
@@ -171,6 +208,7 @@ def main() -> int:
     ap.add_argument("--gemv", action="store_true")
     ap.add_argument("--gemm", action="store_true")
     ap.add_argument("--moe", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time alternative GEMV / GEMM tiles (best printed)")
     args = ap.parse_args()
     every = not (args.gemv or args.gemm or args.moe)
     t0 = time.time()
@@ -181,9 +219,9 @@ def main() -> int:
     log(json.dumps(ceil))
     out = {"env": env, "ceilings": ceil}
     if every or args.gemv:
-        out["gemv"] = run_gemv(ceil, log)
+        out["gemv"] = run_gemv(ceil, log, args.sweep)
     if every or args.gemm:
-        out["gemm"] = run_gemm(ceil, log)
+        out["gemm"] = run_gemm(ceil, log, args.sweep)
     if every or args.moe:
         out["moe"] = run_moe(ceil, log)
     with open(os.path.join(args.out, "fp8_ops.json"), "w") as f:

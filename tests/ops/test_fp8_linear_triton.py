@@ -15,7 +15,7 @@ from deltaserve import ops
 from deltaserve.ops.linear import reference as ref
 from deltaserve.ops.linear import triton_fp8
 from deltaserve.ops.linear.triton_fp8_gemm import quantize_activations, w8a8_gemm
-from deltaserve.ops.linear.triton_fp8_gemv import MAX_ROWS
+from deltaserve.ops.linear.triton_fp8_gemv import MAX_ROWS, Fp8GemvConfig, fp8_gemv
 from deltaserve.ops.quant import fp8
 
 from .helpers import assert_close, gen
@@ -82,6 +82,19 @@ def test_fp8_linear_takes_the_gemv_up_to_its_rows_and_the_gemm_above(device):
     _within_one_rounding(triton_fp8.linear(small, w), ref.linear(small, w))
     _within_one_rounding(triton_fp8.linear(large, w), fp8.w8a8_linear_reference(large, w))
     assert not torch.equal(fp8.w8a8_linear_reference(small, w), ref.linear(small, w)), "the test tells them apart"
+
+
+@pytest.mark.parametrize("cfg", [Fp8GemvConfig(block_n=4, k_groups=1), Fp8GemvConfig(block_n=8, k_groups=4),
+                                 Fp8GemvConfig(block_n=16, k_groups=16), Fp8GemvConfig(block_n=64, dot=True)])
+def test_fp8_gemv_tiles_agree(device, cfg):
+    """One row (the M = 1 kernel: column groups per step, partial last step, K not a multiple of the group),
+    and the tensor-core form: the dequantised product whatever the tiles."""
+    w = _weight(37, 1000, device, (8, 128))
+    for M in (1, 3):
+        x = _x(M, 1000, device, torch.bfloat16)
+        if M > 1 and not cfg.dot:
+            continue
+        _within_one_rounding(fp8_gemv(x, w, cfg), ref.linear(x, w))
 
 
 def test_dense_weights_reach_the_dense_kernels(device):
@@ -208,3 +221,13 @@ def test_fp8_linear_graph_equals_eager():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
+
+
+def test_the_fp8_forms_share_the_reference_signatures():
+    import inspect
+
+    from deltaserve.ops.moe import triton_fp8 as moe_fp8
+
+    for name, fn in {**triton_fp8.OPS, **moe_fp8.OPS}.items():
+        want = [(p.name, p.kind) for p in inspect.signature(ops.REFERENCE_OPS[name]).parameters.values()]
+        assert [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()] == want, name

@@ -27,19 +27,54 @@ MAX_ROWS = 16          # rows of x this kernel takes (decode batches); larger M 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8GemvConfig:
+    """block_n weight rows per program; dot: the tensor-core form (M = 2..16); k_groups (M = 1): column groups
+    per K step (the step's [block_n, k_groups * col_group] tile feeds an fp32 partial of the same shape, scaled
+    elementwise, reduced once at the end)."""
+
     block_n: int = 16
     warps: int = 4
     stages: int = 4
     dot: bool = False
+    k_groups: int = 1
 
 
 def default_fp8_gemv_config(M: int, N: int, K: int, dtype: torch.dtype) -> Fp8GemvConfig:
-    """M = 1 (or fp32 x): CUDA cores, 16 rows per program (8 where that leaves under two programs per SM of
-    an H200); M = 2..16 bf16 / fp16: tensor cores, 64 rows. Not tuned on the device yet
-    (`benchmarks/fp8_ops.py --gemv` measures them)."""
-    if M == 1 or dtype == torch.float32:
-        return Fp8GemvConfig(block_n=16 if N >= 16 * 264 else 8, warps=4, stages=4)
+    """M = 1: CUDA cores, 8 rows x 4 groups (512 columns at 128) per step where that gives >= 2 programs per
+    SM of an H200, else 4 rows x 16 groups (the bf16 GEMV's shapes, config.default_linear_config, at half
+    the bytes); fp32 x with M > 1: CUDA cores, 8 rows; M = 2..16 bf16 / fp16: tensor cores, 64 rows. Not
+    tuned on the device yet (`benchmarks/fp8_ops.py --gemv --sweep` measures the alternatives)."""
+    if M == 1:
+        if N >= 8 * 264:
+            return Fp8GemvConfig(block_n=8, warps=4, stages=3, k_groups=4)
+        return Fp8GemvConfig(block_n=4, warps=8, stages=2, k_groups=16)
+    if dtype == torch.float32:
+        return Fp8GemvConfig(block_n=8, warps=4, stages=3)
     return Fp8GemvConfig(block_n=64, warps=4, stages=4, dot=True)
+
+
+@triton.jit
+def _fp8_gemv_m1_kernel(x, q, s, y, N, K, KG, s_qn, s_sn,
+                        ROW_GROUP: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, GS: tl.constexpr):
+    """One row of x: y[n] = sum_k x[k] q[n, k] s[n // ROW_GROUP, k // G], GS column groups of G per step."""
+    pid = tl.program_id(0)
+    rows = pid * BN + tl.arange(0, BN)
+    row_ok = rows < N
+    gi = tl.arange(0, GS)
+    ci = tl.arange(0, G)
+    cols = gi[:, None] * G + ci[None, :]                                                     # [GS, G]
+    qp = q + rows[:, None, None].to(tl.int64) * s_qn + cols[None, :, :]
+    sp = s + (rows // ROW_GROUP)[:, None].to(tl.int64) * s_sn + gi[None, :]
+    acc = tl.zeros((BN, GS, G), dtype=tl.float32)
+    for j in range(tl.cdiv(KG, GS)):
+        k0 = j * GS * G
+        g_ok = j * GS + gi < KG
+        k_ok = (k0 + cols < K) & g_ok[:, None]
+        w = tl.load(qp + k0, mask=row_ok[:, None, None] & k_ok[None, :, :], other=0).to(tl.float8e4nv, bitcast=True)
+        xv = tl.load(x + k0 + cols, mask=k_ok, other=0.0).to(tl.float32)                     # [GS, G]
+        sc = tl.load(sp + j * GS, mask=row_ok[:, None] & g_ok[None, :], other=0.0)          # [BN, GS]
+        acc += (w.to(tl.float32) * sc[:, :, None]) * xv[None, :, :]
+    out = tl.sum(tl.sum(acc, 2), 1)
+    tl.store(y + rows, out.to(y.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -112,7 +147,15 @@ def fp8_gemv(x: torch.Tensor, weight: BlockFp8Weight, config: Fp8GemvConfig | No
         x2 = x2.contiguous()
     q, s = q.contiguous(), s.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M and N:
+    if M == 1 and N and not cfg.dot:
+        if cfg.k_groups < 1 or cfg.k_groups & (cfg.k_groups - 1):
+            raise ValueError(f"fp8_gemv: config k_groups={cfg.k_groups} must be a power of two")
+        kg = triton.cdiv(K, weight.col_group)
+        _fp8_gemv_m1_kernel[(triton.cdiv(N, cfg.block_n),)](
+            x2, q.view(torch.uint8), s, y, N, K, kg, q.stride(0), s.stride(0), ROW_GROUP=weight.row_group,
+            BN=cfg.block_n, G=weight.col_group, GS=min(cfg.k_groups, triton.next_power_of_2(kg)),
+            num_warps=cfg.warps, num_stages=cfg.stages)
+    elif M and N:
         bm = max(16, triton.next_power_of_2(M)) if cfg.dot else triton.next_power_of_2(M)
         _fp8_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
             x2, q.view(torch.uint8), s, y, M, N, K, x2.stride(0), q.stride(0), s.stride(0), y.stride(0),
