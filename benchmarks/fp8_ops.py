@@ -55,7 +55,9 @@ DENSE_SHAPES = [
     ("attn qkv (gated q)", 9216, 2048),
     ("shared expert gate_up", 1024, 2048),
 ]
-MOE_MODELS = [("35B-A3B", 256, 8), ("80B-A3B", 512, 10)]        # (name, routed experts, top_k); H 2048, I 512
+MOE_MODELS = [("35B-A3B", 256, 8), ("80B-A3B", 512, 10)]        # (name, routed experts, top_k)
+MOE_H, MOE_I = 2048, 512
+GEMV_M, GEMM_M, MOE_T = (1, 2, 4, 8, 16), (512, 2048, 8192), (1, 8, 64, 512, 4096)
 
 
 def copies_for(nbytes: int) -> int:
@@ -111,7 +113,7 @@ def run_gemv(ceil, log, sweep: bool = False) -> list:
         calls = copies_for(int(fbytes))
         ws8 = [fp8_weight((N, K), i) for i in range(calls)]
         ws16 = [w.dequantize(BF) for w in ws8]
-        for M in (1, 2, 4, 8, 16):
+        for M in GEMV_M:
             x = torch.randn(M, K, device=DEV, dtype=BF)
             err = rel_err(lin_fp8.linear(x, ws8[0]), lin_ref.linear(x, ws8[0]))
             t8 = time_per_call(lambda i, x=x, ws=ws8: lin_fp8.linear(x, ws[i]), calls)
@@ -141,7 +143,7 @@ def run_gemm(ceil, log, sweep: bool = False) -> list:
     for name, N, K in DENSE_SHAPES[:5]:
         w8 = fp8_weight((N, K))
         w16 = w8.dequantize(BF)
-        for M in (512, 2048, 8192):
+        for M in GEMM_M:
             x = torch.randn(M, K, device=DEV, dtype=BF)
             err = rel_err(lin_fp8.linear(x, w8), lin_ref.linear(x, w8))
             t8 = time_per_call(lambda i, x=x, w=w8: lin_fp8.linear(x, w), 2)
@@ -163,7 +165,7 @@ def run_gemm(ceil, log, sweep: bool = False) -> list:
 
 
 def moe_inputs(E, top_k, T, copies, seed=0):
-    H, inter = 2048, 512
+    H, inter = MOE_H, MOE_I
     w13s = [fp8_weight((E + 1, 2 * inter, H), seed + 2 * i) for i in range(copies)]
     w2s = [fp8_weight((E + 1, H, inter), seed + 2 * i + 1) for i in range(copies)]
     x = torch.randn(T, H, device=DEV, dtype=BF)
@@ -174,8 +176,8 @@ def moe_inputs(E, top_k, T, copies, seed=0):
 def run_moe(ceil, log) -> list:
     rows = []
     for name, E, top_k in MOE_MODELS:
-        for T in (1, 8, 64, 512, 4096):
-            per_expert = 3 * 2048 * 512
+        for T in MOE_T:
+            per_expert = 3 * MOE_H * MOE_I
             copies = 2 if T >= 64 else copies_for(min(E + 1, T * (top_k + 1)) * per_expert)
             x, logits, w13s, w2s = moe_inputs(E, top_k, T, copies)
             d13s, d2s = [w.dequantize(BF) for w in w13s], [w.dequantize(BF) for w in w2s]
