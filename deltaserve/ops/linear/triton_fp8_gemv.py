@@ -6,8 +6,10 @@ A program owns BN weight rows and walks K in steps of BK = the weight's column g
 so each step needs one multiplier per row: its [BN, BK] tile is widened in registers, the rows' dot products
 with the M rows of x are taken in fp32 and scaled by the step's multipliers (scale[n // row_group, k_step])
 before they join the fp32 accumulator: sum over steps of s[n, j] * sum_k x[m, k] q[n, k].
-Two forms (Fp8GemvConfig.dot): CUDA-core FMAs (M = 1, or fp32 x), or the swapped tensor-core product
-W tile [BN, BK] (widened to x's dtype, exact: e4m3 fits bf16 / fp16) @ x^T [BK, >= 16] (M = 2..16).
+Three forms: one row of x (`_fp8_gemv_m1_kernel`: Fp8GemvConfig.k_groups column groups per step, the fp32
+partial kept elementwise, reduced once); CUDA-core FMAs over M rows (fp32 x); the swapped tensor-core
+product W tile [BN, BK] (widened to x's dtype, exact: e4m3 fits bf16 / fp16) @ x^T [BK, >= 16] (M = 2..16,
+Fp8GemvConfig.dot).
 No host reads, launch parameters from the shapes only (CUDA-graph capturable). Chosen by ops/linear/
 triton_fp8.py for M <= MAX_ROWS; larger M takes the W8A8 GEMM (triton_fp8_gemm.py).
 """
@@ -102,9 +104,6 @@ def _fp8_gemv_kernel(x, q, s, y, M, N, K, s_xm, s_qn, s_sn, s_ym,
         if DOT:
             xt = tl.load(xp + j * BK, mask=col_ok[:, None] & m_ok[None, :], other=0.0)          # [BK, BM]
             acc += tl.dot(w.to(xt.dtype), xt) * scale[:, None]
-        elif BM == 1:
-            xv = tl.load(xp + j * BK, mask=m_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w.to(tl.float32) * xv, axis=1)[None, :] * scale[None, :]
         else:
             xt = tl.load(xp + j * BK, mask=m_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
             part = tl.sum(xt[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)                 # [BM, BN]
