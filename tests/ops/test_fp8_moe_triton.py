@@ -38,6 +38,13 @@ def test_fp8_moe_matches_the_reference_fp32(device, T, groups):
     torch.testing.assert_close(got, ref.fused_moe_routed(x, w13, w2, logits, 3, True), rtol=1e-5, atol=1e-6)
 
 
+def test_fp8_moe_gemv_path_steps_over_long_rows(device):
+    """The GEMV path's K steps: I = 300 in groups of 32 (10 groups: two w2 steps, the last partial), H = 200."""
+    x, w13, w2, logits = _moe(device, 3, 4, 300, 200, (4, 32), torch.float32, seed=11)
+    got = triton_fp8.fused_moe_routed(x, w13, w2, logits, 2, True)
+    torch.testing.assert_close(got, ref.fused_moe_routed(x, w13, w2, logits, 2, True), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("T", [2, 40])
 def test_fp8_moe_with_shared_slots_bf16(device, T):
     x, w13, w2, logits = _moe(device, T, 5, 48, 128, (16, 64), torch.bfloat16, seed=7, extra=1)

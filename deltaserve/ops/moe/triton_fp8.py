@@ -36,10 +36,15 @@ from .triton_grouped import _combine_kernel
 
 @dataclasses.dataclass(frozen=True)
 class Fp8GemvMoeConfig:
-    """Tiles of the FP8 GEMV path: weight rows per program of each kernel (the K step is the column group)."""
+    """Tiles of the FP8 GEMV path: weight rows per program and column groups per K step of each kernel
+    (w2's groups are raised to cover all of I where that is at most 8 groups: one step per expert). Many
+    small programs with wide steps keep the most loads in flight (not tuned on the device yet:
+    `benchmarks/fp8_ops.py --moe`)."""
 
-    block_n1: int = 16
-    block_n2: int = 16
+    block_n1: int = 4
+    k_groups1: int = 4
+    block_n2: int = 4
+    k_groups2: int = 4
     warps: int = 4
     stages: int = 3
 
@@ -53,51 +58,69 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _fp8_gemv_w13_kernel(x, q13, s13, ids, inter, H, I, s_x, s_qe, s_qn, s_se, s_sn,
-                         TOP_K: tl.constexpr, RG: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _fp8_gemv_w13_kernel(x, q13, s13, ids, inter, H, I, KG, s_x, s_qe, s_qn, s_se, s_sn,
+                         TOP_K: tl.constexpr, RG: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
+                         GS: tl.constexpr):
+    """Per (assignment, BN rows of I): SiLU(gate) * up in fp32, GS column groups of G per step of H; the
+    products kept elementwise in fp32 [BN, GS, G] (scaled by their group's multiplier), reduced once."""
     a = tl.program_id(0)
     e = tl.load(ids + a).to(tl.int64)
     t = (a // TOP_K).to(tl.int64)
     rows = tl.program_id(1) * BN + tl.arange(0, BN)
     row_ok = rows < I
-    kk = tl.arange(0, BK)
-    wg = q13 + e * s_qe + rows[:, None].to(tl.int64) * s_qn + kk[None, :]
+    gi = tl.arange(0, GS)
+    cols = gi[:, None] * G + tl.arange(0, G)[None, :]                                        # [GS, G]
+    wg = q13 + e * s_qe + rows[:, None, None].to(tl.int64) * s_qn + cols[None, :, :]
     wu = wg + I * s_qn
-    sg = s13 + e * s_se + (rows // RG).to(tl.int64) * s_sn
-    su = s13 + e * s_se + ((rows + I) // RG).to(tl.int64) * s_sn
-    acc_g = tl.zeros([BN], dtype=tl.float32)
-    acc_u = tl.zeros([BN], dtype=tl.float32)
-    for j in range(tl.cdiv(H, BK)):
-        k_ok = kk + j * BK < H
-        xv = tl.load(x + t * s_x + j * BK + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        m = row_ok[:, None] & k_ok[None, :]
-        g = tl.load(wg + j * BK, mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        u = tl.load(wu + j * BK, mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        acc_g += tl.sum(g * xv, 1) * tl.load(sg + j, mask=row_ok, other=0.0)
-        acc_u += tl.sum(u * xv, 1) * tl.load(su + j, mask=row_ok, other=0.0)
-    tl.store(inter + a.to(tl.int64) * I + rows, silu(acc_g) * acc_u, mask=row_ok)
+    sg = s13 + e * s_se + (rows // RG)[:, None].to(tl.int64) * s_sn + gi[None, :]
+    su = s13 + e * s_se + ((rows + I) // RG)[:, None].to(tl.int64) * s_sn + gi[None, :]
+    acc_g = tl.zeros([BN, GS, G], dtype=tl.float32)
+    acc_u = tl.zeros([BN, GS, G], dtype=tl.float32)
+    for j in range(tl.cdiv(KG, GS)):
+        k0 = j * GS * G
+        g_ok = j * GS + gi < KG
+        k_ok = (k0 + cols < H) & g_ok[:, None]
+        xv = tl.load(x + t * s_x + k0 + cols, mask=k_ok, other=0.0).to(tl.float32)[None, :, :]
+        m = row_ok[:, None, None] & k_ok[None, :, :]
+        ms = row_ok[:, None] & g_ok[None, :]
+        g = tl.load(wg + k0, mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        u = tl.load(wu + k0, mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        acc_g += g * tl.load(sg + j * GS, mask=ms, other=0.0)[:, :, None] * xv
+        acc_u += u * tl.load(su + j * GS, mask=ms, other=0.0)[:, :, None] * xv
+    hg = tl.sum(tl.sum(acc_g, 2), 1)
+    hu = tl.sum(tl.sum(acc_u, 2), 1)
+    tl.store(inter + a.to(tl.int64) * I + rows, silu(hg) * hu, mask=row_ok)
 
 
 @triton.jit
-def _fp8_gemv_w2_kernel(inter, q2, s2, ids, weights, out, H, I, s_qe, s_qn, s_se, s_sn, s_w, s_o,
-                        TOP_K: tl.constexpr, RG: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _fp8_gemv_w2_kernel(inter, q2, s2, ids, weights, out, H, I, KG, s_qe, s_qn, s_se, s_sn, s_w, s_o,
+                        TOP_K: tl.constexpr, RG: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
+                        GS: tl.constexpr):
+    """Per (token, BN rows of H): its experts' w2 products, GS column groups of G per step of I (with
+    GS * G >= I, the default, one step per expert: the unrolled experts' loads all in flight), weighted
+    and summed in fp32, rounded once."""
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BN + tl.arange(0, BN)
     row_ok = rows < H
-    kk = tl.arange(0, BK)
+    gi = tl.arange(0, GS)
+    cols = gi[:, None] * G + tl.arange(0, G)[None, :]                                        # [GS, G]
+    srow = (rows // RG)[:, None].to(tl.int64) * s_sn + gi[None, :]
     total = tl.zeros([BN], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         a = t * TOP_K + j
         e = tl.load(ids + a).to(tl.int64)
-        wp = q2 + e * s_qe + rows[:, None].to(tl.int64) * s_qn + kk[None, :]
-        sp = s2 + e * s_se + (rows // RG).to(tl.int64) * s_sn
-        acc = tl.zeros([BN], dtype=tl.float32)
-        for k in range(tl.cdiv(I, BK)):
-            k_ok = kk + k * BK < I
-            hv = tl.load(inter + a * I + k * BK + kk, mask=k_ok, other=0.0)
-            w = tl.load(wp + k * BK, mask=row_ok[:, None] & k_ok[None, :], other=0).to(tl.float8e4nv, bitcast=True)
-            acc += tl.sum(w.to(tl.float32) * hv[None, :], 1) * tl.load(sp + k, mask=row_ok, other=0.0)
-        total += tl.load(weights + t * s_w + j).to(tl.float32) * acc
+        wp = q2 + e * s_qe + rows[:, None, None].to(tl.int64) * s_qn + cols[None, :, :]
+        acc = tl.zeros([BN, GS, G], dtype=tl.float32)
+        for k in range(tl.cdiv(KG, GS)):
+            k0 = k * GS * G
+            g_ok = k * GS + gi < KG
+            k_ok = (k0 + cols < I) & g_ok[:, None]
+            hv = tl.load(inter + a * I + k0 + cols, mask=k_ok, other=0.0)                   # [GS, G] fp32
+            w = tl.load(wp + k0, mask=row_ok[:, None, None] & k_ok[None, :, :], other=0).to(tl.float8e4nv,
+                                                                                             bitcast=True)
+            sc = tl.load(s2 + e * s_se + srow + k * GS, mask=row_ok[:, None] & g_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * sc[:, :, None] * hv[None, :, :]
+        total += tl.load(weights + t * s_w + j).to(tl.float32) * tl.sum(tl.sum(acc, 2), 1)
     tl.store(out + t * s_o + rows, total.to(out.dtype.element_ty), mask=row_ok)
 
 
@@ -208,14 +231,16 @@ def fp8_fused_moe(x: torch.Tensor, w13: BlockFp8Weight, w2: BlockFp8Weight, topk
     if A <= GEMV_MAX_ASSIGNMENTS:
         cfg = Fp8GemvMoeConfig()
         h = torch.empty((A, inter), dtype=torch.float32, device=x.device)
+        kg1, kg2 = triton.cdiv(H, w13.col_group), triton.cdiv(inter, w2.col_group)
+        gs2 = max(cfg.k_groups2, min(8, triton.next_power_of_2(kg2)))
         _fp8_gemv_w13_kernel[(A, triton.cdiv(inter, cfg.block_n1))](
-            x, q13, s13, topk_ids, h, H, inter, x.stride(0), q13.stride(0), q13.stride(1), s13.stride(0),
-            s13.stride(1), TOP_K=top_k, RG=w13.row_group, BN=cfg.block_n1, BK=w13.col_group,
-            num_warps=cfg.warps, num_stages=cfg.stages)
+            x, q13, s13, topk_ids, h, H, inter, kg1, x.stride(0), q13.stride(0), q13.stride(1), s13.stride(0),
+            s13.stride(1), TOP_K=top_k, RG=w13.row_group, BN=cfg.block_n1, G=w13.col_group,
+            GS=min(cfg.k_groups1, triton.next_power_of_2(kg1)), num_warps=cfg.warps, num_stages=cfg.stages)
         _fp8_gemv_w2_kernel[(T, triton.cdiv(H, cfg.block_n2))](
-            h, q2, s2, topk_ids, topk_weights, out, H, inter, q2.stride(0), q2.stride(1), s2.stride(0),
+            h, q2, s2, topk_ids, topk_weights, out, H, inter, kg2, q2.stride(0), q2.stride(1), s2.stride(0),
             s2.stride(1), topk_weights.stride(0), out.stride(0), TOP_K=top_k, RG=w2.row_group, BN=cfg.block_n2,
-            BK=w2.col_group, num_warps=cfg.warps, num_stages=cfg.stages)
+            G=w2.col_group, GS=min(gs2, triton.next_power_of_2(kg2)), num_warps=cfg.warps, num_stages=cfg.stages)
         return out
     cfg = default_moe_config(T, top_k, E, H, inter)
     if not isinstance(cfg, MoeConfig):       # the bf16 rules' GEMV choice past our GEMV limit: smallest tiles
