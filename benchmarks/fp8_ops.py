@@ -86,7 +86,8 @@ def gemv_sweep(M: int) -> list:
     if M == 1:
         return [Fp8GemvConfig(block_n=bn, warps=w, stages=3, k_groups=kg)
                 for bn in (4, 8, 16) for kg in (1, 4, 16) for w in (4, 8) if bn * kg <= 64]
-    return [Fp8GemvConfig(block_n=bn, warps=4, stages=st, dot=True) for bn in (32, 64, 128) for st in (3, 4)]
+    return [Fp8GemvConfig(block_n=bn, warps=4, stages=4, dot=True, split_k=sk) for bn in (16, 32, 64)
+            for sk in (1, 2, 4, 8)]
 
 
 GEMM_SWEEP = [W8A8Config(block_m=bm, block_n=bn, group_m=8, warps=w, stages=3)

@@ -85,10 +85,12 @@ def test_fp8_linear_takes_the_gemv_up_to_its_rows_and_the_gemm_above(device):
 
 
 @pytest.mark.parametrize("cfg", [Fp8GemvConfig(block_n=4, k_groups=1), Fp8GemvConfig(block_n=8, k_groups=4),
-                                 Fp8GemvConfig(block_n=16, k_groups=16), Fp8GemvConfig(block_n=64, dot=True)])
+                                 Fp8GemvConfig(block_n=16, k_groups=16), Fp8GemvConfig(block_n=64, dot=True),
+                                 Fp8GemvConfig(block_n=16, dot=True, split_k=3)])
 def test_fp8_gemv_tiles_agree(device, cfg):
     """One row (the M = 1 kernel: column groups per step, partial last step, K not a multiple of the group),
-    and the tensor-core form: the dequantised product whatever the tiles."""
+    and the tensor-core form (K split in 3 over 8 groups: uneven splits): the dequantised product whatever the
+    tiles."""
     w = _weight(37, 1000, device, (8, 128))
     for M in (1, 3):
         x = _x(M, 1000, device, torch.bfloat16)

@@ -23,8 +23,10 @@ import triton
 import triton.language as tl
 
 from ..quant.fp8 import BlockFp8Weight
+from .triton_gemv import _split_sum_kernel
 
 MAX_ROWS = 16          # rows of x this kernel takes (decode batches); larger M belongs to the W8A8 GEMM
+NUM_SMS = 132          # H200; only sizes the default row blocks and split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +40,7 @@ class Fp8GemvConfig:
     stages: int = 4
     dot: bool = False
     k_groups: int = 1
+    split_k: int = 1             # M > 1: programs per row block over K (fp32 partials, summed in order)
 
 
 def default_fp8_gemv_config(M: int, N: int, K: int, dtype: torch.dtype) -> Fp8GemvConfig:
@@ -51,7 +54,11 @@ def default_fp8_gemv_config(M: int, N: int, K: int, dtype: torch.dtype) -> Fp8Ge
         return Fp8GemvConfig(block_n=4, warps=8, stages=2, k_groups=16)
     if dtype == torch.float32:
         return Fp8GemvConfig(block_n=8, warps=4, stages=3)
-    return Fp8GemvConfig(block_n=64, warps=4, stages=4, dot=True)
+    if triton.cdiv(N, 64) >= 2 * NUM_SMS:
+        return Fp8GemvConfig(block_n=64, warps=4, stages=4, dot=True)
+    # few row blocks (the 2048-row out_proj / o_proj): 16-row blocks, K split to give ~2 programs per SM
+    split = max(1, min(8, triton.cdiv(2 * NUM_SMS, triton.cdiv(N, 16))))
+    return Fp8GemvConfig(block_n=16, warps=4, stages=4, dot=True, split_k=split)
 
 
 @triton.jit
@@ -79,11 +86,14 @@ def _fp8_gemv_m1_kernel(x, q, s, y, N, K, KG, s_qn, s_sn,
     tl.store(y + rows, out.to(y.dtype.element_ty), mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _fp8_gemv_kernel(x, q, s, y, M, N, K, s_xm, s_qn, s_sn, s_ym,
+@triton.jit(do_not_specialize=["M", "s_ys"])
+def _fp8_gemv_kernel(x, q, s, y, M, N, K, s_xm, s_qn, s_sn, s_ym, groups_per_split, s_ys,
                      ROW_GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      DOT: tl.constexpr):
+    """Program (row block, split s) sums the column groups s * groups_per_split .. (s + 1) * groups_per_split
+    - 1 into y + s * s_ys (one split: y itself; more: fp32 partials that _split_sum_kernel adds in order)."""
     pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
     rows = pid * BN + tl.arange(0, BN)
     row_ok = rows < N
     ms = tl.arange(0, BM)
@@ -97,7 +107,7 @@ def _fp8_gemv_kernel(x, q, s, y, M, N, K, s_xm, s_qn, s_sn, s_ym,
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         xp = x + ms[:, None].to(tl.int64) * s_xm + ks[None, :]
-    for j in range(tl.cdiv(K, BK)):
+    for j in range(pid_s * groups_per_split, tl.minimum(tl.cdiv(K, BK), (pid_s + 1) * groups_per_split)):
         col_ok = j * BK + ks < K
         w = tl.load(qp + j * BK, mask=row_ok[:, None] & col_ok[None, :], other=0).to(tl.float8e4nv, bitcast=True)
         scale = tl.load(s + srow * s_sn + j, mask=row_ok, other=0.0)                             # [BN]
@@ -108,6 +118,7 @@ def _fp8_gemv_kernel(x, q, s, y, M, N, K, s_xm, s_qn, s_sn, s_ym,
             xt = tl.load(xp + j * BK, mask=m_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
             part = tl.sum(xt[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)                 # [BM, BN]
             acc += part * scale[None, :]
+    y = y + pid_s.to(tl.int64) * s_ys
     if DOT:
         tl.store(y + ms[None, :] * s_ym + rows[:, None], acc.to(y.dtype.element_ty),
                  mask=row_ok[:, None] & m_ok[None, :])
@@ -152,12 +163,20 @@ def fp8_gemv(x: torch.Tensor, weight: BlockFp8Weight, config: Fp8GemvConfig | No
         kg = triton.cdiv(K, weight.col_group)
         _fp8_gemv_m1_kernel[(triton.cdiv(N, cfg.block_n),)](
             x2, q.view(torch.uint8), s, y, N, K, kg, q.stride(0), s.stride(0), ROW_GROUP=weight.row_group,
-            BN=cfg.block_n, G=weight.col_group, GS=min(cfg.k_groups, triton.next_power_of_2(kg)),
+            BN=cfg.block_n, G=weight.col_group, GS=max(1, min(cfg.k_groups, triton.next_power_of_2(kg))),
             num_warps=cfg.warps, num_stages=cfg.stages)
     elif M and N:
+        if cfg.split_k < 1:
+            raise ValueError(f"fp8_gemv: config split_k={cfg.split_k} must be >= 1")
+        kg = triton.cdiv(K, weight.col_group)
+        per_split = triton.cdiv(kg, min(cfg.split_k, max(kg, 1)))
+        split = triton.cdiv(kg, per_split) if kg else 1
+        out = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
         bm = max(16, triton.next_power_of_2(M)) if cfg.dot else triton.next_power_of_2(M)
-        _fp8_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
-            x2, q.view(torch.uint8), s, y, M, N, K, x2.stride(0), q.stride(0), s.stride(0), y.stride(0),
+        _fp8_gemv_kernel[(triton.cdiv(N, cfg.block_n), split)](
+            x2, q.view(torch.uint8), s, out, M, N, K, x2.stride(0), q.stride(0), s.stride(0), N, per_split, M * N,
             ROW_GROUP=weight.row_group, BM=bm, BN=cfg.block_n, BK=weight.col_group, DOT=cfg.dot,
             num_warps=cfg.warps, num_stages=cfg.stages)
+        if split > 1:
+            _split_sum_kernel[(triton.cdiv(M * N, 1024),)](out, y, M * N, M * N, SPLIT=split, B=1024, num_warps=4)
     return y.reshape(*lead, N)
