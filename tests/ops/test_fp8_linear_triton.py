@@ -183,6 +183,7 @@ def test_select_kernels_picks_the_fp8_forms_once(monkeypatch):
         assert getattr(k, name) is triton_fp8.OPS[name]
     assert k.fused_moe is moe_fp8.fused_moe and k.fused_moe_routed is moe_fp8.fused_moe_routed
     assert k.fp8_path.startswith("triton FP8 kernels") and "dequantize" not in k.fp8_path
+    assert ops.FP8_GEMV_MAX_ROWS == MAX_ROWS and f"up to {MAX_ROWS} rows" in k.fp8_path
     assert "FP8 weights: triton FP8 kernels" in k.summary()
     assert ops.select_kernels("cuda").linear is usable["linear"], "no FP8 forms without FP8 weights"
     g = ops.select_kernels("cpu", decode_graph_ops=True, fp8_weights=True)
