@@ -7,9 +7,10 @@ handle its inputs raises. Where a sublayer step can run fused or as plain ops, i
 (ops/fusion.py, called as a Kernels method) chooses from the batch shape, by the fold rules that
 select_kernels takes from beside the fused kernels.
 Block-FP8 weights (ops/quant/fp8.py BlockFp8Weight) are taken by the references natively (dequantised, fp32
-math). The Triton and decode-graph ops have no FP8 kernels yet: with fp8_weights, select_kernels wraps the
-weight-reading ops (FP8_WEIGHT_OPS) to dequantise to the activation dtype before the dense kernel, once per
-call, and says so (a warning and Kernels.summary()); never a silent wrong path.
+math). With fp8_weights, select_kernels replaces the Triton weight-reading ops (FP8_WEIGHT_OPS) by their FP8
+forms (ops/linear/triton_fp8.py, ops/moe/triton_fp8.py: weight-only FP8 GEMV at decode, W8A8 block GEMM
+above FP8_GEMV_MAX_ROWS rows, FP8 fused MoE; dense weights still reach the dense kernels); the decode-graph
+ops have no FP8 kernels and dequantise to the activation dtype per call. Kernels.summary() says which.
 This package imports nothing from the rest of deltaserve.
 """
 
@@ -77,7 +78,7 @@ class Kernels:
     conv_fold_rows: tuple[int, int] = (0, 0)
     gate_fold_rows: int = 0
     kept_reference: Mapping[str, str] = dataclasses.field(default_factory=dict)  # op -> why its kernel was refused
-    fp8_path: str = ""               # how FP8 weights are read: "" (none), "reference", "dequantize-then-<backend>"
+    fp8_path: str = ""               # how FP8 weights are read: "" (none), "reference", the FP8 kernels (_fp8_ops)
 
     # ---- composite ops (ops/fusion.py): the sublayer steps that choose their fusions ----
     def gdn_in_proj(self, *args, **kwargs) -> GdnProjection:
@@ -141,6 +142,7 @@ REFERENCE_OPS: dict[str, Callable] = {
 # The ops that read a projection or expert weight (the ones an FP8 weight reaches).
 FP8_WEIGHT_OPS = ("linear", "rms_norm_linear", "rms_norm_linear_conv", "gated_linear", "fused_moe",
                   "fused_moe_routed")
+FP8_GEMV_MAX_ROWS = 16           # ops/linear/triton_fp8_gemv.MAX_ROWS (that module imports triton)
 
 
 def _dequantizing(op: Callable) -> Callable:
@@ -153,6 +155,38 @@ def _dequantizing(op: Callable) -> Callable:
         return op(x, *args, **kwargs)
 
     return run
+
+
+def _fp8_ops(device: torch.device, chosen: dict[str, Callable], backend: Mapping[str, str]
+             ) -> tuple[dict[str, Callable], str]:
+    """The FP8_WEIGHT_OPS for a model holding block-FP8 weights, and how they read them (Kernels.fp8_path):
+    the references read them natively; a Triton op is replaced by its FP8 form (ops/linear/triton_fp8.py,
+    ops/moe/triton_fp8.py: FP8 kernels for FP8 weights, the dense kernel for the rest); any other backend's op
+    (the CPU decode graph) dequantises per call, with a warning."""
+    chosen = dict(chosen)
+    triton_ops = [op for op in FP8_WEIGHT_OPS if backend[op] == "triton"]
+    if triton_ops:
+        from .linear import triton_fp8 as linear_fp8
+        from .moe import triton_fp8 as moe_fp8
+
+        fp8_kernels = {**linear_fp8.OPS, **moe_fp8.OPS}
+        chosen.update({op: fp8_kernels[op] for op in triton_ops})
+    other = sorted({backend[op] for op in FP8_WEIGHT_OPS} - {"reference", "triton"})
+    slow = [op for op in FP8_WEIGHT_OPS if backend[op] in other]
+    for op in slow:
+        chosen[op] = _dequantizing(chosen[op])
+    if slow:
+        logger.warning("FP8 weights on %s: no FP8 %s kernels; %s dequantise the weight to the activation dtype "
+                       "per call (correct, not fast)", device, "/".join(other), ", ".join(slow))
+    parts = []
+    if triton_ops:
+        parts.append(f"triton FP8 kernels ({', '.join(triton_ops)}: weight-only GEMV up to "
+                     f"{FP8_GEMV_MAX_ROWS} rows, W8A8 block GEMM above; FP8 fused MoE)")
+    if slow:
+        parts.append(f"dequantize-then-{'/'.join(other)} ({', '.join(slow)})")
+    if len(triton_ops) + len(slow) < len(FP8_WEIGHT_OPS):
+        parts.append("reference")
+    return chosen, "; ".join(parts)
 
 
 def _triton_ops(device: torch.device, shapes: Mapping[str, int]
@@ -197,15 +231,7 @@ def select_kernels(device: torch.device | str, *, force_reference: bool = False,
             logger.warning("%s on %s: torch reference (%s)", ", ".join(names), device, why)
     fp8_path = ""
     if fp8_weights:
-        dense = sorted({backend[op] for op in FP8_WEIGHT_OPS if backend[op] != "reference"})
-        for op in FP8_WEIGHT_OPS:
-            if backend[op] != "reference":
-                chosen[op] = _dequantizing(chosen[op])
-        fp8_path = f"dequantize-then-{'/'.join(dense)}" if dense else "reference"
-        if dense:
-            logger.warning("FP8 weights on %s: no FP8 %s kernels yet; %s dequantise the weight to the activation "
-                           "dtype per call (correct, not fast)", device, "/".join(dense),
-                           ", ".join(op for op in FP8_WEIGHT_OPS if backend[op] != "reference"))
+        chosen, fp8_path = _fp8_ops(device, chosen, backend)
     kernels = Kernels(backend=backend, **chosen, **rules, kept_reference=refused, fp8_path=fp8_path)
     logger.debug("ops on %s%s: %s", device, " (reference forced)" if force_reference else "",
                  ", ".join(f"{k}={v}" for k, v in sorted(backend.items())))

@@ -101,11 +101,13 @@ class Worker:
             self.model = load_model(c.model_path, device=c.device, dtype=c.dtype, kernels=self.kernels, config=c.model,
                                     parallel=c.parallel, show_progress=c.parallel.rank == 0)
         if c.kv_cache_dtype == "fp8":
-            triton_attention = [op for op in FP8_KV_OPS if self.kernels.backend[op] != "reference"]
-            if triton_attention:
-                raise ValueError(f"kv_cache_dtype='fp8' on {c.device}: the Triton attention kernels "
-                                 f"({', '.join(triton_attention)}) do not read an FP8 cache yet; use "
-                                 "kv_cache_dtype='auto' (or enforce_reference_ops=True: the slow reference path)")
+            # the references and the Triton attention kernels read and write an FP8 pool (ops.quant Fp8KvCache)
+            other = [f"{op} ({self.kernels.backend[op]})" for op in FP8_KV_OPS
+                     if self.kernels.backend[op] not in ("reference", "triton")]
+            if other:
+                raise ValueError(f"kv_cache_dtype='fp8' on {c.device}: the attention kernels {', '.join(other)} "
+                                 "do not read an FP8 cache; use kv_cache_dtype='auto' (or enforce_reference_ops=True: "
+                                 "the slow reference path)")
         # under tensor parallelism every rank plans the same buckets (engine/executor.py checks they agree)
         self.graph_sizes = plan_decode_graphs(c.device, self.kernels,
                                               max_batch=min(c.max_num_seqs, c.max_num_batched_tokens),

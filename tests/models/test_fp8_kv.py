@@ -63,16 +63,16 @@ def test_checkpoint_kv_scales_are_used_not_recalibrated(tiny_model, tmp_path):
     assert torch.isfinite(_logprobs(LLM(path, device="cpu", dtype="float32"), random_ids(40, seed=1))).all()
 
 
-def test_kv_cache_dtype_is_validated_and_fp8_refused_with_triton_attention(tiny_model, monkeypatch):
+def test_kv_cache_dtype_is_validated_and_fp8_refused_with_other_attention_kernels(tiny_model, monkeypatch):
     path = tiny_model(SPEC)
     with pytest.raises(ValueError, match="kv_cache_dtype 'int8'"):
         LLM(path, device="cpu", kv_cache_dtype="int8")
     from deltaserve.runner import worker
 
-    def triton_attention(device, **kw):
+    def other_attention(device, **kw):
         k = select_kernels(device, **kw)
-        return type(k)(**{**k.__dict__, "backend": {**k.backend, "paged_attention": "triton"}})
+        return type(k)(**{**k.__dict__, "backend": {**k.backend, "paged_attention": "decode-graph"}})
 
-    monkeypatch.setattr(worker, "select_kernels", triton_attention)
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'.*Triton attention kernels.*paged_attention"):
+    monkeypatch.setattr(worker, "select_kernels", other_attention)
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8'.*attention kernels paged_attention \(decode-graph\)"):
         LLM(path, device="cpu", kv_cache_dtype="fp8")

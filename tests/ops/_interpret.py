@@ -58,6 +58,34 @@ def _patch_interpreter_bf16_rounding() -> None:
     interpreter._convert_float = patched
 
 
+def _patch_interpreter_fp8() -> None:
+    """The interpreter converts to and from e4m3 (float8e4nv) by a generic bit shuffle that neither rounds to
+    nearest even nor knows e4m3fn's range; convert as the GPU does (torch's conversions: round to nearest
+    even; the kernels clamp before they narrow). The dot widens fp8 operands through this conversion."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+    if getattr(original, "_deltaserve_fp8", False):
+        return
+    wide = {tl.float32: (torch.float32, torch.int32, np.int32), tl.float16: (torch.float16, torch.int16, np.int16),
+            tl.bfloat16: (torch.bfloat16, torch.int16, np.int16)}
+
+    def patched(data, src, dst, rounding_mode):
+        if dst == tl.float8e4nv and src in wide:
+            bits = torch.from_numpy(np.ascontiguousarray(data).view(wide[src][2]).copy())
+            return bits.view(wide[src][0]).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        if src == tl.float8e4nv and dst in wide:
+            t = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).copy()).view(torch.float8_e4m3fn)
+            return t.to(wide[dst][0]).view(wide[dst][1]).numpy()
+        return original(data, src, dst, rounding_mode)
+
+    patched._deltaserve_fp8 = True
+    patched._deltaserve_patched = getattr(original, "_deltaserve_patched", False)
+    interpreter._convert_float = patched
+
+
 def _patch_interpreter_bf16_dot() -> None:
     """The interpreter multiplies bf16 dot operands as their raw uint16 bit patterns; widen them to fp32
     first (exact), accumulating in fp32 as the GPU's tensor cores do."""
@@ -121,4 +149,5 @@ if INTERPRET:
     _patch_interpreter_speed()
     _patch_interpreter_index()
     _patch_interpreter_bf16_rounding()
+    _patch_interpreter_fp8()
     _patch_interpreter_bf16_dot()

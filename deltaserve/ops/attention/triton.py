@@ -8,12 +8,17 @@
 
 fused_paged_attention (here) picks its path from the batch: decode batches (one token per sequence) the
 one-launch decode, others attention_prologue then paged_attention.
+
+Every op takes an FP8 pool (kv_cache an ops.quant Fp8KvCache: e4m3 values + per-tensor / per-KV-head
+multipliers) as the reference does: keys and values quantised on the store (clamp(x / multiplier), round to
+nearest even) and dequantised on the load (value * multiplier rounded to q's dtype), in the kernels.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..quant.fp8 import Fp8KvCache
 from ..triton_common import check
 from .config import AttentionConfig, DecodeAttentionConfig, default_attention_config, default_decode_config
 from .triton_decode import decode_attention
@@ -26,7 +31,7 @@ __all__ = ["AttentionConfig", "DecodeAttentionConfig", "attention_prologue", "de
 
 def fused_paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
-    eps: float, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+    eps: float, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor | Fp8KvCache, slot_mapping: torch.Tensor, *,
     cu_seqlens: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
     max_query_len: int | None = None, config: DecodeAttentionConfig | None = None,
 ) -> torch.Tensor:

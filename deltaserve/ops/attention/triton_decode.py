@@ -18,7 +18,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..triton_common import check, pdl_launch, pdl_launch_args, prefetch_l2
 from .config import MAX_SPLITS, DecodeAttentionConfig, default_decode_config, device_sms
 from .triton_merge import NEG_BIG, merge_splits
-from .triton_paged import LOG2E, _attend
+from .triton_paged import LOG2E, _attend, kv_multipliers
+from .triton_prologue import cache_value, kv8_args, pool, split_cache
 
 
 @triton.jit
@@ -63,7 +64,8 @@ def _decode_attention_kernel(q, k, v, q_w, k_w, cos, sin, cache, slots, seq_lens
                              SPLITS: tl.constexpr, SP: tl.constexpr, MIN_TILES: tl.constexpr,
                              MS: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
                              PREFETCH_TILES: tl.constexpr = 0, LINE: tl.constexpr = 64,
-                             LAST_MERGES: tl.constexpr = True):
+                             LAST_MERGES: tl.constexpr = True, kv_scale=None, s_sc_kv=0, s_sc_h=0,
+                             KV8: tl.constexpr = False):
     """One decode token (= sequence n), one KV head, one split of its keys per program:
 
     1. q: RMSNorm + RoPE of the G query heads of this KV head, on the load (every split does this; it is
@@ -83,7 +85,10 @@ def _decode_attention_kernel(q, k, v, q_w, k_w, cos, sin, cache, slots, seq_lens
     With PDL the kernel reads nothing before griddepcontrol.wait but, with PREFETCH_TILES, a guess of its
     context length and block table (L2 only) from which it asks L2 for the lines of its first key tiles:
     the old keys are not written in this step, so the DRAM latency overlaps the kernel before; a stale
-    guess costs bandwidth, never a wrong value (every address is clamped into its buffer)."""
+    guess costs bandwidth, never a wrong value (every address is clamped into its buffer).
+
+    KV8: the pool holds e4m3 bits (uint8) with the layer's multipliers kv_scale: the new key and value are
+    quantised on the store and every tile dequantised on the load (triton_prologue.cache_value, _attend)."""
     n = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -130,14 +135,15 @@ def _decode_attention_kernel(q, k, v, q_w, k_w, cos, sin, cache, slots, seq_lens
     owner = tl.maximum(tiles - 1, 0) % active
     # the new key and value, stored by the owner of the last tile before it reads that tile
     knew = _rope_normed(kx, kxp, tl.rsqrt(tl.sum(kx * kx, 0) / D + eps), kw, kwp, c, sn, sign,
-                        cache.dtype.element_ty)
+                        out.dtype.element_ty)
+    k_mul, v_mul = kv_multipliers(kv_scale, kvh, s_sc_kv, s_sc_h, KV8)
     dst = cache + slot * (NKV * D) + kvh * D + dims
     store_new = (dims >= 0) & (slot >= 0) & (split == owner) & (ctx > 0)
-    tl.store(dst, knew, mask=store_new)
-    tl.store(dst + s_c_kv, vv_new.to(cache.dtype.element_ty), mask=store_new)
+    tl.store(dst, cache_value(knew, k_mul, cache, KV8), mask=store_new)
+    tl.store(dst + s_c_kv, cache_value(vv_new, v_mul, cache, KV8), mask=store_new)
     rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)
     qv = _rope_normed(x, xp, rstd[:, None], qw[None, :], qwp[None, :], c[None, :], sn[None, :], sign[None, :],
-                      cache.dtype.element_ty)
+                      out.dtype.element_ty)
     tl.debug_barrier()
 
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
@@ -149,11 +155,11 @@ def _decode_attention_kernel(q, k, v, q_w, k_w, cos, sin, cache, slots, seq_lens
     kv_full = ctx // BLOCK_N * BLOCK_N
     for start in range(split * BLOCK_N, kv_full, active * BLOCK_N):
         m_i, l_i, acc = _attend(qv, m_i, l_i, acc, cache, table, start, ctx, q_pos, dims, qk_scale, s_c_kv, BS,
-                                head_off, NKV, D, BLOCK_N, False, IEEE)
+                                head_off, NKV, D, BLOCK_N, False, IEEE, k_mul, v_mul, KV8)
     tail = tl.where(split == owner, kv_full, ctx)       # the partial last tile, if any: its owner's
     for start in range(tail, ctx, BLOCK_N):
         m_i, l_i, acc = _attend(qv, m_i, l_i, acc, cache, table, start, ctx, q_pos, dims, qk_scale, s_c_kv, BS,
-                                head_off, NKV, D, BLOCK_N, True, IEEE)
+                                head_off, NKV, D, BLOCK_N, True, IEEE, k_mul, v_mul, KV8)
 
     out_rows = out + (t * NH + head[:, None]) * D
     if SPLITS > 1 and not LAST_MERGES:  # partial results in _merge_splits_kernel's layout, merged by it
@@ -220,6 +226,7 @@ def decode_attention(q, k, v, q_norm_weight, k_norm_weight, eps, cos, sin, kv_ca
     """fused_paged_attention on checked decode inputs (one token per sequence) with `config` or
     default_decode_config."""
     op = "fused_paged_attention"
+    kv_cache, fp8 = split_cache(op, kv_cache)
     T, N = q.shape[0], seq_lens.shape[0]
     nkv = kv_cache.shape[-2]
     nh, d, bs = q.shape[1], kv_cache.shape[-1], kv_cache.shape[2]
@@ -250,14 +257,14 @@ def decode_attention(q, k, v, q_norm_weight, k_norm_weight, eps, cos, sin, kv_ca
     ms = min(sp, 8)                                      # partial results merged per step
     bd = min(d, max(16, 64 * 32 * cfg.num_warps // (ms * gm)))   # ~64 fp32 registers a thread per step
     _decode_attention_kernel[(N, nkv, splits)](
-        q, k, v, q_norm_weight, k_norm_weight, cos, sin, kv_cache, slot_mapping, seq_lens, block_tables, out,
+        q, k, v, q_norm_weight, k_norm_weight, cos, sin, pool(kv_cache), slot_mapping, seq_lens, block_tables, out,
         part_ml, part_acc, counters, float(eps), float(scale) * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         block_tables.stride(0), kv_cache.stride(0), bs, max(1, block_tables.shape[1]), kv_cache.shape[1],
         NH=nh, NKV=nkv, D=d, RD=cos.shape[-1], G=g, GM=gm, BLOCK_M=max(16, gm), BLOCK_N=cfg.block_n,
         SPLITS=splits, SP=sp, MIN_TILES=cfg.min_tiles, MS=ms, BD=bd, IEEE=q.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_args(q.device),
-        LAST_MERGES=not merge_kernel,
+        LAST_MERGES=not merge_kernel, **kv8_args(fp8),
         **({"PREFETCH_TILES": cfg.prefetch_tiles, "LINE": min(d, 128 // kv_cache.element_size())}
            if pdl_launch(q.device) else {}))
     if merge_kernel:

@@ -37,10 +37,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..quant.fp8 import FP8_DTYPE, Fp8KvCache
 from ..triton_common import check, check_last_contiguous, check_same_device, pdl_launch_args
 from .config import MAX_SPLITS, AttentionConfig, default_attention_config
 from .triton_merge import NEG_BIG, merge_splits
-from .triton_prologue import check_cache
+from .triton_prologue import kv8_args, pool, split_cache
 
 LOG2E = 1.4426950408889634
 
@@ -61,10 +62,22 @@ def _find_sequence(cu, N, p, BQ: tl.constexpr):
 
 
 @triton.jit
+def kv_multipliers(kv_scale, kvh, s_sc_kv, s_sc_h, KV8: tl.constexpr):
+    """An FP8 cache's (key, value) dequantisation multipliers for KV head kvh (s_sc_h 0: per tensor); 1, 1
+    for a cache in the activation dtype."""
+    if KV8:
+        return tl.load(kv_scale + kvh * s_sc_h), tl.load(kv_scale + s_sc_kv + kvh * s_sc_h)
+    else:
+        return 1.0, 1.0
+
+
+@triton.jit
 def _attend(qv, m_i, l_i, acc, cache, table, start, hi, q_pos, dims, qk_scale, s_c_kv, BS, head_off,
-            NKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+            NKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
+            k_mul=1.0, v_mul=1.0, KV8: tl.constexpr = False):
     """One online-softmax step over keys [start, start + BLOCK_N) gathered through the block table.
-    MASKED: the step may hold keys past `hi` or past a row's causal limit."""
+    MASKED: the step may hold keys past `hi` or past a row's causal limit. KV8: the cache holds e4m3 bits
+    (uint8), dequantised on load as the reference does: (value * multiplier) rounded to q's dtype."""
     pos = start + tl.arange(0, BLOCK_N)
     if MASKED:
         key_ok = pos < hi
@@ -76,6 +89,8 @@ def _attend(qv, m_i, l_i, acc, cache, table, start, hi, q_pos, dims, qk_scale, s
         kT = tl.load(cache + kv_off[None, :] + dims[:, None], mask=key_ok[None, :], other=0.0)
     else:
         kT = tl.load(cache + kv_off[None, :] + dims[:, None])
+    if KV8:
+        kT = (kT.to(tl.float8e4nv, bitcast=True).to(tl.float32) * k_mul).to(qv.dtype)
     if IEEE:
         s = tl.dot(qv, kT, input_precision="ieee")
     else:
@@ -91,6 +106,8 @@ def _attend(qv, m_i, l_i, acc, cache, table, start, hi, q_pos, dims, qk_scale, s
         vv = tl.load(cache + s_c_kv + kv_off[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
     else:
         vv = tl.load(cache + s_c_kv + kv_off[:, None] + dims[None, :])
+    if KV8:
+        vv = (vv.to(tl.float8e4nv, bitcast=True).to(tl.float32) * v_mul).to(qv.dtype)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(pr.to(vv.dtype), vv, input_precision="ieee")
     else:
@@ -105,7 +122,8 @@ def _attention_kernel(q, cache, cu, seq_lens, tables, out, part_ml, part_acc, qk
                       s_q_t, s_q_h, s_bt_n, s_c_kv, BS,
                       NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                      MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+                      MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
+                      kv_scale=None, s_sc_kv=0, s_sc_h=0, KV8: tl.constexpr = False):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -156,15 +174,16 @@ def _attention_kernel(q, cache, cu, seq_lens, tables, out, part_ml, part_acc, qk
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     table = tables + n.to(tl.int64) * s_bt_n
     head_off = kvh * D
+    k_mul, v_mul = kv_multipliers(kv_scale, kvh, s_sc_kv, s_sc_h, KV8)
     # keys before the first row's causal limit are visible to every row: no masks there
     first_limit = tl.minimum(hi, ctx - q_len + tile * BQ + 1)
     full_hi = lo + tl.maximum(first_limit - lo, 0) // BLOCK_N * BLOCK_N
     for start in range(lo, full_hi, BLOCK_N):
         m_i, l_i, acc = _attend(qv, m_i, l_i, acc, cache, table, start, hi, q_pos, dims, qk_scale, s_c_kv, BS,
-                                head_off, NKV, D, BLOCK_N, False, IEEE)
+                                head_off, NKV, D, BLOCK_N, False, IEEE, k_mul, v_mul, KV8)
     for start in range(full_hi, hi, BLOCK_N):
         m_i, l_i, acc = _attend(qv, m_i, l_i, acc, cache, table, start, hi, q_pos, dims, qk_scale, s_c_kv, BS,
-                                head_off, NKV, D, BLOCK_N, True, IEEE)
+                                head_off, NKV, D, BLOCK_N, True, IEEE, k_mul, v_mul, KV8)
 
     if not SPLIT:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -179,12 +198,13 @@ def _attention_kernel(q, cache, cu, seq_lens, tables, out, part_ml, part_acc, qk
 
 
 def check_attention(op, q, kv_cache, cu_seqlens, seq_lens, block_tables, scale) -> None:
-    check_cache(op, kv_cache)
+    kv_cache, _ = split_cache(op, kv_cache)
     nkv, d = kv_cache.shape[-2], kv_cache.shape[-1]
     check(q.dim() == 3 and q.shape[-1] == d, op, f"q must be [T, heads, {d}], got {tuple(q.shape)}")
     nh = q.shape[1]
     check(nh % nkv == 0, op, f"query heads {nh} must be a multiple of KV heads {nkv}")
-    check(q.dtype == kv_cache.dtype, op, f"q dtype {q.dtype} must match kv_cache dtype {kv_cache.dtype}")
+    check(q.dtype == kv_cache.dtype or kv_cache.dtype == FP8_DTYPE, op,
+          f"q dtype {q.dtype} must match kv_cache dtype {kv_cache.dtype}")
     check(seq_lens.dim() == 1, op, f"seq_lens must be [N], got {tuple(seq_lens.shape)}")
     N = seq_lens.shape[0]
     check(cu_seqlens.dim() == 1 and cu_seqlens.shape[0] == N + 1, op,
@@ -201,7 +221,7 @@ def check_attention(op, q, kv_cache, cu_seqlens, seq_lens, block_tables, scale) 
 
 
 def paged_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, *, cu_seqlens: torch.Tensor, seq_lens: torch.Tensor,
+    q: torch.Tensor, kv_cache: torch.Tensor | Fp8KvCache, *, cu_seqlens: torch.Tensor, seq_lens: torch.Tensor,
     block_tables: torch.Tensor, scale: float, max_query_len: int | None = None,
     config: AttentionConfig | None = None,
 ) -> torch.Tensor:
@@ -210,6 +230,7 @@ def paged_attention(
     when T <= N) and `config` (launch choices). Neither changes the result beyond rounding."""
     op = "paged_attention"
     check_attention(op, q, kv_cache, cu_seqlens, seq_lens, block_tables, scale)
+    kv_cache, fp8 = split_cache(op, kv_cache)
     check(max_query_len is None or max_query_len >= 1, op, f"max_query_len must be >= 1, got {max_query_len}")
     T, nh, N = q.shape[0], q.shape[1], seq_lens.shape[0]
     nkv, d, bs = kv_cache.shape[-2], kv_cache.shape[-1], kv_cache.shape[2]
@@ -233,11 +254,11 @@ def paged_attention(
         part_ml = part_acc = out
     grid = (T // bq + N + 1, nkv, splits)
     _attention_kernel[grid](
-        q, kv_cache, cu_seqlens, seq_lens, block_tables, out, part_ml, part_acc, float(scale) * LOG2E, T, N, splits,
+        q, pool(kv_cache), cu_seqlens, seq_lens, block_tables, out, part_ml, part_acc, float(scale) * LOG2E, T, N, splits,
         q.stride(0), q.stride(1), block_tables.stride(0), kv_cache.stride(0), bs,
         NH=nh, NKV=nkv, D=d, G=g, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
         MIN_SPLIT=cfg.min_split, IEEE=q.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_args(q.device))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_args(q.device), **kv8_args(fp8))
     if splits > 1:
         merge_splits(part_ml, part_acc, out)
     return out

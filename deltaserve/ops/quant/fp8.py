@@ -99,6 +99,34 @@ def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int
     return dequantize_grouped(q, scale_inv, block[0], block[1])
 
 
+ACT_SCALE_FLOOR = 1e-10         # amax floor of an activation group (an all-zero group gets a tiny, finite scale)
+
+
+def quantize_activations(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token-group activation quantisation (the W8A8 GEMM's left operand, DeepSeek-V3 / vLLM's
+    per_token_group_quant_fp8): x [M, K] -> (e4m3 [M, K], scales fp32 [M, ceil(K/group)]) with each group's
+    amax (floored at ACT_SCALE_FLOOR) mapped to FP8_MAX: scale = amax / FP8_MAX, q = clamp(x / scale), both
+    in fp32 (round to nearest even). The reference of the Triton quant kernel, computed the same way."""
+    M, K = x.shape
+    kb = math.ceil(K / group)
+    padded = torch.zeros(M, kb * group, dtype=torch.float32, device=x.device)
+    padded[:, :K] = x.float()
+    groups = padded.view(M, kb, group)
+    scale = groups.abs().amax(dim=-1).clamp(min=ACT_SCALE_FLOOR) / FP8_MAX                # [M, kb]
+    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(M, kb * group)[:, :K].contiguous(), scale
+
+
+def w8a8_linear_reference(x: torch.Tensor, weight: BlockFp8Weight) -> torch.Tensor:
+    """The W8A8 product's oracle: x quantised per token group of weight.col_group (quantize_activations),
+    both operands dequantised, fp32 matmul, rounded once to x's dtype. x [..., K]."""
+    K = weight.shape[-1]
+    x2 = x.reshape(-1, K)
+    q, s = quantize_activations(x2, weight.col_group)
+    xd = q.float() * s.repeat_interleave(weight.col_group, dim=-1)[:, :K]
+    return (xd @ weight.dequantize(torch.float32).t()).to(x.dtype).reshape(*x.shape[:-1], weight.shape[-2])
+
+
 def packed_width(K: int, block_k: int = BLOCK) -> int:
     return K + math.ceil(K / block_k)
 
