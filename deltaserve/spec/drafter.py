@@ -7,7 +7,8 @@ tensors (`hidden`, `batch`) are still valid. It is called even when no sequence 
 seq_ids empty): a drafter with its own cache (MTP: the paged KV of its attention layer) sees every
 step's rows, prefill chunks included, and can keep that cache in step with the target's.
 
-`make_drafter` is the one place a `speculative_config` method becomes a drafter.
+`make_drafter` is the one place a `speculative_config` method becomes a drafter (`AVAILABLE_METHODS`
+says which ones this build has; the engine refuses the others at start-up, before loading weights).
 """
 
 from __future__ import annotations
@@ -32,15 +33,16 @@ class DraftContext:
       k            drafts wanted per sequence (the same k for all; 0: nothing to propose)
       token_ids    per sequence its known tokens (host lists: prompt + accepted generated tokens, this
                    step's emitted tokens included); read-only
-      batch        the step's ForwardBatch (every packed row: prefill chunks, plain decodes, verify rows)
-      hidden       the target's post-final-norm hidden states [T, H] of the step's packed rows, or None
-                   (a step that ran through a path that does not expose them)
+      batch        the step's ForwardBatch (every packed row: prefill chunks, verify chunks, plain
+                   decodes; built for graph-replayed steps too); None when `uses_hidden` is False
+      hidden       the target's post-final-norm hidden states [T, H] of the step's packed rows (None for
+                   a drafter whose `uses_hidden` is False)
       batch_index  per sequence its index among the batch's sequences (rows cu_seqlens[i]:cu_seqlens[i+1])
       last_rows    device int64 [N]: per sequence the packed row of its last accepted position (the row
                    whose logits gave the emitted token)
       next_tokens  device int64 [T]: per packed row the token that follows it (the next input token of a
                    prompt row, the accepted draft or the emitted token of a verify / decode row; rows past
-                   a rejection hold the rejected draft and must not be used as accepted context)
+                   a rejection hold -1); None when `uses_hidden` is False
       num_accepted device int64 [N]: drafts accepted this step per sequence (0 for a plain decode or the
                    first token after a prefill)
       cache        the target's CacheBuffers
@@ -61,9 +63,12 @@ class DraftContext:
 class Drafter(Protocol):
     """Proposes draft tokens (runner side). `propose` returns a device int64 tensor [N, k], N =
     len(ctx.seq_ids); -1 marks "no draft" and must only follow real drafts in a row (a row's drafts
-    are its leading non-negative entries)."""
+    are its leading non-negative entries). uses_hidden: the drafter reads ctx.hidden / batch /
+    next_tokens (the runner then keeps them until the step is read, and the engine never launches a
+    step before the previous one's drafts are proposed)."""
 
     name: str
+    uses_hidden: bool
 
     def propose(self, ctx: DraftContext) -> torch.Tensor: ...
 
@@ -77,6 +82,7 @@ class NgramDrafter:
     sequence, synced with the tokens the runner knows (sequences only grow while they live)."""
 
     name = "ngram"
+    uses_hidden = False
 
     def __init__(self, min_n: int, max_n: int, device: torch.device | str = "cpu"):
         self.min_n, self.max_n = min_n, max_n
@@ -102,13 +108,21 @@ class NgramDrafter:
             self._index.pop(seq_id, None)
 
 
+# methods of spec/config.py METHODS that have a drafter in this build (the MTP drafter joins here)
+AVAILABLE_METHODS = ("ngram",)
+
+
+def check_available(config: SpeculativeConfig) -> None:
+    if config.method not in AVAILABLE_METHODS:
+        raise ConfigError(f"speculative_config: method {config.method!r} is not implemented yet in this build "
+                          f"(available: {', '.join(AVAILABLE_METHODS)})")
+
+
 def make_drafter(config: SpeculativeConfig, model, cache: CacheBuffers, device: torch.device | str) -> Drafter:
     """The drafter of `config.method` (model: the target HybridForCausalLM; its MTP head, embedding and
     lm_head are what an MTP drafter shares)."""
+    check_available(config)
     if config.method == "ngram":
         return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max, device)
-    if config.method == "mtp":
-        # the MTP drafter (spec/mtp*.py) is wired in here
-        raise ConfigError("speculative_config: method 'mtp' is not implemented yet in this build "
-                          "(the MTP drafter is not wired in); use method 'ngram'")
+    # the MTP drafter (spec/mtp*.py) is wired in here, with "mtp" added to AVAILABLE_METHODS
     raise ConfigError(f"speculative_config: method {config.method!r} has no drafter")
