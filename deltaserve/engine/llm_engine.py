@@ -77,7 +77,7 @@ class EngineStats:
     spec_num_drafts_total: int = 0
     spec_num_draft_tokens_total: int = 0
     spec_num_accepted_tokens_total: int = 0
-    spec_num_accepted_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)
+    spec_num_accepted_tokens_per_pos: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def check_speculation(spec: SpeculativeConfig, model_config: ModelConfig, tensor_parallel_size: int) -> None:
@@ -317,6 +317,16 @@ class LLMEngine:
         if budget + 17 < self.max_model_len - 2:
             add(1, budget + 17)
             drain()
+        if self.config.speculative_config is not None:   # verify chunks: a repeating prompt n-gram drafts on
+            k = self.config.speculative_config.num_speculative_tokens
+            for n in (1, 3):
+                for _ in range(min(n, seqs)):
+                    ids = [(5 * (i % 4) + 1) % vocab for i in range(24)]
+                    self.add_request(f"warm-up-{next(names)}", {"prompt_token_ids": ids},
+                                     SamplingParams(max_tokens=2 * k + 2, ignore_eos=True, temperature=0.0),
+                                     stream=False)
+                drain()
+            self.runner.speculation.reset()
         self._finished_by_reason.clear()
         self._prompt_tokens_total = self._generation_tokens_total = 0
         self._steps_total = self._batched_tokens_total = 0
@@ -615,4 +625,4 @@ class LLMEngine:
             prefix_cache_snapshot_evictions_total=0 if prefix is None else prefix.num_evicted_snapshots,
             spec_num_drafts_total=self._spec_drafts_total, spec_num_draft_tokens_total=self._spec_draft_tokens_total,
             spec_num_accepted_tokens_total=self._spec_accepted_total,
-            spec_num_accepted_tokens_per_pos=list(self._spec_accepted_per_pos))
+            spec_num_accepted_tokens_per_pos=dict(enumerate(self._spec_accepted_per_pos)))

@@ -46,6 +46,10 @@ class Speculation:
             logger.info("speculative decoding: verify steps run eagerly; plain decode steps replay CUDA graphs")
         return cls(config, drafter, adaptive, sampler, model.kernels, cache, device)
 
+    def reset(self) -> None:
+        """Forget the measured acceptance (after the engine's warm-up requests)."""
+        self.adaptive = AdaptiveK(self.adaptive.max_k, self.adaptive.policy)
+
     # ---- launch -------------------------------------------------------------------------------
     def keep_step(self, handle, batch: ForwardBatch | None, hidden: torch.Tensor, plan) -> None:
         """Pick the next step's K from this step's sampling sequences (they decode next) and keep what the

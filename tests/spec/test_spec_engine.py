@@ -194,7 +194,8 @@ def test_stats_counters(plain):
     llm, ref = _oracle_engine(plain, prompts, greedy(20), reject_prob=0.3, k=3)
     generate(llm, prompts, greedy(20))
     s = llm.engine.get_stats()
-    per = s.spec_num_accepted_tokens_per_pos
+    per = [s.spec_num_accepted_tokens_per_pos[j] for j in range(3)]
+    assert sorted(s.spec_num_accepted_tokens_per_pos) == [0, 1, 2]
     assert len(per) == 3 and sum(per) == s.spec_num_accepted_tokens_total > 0
     assert per[0] >= per[1] >= per[2]
     assert per[0] <= s.spec_num_drafts_total
