@@ -38,7 +38,7 @@ class Speculation:
 
     @classmethod
     def create(cls, config: SpeculativeConfig, model, cache: CacheBuffers, device: torch.device, *,
-               sampler: Sampler, graphs: bool) -> "Speculation":
+               sampler: Sampler, graphs: bool) -> Speculation:
         drafter = make_drafter(config, model, cache, device)
         adaptive = AdaptiveK(config.num_speculative_tokens)
         logger.info("speculative decoding: method %s; %s", config.method, adaptive.describe())

@@ -124,6 +124,12 @@ def test_stops_and_max_tokens_cut_inside_an_accepted_run(plain):
     stop_at = next(i for i in range(6, 30) if ref[i] not in ref[:i])
     out = generate(llm, [prompt], greedy(30, stop_token_ids=[ref[stop_at]]))[0].outputs[0]
     assert out.token_ids == ref[: stop_at + 1] and out.finish_reason == "stop"
+    # the stopped sequence's state is past its last kept token (the rest of the run was committed), so it
+    # leaves no snapshot there; the next turn hits the prompt's and gives the plain output
+    turn = prompt + out.token_ids + [5, 6, 7]
+    hit = generate(llm, [turn], greedy(8))[0]
+    assert hit.num_cached_tokens >= len(prompt) - 1
+    assert hit.outputs[0].token_ids == generate(plain, [turn], greedy(8))[0].outputs[0].token_ids
     # max_tokens not a multiple of K + 1
     for m in (1, 2, 7, 11):
         out = generate(llm, [prompt], greedy(m))[0].outputs[0]

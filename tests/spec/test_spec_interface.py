@@ -20,10 +20,10 @@ def test_mtp_is_refused_by_name_until_its_drafter_is_wired_in():
 
 
 def test_mtp_on_a_checkpoint_without_a_head_is_refused():
-    from deltaserve.engine.llm_engine import check_speculation
-    from deltaserve.config import ModelConfig
-    from deltaserve.engine.llm_engine import DEFAULT_MODEL_PATH
     import dataclasses
+
+    from deltaserve.config import ModelConfig
+    from deltaserve.engine.llm_engine import DEFAULT_MODEL_PATH, check_speculation
 
     config = dataclasses.replace(ModelConfig.from_hf(DEFAULT_MODEL_PATH), mtp_num_layers=0)
     with pytest.raises(ConfigError, match="needs a checkpoint with an MTP head"):
