@@ -131,7 +131,7 @@ class GatedDeltaNet(nn.Module):
         stash = VerifyStash.empty(mixed.shape[0], conv_dim=self.conv_dim, num_k_heads=self.nk, head_k_dim=self.dk,
                                   num_v_heads=self.nv, head_v_dim=self.dv, dtype=mixed.dtype, device=mixed.device)
         o = self.kernels.gdn_verify(
-            mixed.contiguous(), z.contiguous(), a.contiguous(), b.contiguous(), conv_weight=self.conv_weight,
+            mixed, z, a, b, conv_weight=self.conv_weight,
             A_log=self.A_log, dt_bias=self.dt_bias, norm_weight=self.norm_weight, eps=self.eps, scale=self.scale,
             cu_seqlens=record.cu_seqlens, conv_state=conv_state, ssm_state=ssm_state,
             state_indices=record.state_slots, stash=stash, norm_activation=self.norm_activation)

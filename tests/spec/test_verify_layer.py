@@ -50,8 +50,14 @@ def _pools(layer, slots=6, seed=0):
     return ssm, conv
 
 
-@torch.inference_mode()
 def test_verify_then_commit_equals_decoding_the_accepted_tokens(layer):
+    check_verify_commit(layer, layer.kernels)
+
+
+@torch.inference_mode()
+def check_verify_commit(layer, kernels, device="cpu"):
+    """The step below with `kernels` doing the verify and the commit; the references with the layer's own."""
+    ref_kernels = layer.kernels
     H = layer.in_proj.in_features
     g = torch.Generator().manual_seed(1)
     prefill_len, verify_lens, accepted = 5, [4, 3, 5], [1, 2, 0]    # commit accepted + 1 of each chunk
@@ -62,9 +68,13 @@ def test_verify_then_commit_equals_decoding_the_accepted_tokens(layer):
     ssm, conv = _pools(layer)
     ssm0, conv0 = ssm.clone(), conv.clone()
     batch = _batch([prefill_len, *verify_lens, 1], [0, 1, 2, 3, 4], [False, True, True, True, True], 4, 3)
-    out = layer(torch.cat([x_pre, *x_ver, x_dec]), batch, ssm, conv)
-    assert torch.equal(ssm[1:4], ssm0[1:4]) and torch.equal(conv[1:4], conv0[1:4])   # verify left the pools
-    commit(layer.kernels, batch.verify, torch.tensor(accepted))
+    layer.kernels = kernels
+    try:
+        out = layer(torch.cat([x_pre, *x_ver, x_dec]), batch, ssm, conv)
+        assert torch.equal(ssm[1:4], ssm0[1:4]) and torch.equal(conv[1:4], conv0[1:4])   # verify left the pools
+        commit(kernels, batch.verify, torch.tensor(accepted))
+    finally:
+        layer.kernels = ref_kernels
     # references, each on fresh copies of the starting pools
     ref_ssm, ref_conv = ssm0.clone(), conv0.clone()
     pre = layer(x_pre, _batch([prefill_len], [0], [False], 1), ref_ssm, ref_conv)
