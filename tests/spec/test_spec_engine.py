@@ -207,3 +207,13 @@ def test_stats_counters(plain):
     assert per[0] <= s.spec_num_drafts_total
     assert s.spec_num_accepted_tokens_total <= s.spec_num_draft_tokens_total <= 3 * s.spec_num_drafts_total
     assert s.generation_tokens_total == sum(len(t) for t in tokens(ref))
+
+
+def test_the_context_limit_cuts_inside_an_accepted_run(plain):
+    prompt = mixed_prompts(1, seed=91, lo=30, hi=31)[0][:41]
+    ref = generate(plain, [prompt], greedy(64 - len(prompt)))
+    llm = spec_llm(4, max_model_len=64)
+    use_oracle(llm, [prompt], ref, reject_prob=0.0)
+    out = generate(llm, [prompt], SamplingParams(temperature=0.0, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == ref[0].outputs[0].token_ids and len(out.token_ids) == 64 - len(prompt)
+    assert out.finish_reason == "length"
