@@ -214,6 +214,6 @@ def test_the_context_limit_cuts_inside_an_accepted_run(plain):
     ref = generate(plain, [prompt], greedy(64 - len(prompt)))
     llm = spec_llm(4, max_model_len=64)
     use_oracle(llm, [prompt], ref, reject_prob=0.0)
-    out = generate(llm, [prompt], SamplingParams(temperature=0.0, ignore_eos=True))[0].outputs[0]
+    out = generate(llm, [prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=None))[0].outputs[0]
     assert out.token_ids == ref[0].outputs[0].token_ids and len(out.token_ids) == 64 - len(prompt)
     assert out.finish_reason == "length"
