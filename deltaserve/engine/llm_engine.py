@@ -556,7 +556,8 @@ class LLMEngine:
                 seq.finish_reason = "length"
                 finished.append(seq)
             else:
-                self.scheduler.accept(seq, len(accepted))
+                if seq_id in result.num_drafts_verified:
+                    self.scheduler.accept(seq, result.num_drafts_verified[seq_id], len(accepted))
                 tokens = [*accepted, token]
                 lps = [*result.accepted_logprobs.get(seq_id, []), lp]
                 for tok, tok_lp in zip(tokens, lps, strict=True):  # a stop inside an accepted run drops the rest

@@ -31,10 +31,11 @@ instead of prefilling the prompt again.
 Speculative decoding: a decoding sequence with drafts (proposed by the runner after its last step,
 `Sequence.draft_token_ids`) is fed its last token and up to K drafts as one verify chunk, cut so that every
 token it may emit fits max_tokens and the context limit, and within the step's budget; a sequence with a
-commit point still ahead never verifies (snapshots are committed states only). `update` counts the chunk's
-first position only; the engine adds the accepted drafts once the step's tokens are read (`accept`),
-and KV written for rejected drafts lies past num_computed, overwritten later (the block or so reserved
-for them stays with the sequence).
+commit point still ahead never verifies (snapshots are committed states only). `update` counts every
+position of the chunk, as it counts a token still in flight: a sequence that leaves before the step is read
+(abort) has computed more than it knows and is not snapshotted; the engine takes the rejected drafts back
+once the step's tokens are read (`accept`). KV written for rejected drafts lies past num_computed and is
+overwritten later (the block or so reserved for them stays with the sequence).
 
 The scheduler deals in sequence ids and token counts; it reads `seq_id`, the token counts, `num_computed`
 and `status` of its sequences and asks the cache manager for blocks and slots.
@@ -270,16 +271,17 @@ class Scheduler:
         return drafts[: max(0, min(len(drafts), budget - 1, room))]
 
     def update(self, out: SchedulerOutput) -> list[Sequence]:
-        """The step ran: the scheduled tokens are in the cache now (of a verify chunk, its first position;
-        the accepted drafts follow in `accept`). Returns the scheduled sequences in chunk order."""
+        """The step ran: the scheduled tokens are in the cache now (of a verify chunk, every position until
+        `accept` takes the rejected drafts back). Returns the scheduled sequences in chunk order."""
         scheduled, self._scheduled = self._scheduled, []
         for seq, chunk in zip(scheduled, out.chunks):
-            seq.num_computed += chunk.num_new - len(chunk.draft_token_ids)
+            seq.num_computed += chunk.num_new
             if self.cache.prefix_caching:
                 self._after_chunk(seq)
         return scheduled
 
     @staticmethod
-    def accept(seq: Sequence, num_accepted: int) -> None:
-        """A verify chunk's accepted drafts are in the cache too (their state was committed)."""
-        seq.num_computed += num_accepted
+    def accept(seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """A verify chunk was read: its rejected drafts are not in the cache (the state committed the
+        accepted ones only)."""
+        seq.num_computed -= num_drafts - num_accepted

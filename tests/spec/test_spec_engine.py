@@ -217,3 +217,28 @@ def test_the_context_limit_cuts_inside_an_accepted_run(plain):
     out = generate(llm, [prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=None))[0].outputs[0]
     assert out.token_ids == ref[0].outputs[0].token_ids and len(out.token_ids) == 64 - len(prompt)
     assert out.finish_reason == "length"
+
+
+def test_abort_with_a_verify_step_in_flight_caches_no_speculative_state(plain):
+    """Async scheduling: an abort applied while a verify step is in flight frees the sequence before its
+    accepted count is known; nothing it left in the prefix cache may claim a state it does not have."""
+    prompt = mixed_prompts(1, seed=101, lo=30, hi=40)[0]
+    ref = generate(plain, [prompt], greedy(30))
+    llm = spec_llm(4, async_scheduling=True)
+    use_oracle(llm, [prompt], ref, reject_prob=0.3)
+    eng = llm.engine
+    eng.add_request("a", {"prompt_token_ids": prompt}, greedy(30))
+    for _ in range(50):
+        eng.step()
+        if eng._inflight is not None and eng._inflight.verifies:
+            break
+    assert eng._inflight is not None and eng._inflight.verifies, "no verify step in flight"
+    seq = eng._requests["a"].seqs[0]
+    known = list(seq.token_ids)
+    eng.abort_request("a")                     # applied at once: no step is running
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.cache.check_integrity()
+    turn = known + [3, 4]
+    got = generate(llm, [turn], greedy(10))[0]
+    assert got.outputs[0].token_ids == generate(plain, [turn], greedy(10))[0].outputs[0].token_ids

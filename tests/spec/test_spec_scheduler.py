@@ -1,7 +1,7 @@
 """The scheduler's half of speculative decoding, without a model: which drafts a decoding sequence verifies
 (cut to the budget and to the tokens it may still emit; none mid-prompt, with a commit point ahead or a
 token in flight), that drafts are consumed once, dropped on preemption, and that num_computed moves by the
-chunk's first position at `update` and by the accepted drafts at `accept`."""
+chunk at `update` and back by the rejected drafts at `accept`."""
 
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def test_a_decoding_sequence_verifies_its_drafts_and_moves_by_the_accepted_count
     assert seq.draft_token_ids == []                                    # consumed
     assert sched.cache.blocks_for(14) == len(sched.cache.block_ids(seq.seq_id))   # room for all 4 positions
     sched.update(out)
-    assert seq.num_computed == 11                                       # the known token's position
-    sched.accept(seq, 2)
+    assert seq.num_computed == 14                                       # every position until read ...
+    sched.accept(seq, 3, 2)                                             # ... then the rejected draft is back out
     for t in (3, 4, 9):
         seq.append_token(t, None)
     assert seq.num_computed == 13 == seq.num_tokens - 1
