@@ -63,3 +63,19 @@ def test_prometheus_counters():
     for j in (0, 1):
         value = float(stats.spec_num_accepted_tokens_per_pos[j])
         assert f'deltaserve_spec_decode_num_accepted_tokens_per_pos_total{{position="{j}"}} {value}' in text
+
+
+def test_constrained_requests_do_not_speculate_and_keep_their_output():
+    from deltaserve import SamplingParams
+    from deltaserve.sampling_params import StructuredOutputsParams
+
+    kw = dict(temperature=0.0, max_tokens=12,
+              structured_outputs=StructuredOutputsParams(regex=r"(one two three ){1,5}"))
+    plain = LLM(device="cpu", enable_prefix_caching=False)
+    spec = LLM(device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                 "prompt_lookup_min": 1})
+    prompts = ["one two three one two three one two three", "Count: one two three"]
+    free = SamplingParams(temperature=0.0, max_tokens=12)
+    want = [o.outputs[0].text for o in plain.generate(prompts, [SamplingParams(**kw), free], use_tqdm=False)]
+    got = [o.outputs[0].text for o in spec.generate(prompts, [SamplingParams(**kw), free], use_tqdm=False)]
+    assert got == want
