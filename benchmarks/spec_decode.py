@@ -120,7 +120,7 @@ class Run:
 
 def install_oracle(llm: LLM, prompts, outputs, reject_prob: float) -> None:
     llm.engine.runner.speculation.drafter = OracleDrafter(list(zip(prompts, outputs)), vocab_size=llm.config.vocab_size,
-                                                          reject_prob=reject_prob, seed=0, device=llm.device)
+                                                          reject_prob=reject_prob, seed=0)
 
 
 def install_ngram(llm: LLM) -> None:

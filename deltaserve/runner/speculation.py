@@ -94,8 +94,9 @@ class Speculation:
         ctx = DraftContext(
             seq_ids=[seq_id for seq_id, _ in states], k=handle.draft_k, token_ids=[st.token_ids for _, st in states],
             batch=handle.batch, hidden=handle.hidden, batch_index=handle.chunk_index,
-            last_rows=self._last_rows(handle), next_tokens=self._next_tokens(handle) if self.uses_hidden else None,
-            num_accepted=self._num_accepted(handle), cache=self.cache)
+            last_rows=self._last_rows(handle) if self.uses_hidden else None,
+            next_tokens=self._next_tokens(handle) if self.uses_hidden else None,
+            num_accepted=self._num_accepted(handle) if self.uses_hidden else None, cache=self.cache)
         handle.batch = handle.hidden = None
         proposed = self.drafter.propose(ctx)
         if handle.draft_k <= 0 or not states:

@@ -39,12 +39,12 @@ class DraftContext:
                    a drafter whose `uses_hidden` is False)
       batch_index  per sequence its index among the batch's sequences (rows cu_seqlens[i]:cu_seqlens[i+1])
       last_rows    device int64 [N]: per sequence the packed row of its last accepted position (the row
-                   whose logits gave the emitted token)
+                   whose logits gave the emitted token); None when `uses_hidden` is False
       next_tokens  device int64 [T]: per packed row the token that follows it (the next input token of a
                    prompt row, the accepted draft or the emitted token of a verify / decode row; rows past
                    a rejection hold -1); None when `uses_hidden` is False
       num_accepted device int64 [N]: drafts accepted this step per sequence (0 for a plain decode or the
-                   first token after a prefill)
+                   first token after a prefill); None when `uses_hidden` is False
       cache        the target's CacheBuffers
     """
 
@@ -54,15 +54,15 @@ class DraftContext:
     batch: ForwardBatch | None
     hidden: torch.Tensor | None
     batch_index: list[int]
-    last_rows: torch.Tensor
+    last_rows: torch.Tensor | None
     next_tokens: torch.Tensor | None
-    num_accepted: torch.Tensor
+    num_accepted: torch.Tensor | None
     cache: CacheBuffers
 
 
 class Drafter(Protocol):
-    """Proposes draft tokens (runner side). `propose` returns a device int64 tensor [N, k], N =
-    len(ctx.seq_ids); -1 marks "no draft" and must only follow real drafts in a row (a row's drafts
+    """Proposes draft tokens (runner side). `propose` returns an int64 tensor [N, k] (on the device, or on
+    the CPU for a host drafter), N = len(ctx.seq_ids); -1 marks "no draft" and must only follow real drafts in a row (a row's drafts
     are its leading non-negative entries). uses_hidden: the drafter reads ctx.hidden / batch /
     next_tokens (the runner then keeps them until the step is read, and the engine never launches a
     step before the previous one's drafts are proposed)."""
@@ -79,7 +79,8 @@ class Drafter(Protocol):
 
 class NgramDrafter:
     """Prompt lookup (method "ngram") over each sequence's own tokens, on the host: one NgramIndex per
-    sequence, synced with the tokens the runner knows (sequences only grow while they live)."""
+    sequence, synced with the tokens the runner knows (sequences only grow while they live). Its drafts
+    stay on the CPU (the runner reads them there)."""
 
     name = "ngram"
     uses_hidden = False
@@ -123,6 +124,6 @@ def make_drafter(config: SpeculativeConfig, model, cache: CacheBuffers, device: 
     lm_head are what an MTP drafter shares)."""
     check_available(config)
     if config.method == "ngram":
-        return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max, device)
+        return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
     # the MTP drafter (spec/mtp*.py) is wired in here, with "mtp" added to AVAILABLE_METHODS
     raise ConfigError(f"speculative_config: method {config.method!r} has no drafter")
