@@ -20,6 +20,12 @@ class ForwardBatch:
     one token each, always continuing from saved state), so the decode tokens are the last
     T - num_prefill_tokens tokens.
 
+    Speculative verify chunks (a sequence's last token and its K drafts) are the last `num_verifies` of
+    the prefill sequences (their `num_verify_tokens` tokens end the prefill tokens): attention runs them
+    like prefill chunks (all K+1 K/V written, causal within the chunk), GDN layers run them through
+    gdn_verify, which leaves the pools untouched and records into `verify` what gdn_commit applies once
+    the accepted counts are known (spec/verify.py).
+
     Device tensors:
       input_ids [T] int64, positions [T] int64,
       cu_seqlens [N + 1] int32      token offsets of the sequences in the packed batch
@@ -51,18 +57,28 @@ class ForwardBatch:
     # The longest prefill chunk's token count (host int, from the scheduler's lengths): the chunked prefill's kernel
     # choice reads it (its cu_seqlens live on the device). None: not known.
     max_prefill_len: int | None = None
+    num_verifies: int = 0
+    num_verify_tokens: int = 0
+    verify: "VerifyRecord | None" = None        # set when num_verifies > 0
+
+    @property
+    def num_plain_prefills(self) -> int:
+        """The prefill sequences that are not verify chunks (they come first)."""
+        return self.num_prefills - self.num_verifies
+
     # Per-step metadata the prefill ops read, built on first use and reused by every layer of the step
     # (prefill_chunk_offsets): (the cu_seqlens and num_prefills it was built from, the offsets). None: not built.
     step_metadata: tuple | None = dataclasses.field(default=None, repr=False)
 
     def prefill_chunk_offsets(self) -> torch.Tensor:
-        """[num_prefills + 1] int32 cumulative PREFILL_CHUNK-token chunk counts of the prefill sequences (every GDN
+        """[num_plain_prefills + 1] int32 cumulative PREFILL_CHUNK-token chunk counts of the prefill sequences (every GDN
         layer's conv and chunked delta rule locate their chunks from them): built once per step, on the device
         (again for a copy of the batch with other cu_seqlens or prefills)."""
         memo = self.step_metadata
-        if memo is None or memo[0] is not self.cu_seqlens or memo[1] != self.num_prefills:
-            offsets = chunk_offsets(self.cu_seqlens[: self.num_prefills + 1], PREFILL_CHUNK)
-            memo = self.step_metadata = (self.cu_seqlens, self.num_prefills, offsets)
+        n = self.num_plain_prefills                 # verify chunks follow the prefills and have no chunks
+        if memo is None or memo[0] is not self.cu_seqlens or memo[1] != n:
+            offsets = chunk_offsets(self.cu_seqlens[: n + 1], PREFILL_CHUNK)
+            memo = self.step_metadata = (self.cu_seqlens, n, offsets)
         return memo[2]
 
     def decode_slots(self) -> torch.Tensor:
@@ -93,6 +109,17 @@ class ForwardBatch:
             block_tables=self.block_tables[:n], num_prefills=n, num_prefill_tokens=t, decode_state_slots=None,
             last_tokens=None, max_prefill_len=self.max_prefill_len,
         )
+
+
+@dataclasses.dataclass
+class VerifyRecord:
+    """A verify step's per-layer results: each GDN layer appends (stash, conv pool, ssm pool) as it runs its
+    verify chunks, and the runner commits them all once the accepted counts are known. cu_seqlens [V + 1]
+    int32 (token offsets within the verify tokens) and state_slots [V] int32 of the verify chunks."""
+
+    cu_seqlens: torch.Tensor
+    state_slots: torch.Tensor
+    layers: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

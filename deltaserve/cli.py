@@ -12,6 +12,7 @@ from pathlib import Path
 
 from . import __version__
 from .env import settings
+from .spec.config import SpeculativeConfig
 
 DESCRIPTION = """\
 deltaserve runs hybrid Gated-DeltaNet language models (Qwen3-Next, Qwen3.5 / 3.6): offline generation from the
@@ -56,6 +57,13 @@ def _open_fraction(text: str) -> float:
     if not 0.0 < value < 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
     return value
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,6 +111,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "WORLD_SIZE; the README shows the multi-node command)")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE layers: whole experts per rank instead of every expert's width split over the ranks")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys as a JSON object, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\' (output unchanged; K is the most '
+                        'drafts per step, adaptive K picks fewer or none)')
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -269,6 +281,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
               enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
               prefix_cache_state_fraction=args.prefix_cache_state_fraction,
+              speculative_config=args.speculative_config,
               warm_up=bool(args.warm_up))                 # one-off generation: only when asked
     print_outputs(llm.generate(prompts, params, use_tqdm=False), args)
     return 0

@@ -43,6 +43,9 @@ class ScheduledChunk:
     num_computed: int                # tokens of the sequence already in the cache
     num_new: int
     new_block_ids: list[int]         # blocks appended to the sequence's block table this step
+    # speculative decoding: a verify chunk feeds the sequence's last known token and these drafts
+    # (num_new = 1 + len(draft_token_ids)); the runner samples up to num_new tokens for it
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -83,3 +86,10 @@ class RunnerOutput:
     logprobs: list[PositionLogprobs | None]              # per sampled token (None where not asked for)
     prompt_logprobs: dict[int, list[PositionLogprobs]] = dataclasses.field(default_factory=dict)
     # seq id -> logprobs of the prompt tokens following each position fed this step (prompt chunks only)
+    # Speculative decoding. seq id -> the drafts a verify chunk accepted, which come before its entry in
+    # token_ids (the token after them), and their logprobs (None where not asked for):
+    accepted_token_ids: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    accepted_logprobs: dict[int, list[PositionLogprobs | None]] = dataclasses.field(default_factory=dict)
+    num_drafts_verified: dict[int, int] = dataclasses.field(default_factory=dict)   # seq id -> drafts it verified
+    # seq id -> drafts proposed for its next step (the scheduler feeds them as a verify chunk)
+    draft_token_ids: dict[int, list[int]] = dataclasses.field(default_factory=dict)

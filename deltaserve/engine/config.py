@@ -8,6 +8,7 @@ import torch
 
 from ..cache.plan import DEFAULT_PREFIX_CACHE_STATE_FRACTION
 from ..config import ModelConfig
+from ..spec.config import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -57,6 +58,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1             # ranks the model is sharded over (one process and device each)
     enable_expert_parallel: bool = False      # MoE: whole experts per rank instead of split expert widths
     scheduling_policy: str = "fcfs"           # waiting-queue order: "fcfs" (arrival) or "priority" (vLLM's names)
+    speculative_config: SpeculativeConfig | None = None  # speculative decoding (spec/config.py); None: off
 
     def __post_init__(self) -> None:
         def fail(field: str, why: str):
@@ -93,6 +95,8 @@ class EngineConfig:
             fail("enable_expert_parallel", "needs tensor_parallel_size > 1 (experts are split over those ranks)")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             fail("scheduling_policy", f"must be one of {', '.join(SCHEDULING_POLICIES)}")
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            fail("speculative_config", "must be a SpeculativeConfig (SpeculativeConfig.parse reads dicts and JSON)")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             fail("num_kv_blocks", "must be an integer >= 1")
 

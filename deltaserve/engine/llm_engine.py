@@ -30,13 +30,15 @@ import torch
 
 from ..cache.manager import HybridCacheManager
 from ..cache.plan import DEFAULT_CPU_CACHE_BYTES, CachePlan
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..distributed.parallel import Parallel, check_model_divides
 from ..env import settings
 from ..models.loader import check_load_format
 from ..outputs import PositionLogprobs, RequestOutput
 from ..runner.worker import KV_CACHE_DTYPES, Worker, WorkerConfig
 from ..sampling_params import SamplingParams
+from ..spec.config import SpeculativeConfig, check_model
+from ..spec.drafter import check_available
 from ..structured.engine_hooks import EngineGrammars
 from ..tokenizer import NoTokenizerError, Tokenizer
 from . import executor
@@ -70,6 +72,24 @@ class EngineStats:
     prefix_cache_snapshots_total: int = 0  # state snapshot slots
     prefix_cache_snapshots_used: int = 0
     prefix_cache_snapshot_evictions_total: int = 0
+    # speculative decoding (vLLM's names): verify chunks run, drafts they verified, drafts accepted, and
+    # the accepted count per draft position (index j: drafts at position j that were accepted)
+    spec_num_drafts_total: int = 0
+    spec_num_draft_tokens_total: int = 0
+    spec_num_accepted_tokens_total: int = 0
+    spec_num_accepted_tokens_per_pos: dict[int, int] = dataclasses.field(default_factory=dict)
+
+
+def check_speculation(spec: SpeculativeConfig, model_config: ModelConfig, tensor_parallel_size: int) -> None:
+    """Refuse, by name, a speculative_config this build or checkpoint cannot run (before loading weights)."""
+    try:
+        check_model(spec, model_config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    check_available(spec)
+    if tensor_parallel_size > 1:
+        raise ConfigError("speculative_config with tensor_parallel_size > 1 is not supported yet: use "
+                          "tensor_parallel_size=1 or no speculative_config")
 
 
 def check_parallel_features(model_config: ModelConfig, kv_cache_dtype: str) -> None:
@@ -117,6 +137,9 @@ class LLMEngine:
         self._batched_tokens_total = 0
         # structured output, logit_bias and bad_words: checks, matchers, masks (structured/engine_hooks.py)
         self.grammars = EngineGrammars(tokenizer, model_config.vocab_size, self.eos_token_ids)
+        spec = config.speculative_config
+        self._spec_drafts_total = self._spec_draft_tokens_total = self._spec_accepted_total = 0
+        self._spec_accepted_per_pos = [0] * (spec.num_speculative_tokens if spec is not None else 0)
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -133,7 +156,8 @@ class LLMEngine:
                   prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION,
                   prefix_cache_checkpoint_interval: int = 0,
                   tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
-                  scheduling_policy: str = "fcfs", prefill_cuda_graphs: bool = True) -> "LLMEngine":
+                  scheduling_policy: str = "fcfs", prefill_cuda_graphs: bool = True,
+                  speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None) -> "LLMEngine":
         """Validate the options into configs, have a Worker (runner/worker.py) do the device half of start-up
         (load the checkpoint directory, default: the embedded model; select kernels; size the cache from the
         memory budget, GPU: measured, CPU: cpu_cache_bytes; allocate it; capture graphs), build the engine
@@ -164,7 +188,12 @@ class LLMEngine:
         (engine/executor.py); enable_expert_parallel: MoE experts split whole across them. Under torchrun the
         ranks other than 0 serve steps inside this call and exit when rank 0 shuts down.
         scheduling_policy: "fcfs" admits waiting requests in arrival order; "priority" by add_request's
-        `priority` (lower first, ties by arrival; vLLM's --scheduling-policy)."""
+        `priority` (lower first, ties by arrival; vLLM's --scheduling-policy).
+        speculative_config: speculative decoding (vLLM's keys, a dict or its JSON string; spec/config.py):
+        {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": .., "prompt_lookup_max": ..};
+        K is the most drafts per step, adaptive K (spec/adaptive.py) picks fewer or none per step. Output
+        is unchanged: greedy and seeded requests give the tokens they give without it. "mtp" is refused
+        until the MTP drafter is wired in (spec/drafter.py)."""
         t0 = time.perf_counter()
         config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
@@ -175,7 +204,8 @@ class LLMEngine:
                               prefix_cache_checkpoint_interval=prefix_cache_checkpoint_interval,
                               tensor_parallel_size=tensor_parallel_size,
                               enable_expert_parallel=enable_expert_parallel,
-                              scheduling_policy=scheduling_policy)
+                              scheduling_policy=scheduling_policy,
+                              speculative_config=SpeculativeConfig.parse(speculative_config))
         check_load_format(load_format)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported "
@@ -188,6 +218,8 @@ class LLMEngine:
             path = Path(model) if model is not None else DEFAULT_MODEL_PATH
             model_config = ModelConfig.from_hf(path)
         model_config = model_config.with_quantization(quantization)
+        if config.speculative_config is not None:
+            check_speculation(config.speculative_config, model_config, tensor_parallel_size)
         dev = resolve_device(device)
         limit = model_config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
@@ -216,6 +248,8 @@ class LLMEngine:
         else:
             worker = Worker(worker_config)
             runner = worker.start()
+            if config.speculative_config is not None:
+                runner.enable_speculation(config.speculative_config)
         plan = worker.plan
         manager = HybridCacheManager(num_blocks=plan.num_blocks, block_size=block_size,
                                      num_slots=plan.num_slots - plan.num_snapshot_slots,
@@ -283,9 +317,21 @@ class LLMEngine:
         if budget + 17 < self.max_model_len - 2:
             add(1, budget + 17)
             drain()
+        if self.config.speculative_config is not None:   # verify chunks: a repeating prompt n-gram drafts on
+            k = self.config.speculative_config.num_speculative_tokens
+            for n in (1, 3):
+                for _ in range(min(n, seqs)):
+                    ids = [(5 * (i % 4) + 1) % vocab for i in range(24)]
+                    self.add_request(f"warm-up-{next(names)}", {"prompt_token_ids": ids},
+                                     SamplingParams(max_tokens=2 * k + 2, ignore_eos=True, temperature=0.0),
+                                     stream=False)
+                drain()
+            self.runner.speculation.reset()
         self._finished_by_reason.clear()
         self._prompt_tokens_total = self._generation_tokens_total = 0
         self._steps_total = self._batched_tokens_total = 0
+        self._spec_drafts_total = self._spec_draft_tokens_total = self._spec_accepted_total = 0
+        self._spec_accepted_per_pos = [0] * len(self._spec_accepted_per_pos)
         self.scheduler.num_preempted_total = 0
         self.cache.reset_prefix_cache()
         self.scheduler.prefix_queries_total = self.scheduler.prefix_hits_total = 0
@@ -453,6 +499,8 @@ class LLMEngine:
         with self._step_lock:
             self._apply_pending()
             outputs, self._outbox = self._outbox, []
+            if self._inflight is not None and getattr(self._inflight, "collect_first", False):
+                outputs.extend(self._collect_inflight())     # its accepted drafts / new drafts move the batch
             sched = self.scheduler.schedule()
             if sched.is_empty and not (sched.freed_seq_ids or sched.state_copies or sched.block_copies):
                 if self._inflight is not None:              # nothing new to run: read the step in flight
@@ -498,6 +546,9 @@ class LLMEngine:
             if seq is None:                  # its request finished or was aborted while this token was in flight
                 continue
             seq.num_pending -= 1
+            accepted = result.accepted_token_ids.get(seq_id, [])
+            if seq_id in result.num_drafts_verified:
+                self._count_verify(result.num_drafts_verified[seq_id], len(accepted))
             if seq.status is SeqStatus.FINISHED:
                 continue
             req = seq.request
@@ -505,13 +556,23 @@ class LLMEngine:
                 seq.finish_reason = "length"
                 finished.append(seq)
             else:
-                appended += 1
-                grammar_done = self.grammars.accept(seq_id, token)
-                if seq.append_token(token, self._with_text(lp)):
-                    finished.append(seq)
-                elif grammar_done:                   # the grammar is complete: the sequence ends here
-                    seq.finish_reason, seq.stop_reason = "stop", None
-                    finished.append(seq)
+                if seq_id in result.num_drafts_verified:
+                    self.scheduler.accept(seq, result.num_drafts_verified[seq_id], len(accepted))
+                tokens = [*accepted, token]
+                lps = [*result.accepted_logprobs.get(seq_id, []), lp]
+                for tok, tok_lp in zip(tokens, lps, strict=True):  # a stop inside an accepted run drops the rest
+                    appended += 1
+                    grammar_done = self.grammars.accept(seq_id, tok)
+                    if seq.append_token(tok, self._with_text(tok_lp)):
+                        finished.append(seq)
+                        break
+                    if grammar_done:                 # the grammar is complete: the sequence ends here
+                        seq.finish_reason, seq.stop_reason = "stop", None
+                        finished.append(seq)
+                        break
+                else:
+                    if not self.grammars.constrained(seq_id):   # constrained rows never speculate (masks)
+                        seq.draft_token_ids = result.draft_token_ids.get(seq_id, [])
             if "first_token_time" not in req.metrics:
                 req.metrics["first_token_time"] = now
                 self._prompt_tokens_total += len(req.prompt_token_ids)
@@ -528,6 +589,13 @@ class LLMEngine:
             if done or req.stream:
                 outputs.append(req.output())
         return outputs
+
+    def _count_verify(self, num_drafts: int, num_accepted: int) -> None:
+        self._spec_drafts_total += 1
+        self._spec_draft_tokens_total += num_drafts
+        self._spec_accepted_total += num_accepted
+        for j in range(num_accepted):
+            self._spec_accepted_per_pos[j] += 1
 
     def _with_text(self, entry: PositionLogprobs | None) -> PositionLogprobs | None:
         if entry is None or self.tokenizer is None:
@@ -555,4 +623,7 @@ class LLMEngine:
             prefix_cache_blocks=self.cache.num_cached_blocks,
             prefix_cache_snapshots_total=0 if prefix is None else prefix.num_slots,
             prefix_cache_snapshots_used=0 if prefix is None else prefix.num_snapshots,
-            prefix_cache_snapshot_evictions_total=0 if prefix is None else prefix.num_evicted_snapshots)
+            prefix_cache_snapshot_evictions_total=0 if prefix is None else prefix.num_evicted_snapshots,
+            spec_num_drafts_total=self._spec_drafts_total, spec_num_draft_tokens_total=self._spec_draft_tokens_total,
+            spec_num_accepted_tokens_total=self._spec_accepted_total,
+            spec_num_accepted_tokens_per_pos=dict(enumerate(self._spec_accepted_per_pos)))

@@ -35,6 +35,15 @@ commit point where the two diverge (its chunk this step is cut there when it wou
 waiting one is held aside until that state is saved; then it is admitted and hits it. It is requeued at
 once if the running sequence leaves first.
 
+Speculative decoding: a decoding sequence with drafts (proposed by the runner after its last step,
+`Sequence.draft_token_ids`) is fed its last token and up to K drafts as one verify chunk, cut so that every
+token it may emit fits max_tokens and the context limit, and within the step's budget; a sequence with a
+commit point still ahead never verifies (snapshots are committed states only). `update` counts every
+position of the chunk, as it counts a token still in flight: a sequence that leaves before the step is read
+(abort) has computed more than it knows and is not snapshotted; the engine takes the rejected drafts back
+once the step's tokens are read (`accept`). KV written for rejected drafts lies past num_computed and is
+overwritten later (the block or so reserved for them stays with the sequence).
+
 The scheduler deals in sequence ids and token counts; it reads `seq_id`, the token counts, `num_computed`
 and `status` of its sequences and asks the cache manager for blocks and slots.
 
@@ -271,6 +280,8 @@ class Scheduler:
                 i += 1
                 continue
             n = seq.cut_at_commit(min(seq.num_scheduled_tokens - seq.num_computed, budget))
+            drafts = self._drafts(seq, n, budget)
+            n += len(drafts)
             new_blocks = self.cache.grow(seq.seq_id, seq.num_computed + n)
             while new_blocks is None:                       # pool short: preempt a sequence not yet scheduled
                 victim = self._victim(i)
@@ -282,7 +293,7 @@ class Scheduler:
                 new_blocks = self.cache.grow(seq.seq_id, seq.num_computed + n)
             if new_blocks is None:
                 break
-            chunks.append(ScheduledChunk(seq.seq_id, seq.num_computed, n, new_blocks))
+            chunks.append(ScheduledChunk(seq.seq_id, seq.num_computed, n, new_blocks, drafts))
             scheduled.append(seq)
             budget -= n
             i += 1
@@ -335,12 +346,29 @@ class Scheduler:
         state_copies, block_copies = self.cache.take_copies()
         return SchedulerOutput(new_seqs, chunks, freed, preempted, state_copies, block_copies)
 
+    @staticmethod
+    def _drafts(seq: Sequence, n: int, budget: int) -> list[int]:
+        """The drafts a decoding sequence verifies this step (consumed either way: they follow its last
+        token only until it moves). None while its prompt is not done, a commit point lies ahead or a token
+        is in flight; at most what the budget holds and one fewer than the tokens it may still emit."""
+        drafts, seq.draft_token_ids = seq.draft_token_ids, []
+        if not drafts or n != 1 or seq.num_pending or seq.commit_points or seq.num_computed != seq.num_tokens - 1:
+            return []
+        room = seq.max_num_tokens - seq.num_tokens - 1
+        return drafts[: max(0, min(len(drafts), budget - 1, room))]
+
     def update(self, out: SchedulerOutput) -> list[Sequence]:
-        """The step ran: the scheduled tokens are in the cache now. Returns the scheduled sequences in
-        chunk order."""
+        """The step ran: the scheduled tokens are in the cache now (of a verify chunk, every position until
+        `accept` takes the rejected drafts back). Returns the scheduled sequences in chunk order."""
         scheduled, self._scheduled = self._scheduled, []
         for seq, chunk in zip(scheduled, out.chunks):
             seq.num_computed += chunk.num_new
             if self.cache.prefix_caching:
                 self._after_chunk(seq)
         return scheduled
+
+    @staticmethod
+    def accept(seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """A verify chunk was read: its rejected drafts are not in the cache (the state committed the
+        accepted ones only)."""
+        seq.num_computed -= num_drafts - num_accepted

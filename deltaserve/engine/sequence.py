@@ -67,6 +67,8 @@ class Sequence:
         # tokens being sampled by a launched step whose result has not been read yet (0 or 1; async
         # scheduling schedules the next step before the current one's tokens reach the host)
         self.num_pending = 0
+        # speculative decoding: drafts the runner proposed after the last step, fed as a verify chunk next
+        self.draft_token_ids: list[int] = []
         self.max_num_tokens = self.num_prompt_tokens + max_new_tokens
         self.max_new_tokens = max_new_tokens
         self.status = SeqStatus.WAITING
@@ -118,6 +120,7 @@ class Sequence:
         (position 0 without prefix caching)."""
         self.num_computed = 0
         self.commit_points = []
+        self.draft_token_ids = []
         self.num_preemptions += 1
         if self.needs_prompt_logprobs:
             self.request.prompt_logprobs = [None]      # partial: recomputed with the prompt

@@ -25,6 +25,7 @@ from ..config import ModelConfig
 from ..distributed import comm
 from ..distributed.parallel import SINGLE, Parallel, Split, require_divisible
 from ..ops import GdnProjection, Kernels
+from ..ops.gdn.reference import VerifyStash
 from .linear import Linear, fp8_layout
 from .norm import RMSNorm
 from .weights import Target, WeightMap, read_ranges, rows, sharded, whole
@@ -96,7 +97,11 @@ class GatedDeltaNet(nn.Module):
         mixed, z2, b, a = projected.split(self.split_sizes, dim=-1)
         z = z2.view(T, self.nv, self.dv)
         P = batch.num_prefill_tokens
-        prefill_out = self._prefill(mixed[:P], z[:P], a[:P], b[:P], batch, ssm_state, conv_state) if P else None
+        Pp = P - batch.num_verify_tokens          # the plain prefill tokens; verify chunks follow them
+        prefill_out = self._prefill(mixed[:Pp], z[:Pp], a[:Pp], b[:Pp], batch, ssm_state, conv_state) if Pp else None
+        if P > Pp:
+            verify_out = self._verify(mixed[Pp:P], z[Pp:P], a[Pp:P], b[Pp:P], batch, ssm_state, conv_state)
+            prefill_out = verify_out if prefill_out is None else torch.cat([prefill_out, verify_out])
         out = self.kernels.gdn_out_proj(
             prefill_out, mixed[P:], z[P:], a[P:], b[P:], conv_weight=self.conv_weight, A_log=self.A_log,
             dt_bias=self.dt_bias, norm_weight=self.norm_weight, eps=self.eps, scale=self.scale,
@@ -145,7 +150,7 @@ class GatedDeltaNet(nn.Module):
     def _prefill(self, mixed: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: ForwardBatch,
                  ssm_state: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
         """The prefill rows' output before the projection [P, HV, V]: conv, gates, chunked delta rule, gated norm."""
-        k, P, n_pre = self.kernels, mixed.shape[0], batch.num_prefills
+        k, P, n_pre = self.kernels, mixed.shape[0], batch.num_plain_prefills
         cu, slots, initial = batch.cu_seqlens[: n_pre + 1], batch.state_slots[:n_pre], batch.has_initial_state[:n_pre]
         offsets = batch.prefill_chunk_offsets()                 # once per step, shared by every GDN layer
         conv = k.causal_conv1d_fn(mixed, self.conv_weight, conv_state=conv_state, cu_seqlens=cu, state_indices=slots,
@@ -157,6 +162,21 @@ class GatedDeltaNet(nn.Module):
             scale=self.scale, cu_seqlens=cu, ssm_state=ssm_state, state_indices=slots, has_initial_state=initial,
             max_seqlen=batch.max_prefill_len, chunk_offsets=offsets)
         return k.rms_norm_gated(o, z, self.norm_weight, self.eps, activation=self.norm_activation)
+
+    def _verify(self, mixed: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: ForwardBatch,
+                ssm_state: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+        """The verify chunks' output before the projection [Tv, HV, V]: gdn_verify from each slot's state,
+        the pools untouched; the stash goes to batch.verify for the commit of the accepted prefix."""
+        record = batch.verify
+        stash = VerifyStash.empty(mixed.shape[0], conv_dim=self.conv_dim, num_k_heads=self.nk, head_k_dim=self.dk,
+                                  num_v_heads=self.nv, head_v_dim=self.dv, dtype=mixed.dtype, device=mixed.device)
+        o = self.kernels.gdn_verify(
+            mixed, z, a, b, conv_weight=self.conv_weight,
+            A_log=self.A_log, dt_bias=self.dt_bias, norm_weight=self.norm_weight, eps=self.eps, scale=self.scale,
+            cu_seqlens=record.cu_seqlens, conv_state=conv_state, ssm_state=ssm_state,
+            state_indices=record.state_slots, stash=stash, norm_activation=self.norm_activation)
+        record.layers.append((stash, conv_state, ssm_state))
+        return o
 
     # ---- checkpoint layout --------------------------------------------------------------------
     def checkpoint_weights(self) -> WeightMap:

@@ -26,13 +26,16 @@ import dataclasses
 import numpy as np
 import torch
 
-from ..batch import CacheBuffers, ForwardBatch
+from ..batch import CacheBuffers, ForwardBatch, VerifyRecord
 from ..env import settings
 from ..models.qwen3_next import HybridForCausalLM
+from ..spec import verify as spec_verify
+from ..spec.config import SpeculativeConfig
 from ..step_io import NewSequence, RunnerOutput, ScheduledChunk, SchedulerOutput
 from .cuda_graphs import DecodeGraphs, capture_sizes
 from .prefill_graphs import PrefillGraphs
 from .sampler import PendingLogprobs, PendingSample, Sampler, SamplingRow, log_softmax, to_device, top_logprobs
+from .speculation import Speculation
 
 
 @dataclasses.dataclass
@@ -59,11 +62,26 @@ class StepHandle:
     samples: list[tuple[int, _SeqState]] = dataclasses.field(default_factory=list)   # (seq id, state), packed order
     sample: PendingSample | None = None
     prompt_parts: list[tuple[int, PendingLogprobs]] = dataclasses.field(default_factory=list)
+    # speculative decoding: the verify chunks' sequences (after `samples` in the output) and their results
+    verifies: list[tuple[int, _SeqState]] = dataclasses.field(default_factory=list)
+    verify: spec_verify.PendingVerify | None = None
+    draft_k: int = 0                     # drafts to propose per sequence once the tokens are read
+    batch: ForwardBatch | None = None    # kept for a drafter that reads the step's rows (draft_k or MTP)
+    hidden: torch.Tensor | None = None
+    sample_rows: list[int] = dataclasses.field(default_factory=list)   # packed row of each sample's logits
+    verify_rows: list[int] = dataclasses.field(default_factory=list)   # packed row of each verify chunk's first
+    chunk_index: list[int] = dataclasses.field(default_factory=list)   # per seq_ids entry: its chunk's index
 
     @property
     def seq_ids(self) -> list[int]:
-        """The sequences that sample a token in this step."""
-        return [seq_id for seq_id, _ in self.samples]
+        """The sequences that sample in this step (one token each, or a verify chunk's accepted run)."""
+        return [seq_id for seq_id, _ in self.samples] + [seq_id for seq_id, _ in self.verifies]
+
+    @property
+    def collect_first(self) -> bool:
+        """The next step cannot be scheduled before this one's tokens are read: it verifies drafts (the
+        accepted count moves the sequences) or proposes drafts for the next step."""
+        return bool(self.verifies) or self.draft_k > 0
 
 
 @dataclasses.dataclass
@@ -72,6 +90,10 @@ class _LogitRows:
     sample_rows: list[int]                           # index into rows of each sampling sequence
     samples: list[tuple[int, _SeqState]]             # (seq id, state) of each sampling sequence
     prompt_parts: list[tuple[int, _SeqState, int, int, int]]  # seq id, state, first row, count, chunk start
+    # verify chunks: (seq id, state, index into rows of its first position, drafts)
+    verifies: list[tuple[int, _SeqState, int, list[int]]] = dataclasses.field(default_factory=list)
+    chunk_index: dict[int, int] = dataclasses.field(default_factory=dict)   # seq id -> its chunk's index
+    chunk_start: dict[int, int] = dataclasses.field(default_factory=dict)   # seq id -> its chunk's first row
 
 
 def _temperature_sample_op(device: torch.device):
@@ -121,6 +143,12 @@ class ModelRunner:
         # Runs decode-only batches in place of self.model when set (the compiled CPU step, cpu_compile.py);
         # called like the model: (batch, cache) -> hidden, and .compute_logits(hidden).
         self.compiled_decode = None
+        self.speculation: Speculation | None = None      # speculative decoding (enable_speculation)
+
+    def enable_speculation(self, config: SpeculativeConfig) -> None:
+        """Propose drafts with config's method after every step and verify them when scheduled."""
+        self.speculation = Speculation.create(config, self.model, self.cache, self.device, sampler=self.sampler,
+                                              graphs=self.graphs is not None)
 
     def capture_decode_graphs(self, max_batch: int) -> None:
         """Capture decode CUDA graphs for batches of up to max_batch sequences (the caller has checked
@@ -163,6 +191,8 @@ class ModelRunner:
     def _apply_changes(self, out: SchedulerOutput) -> None:
         for seq_id in out.freed_seq_ids:
             self._seqs.pop(seq_id, None)
+        if self.speculation is not None and out.freed_seq_ids:
+            self.speculation.drafter.release(out.freed_seq_ids)
         for src, dst in out.state_copies:   # one by one: a snapshot saved here may be restored by a later pair
             self.cache.copy_slot(src, dst)
         if out.block_copies:                 # distinct fresh destinations: one gather, then one scatter
@@ -178,6 +208,11 @@ class ModelRunner:
     @staticmethod
     def is_decode(chunk: ScheduledChunk) -> bool:
         return chunk.num_new == 1 and chunk.num_computed > 0
+
+    @staticmethod
+    def packing_order(chunk: ScheduledChunk) -> int:
+        """Prefill chunks first, then verify chunks, then decodes."""
+        return 1 if chunk.draft_token_ids else 2 if ModelRunner.is_decode(chunk) else 0
 
     def _pack_decodes(self, chunks: list[ScheduledChunk]) -> tuple[list[int], ...]:
         """Host values of one-token chunks: input ids (-1: still being sampled, read from last_tokens on the
@@ -205,7 +240,7 @@ class ModelRunner:
                 and all(self.is_decode(c) for c in chunks))
 
     def build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
-        """Pack chunks, which must be prefills first, then decodes."""
+        """Pack chunks, which must be prefills first, then verify chunks, then decodes (packing_order)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -215,11 +250,17 @@ class ModelRunner:
         pending: list[int] = []                      # token rows whose input is still being sampled
         pending_slots: list[int] = []                # ... and the state slot whose last token it is
         max_blocks = 0
+        verify_cu, verify_slots = [0], []
         for c in chunks:
             st = self._seqs[c.seq_id]
             start, end = c.num_computed, c.num_computed + c.num_new
             blocks = st.block_ids
-            if end > len(st.token_ids):              # only ever the last position of a decode row
+            if c.draft_token_ids:
+                assert start == len(st.token_ids) - 1 and c.num_new == 1 + len(c.draft_token_ids), \
+                    "a verify chunk feeds the last known token and its drafts"
+                verify_cu.append(verify_cu[-1] + c.num_new)
+                verify_slots.append(st.state_slot)
+            elif end > len(st.token_ids):            # only ever the last position of a decode row
                 pending.append(len(ids) + c.num_new - 1)
                 pending_slots.append(st.state_slot)
             if c.num_new == 1:
@@ -227,8 +268,12 @@ class ModelRunner:
                 pos.append(start)
                 slot_map.append(blocks[start // bs] * bs + start % bs)
             else:
-                assert end <= len(st.token_ids), "a multi-token chunk never ends in a pending token"
-                ids.extend(st.token_ids[start:end])
+                if c.draft_token_ids:
+                    ids.append(st.token_ids[start])
+                    ids.extend(c.draft_token_ids)
+                else:
+                    assert end <= len(st.token_ids), "a multi-token chunk never ends in a pending token"
+                    ids.extend(st.token_ids[start:end])
                 pos.extend(range(start, end))
                 p = start
                 while p < end:                       # one range per block touched, not per token
@@ -243,11 +288,12 @@ class ModelRunner:
             has_init.append(start > 0)
             max_blocks = max(max_blocks, -(-end // bs))
         num_prefills = sum(not self.is_decode(c) for c in chunks)
+        num_verifies = len(verify_slots)
         # Two host tensors (int64 per token, int32 per sequence) and one copy each to the device; every
         # section starts 16-byte aligned (Triton builds a kernel variant per pointer alignment).
         per_token, tok = _aligned_sections([ids, pos, slot_map, pending, pending_slots], torch.long, self.device)
-        per_seq, seq = _aligned_sections([cu, seq_lens, slots, has_init, slots[num_prefills:]], torch.int32,
-                                         self.device)
+        per_seq, seq = _aligned_sections([cu, seq_lens, slots, has_init, slots[num_prefills:], verify_cu,
+                                          verify_slots], torch.int32, self.device)
         tables = to_device(torch.from_numpy(self._block_table[slots, :max_blocks]), self.device)
         input_ids = tok[0]
         if pending:
@@ -257,6 +303,8 @@ class ModelRunner:
             state_slots=seq[2], has_initial_state=seq[3].bool(), block_tables=tables,
             num_prefills=num_prefills, num_prefill_tokens=cu[num_prefills], decode_state_slots=seq[4],
             max_prefill_len=max((cu[i + 1] - cu[i] for i in range(num_prefills)), default=0),
+            num_verifies=num_verifies, num_verify_tokens=verify_cu[-1],
+            verify=VerifyRecord(seq[5], seq[6]) if num_verifies else None,
         )
 
     # ---- one step -----------------------------------------------------------------------------
@@ -279,12 +327,15 @@ class ModelRunner:
         self._apply_changes(out)
         if not out.chunks:
             return StepHandle()
-        chunks = sorted(out.chunks, key=self.is_decode)     # stable: prefills first, then decodes
+        chunks = sorted(out.chunks, key=self.packing_order)  # stable: prefills, verify chunks, decodes
         plan = self._logit_rows(chunks)
         model = self.model
         graphed = self.uses_graph(chunks)
+        batch = None
         if graphed:
             hidden = self._replay_decodes(chunks)
+            if self.speculation is not None and self.speculation.uses_hidden:
+                batch = self.build_batch(chunks)             # the drafter reads the step's rows
         else:
             if self.compiled_decode is not None and self.is_decode(chunks[0]):  # prefills sort first
                 model = self.compiled_decode
@@ -294,12 +345,16 @@ class ModelRunner:
                 hidden = pieces.run(batch, self.cache)
             else:
                 hidden = model(batch, self.cache)
-        handle = StepHandle(plan.samples)
+        handle = StepHandle(plan.samples, verifies=[(seq_id, st) for seq_id, st, _, _ in plan.verifies])
+        if self.speculation is not None:
+            self.speculation.keep_step(handle, batch, hidden, plan)
         if not plan.rows:                                    # only mid-prompt chunks: nothing to read out
             return handle
         # rows are increasing and distinct, so as many rows as tokens means every row (decode-only batches)
         picked = hidden if len(plan.rows) == hidden.shape[0] else hidden[self._index(plan.rows)]
         logits = model.compute_logits(picked)       # the activation dtype: the sampler widens where it must
+        if plan.verifies:
+            self.speculation.launch_verify(handle, logits, plan.verifies, batch.verify, self._index)
         if plan.samples:
             states = [st for _, st in plan.samples]
             assert not any(st.sampling.num_pending and st.sampling.needs_history() for st in states), \
@@ -340,6 +395,8 @@ class ModelRunner:
                 st.token_ids.append(tok)
         for seq_id, pending in handle.prompt_parts:
             result.prompt_logprobs[seq_id] = pending.get()
+        if self.speculation is not None:
+            self.speculation.collect(handle, result)
         return result
 
     def _index(self, rows: list[int]) -> torch.Tensor:
@@ -351,9 +408,16 @@ class ModelRunner:
         (that sequence samples)."""
         plan = _LogitRows([], [], [], [])
         offset = 0
-        for c in chunks:
+        for i, c in enumerate(chunks):
             st = self._seqs[c.seq_id]
             end = c.num_computed + c.num_new
+            plan.chunk_index[c.seq_id] = i
+            plan.chunk_start[c.seq_id] = offset
+            if c.draft_token_ids:                    # a verify chunk: every position samples
+                plan.verifies.append((c.seq_id, st, len(plan.rows), list(c.draft_token_ids)))
+                plan.rows.extend(range(offset, offset + c.num_new))
+                offset += c.num_new
+                continue
             if st.prompt_logprobs is not None:
                 count = min(end, st.sampling.num_prompt_tokens - 1) - c.num_computed
                 if count > 0:

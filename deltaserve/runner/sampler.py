@@ -288,6 +288,11 @@ class Sampler:
         # draws of batches without top-k / top-p / min-p: (logits, temperature [N] fp32, u [N] fp64) -> tokens
         self.temperature_sample = temperature_sample or sampling_ref.temperature_sample
 
+    @property
+    def shared(self) -> random.Random:
+        """The stream of rows without their own seed (speculative verify draws from it too)."""
+        return self._shared
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits [N, V] (any float dtype) for N rows -> one token per row (launch, then wait)."""
         return self.launch(logits, rows).get()
@@ -304,27 +309,10 @@ class Sampler:
         the host, the row of each mask row): structured output; those rows sample only allowed tokens."""
         dev = logits.device
         lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        adjust = [i for i, r in enumerate(rows) if r.adjusts_logits()]
-        if lp_rows or adjust or masks is not None or not _no_filters(rows, logits.shape[1]):
-            logits = logits.float()
         if lp_rows:
             lp_index = None if len(lp_rows) == len(rows) else to_device(torch.tensor(lp_rows), dev)
-            raw = log_softmax(logits if lp_index is None else logits[lp_index])
-        if adjust or masks is not None:
-            logits = logits.clone()
-        if adjust:
-            _apply_penalties(logits, rows, adjust)
-        if masks is not None:
-            _apply_bitmask(logits, *masks)
-        greedy = [r.params.greedy for r in rows]
-        if all(greedy):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens, recorded = self._sample(logits, rows, greedy, record)
-            if recorded:
-                record = None
-        if record is not None:
-            record[0].index_copy_(0, record[1].long(), tokens)
+            raw = log_softmax((logits if lp_index is None else logits[lp_index]).float())
+        tokens = self.draw(self.process(logits, rows, masks), rows, record=record)
         if not lp_rows:
             return PendingSample(tokens, len(rows), HostCopy(tokens), [], [])
         ns = [rows[i].params.logprobs for i in lp_rows]
@@ -332,16 +320,54 @@ class Sampler:
         lp = _logprob_tensors(raw, tokens if lp_index is None else tokens[lp_index], k)
         return PendingSample(tokens, len(rows), HostCopy(tokens, *lp), lp_rows, ns)
 
+    @staticmethod
+    def process(logits: torch.Tensor, rows: list[SamplingRow],
+                masks: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+        """The logits each row samples from: logit_bias, penalties, bad words, min_tokens suppression and the
+        structured-output mask applied (a copy; the input is returned as it is when nothing applies). fp32
+        wherever the draw can depend on the dtype."""
+        adjust = [i for i, r in enumerate(rows) if r.adjusts_logits()]
+        if adjust or masks is not None or not _no_filters(rows, logits.shape[1]):
+            logits = logits.float()
+        if adjust or masks is not None:
+            logits = logits.clone()
+        if adjust:
+            _apply_penalties(logits, rows, adjust)
+        if masks is not None:
+            _apply_bitmask(logits, *masks)
+        return logits
+
+    def draw(self, logits: torch.Tensor, rows: list[SamplingRow], uniforms: list[float] | None = None, *,
+             record: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """One token per row from processed logits (`process`): greedy rows the argmax, the others
+        temperature -> top-k -> top-p -> min-p -> the inverse CDF at the row's uniform. uniforms: one per
+        row (speculative verify passes its own); None: each row's seeded uniform for its next token
+        index, or the shared stream's next. record: as in `launch`."""
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens, recorded = self._sample(logits, rows, greedy, record, uniforms)
+            if recorded:
+                record = None
+        if record is not None:
+            record[0].index_copy_(0, record[1].long(), tokens)
+        return tokens
+
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool],
-                record: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, bool]:
+                record: tuple[torch.Tensor, torch.Tensor] | None,
+                uniforms: list[float] | None = None) -> tuple[torch.Tensor, bool]:
         """(tokens, whether they were written to `record` already)."""
         V = logits.shape[1]
         params = [r.params for r in rows]
         top_k = [_top_k(p, V) for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
-        u = [0.0 if g else self._shared.random() if r.seed is None else seeded_uniform(r.seed, r.num_generated)
-             for g, r in zip(greedy, rows)]
+        if uniforms is not None:
+            u = [0.0 if g else x for g, x in zip(greedy, uniforms, strict=True)]
+        else:
+            u = [0.0 if g else self._shared.random() if r.seed is None else seeded_uniform(r.seed, r.num_generated)
+                 for g, r in zip(greedy, rows)]
         # every per-row option in one host tensor, one copy: temperature, top_k, top_p, min_p, uniform, greedy
         opts = to_device(torch.tensor([[1.0 if g else p.temperature for g, p in zip(greedy, params)], top_k, top_p,
                                        min_p, u, greedy], dtype=torch.float64), logits.device)

@@ -268,7 +268,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 enable_prefix_caching=args.enable_prefix_caching,
                 prefix_cache_state_fraction=args.prefix_cache_state_fraction,
                 tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
-                scheduling_policy=args.scheduling_policy)
+                scheduling_policy=args.scheduling_policy, speculative_config=args.speculative_config)
 
 
 def build_replica(model: str | None, kwargs: dict[str, Any], data_parallel_size: int, index: int, *,

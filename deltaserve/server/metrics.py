@@ -40,6 +40,11 @@ _COUNTERS = (
     ("prefix_cache_hits_total", "prefix_cache_hits", "Prompt tokens resumed from the prefix cache."),
     ("prefix_cache_snapshot_evictions_total", "prefix_cache_snapshot_evictions",
      "Prefix-cache GDN state snapshots evicted."),
+    ("spec_num_drafts_total", "spec_decode_num_drafts", "Speculative decoding: verify chunks run (one per "
+     "sequence and step with drafts)."),
+    ("spec_num_draft_tokens_total", "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified."),
+    ("spec_num_accepted_tokens_total", "spec_decode_num_accepted_tokens",
+     "Speculative decoding: draft tokens accepted."),
 )
 
 
@@ -88,3 +93,11 @@ class _EngineStatsCollector:
             value = getattr(stats, attr, None)
             if value is not None:
                 yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
+        per_pos = getattr(stats, "spec_num_accepted_tokens_per_pos", None)
+        if per_pos:
+            family = CounterMetricFamily(f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos",
+                                         "Speculative decoding: draft tokens accepted at each draft position "
+                                         "(0: the first draft).", labels=["position"])
+            for position, value in sorted(per_pos.items()):
+                family.add_metric([str(position)], float(value))
+            yield family

@@ -111,3 +111,22 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor, num
     drafts = torch.cat([d, torch.full((B, 1), -1, dtype=torch.long, device=dev)], dim=1)
     tokens = torch.where(pos < a, drafts, torch.where(pos == a, last, torch.full_like(drafts, -1)))
     return tokens, num_accepted
+
+
+def accept_draws(draws: torch.Tensor, draft_tokens: torch.Tensor,
+                 num_drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The coupled rule of a deterministic drafter given the target's draws: draws [B, K+1] (the plain
+    sampler's token at every position: argmax for greedy rows), draft_tokens [B, K], num_drafts [B].
+    Accept while draws[i] == d_i, emit draws[a]. Same result as rejection_sample without draft_probs
+    whose draws are `draws`; returns (tokens [B, K+1], num_accepted [B]) like it."""
+    B, W = draws.shape
+    K = W - 1
+    dev = draws.device
+    d = draft_tokens.long()
+    valid = torch.arange(K, device=dev)[None, :] < num_drafts[:, None]
+    num_accepted = ((draws[:, :K] == d) & valid).long().cumprod(dim=1).sum(dim=1)
+    a = num_accepted[:, None]
+    pos = torch.arange(W, device=dev)[None, :]
+    drafts = torch.cat([d, torch.full((B, 1), -1, dtype=torch.long, device=dev)], dim=1)
+    tokens = torch.where(pos < a, drafts, torch.where(pos == a, draws.gather(1, a), torch.full_like(drafts, -1)))
+    return tokens, num_accepted

@@ -73,6 +73,10 @@ class EngineGrammars:
         """Advance a constrained sequence's matcher (others: nothing); True when its grammar has completed."""
         return self._manager is not None and seq_id in self._manager and self._manager.accept(seq_id, token)
 
+    def constrained(self, seq_id: int) -> bool:
+        """Whether the sequence samples under a grammar (its masks need every token: it never speculates)."""
+        return self._manager is not None and seq_id in self._manager
+
     def samplers(self, sched: SchedulerOutput, seqs: dict) -> list[int]:
         """Running constrained sequences that sample a token in `sched` (their chunk reaches their end)."""
         if not self._manager:

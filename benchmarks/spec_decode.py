@@ -1,0 +1,254 @@
+"""Speculative decoding: decode speed with and without drafts, and the acceptance.
+
+CPU (default): the embedded model, batch 1 and 8, English prompts with the repetition prompt lookup feeds
+on. Greedy decode tok/s of plain decoding, n-gram drafts (K = 1..4, pinned) and adaptive K, with the
+n-gram acceptance (mean accepted length = tokens per verify step); and the same with the oracle drafter
+(the tokens the target will produce, recorded from a plain run, each replaced by a wrong one with a set
+probability) at acceptance lengths 2.0, 2.5, 3.39: what a drafter of that quality buys on this path.
+
+--gpu: a published shape with random weights (load_format="dummy"; default Qwen3.5-35B-A3B), the oracle
+drafter only (random weights accept nothing from a real one). The decode step time of K = 1..4 (every
+draft accepted, so each step verifies K + 1 positions) against the plain decode step at batch 1, 8, 64;
+tok/s of K = 3 at acceptance lengths 2.0, 2.5, 3.39 against plain; adaptive K (the default policy) against
+plain at batch 64. Drafting is free here (a host lookup), so the step time is verify + commit: an MTP
+drafter adds its K head forwards.
+
+  PYTHONPATH=. python benchmarks/spec_decode.py [--out DIR]
+  PYTHONPATH=. python benchmarks/spec_decode.py --gpu [--model benchmarks/configs/Qwen3.5-35B-A3B] --out DIR
+  --quick: small workloads (a smoke run; with --gpu --device cpu --model DIR it runs a tiny config on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from deltaserve import LLM, SamplingParams  # noqa: E402
+from deltaserve.spec.adaptive import AdaptiveK, AdaptivePolicy  # noqa: E402
+from deltaserve.spec.drafter import make_drafter  # noqa: E402
+from deltaserve.spec.oracle import OracleDrafter  # noqa: E402
+
+ACCEPTANCE_LENGTHS = (2.0, 2.5, 3.39)      # 3.39: SGLang's reference for Qwen3.5's MTP at 3 drafts
+
+ENGLISH = [
+    "The committee reviewed the proposal in detail. The committee noted that the proposal, as written, "
+    "would require the committee to meet twice a month. After discussion, the committee agreed that",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return",
+    "Monday: wake up, run, work, cook, read. Tuesday: wake up, run, work, cook, read. Wednesday: wake up,",
+    "Question: What is the capital of France? Answer: The capital of France is Paris. Question: What is the "
+    "capital of Italy? Answer:",
+    "Once upon a time there was a little fox who lived in a forest. Every morning the little fox went to the",
+    "To install the package, run pip install. To upgrade the package, run pip install --upgrade. To remove",
+    "Alice said hello to Bob. Bob said hello to Carol. Carol said hello to Dave. Dave said hello to",
+    "The results show that the model improves accuracy on the first task and that the model improves",
+]
+
+
+def reach_for_length(length: float, k: int) -> float:
+    """The per-draft acceptance s with 1 + s + s^2 + ... + s^k = length (a rejection ends the run)."""
+    if not 1.0 <= length <= k + 1:
+        raise ValueError(f"acceptance length {length} outside [1, {k + 1}]")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** j for j in range(k + 1)) < length else (lo, mid)
+    return (lo + hi) / 2
+
+
+def pin(llm: LLM, k: int) -> None:
+    """k drafts every step (k = 0: plain decode steps, CUDA graphs included)."""
+    spec = llm.engine.runner.speculation
+    spec.adaptive = AdaptiveK(spec.adaptive.max_k, AdaptivePolicy(batch_table=((1 << 20, k),), min_reach=0.0))
+
+
+def adaptive(llm: LLM) -> None:
+    spec = llm.engine.runner.speculation
+    spec.adaptive = AdaptiveK(spec.adaptive.max_k)
+
+
+class Run:
+    """One timed batch: every request added at once, the steps after all of them have their first token
+    (prefill done) timed one by one."""
+
+    def __init__(self, llm: LLM, prompts: list[list[int]], new_tokens: int):
+        eng = llm.engine
+        before = eng.get_stats()
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"b{time.monotonic_ns()}-{i}", {"prompt_token_ids": p}, params)
+        started: set[str] = set()
+        outputs: dict[str, list[int]] = {}
+        self.step_s: list[float] = []
+        decode_tokens = 0
+        # no device sync per step: with async scheduling (plain steps on CUDA) the period between step()
+        # returns is the step time; a verify step reads its tokens inside step() anyway
+        t0 = time.perf_counter()
+        while eng.has_unfinished_requests():
+            decoding = len(started) == len(prompts)
+            outs = eng.step()
+            t1 = time.perf_counter()
+            dt, t0 = t1 - t0, t1
+            produced = 0
+            for o in outs:
+                n = len(o.outputs[0].token_ids)
+                produced += n - len(outputs.get(o.request_id, []))
+                outputs[o.request_id] = list(o.outputs[0].token_ids)
+                started.add(o.request_id)
+            if decoding:
+                self.step_s.append(dt)
+                decode_tokens += produced
+        after = eng.get_stats()
+        self.outputs = [outputs[k] for k in sorted(outputs, key=lambda r: int(r.rsplit("-", 1)[1]))]
+        self.decode_s = sum(self.step_s)
+        self.tok_s = decode_tokens / self.decode_s if self.decode_s else float("nan")
+        self.median_step_ms = 1e3 * statistics.median(self.step_s) if self.step_s else float("nan")
+        drafts = after.spec_num_drafts_total - before.spec_num_drafts_total
+        accepted = after.spec_num_accepted_tokens_total - before.spec_num_accepted_tokens_total
+        self.acceptance_length = 1 + accepted / drafts if drafts else None
+        self.draft_tokens = after.spec_num_draft_tokens_total - before.spec_num_draft_tokens_total
+        self.accepted = accepted
+
+
+def install_oracle(llm: LLM, prompts, outputs, reject_prob: float) -> None:
+    llm.engine.runner.speculation.drafter = OracleDrafter(list(zip(prompts, outputs)), vocab_size=llm.config.vocab_size,
+                                                          reject_prob=reject_prob, seed=0)
+
+
+def install_ngram(llm: LLM) -> None:
+    eng = llm.engine
+    eng.runner.speculation.drafter = make_drafter(eng.config.speculative_config, llm.model, eng.runner.cache,
+                                                  llm.device)
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def cpu(args, log) -> dict:
+    torch.set_num_threads(args.threads)
+    llm = LLM(device="cpu", enable_prefix_caching=False, compile=args.compile, seed=0,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3})
+    new = 24 if args.quick else 96
+    prompts_all = [llm.tokenizer.encode(t) for t in ENGLISH]
+    results: dict = {"device": "cpu", "new_tokens": new, "rows": []}
+    for batch in (1, 8):
+        prompts = (prompts_all * 8)[:batch]
+        pin(llm, 0)
+        Run(llm, prompts, 4)                                    # warm
+        plain = Run(llm, prompts, new)
+        log(f"batch {batch}: plain {plain.tok_s:.1f} tok/s (median step {plain.median_step_ms:.1f} ms)")
+        row = {"batch": batch, "plain_tok_s": plain.tok_s, "plain_step_ms": plain.median_step_ms}
+        install_ngram(llm)
+        for k in (1, 2, 3, 4):
+            pin(llm, k)
+            r = Run(llm, prompts, new)
+            assert r.outputs == plain.outputs, "speculative greedy output differs from plain"
+            row[f"ngram_k{k}"] = dict(tok_s=r.tok_s, speedup=r.tok_s / plain.tok_s, acceptance_length=r.acceptance_length)
+            log(f"  ngram K={k}: {r.tok_s:.1f} tok/s ({r.tok_s / plain.tok_s:.2f}x), acceptance length "
+                f"{_fmt(r.acceptance_length)}")
+        adaptive(llm)
+        r = Run(llm, prompts, new)
+        row["ngram_adaptive"] = dict(tok_s=r.tok_s, speedup=r.tok_s / plain.tok_s, acceptance_length=r.acceptance_length)
+        log(f"  ngram adaptive K: {r.tok_s:.1f} tok/s ({r.tok_s / plain.tok_s:.2f}x)")
+        for length in ACCEPTANCE_LENGTHS:
+            k = 3
+            install_oracle(llm, prompts, plain.outputs, 1 - reach_for_length(length, k))
+            pin(llm, k)
+            r = Run(llm, prompts, new)
+            assert r.outputs == plain.outputs
+            row[f"oracle_len{length}"] = dict(tok_s=r.tok_s, speedup=r.tok_s / plain.tok_s,
+                                              acceptance_length=r.acceptance_length)
+            log(f"  oracle K=3 at acceptance length {length} (measured {_fmt(r.acceptance_length)}): "
+                f"{r.tok_s:.1f} tok/s ({r.tok_s / plain.tok_s:.2f}x)")
+        install_ngram(llm)
+        results["rows"].append(row)
+    return results
+
+
+def gpu(args, log) -> dict:
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    batches = (1, 2) if args.quick else (1, 8, 64)
+    prompt_len, new = (16, 12) if args.quick else (args.prompt_len, args.new_tokens)
+    llm = LLM(args.model, device=str(device), load_format="dummy", enable_prefix_caching=False, seed=0,
+              dtype="bfloat16" if device.type == "cuda" else "float32",
+              max_num_seqs=max(batches), max_model_len=prompt_len + new + 16,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    vocab = llm.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    results: dict = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+                     "model": str(args.model), "prompt_len": prompt_len, "new_tokens": new, "rows": []}
+    for batch in batches:
+        prompts = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+        pin(llm, 0)
+        Run(llm, prompts, 8)                                    # warm: graphs, kernels of this batch shape
+        plain = Run(llm, prompts, new)
+        row = {"batch": batch, "plain_step_ms": plain.median_step_ms, "plain_tok_s": plain.tok_s}
+        log(f"batch {batch}: plain step {plain.median_step_ms:.2f} ms, {plain.tok_s:.0f} tok/s")
+        for k in (1, 2, 3, 4):
+            install_oracle(llm, prompts, plain.outputs, 0.0)
+            pin(llm, k)
+            Run(llm, prompts, 8)                                # warm the verify shapes
+            install_oracle(llm, prompts, plain.outputs, 0.0)
+            r = Run(llm, prompts, new)
+            ratio = r.median_step_ms / plain.median_step_ms
+            row[f"k{k}_step_ms"], row[f"k{k}_step_ratio"] = r.median_step_ms, ratio
+            log(f"  K={k}: step {r.median_step_ms:.2f} ms = {ratio:.2f}x plain (all accepted: {r.tok_s:.0f} tok/s)")
+        for length in ACCEPTANCE_LENGTHS:
+            install_oracle(llm, prompts, plain.outputs, 1 - reach_for_length(length, 3))
+            pin(llm, 3)
+            r = Run(llm, prompts, new)
+            row[f"len{length}_tok_s"] = r.tok_s
+            row[f"len{length}_speedup"] = r.tok_s / plain.tok_s
+            log(f"  K=3 at acceptance length {length} (measured {_fmt(r.acceptance_length)}): {r.tok_s:.0f} tok/s "
+                f"= {r.tok_s / plain.tok_s:.2f}x plain")
+        if batch == max(batches):
+            install_oracle(llm, prompts, plain.outputs, 1 - reach_for_length(2.5, 3))
+            adaptive(llm)
+            r = Run(llm, prompts, new)
+            row["adaptive_len2.5_tok_s"], row["adaptive_len2.5_speedup"] = r.tok_s, r.tok_s / plain.tok_s
+            log(f"  adaptive K at acceptance length 2.5: {r.tok_s:.0f} tok/s = {r.tok_s / plain.tok_s:.2f}x plain")
+        results["rows"].append(row)
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpu", action="store_true", help="the published shape with dummy weights and the oracle drafter")
+    ap.add_argument("--model", default=str(ROOT / "benchmarks" / "configs" / "Qwen3.5-35B-A3B"))
+    ap.add_argument("--device", default="cuda", help="--gpu only (cpu: a smoke run with a tiny --model)")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--compile", default="off", choices=("off", "on"), help="CPU: the compiled decode step")
+    ap.add_argument("--threads", type=int, default=1, help="CPU intra-op threads")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None, help="directory for spec_decode.json and the log")
+    args = ap.parse_args()
+    lines: list[str] = []
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        lines.append(msg)
+
+    results = gpu(args, log) if args.gpu else cpu(args, log)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "spec_decode.json").write_text(json.dumps(results, indent=1))
+        (out / "spec_decode.log").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
