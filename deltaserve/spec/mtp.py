@@ -87,7 +87,9 @@ class MTPDrafter:
                 self._warned_no_hidden = True
             return torch.full((n, k), -1, dtype=torch.long, device=self.device)
         seq_index = to_device(torch.tensor(ctx.batch_index, dtype=torch.long), self.device)
-        return self.draft(ctx.hidden, ctx.batch, ctx.next_tokens, ctx.last_rows, seq_index, k)
+        # optional context fields (a scheduler that allocates lookahead blocks for the draft rows says so)
+        return self.draft(ctx.hidden, ctx.batch, ctx.next_tokens, ctx.last_rows, seq_index, k,
+                          kv_capacity=getattr(ctx, "kv_capacity", None), block_tables=getattr(ctx, "block_tables", None))
 
     def release(self, seq_ids: list[int]) -> None:
         """Nothing to forget: the head's K/V go with the sequence's blocks."""

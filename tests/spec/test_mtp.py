@@ -296,9 +296,14 @@ def test_propose_reads_the_draft_context(model):
     # the rows of the first two drafts fit the prompt's last block; compare what fits
     fit = min(3, -(-n // BS) * BS - (n - 1))
     assert drafts[0, :fit].tolist() == oracle_drafts(model, s.prompt + [emitted], fit)
+    fields = {name: getattr(ctx, name) for name in vars(ctx)}
+    # a context that says the sequence holds a block more (lookahead): every draft row fits
+    m = batch.block_tables.shape[1] + 1
+    wide = types.SimpleNamespace(**fields, kv_capacity=torch.tensor([m * BS]),
+                                 block_tables=torch.arange(1, m + 1, dtype=torch.int32)[None])
+    assert sim.drafter.propose(wide)[0].tolist() == oracle_drafts(model, s.prompt + [emitted], 3)
     # nothing drafting: the first pass still runs (k = 0), and a step without hidden states gives no drafts
-    assert sim.drafter.propose(dataclasses.replace(ctx, k=0) if dataclasses.is_dataclass(ctx)
-                               else types.SimpleNamespace(**{**vars(ctx), "k": 0})).shape == (1, 0)
+    assert sim.drafter.propose(types.SimpleNamespace(**{**fields, "k": 0})).shape == (1, 0)
     none = _context(seq_ids=[1, 2], k=2, cache=sim.cache)
     assert sim.drafter.propose(none).tolist() == [[-1, -1], [-1, -1]]
     sim.drafter.release([42])
@@ -368,3 +373,46 @@ def test_embedded_mtp_drafts_are_accepted_on_held_out_english(monkeypatch):
     mean1, mean2 = result.mean_accepted_length(1), result.mean_accepted_length(2)
     assert mean1 >= 1.15, result.summary()
     assert mean1 <= mean2 <= 2 * mean1 - 1 + 1e-9, result.summary()   # draft 2 is accepted only after draft 1
+
+
+# ---- CUDA: nothing read on the host --------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_propose_on_cuda_reads_nothing_on_the_host(tiny_model, model):
+    """Triton ops (the tiny model's head dims are supported): the first pass over a prompt and 3 draft steps
+    with torch's sync debug mode raising on any synchronizing call; the drafts equal the CPU drafter's."""
+    dev = torch.device("cuda")
+    path = tiny_model(MTP_SPEC)
+    cfg = ModelConfig.from_hf(path)
+    gpu = load_model(path, device=dev, dtype=torch.float32, kernels=select_kernels(dev, shapes=cfg.kernel_shapes),
+                     show_progress=False)
+    rng = random.Random(0)
+    prompt = [rng.randrange(cfg.vocab_size) for _ in range(37)]
+    n, emitted, bs = len(prompt), 9, 16
+    results = []
+    for m, device in ((gpu, dev), (model, torch.device("cpu"))):
+        cache = CacheBuffers.allocate(cfg, num_slots=1, num_blocks=4, block_size=bs, device=device,
+                                      dtype=torch.float32, mtp_kv_layers=1)
+        batch = dataclasses.replace(_prefill(n, bs), input_ids=torch.tensor(prompt))
+        batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device)
+                                              for f in dataclasses.fields(batch)
+                                              if isinstance(getattr(batch, f.name), torch.Tensor)})
+        with torch.inference_mode():
+            hidden = m(batch, cache)
+        drafter = MTPDrafter(m, cache, device)
+        ctx = _context(seq_ids=[0], k=4, token_ids=[prompt + [emitted]], batch=batch, hidden=hidden, batch_index=[0],
+                       last_rows=torch.tensor([n - 1], device=device),
+                       next_tokens=torch.tensor(prompt[1:] + [emitted], device=device),
+                       num_accepted=torch.zeros(1, dtype=torch.long, device=device), cache=cache)
+        if device.type == "cuda":
+            drafter.propose(ctx)                      # builds the Triton kernels (their first launch may sync)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                drafts = drafter.propose(ctx)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        else:
+            drafts = drafter.propose(ctx)
+        results.append(drafts.cpu().tolist())
+    assert results[0] == results[1]
