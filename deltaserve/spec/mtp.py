@@ -2,10 +2,11 @@
 
 Per step (model_spec.md §7, wave2.md §2.1), after the target's tokens were verified:
 1. First pass, over every packed row of the step (prefill chunks, plain decodes, verify rows): row r at
-   position t takes the embedding of the token after it (`next_tokens[r]`) and the target's post-final-norm
-   hidden state at t, as the head was trained; its attention layer writes its K/V at the target's slot for
-   t, in its own KV layer of the pool (`CacheBuffers.mtp_kv`: the target's block tables and slot mappings
-   address it). The head's output at each drafting sequence's last accepted row gives draft 1 (greedy).
+   position t takes the embedding of the token after it (`next_tokens[r]`; a -1 past a rejection is read
+   as any token, since those rows are rewritten later) and the target's post-final-norm hidden state at
+   t, as the head was trained; its attention layer writes its K/V at the target's slot for t, in its own
+   KV layer of the pool (`CacheBuffers.mtp_kv`: the target's block tables and slot mappings address it).
+   The head's output at each drafting sequence's last accepted row gives draft 1 (greedy).
 2. Draft steps 2..k: one row per drafting sequence at position t + j - 1, from the previous draft's
    embedding and the head's own output (after mtp.norm) of the step before; greedy argmax over the shared
    lm_head each time.
@@ -52,6 +53,7 @@ class MTPDrafter:
     per-sequence state of its own: its K/V live in the pool's MTP layer, under the sequence's blocks."""
 
     name = "mtp"
+    uses_hidden = True     # reads the step's hidden states, batch and next tokens (spec/drafter.py)
 
     def __init__(self, model: HybridForCausalLM, cache: CacheBuffers, device: torch.device | str):
         config = model.config
