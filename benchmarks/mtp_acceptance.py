@@ -156,11 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k-max", type=int, default=4)
     p.add_argument("--heldout-file", type=Path, default=None,
                    help="also measure this text (e.g. tests/data/heldout.txt, the training split's held-out part)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (one suits this small model)")
     args = p.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(args.threads)
     result = measure(HELD_OUT_TEXT, args.k_max)
     print("text written for this benchmark (5 paragraphs)")
-    print(result.summary())
+    print(result.summary(), flush=True)
     if args.heldout_file is not None:
         text = args.heldout_file.read_text()
         chunks = [c for c in text.split("\n\n") if c.strip()]
