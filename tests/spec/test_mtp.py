@@ -416,3 +416,19 @@ def test_propose_on_cuda_reads_nothing_on_the_host(tiny_model, model):
             drafts = drafter.propose(ctx)
         results.append(drafts.cpu().tolist())
     assert results[0] == results[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_start_up_profiles_the_mtp_first_pass_and_allocates_its_layer(tiny_model):
+    """On a GPU the budget is measured with the head's first pass over the largest step (it must run there),
+    and the pools the plan sizes carry the MTP layer, which the drafter accepts."""
+    path = tiny_model(MTP_SPEC)
+    cfg = ModelConfig.from_hf(path)
+    args = {**_worker_args(cfg, path), "device": torch.device("cuda"), "gpu_memory_utilization": 0.3,
+            "max_num_batched_tokens": 256}
+    worker = Worker(WorkerConfig(**args, mtp_kv_layers=1))
+    runner = worker.start()
+    assert runner.cache.kv.shape[0] == len(cfg.attention_layer_ids) + 1
+    assert worker.plan.used_bytes <= worker.plan.budget_bytes
+    MTPDrafter(worker.model, runner.cache, "cuda")
