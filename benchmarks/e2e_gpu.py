@@ -24,6 +24,9 @@ transformers + flash-linear-attention in the same command on the same GPU, one a
   PYTHONPATH=. python benchmarks/e2e_gpu.py --model benchmarks/configs/Qwen3.5-35B-A3B --out DIR
   PYTHONPATH=. python benchmarks/e2e_gpu.py --quick --out DIR      # tiny shape on CPU, seconds
   --smoke: the real shape with a short workload (concurrency 1 and 8, 64 new tokens, 8k TTFT, peer batch 1).
+  --prefill-ttft: only the lone-prompt TTFT at 128 / 1,024 / 4,096 tokens (one step each) and the host time
+         of that step's launch(), with piecewise prefill CUDA graphs on and off (two subprocesses):
+  PYTHONPATH=. python benchmarks/e2e_gpu.py --prefill-ttft --out DIR
 """
 
 from __future__ import annotations
@@ -624,6 +627,83 @@ def ours_part(args, wl: Workload, out: Path) -> None:
     compiles.remove()
 
 
+# ---- lone-prompt TTFT, prefill graphs on / off ---------------------------------------------------------
+
+PREFILL_TTFT_LENS = (128, 1024, 4096)
+
+
+def prefill_ttft_part(args, out: Path, graphs: bool) -> None:
+    """TTFT of lone prompts (max_tokens=1, one step each) and the host time of their launch() (the step's
+    enqueue: with the GPU idle before it, TTFT - launch is mostly GPU time the host did not hide)."""
+    import random
+
+    import torch
+
+    from deltaserve import LLM, SamplingParams
+
+    device = torch.device("cpu" if args.quick else "cuda")
+    _cpu_threads(device)
+    log = _logger(out / f"prefill_ttft_{'graphs' if graphs else 'eager'}.jsonl")
+    model = dict(raw_config(args)) if args.quick else args.model
+    lens = (16, 64, 256) if args.quick else PREFILL_TTFT_LENS
+    top = max(lens)
+    t = time.perf_counter()
+    llm = LLM(model, device=str(device), dtype=_dtype(device), load_format="dummy", max_num_seqs=8,
+              max_model_len=top + 16, max_num_batched_tokens=top, prefill_cuda_graphs=graphs)
+    engine, runner = llm.engine, llm.engine.runner
+    pg = runner.prefill_graphs
+    log(dict(what="build", s=time.perf_counter() - t, graphs=graphs, decode_graphs=_graph_info(engine),
+             prefill_graphs=None if pg is None else dict(sizes=pg.sizes, capture_s=pg.capture_seconds,
+                                                          pool_bytes=pg.pool_bytes, buffer_bytes=pg.buffer_bytes)))
+    launches: list[float] = []
+    launch = runner.launch
+
+    def timed_launch(step):
+        t0 = time.perf_counter()
+        handle = launch(step)
+        launches.append(time.perf_counter() - t0)
+        return handle
+
+    runner.launch = timed_launch
+    rng = random.Random(0)
+    vocab = llm.config.vocab_size
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    for n in lens:
+        ttft, host = [], []
+        for i in range(7):                              # 2 warm-up runs, 5 measured
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            launches.clear()
+            r = run_requests(engine, [[rng.randrange(vocab) for _ in range(n)]], params, f"t{n}-{i}")
+            if i >= 2:
+                ttft.append(r["first_token_s"])
+                host.append(launches[0])
+        log(dict(what="ttft", prompt_len=n, ttft_ms=[x * 1e3 for x in ttft], launch_ms=[x * 1e3 for x in host],
+                 median_ttft_ms=sorted(ttft)[2] * 1e3, median_launch_ms=sorted(host)[2] * 1e3,
+                 prefill_graph_runs=None if pg is None else pg.num_runs))
+
+
+def prefill_ttft_report(out: Path) -> str:
+    rows, build = {}, []
+    for mode in ("graphs", "eager"):
+        for r in _read(out / f"prefill_ttft_{mode}.jsonl"):
+            if r["what"] == "ttft":
+                rows.setdefault(r["prompt_len"], {})[mode] = r
+            elif r["what"] == "build" and r.get("prefill_graphs"):
+                pg = r["prefill_graphs"]
+                build = [f"prefill graphs: buckets {pg['sizes']}, captured in {pg['capture_s']:.1f} s, "
+                         f"pool {pg['pool_bytes'] / MIB:.0f} MiB + buffers {pg['buffer_bytes'] / MIB:.0f} MiB"]
+    lines = ["| prompt | TTFT graphs | TTFT eager | launch() graphs | launch() eager |", "|---|---|---|---|---|"]
+    for n, m in sorted(rows.items()):
+        cell = lambda mode, key: f"{m[mode][key]:.1f} ms" if mode in m else "-"  # noqa: E731
+        lines.append(f"| {n} | {cell('graphs', 'median_ttft_ms')} | {cell('eager', 'median_ttft_ms')} | "
+                     f"{cell('graphs', 'median_launch_ms')} | {cell('eager', 'median_launch_ms')} |")
+    return "\n".join(lines + build)
+
+
+MIB = 1 << 20
+
+
 # ---- peer: transformers + flash-linear-attention ----------------------------------------------------
 
 def peer_part(args, wl: Workload, out: Path) -> None:
@@ -877,7 +957,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-batches", default=None, help="comma list overriding the peer's batch sizes")
     ap.add_argument("--ours-timeout", type=float, default=420.0)
     ap.add_argument("--peer-timeout", type=float, default=240.0)
-    ap.add_argument("--part", choices=("ours", "peer"), default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--prefill-ttft", action="store_true",
+                    help="only lone-prompt TTFT and launch() host time, prefill CUDA graphs on vs off")
+    ap.add_argument("--part", choices=("ours", "peer", "ttft-graphs", "ttft-eager"), default=None,
+                    help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     wl = QUICK if args.quick else SMOKE if args.smoke else Workload()
     ints = lambda v: tuple(int(x) for x in v.split(","))  # noqa: E731
@@ -894,6 +977,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.part == "peer":
         peer_part(args, wl, out)
         return 0
+    if args.part in ("ttft-graphs", "ttft-eager"):
+        prefill_ttft_part(args, out, graphs=args.part == "ttft-graphs")
+        return 0
+    if args.prefill_ttft:
+        rc = {}
+        for part in ("ttft-graphs", "ttft-eager"):
+            (out / f"prefill_{part.replace('-', '_')}.jsonl").unlink(missing_ok=True)
+            rc[part] = run_part(part, args, out, args.ours_timeout)
+        text = prefill_ttft_report(out) + f"\n\nexit codes: {rc}\n"
+        (out / "prefill_ttft.md").write_text(text)
+        print(text)
+        return 0 if all(v == 0 for v in rc.values()) else 1
     rc = {}
     for part, skip, timeout in (("ours", args.no_ours, args.ours_timeout), ("peer", args.no_peer, args.peer_timeout)):
         if not skip:

@@ -10,6 +10,7 @@ import torch
 
 from .cache.plan import pool_shapes
 from .config import ModelConfig
+from .ops.chunks import PREFILL_CHUNK, chunk_offsets
 
 
 @dataclasses.dataclass
@@ -50,6 +51,19 @@ class ForwardBatch:
     # The longest prefill chunk's token count (host int, from the scheduler's lengths): the chunked prefill's kernel
     # choice reads it (its cu_seqlens live on the device). None: not known.
     max_prefill_len: int | None = None
+    # Per-step metadata the prefill ops read, built on first use and reused by every layer of the step
+    # (prefill_chunk_offsets): (the cu_seqlens and num_prefills it was built from, the offsets). None: not built.
+    step_metadata: tuple | None = dataclasses.field(default=None, repr=False)
+
+    def prefill_chunk_offsets(self) -> torch.Tensor:
+        """[num_prefills + 1] int32 cumulative PREFILL_CHUNK-token chunk counts of the prefill sequences (every GDN
+        layer's conv and chunked delta rule locate their chunks from them): built once per step, on the device
+        (again for a copy of the batch with other cu_seqlens or prefills)."""
+        memo = self.step_metadata
+        if memo is None or memo[0] is not self.cu_seqlens or memo[1] != self.num_prefills:
+            offsets = chunk_offsets(self.cu_seqlens[: self.num_prefills + 1], PREFILL_CHUNK)
+            memo = self.step_metadata = (self.cu_seqlens, self.num_prefills, offsets)
+        return memo[2]
 
     def decode_slots(self) -> torch.Tensor:
         """State slots of the decode sequences."""

@@ -79,6 +79,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "at start-up); reference attention only for now (refused with the Triton kernels)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly (no CUDA graphs for decode steps, no compiled CPU decode step)")
+    p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
+                   help="run prefill and mixed steps eagerly (decode steps keep their CUDA graphs)")
     p.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
                    help="launch each step before reading the previous step's tokens, so host work overlaps the "
                         "GPU (default: on for CUDA devices, off on CPU)")
@@ -262,7 +264,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
               load_format=args.load_format, enforce_eager=args.enforce_eager, compile=args.compile,
-              async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
+              prefill_cuda_graphs=args.prefill_cuda_graphs, async_scheduling=args.async_scheduling,
+              tensor_parallel_size=args.tensor_parallel_size,
               enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
               prefix_cache_state_fraction=args.prefix_cache_state_fraction,

@@ -35,7 +35,7 @@ class LLM:
                  enable_prefix_caching: bool = True,
                  prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION,
                  tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
-                 scheduling_policy: str = "fcfs"):
+                 scheduling_policy: str = "fcfs", prefill_cuda_graphs: bool = True):
         self.engine = LLMEngine.from_args(
             model, device=device, dtype=dtype, seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             block_size=block_size, enforce_reference_ops=enforce_reference_ops,
@@ -45,7 +45,7 @@ class LLM:
             quantization=quantization, kv_cache_dtype=kv_cache_dtype,
             enable_prefix_caching=enable_prefix_caching, prefix_cache_state_fraction=prefix_cache_state_fraction,
             tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel,
-            scheduling_policy=scheduling_policy)
+            scheduling_policy=scheduling_policy, prefill_cuda_graphs=prefill_cuda_graphs)
         self.model_path = self.engine.model_path
         self.config = self.engine.model_config
         self.tokenizer = self.engine.tokenizer

@@ -77,6 +77,15 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def warm_up(device: torch.device) -> None:
+    """One all-reduce on the device, waited for: NCCL creates its communicator at the first collective, which
+    must not happen inside a CUDA-graph capture."""
+    x = torch.ones(1, device=device)
+    all_reduce(x)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def all_reduce_min(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     _checked("all_reduce(min)", dist.all_reduce, t, op=dist.ReduceOp.MIN, group=_plan_group)

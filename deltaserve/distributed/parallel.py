@@ -101,13 +101,17 @@ def kv_parts(num_kv_heads: int, parallel: Parallel) -> int:
     return num_kv_heads
 
 
-def refuse_split_blocks(field: str, full: int, parallel: Parallel, block: int = 128) -> None:
-    """Block-quantised weights (FP8, 128x128 scales) shard with their scales: a rank's piece must be whole
-    blocks. Call it for each sharded dimension of a block-quantised tensor."""
-    if parallel.sharded and (full // parallel.size) % block:
-        raise ShardingError(f"{field} = {full} over tensor_parallel_size = {parallel.size} gives "
-                            f"{full // parallel.size} rows a rank, not a multiple of the {block}-row quantisation "
-                            "block (use a smaller tensor_parallel_size or enable_expert_parallel)")
+def refuse_split_blocks(field: str, ranges, group: int, *, what: str = "rows") -> None:
+    """Block-FP8 weights shard with their block multipliers: each (start, stop) range of a rank's rows (or
+    columns) of tensor `field` must start and end on the holder's scale groups of `group` (a divisor of the
+    128-block chosen by the layer from its shard widths), so that no group takes values from two checkpoint
+    blocks. A range that does not is refused, naming the tensor (not computed with a wrong multiplier)."""
+    bad = [(a, b) for a, b in ranges if a % group or (b - a) % group]
+    if bad:
+        a, b = bad[0]
+        raise ShardingError(f"{field}: this rank's {what} {a}..{b} do not start and end on the weight's "
+                            f"{group}-{what[:-1]} FP8 scale groups, so a group would mix two 128 x 128 "
+                            "checkpoint blocks (use a smaller tensor_parallel_size or enable_expert_parallel)")
 
 
 def check_model_divides(config, parallel: Parallel) -> None:

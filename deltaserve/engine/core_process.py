@@ -13,7 +13,10 @@ tail that could still become a stop string, so the server can forward text delta
 
 Death of either side ends the other: the server sees the pipe close or the process exit; the core exits
 when the pipe closes (the server died or closed it) or its parent changes, checked at least every
-`IDLE_POLL_S` seconds.
+`IDLE_POLL_S` seconds. A tensor-parallel engine's core is rank 0 and starts the other ranks as its own
+children (engine/executor.py): a rank that dies is seen by the core within IDLE_POLL_S even while idle
+(the runner's `dead_reason`), the core reports "dead" and exits 1, and its exit ends the other ranks (the
+engine's shutdown; a rank whose parent is gone leaves by itself).
 
 Message layout (pickles of tuples, lists of ints, strings and the request's SamplingParams; no tensors):
   server -> core: ("add", request_id, token_ids: bytes of array('i'), params, arrival_time, priority)
@@ -129,7 +132,15 @@ def run_engine_core(factory: Callable[[int], Any], conn: Connection, parent_pid:
         logger.exception("the engine core failed")
         _send_quietly(conn, ("dead", f"{type(exc).__name__}: {exc}"))
         status = 1
+    finally:
+        shutdown = getattr(engine, "shutdown", None)     # a tensor-parallel engine's ranks
+        if shutdown is not None:
+            shutdown()
     sys.exit(status)
+
+
+class RankDied(RuntimeError):
+    """A tensor-parallel rank of the core's engine exited."""
 
 
 def _send_quietly(conn: Connection, message: Any) -> None:
@@ -143,6 +154,9 @@ class _Core:
     def __init__(self, engine: Any, conn: Connection, parent_pid: int):
         self.engine, self.conn, self.parent_pid = engine, conn, parent_pid
         self.deltas = DeltaEncoder()
+        # a tensor-parallel runner knows when one of its ranks exited (engine/executor.py)
+        self.ranks_dead: Callable[[], str | None] | None = getattr(getattr(engine, "runner", None), "dead_reason",
+                                                                   None)
 
     def run(self) -> int:
         engine, conn = self.engine, self.conn
@@ -153,6 +167,8 @@ class _Core:
                     return 0
             elif not busy and os.getppid() != self.parent_pid:
                 return 0        # the server died without closing the pipe (its children are left to us)
+            if self.ranks_dead is not None and (dead := self.ranks_dead()) is not None:
+                raise RankDied(dead)
             if busy or engine.has_unfinished_requests():
                 outputs = engine.step()
                 if outputs:

@@ -7,9 +7,18 @@ CPU ranks for tests) or, under torchrun, find them already running; every rank j
 `SchedulerOutput` (step_io.py) and every rank runs the same step; every rank samples the same token from
 the all-gathered logits (same seeds), and only rank 0's RunnerOutput goes back to the engine.
 
+Decode CUDA graphs per rank (on by default on CUDA): every rank plans the same buckets from the same config
+(agreed at start-up: one rank that cannot capture makes them all decode eagerly), captures them in the same
+order (largest first, runner/cuda_graphs.py) after the NCCL communicator is warmed up (a collective
+inside a capture cannot create it), and, given the same broadcast SchedulerOutput, replays the same bucket
+each decode step, so the all-reduces captured in the graphs pair up across the ranks.
+
 Failure: a worker that dies breaks the step's collectives at once (closed connection; the collectives also
 time out, distributed/comm.py), the engine's next step raises `PeerFailure` naming the rank and its exit
-code, and a watchdog thread logs the death as it happens. Workers exit when rank 0's process is gone.
+code, and a watchdog thread logs the death as it happens. A collective captured in a CUDA graph has no
+timeout (a replay waiting on a dead peer spins on the GPU and rank 0's next sync never returns): with graphs
+on CUDA, a death while a step is in flight that the step does not report within HANG_GRACE_S ends rank 0's
+process (exit 1, logged), never a hang. Workers exit when rank 0's process is gone.
 `shutdown()` (LLM.shutdown, the server's exit, interpreter exit) stops and joins every worker.
 """
 
@@ -36,6 +45,11 @@ logger = logging.getLogger(__name__)
 
 _STOP = ("stop", None)
 _JOIN_TIMEOUT_S = 10.0
+HANG_GRACE_S = 5.0          # a rank died with a graph step in flight: how long the step gets to fail by itself
+
+# Decode buckets every rank captures whatever its device (tests set it: on CPU the capture is DecodeGraphs'
+# eager stand-in over the static buffers); None: each rank's own plan (CUDA graphs on CUDA, eager elsewhere).
+forced_graph_sizes: list[int] | None = None
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -45,10 +59,21 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def _start_rank(config: WorkerConfig) -> Worker:
-    """Every rank's start-up after joining the group: load the shard, plan on the smallest budget, allocate."""
+def _start_rank(config: WorkerConfig, graph_sizes: list[int] | None = None) -> Worker:
+    """Every rank's start-up after joining the group: load the shard, agree on the decode graphs, plan on the
+    smallest budget, allocate (and capture). graph_sizes: forced_graph_sizes as rank 0 saw it."""
     worker = Worker(config)
     worker.load_model()
+    if graph_sizes is not None:
+        worker.graph_sizes = list(graph_sizes)
+    if comm.all_reduce_min(len(worker.graph_sizes)) == 0:    # every rank captures, or none
+        worker.graph_sizes = []
+    elif config.device.type == "cuda":
+        comm.warm_up(config.device)          # the NCCL communicator exists before any capture
+    if worker.graph_sizes and config.parallel.rank == 0:
+        logger.info("tensor parallel %d: decode CUDA graphs on every rank (%d buckets up to %d sequences)%s",
+                    config.parallel.size, len(worker.graph_sizes), max(worker.graph_sizes),
+                    "" if config.device.type == "cuda" else " [the CPU stand-in: eager forwards]")
     budget = comm.all_reduce_min(worker.cache_budget())
     plan = plan_cache(worker.cache_spec(), budget_bytes=budget, max_num_seqs=config.max_num_seqs,
                       max_model_len=config.max_model_len, num_blocks=config.num_kv_blocks,
@@ -67,7 +92,8 @@ def serve_steps(worker: Worker) -> None:
         runner.collect(runner.launch(sched))
 
 
-def _worker_main(config: WorkerConfig, init_method: str, parent_pid: int, num_threads: int) -> None:
+def _worker_main(config: WorkerConfig, init_method: str, parent_pid: int, num_threads: int,
+                 graph_sizes: list[int] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING)
 
     def orphan_guard() -> None:   # rank 0's process gone (even killed): leave at once
@@ -80,7 +106,7 @@ def _worker_main(config: WorkerConfig, init_method: str, parent_pid: int, num_th
     torch.set_num_threads(num_threads)      # the engine process's intra-op threads, per rank
     comm.init_distributed(config.parallel, config.device, init_method=init_method)
     try:
-        serve_steps(_start_rank(config))
+        serve_steps(_start_rank(config, graph_sizes))
     finally:
         comm.destroy()
 
@@ -95,6 +121,10 @@ class TensorParallelRunner:
         self.processes = processes           # ranks 1.. (empty under torchrun: torchrun owns them)
         self._dead: str | None = None
         self._closing = False
+        self._inflight = 0                   # steps launched and not yet collected
+        self._seen = threading.Event()       # the engine has been told of the death (a step raised)
+        self._may_hang = getattr(self.runner, "graphs", None) is not None and worker.config.device.type == "cuda"
+        self._exit = os._exit
         if processes:
             threading.Thread(target=self._watch, daemon=True, name="tp-watchdog").start()
         atexit.register(self.shutdown)
@@ -112,28 +142,57 @@ class TensorParallelRunner:
         proc.join(0.1)
         self._dead = f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
         logger.error("%s: the engine stops", self._dead)
+        if self._may_hang:
+            self._guard_hang()
+
+    def _guard_hang(self) -> None:
+        """A step in flight that neither fails nor finishes within HANG_GRACE_S waits in a captured collective
+        that cannot time out: exit the process rather than hang (the server then reports the core's exit)."""
+        deadline = time.monotonic() + HANG_GRACE_S
+        while time.monotonic() < deadline:
+            if self._seen.is_set() or self._closing or self._inflight == 0:
+                return
+            time.sleep(0.05)
+        logger.critical("%s while a step was waiting on it inside a CUDA graph (captured collectives cannot time "
+                        "out): exiting", self._dead)
+        self._exit(1)
+
+    def dead_reason(self) -> str | None:
+        """Which worker rank exited and how (seen by the watchdog as it happens), or None."""
+        return self._dead
 
     def _check(self) -> None:
         if self._closing:
             raise RuntimeError("the tensor-parallel engine was shut down")
         if self._dead is not None:
+            self._seen.set()
             raise PeerFailure(self._dead)
 
     def launch(self, sched):
         self._check()
+        self._inflight += 1
         try:
             comm.broadcast_object(("step", sched))
             return self.runner.launch(sched)
-        except PeerFailure as e:
-            raise self._failure(e) from e
+        except BaseException as e:
+            self._inflight -= 1
+            if isinstance(e, PeerFailure):
+                raise self._failure(e) from e
+            raise
 
     def collect(self, handle):
-        return self.runner.collect(handle)
+        try:
+            return self.runner.collect(handle)
+        except PeerFailure as e:
+            raise self._failure(e) from e
+        finally:
+            self._inflight -= 1
 
     def execute(self, sched):
         return self.collect(self.launch(sched))
 
     def _failure(self, e: PeerFailure) -> PeerFailure:
+        self._seen.set()
         for _ in range(20):       # the watchdog names the rank once its exit is seen (it is, within ~0.1 s)
             if self._dead is not None or not self.processes:
                 break
@@ -179,12 +238,14 @@ def start_tensor_parallel(config: WorkerConfig, size: int, *, expert_parallel: b
             rank_config = dataclasses.replace(config, parallel=Parallel(rank, size, expert_parallel),
                                               device=rank_device(config.device, rank))
             p = ctx.Process(target=_worker_main, name=f"deltaserve-tp{rank}", daemon=True,
-                            args=(rank_config, init_method, os.getpid(), torch.get_num_threads()))
+                            args=(rank_config, init_method, os.getpid(), torch.get_num_threads(),
+                                  forced_graph_sizes))
             p.start()
             processes.append(p)
     try:
         comm.init_distributed(Parallel(0, size, expert_parallel), config.device, init_method=init_method)
-        worker = _start_rank(dataclasses.replace(config, parallel=Parallel(0, size, expert_parallel)))
+        worker = _start_rank(dataclasses.replace(config, parallel=Parallel(0, size, expert_parallel)),
+                             forced_graph_sizes)
     except BaseException as e:
         for p in processes:
             p.kill()

@@ -74,9 +74,6 @@ class EngineStats:
 
 def check_parallel_features(model_config: ModelConfig, kv_cache_dtype: str) -> None:
     """Refuse, by name, what tensor parallelism does not shard yet (before any process starts)."""
-    if model_config.quantization is not None:
-        raise ValueError("tensor_parallel_size > 1 with FP8 weights (quantization='fp8' or an FP8 checkpoint's "
-                         "quantization_config) is not supported yet: use tensor_parallel_size=1")
     if kv_cache_dtype != "auto":
         raise ValueError(f"tensor_parallel_size > 1 with kv_cache_dtype={kv_cache_dtype!r} is not supported yet: "
                          "use kv_cache_dtype='auto'")
@@ -136,7 +133,7 @@ class LLMEngine:
                   prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION,
                   prefix_cache_checkpoint_interval: int = 0,
                   tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
-                  scheduling_policy: str = "fcfs") -> "LLMEngine":
+                  scheduling_policy: str = "fcfs", prefill_cuda_graphs: bool = True) -> "LLMEngine":
         """Validate the options into configs, have a Worker (runner/worker.py) do the device half of start-up
         (load the checkpoint directory, default: the embedded model; select kernels; size the cache from the
         memory budget, GPU: measured, CPU: cpu_cache_bytes; allocate it; capture graphs), build the engine
@@ -145,7 +142,9 @@ class LLMEngine:
         load_format="dummy": random weights from the config alone (`model` is a directory holding a
         config.json, or a config dict); without a tokenizer.json only token-id prompts work.
         enforce_eager: no CUDA graphs (decode steps are otherwise captured per batch-size bucket on CUDA when
-        every decode-path op is a Triton kernel; runner/cuda_graphs.py) and no compiled CPU decode step.
+        every decode-path op is a Triton kernel; runner/cuda_graphs.py), no piecewise prefill graphs and no
+        compiled CPU decode step. prefill_cuda_graphs: prefill and mixed steps of up to 8,192 tokens run as
+        piecewise CUDA graphs per token-count bucket on CUDA (runner/prefill_graphs.py); False runs them eagerly.
         compile: the compiled CPU decode step (runner/cpu_compile.py): "auto" compiles in the background and
         decodes eagerly until it is ready, "on" compiles before returning, "off" never; None reads
         DELTASERVE_COMPILE (default "off": eager measured faster on a small CPU). Ignored off CPU.
@@ -201,6 +200,7 @@ class LLMEngine:
             num_kv_blocks=num_gpu_blocks, seed=seed,
             force_reference_ops=enforce_reference_ops or settings().force_reference_ops,
             enforce_eager=enforce_eager, compile=compile or settings().compile,
+            prefill_cuda_graphs=prefill_cuda_graphs,
             kv_cache_dtype="fp8" if kv_cache_dtype.startswith("fp8") else kv_cache_dtype,
             prefix_cache_state_fraction=prefix_cache_state_fraction if enable_prefix_caching else 0.0)
         tokenizer = Tokenizer.from_dir(path) if path is not None else None

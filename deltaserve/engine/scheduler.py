@@ -28,6 +28,13 @@ of whose tokens are final (speculative tokens must never be committed). With n >
 of a request wait until the first one has passed its prompt's commit point and then resume from it
 instead of prefilling the prompt again.
 
+Shared prefixes still being prefilled: a waiting sequence whose prompt shares at least `min_shared_prefix`
+tokens beyond its hit with a running sequence that has not computed them yet (a burst of requests over one
+new system prompt) is not admitted beside it, to prefill the same tokens again. The running sequence gets a
+commit point where the two diverge (its chunk this step is cut there when it would pass it) and the
+waiting one is held aside until that state is saved; then it is admitted and hits it. It is requeued at
+once if the running sequence leaves first.
+
 The scheduler deals in sequence ids and token counts; it reads `seq_id`, the token counts, `num_computed`
 and `status` of its sequences and asks the cache manager for blocks and slots.
 
@@ -42,7 +49,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Iterable
+from collections.abc import Iterable
 
 from ..cache.manager import HybridCacheManager
 from ..cache.prefix_index import PrefixHit
@@ -56,6 +63,21 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     checkpoint_interval: int = 0     # prefix caching: also save the state every this many prompt tokens (0: off)
     policy: str = "fcfs"             # waiting-queue order (`queue_key`): "fcfs" or "priority"
+    # prefix caching: wait for a running sequence's prefill of at least this many shared tokens (0: never)
+    min_shared_prefix: int = 256
+
+
+_KEY = 16   # prompts are matched for shared prefills by their first this many tokens
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens a and b share, at most limit (compared a block of 64 at a time)."""
+    n = 0
+    while n + 64 <= limit and a[n : n + 64] == b[n : n + 64]:
+        n += 64
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def queue_key(seq: Sequence) -> tuple[int, float, int]:
@@ -74,6 +96,8 @@ class Scheduler:
         self._scheduled: list[Sequence] = []       # the sequences of the last schedule(), chunk order
         self.num_preempted_total = 0
         self._deferred: dict[int, list[Sequence]] = {}   # first sequence's id -> its siblings waiting for its prompt
+        # running sequence's id -> (position, waiting sequence) pairs held until its state at that position is saved
+        self._sharers: dict[int, list[tuple[int, Sequence]]] = {}
         self.prefix_queries_total = 0              # tokens looked up at first admissions
         self.prefix_hits_total = 0                 # ... and how many of them were cached
 
@@ -101,7 +125,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + sum(len(v) for v in self._deferred.values())
+        return (len(self.waiting) + sum(len(v) for v in self._deferred.values())
+                + sum(len(v) for v in self._sharers.values()))
 
     def _remove_waiting(self, ids: set[int]) -> None:
         if any(s.seq_id in ids for s in self.waiting):
@@ -112,6 +137,12 @@ class Scheduler:
                 self._deferred[key] = kept
             else:
                 del self._deferred[key]
+        for key in list(self._sharers):
+            held = [(p, s) for p, s in self._sharers[key] if s.seq_id not in ids]
+            if held:
+                self._sharers[key] = held
+            else:
+                del self._sharers[key]
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its cache resources now."""
@@ -134,6 +165,15 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.cache.release(seq.seq_id, seq.token_ids, seq.num_computed)
         self._freed.append(seq.seq_id)
+        self._requeue([s for _, s in self._sharers.pop(seq.seq_id, [])])
+
+    def _requeue(self, seqs: list[Sequence]) -> None:
+        """Put held-aside sequences back at the front of the waiting queue, in their order."""
+        if self.config.policy == "priority":
+            for s in seqs:
+                self._enqueue(s, front=True)
+        else:
+            self.waiting.extendleft(reversed(seqs))
 
     def _victim(self, first_unscheduled: int) -> Sequence:
         """Which running sequence gives its blocks back: FCFS the newest admitted; "priority" the least urgent
@@ -154,7 +194,7 @@ class Scheduler:
         return min(self.config.max_num_seqs, self.cache.slots.num_slots)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._deferred)
+        return bool(self.waiting or self.running or self._deferred or self._sharers)
 
     # ---- prefix caching ------------------------------------------------------------------------
     def _lookup(self, seq: Sequence) -> PrefixHit:
@@ -181,11 +221,42 @@ class Scheduler:
             if points.pop(0) == seq.num_computed:
                 self.cache.save_state(seq.seq_id, seq.token_ids, seq.num_computed)
         if seq.seq_id in self._deferred and seq.num_computed >= seq.num_prompt_tokens - 1:
-            if self.config.policy == "priority":
-                for sibling in self._deferred.pop(seq.seq_id):
-                    self._enqueue(sibling, front=True)
+            self._requeue(self._deferred.pop(seq.seq_id))
+        held = self._sharers.get(seq.seq_id)
+        if held and any(p <= seq.num_computed for p, _ in held):
+            self._requeue([s for p, s in held if p <= seq.num_computed])
+            kept = [(p, s) for p, s in held if p > seq.num_computed]
+            if kept:
+                self._sharers[seq.seq_id] = kept
             else:
-                self.waiting.extendleft(reversed(self._deferred.pop(seq.seq_id)))
+                del self._sharers[seq.seq_id]
+
+    def _hold_for_shared_prefill(self, seq: Sequence, hit: PrefixHit, prefilling: dict[tuple, list[Sequence]],
+                                 planned: dict[int, int], chunks: list[ScheduledChunk]) -> int:
+        """If a running sequence is about to prefill at least `min_shared_prefix` of seq's tokens past its hit,
+        give it a commit point where they diverge (cutting its chunk of this step there), hold seq aside
+        until then and return the budget the cut gave back; -1 when seq is admitted as usual."""
+        least = self.config.min_shared_prefix
+        if least <= 0 or seq.needs_prompt_logprobs or seq.num_tokens - 1 - hit.length < least:
+            return -1
+        best, best_len = None, 0
+        for other in prefilling.get(tuple(seq.token_ids[:_KEY]), ()):
+            limit = min(seq.num_tokens - 1, other.num_prompt_tokens - 1)
+            shared = _common_prefix(seq.token_ids, other.token_ids, limit)
+            if shared - hit.length >= least and shared > other.num_computed and shared > best_len:
+                best, best_len = other, shared
+        if best is None:
+            return -1
+        if best_len not in best.commit_points:
+            best.commit_points = sorted([*best.commit_points, best_len])
+        given_back = 0
+        i = planned.get(best.seq_id)
+        if i is not None and chunks[i].num_computed + chunks[i].num_new > best_len:
+            old = chunks[i]
+            chunks[i] = ScheduledChunk(old.seq_id, old.num_computed, best_len - old.num_computed, old.new_block_ids)
+            given_back = old.num_new - chunks[i].num_new
+        self._sharers.setdefault(best.seq_id, []).append((best_len, seq))
+        return given_back
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -217,11 +288,24 @@ class Scheduler:
             i += 1
 
         new_seqs = []
+        sharing = self.cache.prefix_caching and self.config.min_shared_prefix > 0
+        planned = {c.seq_id: k for k, c in enumerate(chunks)}          # chunk index of each scheduled sequence
+        prefilling: dict[tuple, list[Sequence]] = {}                   # by first tokens: prompts being prefilled
+        if sharing and self.waiting:
+            for seq in self.running:
+                if seq.num_computed < seq.num_prompt_tokens - 1:
+                    prefilling.setdefault(tuple(seq.token_ids[:_KEY]), []).append(seq)
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             if seq.num_pending:                  # preempted with a token in flight: admit once it is read
                 break
             hit = self._lookup(seq)
+            if sharing:
+                given_back = self._hold_for_shared_prefill(seq, hit, prefilling, planned, chunks)
+                if given_back >= 0:
+                    self.waiting.popleft()
+                    budget += given_back
+                    continue
             seq.num_computed = hit.length
             seq.commit_points = self._commit_points(seq, hit)
             n = seq.cut_at_commit(min(seq.num_tokens - hit.length, budget))
@@ -239,7 +323,10 @@ class Scheduler:
                     self.prefix_hits_total += hit.length
             slot, blocks = held
             new_seqs.append(seq.runner_data(slot, blocks))
+            planned[seq.seq_id] = len(chunks)
             chunks.append(ScheduledChunk(seq.seq_id, hit.length, n, []))
+            if sharing and seq.num_computed < seq.num_prompt_tokens - 1:
+                prefilling.setdefault(tuple(seq.token_ids[:_KEY]), []).append(seq)
             scheduled.append(seq)
             budget -= n
 

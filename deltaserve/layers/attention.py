@@ -49,7 +49,7 @@ class GatedAttention(nn.Module):
                              rows=(self.head_dim, self.kv_size))
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, kernels, dtype=dtype, device=device, fp8=qkv_fp8)
         self.o_proj = Linear(self.num_heads * self.head_dim, h, kernels, dtype=dtype, device=device,
-                             fp8=fp8_layout(quant, ("self_attn.o_proj",)))
+                             fp8=fp8_layout(quant, ("self_attn.o_proj",), cols=(self.o_size,) if parallel.sharded else ()))
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps, kernels, dtype=dtype, device=device)
         self.k_norm = RMSNorm(self.head_dim, eps, kernels, dtype=dtype, device=device)
@@ -75,10 +75,16 @@ class GatedAttention(nn.Module):
     def forward_projected(self, projected: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
                           cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """forward from qkv_proj(x) [T, q_size + 2 kv_size], computed by the caller."""
+        return self.output(self.core(projected, batch, kv_cache, cos_sin), projected)
+
+    def core(self, projected: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
+             cos_sin: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The part that reads the batch's sequence structure (KV slots, context lengths, block tables): q/k
+        norms, RoPE, the KV store and attention -> o [T, o_size] (into `out` when given)."""
         T = projected.shape[0]
         if kv_cache.dtype == FP8_DTYPE:
             kv_cache = Fp8KvCache(kv_cache, self.kv_scale)
-        q, gate, k, v = projected.split([self.o_size, self.o_size, self.kv_size, self.kv_size], dim=-1)
+        q, _, k, v = projected.split([self.o_size, self.o_size, self.kv_size, self.kv_size], dim=-1)
         # q/k norms, RoPE, the KV store and attention in one op (the norms here are zero-centred, as the op's
         # are); max_query_len tells it when every sequence has one query token
         o = self.kernels.fused_paged_attention(
@@ -86,8 +92,18 @@ class GatedAttention(nn.Module):
             v.view(T, self.num_kv_heads, self.head_dim), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
             *cos_sin, kv_cache, batch.slot_mapping, cu_seqlens=batch.cu_seqlens, seq_lens=batch.seq_lens,
             block_tables=batch.block_tables, scale=self.scale, max_query_len=1 if batch.num_prefills == 0 else None)
-        out = self.kernels.gated_linear(o.view(T, self.o_size), gate, self.o_proj.weight, activation="sigmoid")
+        o = o.view(T, self.o_size)
+        return o if out is None else out.copy_(o)
+
+    def output(self, o: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
+        """The token-wise rest: the sigmoid output gate (read from the projection) and o_proj."""
+        gate = projected[:, self.o_size : 2 * self.o_size]
+        out = self.kernels.gated_linear(o, gate, self.o_proj.weight, activation="sigmoid")
         return comm.all_reduce(out) if self.parallel.sharded else out
+
+    @property
+    def projection_width(self) -> int:
+        return self.q_size + 2 * self.kv_size
 
     def checkpoint_weights(self) -> WeightMap:
         par = self.parallel

@@ -60,7 +60,8 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.nv, dtype=torch.float32, device=device), requires_grad=False)
         self.norm_weight = nn.Parameter(torch.empty(self.dv, dtype=dtype, device=device), requires_grad=False)
         self.out_proj = Linear(self.value_dim, h, kernels, dtype=dtype, device=device,
-                               fp8=fp8_layout(quant, ("linear_attn.out_proj",)))
+                               fp8=fp8_layout(quant, ("linear_attn.out_proj",),
+                                              cols=(self.value_dim,) if parallel.sharded else ()))
         self.scale = self.dk ** -0.5
         if parallel.sharded:
             tp = parallel.size
@@ -103,19 +104,58 @@ class GatedDeltaNet(nn.Module):
             norm_activation=self.norm_activation, conv_applied=projection.conv_applied, weight=self.out_proj.weight)
         return comm.all_reduce(out) if self.parallel.sharded else out
 
+    def core(self, projected: torch.Tensor, batch: ForwardBatch, ssm_state: torch.Tensor, conv_state: torch.Tensor,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """The part that reads the batch's sequence structure (cu_seqlens, state slots), from a projection
+        without the conv applied (project_input of a batch with prefills, or in_proj(x)): the prefill rows'
+        conv, gates, chunked delta rule and gated norm, then the decode rows' recurrence (gdn_decode) ->
+        o [T, HV * V] before the output projection (into `out` when given). forward_projected computes the
+        same rows for such a batch (gdn_out_proj, without a fold)."""
+        T = projected.shape[0]
+        mixed, z2, b, a = projected.split(self.split_sizes, dim=-1)
+        z = z2.view(T, self.nv, self.dv)
+        P = batch.num_prefill_tokens
+        parts = []
+        if P:
+            parts.append(self._prefill(mixed[:P], z[:P], a[:P], b[:P], batch, ssm_state, conv_state))
+        if T > P:
+            parts.append(self.kernels.gdn_decode(
+                mixed[P:], z[P:], a[P:], b[P:], conv_weight=self.conv_weight, A_log=self.A_log,
+                dt_bias=self.dt_bias, norm_weight=self.norm_weight, eps=self.eps, scale=self.scale,
+                conv_state=conv_state, ssm_state=ssm_state, state_indices=batch.decode_slots(),
+                norm_activation=self.norm_activation, conv_applied=False))
+        if out is None:
+            o = parts[0] if len(parts) == 1 else torch.cat(parts)
+            return o.reshape(T, self.value_dim)
+        start = 0
+        for part in parts:
+            out[start : start + part.shape[0]].copy_(part.reshape(part.shape[0], self.value_dim))
+            start += part.shape[0]
+        return out
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """The token-wise rest: out_proj of o [T, HV * V] (core's)."""
+        out = self.kernels.linear(o, self.out_proj.weight)
+        return comm.all_reduce(out) if self.parallel.sharded else out
+
+    @property
+    def projection_width(self) -> int:
+        return sum(self.split_sizes)
+
     def _prefill(self, mixed: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: ForwardBatch,
                  ssm_state: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
         """The prefill rows' output before the projection [P, HV, V]: conv, gates, chunked delta rule, gated norm."""
         k, P, n_pre = self.kernels, mixed.shape[0], batch.num_prefills
         cu, slots, initial = batch.cu_seqlens[: n_pre + 1], batch.state_slots[:n_pre], batch.has_initial_state[:n_pre]
+        offsets = batch.prefill_chunk_offsets()                 # once per step, shared by every GDN layer
         conv = k.causal_conv1d_fn(mixed, self.conv_weight, conv_state=conv_state, cu_seqlens=cu, state_indices=slots,
-                                  has_initial_state=initial)
+                                  has_initial_state=initial, chunk_offsets=offsets)
         q, key, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         g, beta = k.gdn_gating(self.A_log, a, self.dt_bias, b)
         o = k.chunk_gated_delta_rule(
             q.view(P, self.nk, self.dk), key.view(P, self.nk, self.dk), v.view(P, self.nv, self.dv), g, beta,
             scale=self.scale, cu_seqlens=cu, ssm_state=ssm_state, state_indices=slots, has_initial_state=initial,
-            max_seqlen=batch.max_prefill_len)
+            max_seqlen=batch.max_prefill_len, chunk_offsets=offsets)
         return k.rms_norm_gated(o, z, self.norm_weight, self.eps, activation=self.norm_activation)
 
     # ---- checkpoint layout --------------------------------------------------------------------

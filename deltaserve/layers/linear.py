@@ -15,6 +15,7 @@ import math
 import torch
 from torch import nn
 
+from ..distributed.parallel import ShardingError
 from ..ops import Kernels
 from ..ops.quant.fp8 import BLOCK, FP8_DTYPE, BlockFp8Weight, dequantize_packed, load_packed_rows, packed_width
 
@@ -36,6 +37,34 @@ def fp8_layout(quantization, names: tuple[str, ...], *, rows: tuple[int, ...] = 
     if quantization is None or not quantization.converts(*names):
         return None
     return Fp8Layout(math.gcd(BLOCK, *rows) if rows else BLOCK, math.gcd(BLOCK, *cols) if cols else BLOCK)
+
+
+def load_fp8_rows(dst: BlockFp8Weight, offset: int, packed: torch.Tensor, *, columns: tuple[int, int] | None = None,
+                  block_k: int = BLOCK) -> None:
+    """ops/quant/fp8.py load_packed_rows, after checking that the rows of each of dst's row groups carry one
+    multiplier: a group takes its first row's, so rows from two checkpoint blocks with different multipliers
+    in one group (a tensor-parallel shard that does not start on the group) would be computed wrong."""
+    g, rows = dst.row_group, packed.shape[-2]
+    if g > 1 and rows > 1:
+        scales = packed[..., _packed_k(packed.shape[-1], block_k):]
+        pad = -rows % g
+        if pad:                                  # a last partial group: repeat its last row
+            scales = torch.cat([scales, scales[..., -1:, :].expand(*scales.shape[:-2], pad, scales.shape[-1])], -2)
+        grouped = scales.reshape(*scales.shape[:-2], -1, g, scales.shape[-1])
+        if not torch.equal(grouped, grouped[..., :1, :].expand_as(grouped)):
+            raise ShardingError(f"FP8 rows {offset}..{offset + rows} put values of checkpoint blocks with different "
+                                f"multipliers in one {g}-row scale group (a shard that does not start on the "
+                                "weight's scale groups)")
+    load_packed_rows(dst, offset, packed, columns=columns, block_k=block_k)
+
+
+def _packed_k(width: int, block_k: int) -> int:
+    """The value columns K of packed rows `width` = K + ceil(K / block_k) wide."""
+    guess = width * block_k // (block_k + 1)
+    for k in (guess, guess + 1, guess - 1, guess + 2):
+        if packed_width(k, block_k) == width:
+            return k
+    raise ValueError(f"{width} is not the width of packed FP8 rows with {block_k}-column groups")
 
 
 def fp8_scale_shape(shape: tuple[int, ...], layout: Fp8Layout) -> tuple[int, ...]:
@@ -86,7 +115,7 @@ class Linear(nn.Module):
             if tensor.shape[-1] != packed_width(self.in_features):
                 raise ValueError(f"an FP8 Linear takes packed FP8 rows, got a {tensor.dtype} tensor "
                                  f"{list(tensor.shape)}")
-            load_packed_rows(self.weight, offset, tensor)
+            load_fp8_rows(self.weight, offset, tensor)
             return
         if tensor.shape[-1] == packed_width(self.in_features) != self.in_features:
             tensor = dequantize_packed(tensor, self.in_features)

@@ -36,7 +36,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, kernels, dtype=dtype, device=device,
                                    fp8=gate_up_fp8)
         self.down_proj = Linear(intermediate_size, hidden_size, kernels, dtype=dtype, device=device,
-                                fp8=fp8_layout(quantization, (f"{prefix}.down_proj",)))
+                                fp8=fp8_layout(quantization, (f"{prefix}.down_proj",),
+                                               cols=(intermediate_size,) if parallel.sharded else ()))
         if parallel.sharded:
             tp = parallel.size
             self.gate_up_proj.param_splits = {"weight": Split(0, ((full, tp), (full, tp)))}

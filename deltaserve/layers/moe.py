@@ -16,7 +16,9 @@ Other widths keep the shared expert as a separate MLP.
 
 Block-FP8 experts (every expert and the folded shared expert converted): w13 / w2 are float8_e4m3fn with
 w13_scale_inv / w2_scale_inv (fp32 per scale group, ops/quant/fp8.py), and `self.w13` / `self.w2` read as
-BlockFp8Weight operands; checkpoint pieces arrive as packed FP8 rows.
+BlockFp8Weight operands; checkpoint pieces arrive as packed FP8 rows. Under tensor parallelism the scale
+groups divide the rank's intermediate width, so a shard narrower than a 128-block (Qwen3-Next's experts at
+TP8) is exact; w2's column shards travel with one multiplier per column group (layers/weights.py).
 
 Tensor parallelism (distributed/parallel.py), default: every expert's intermediate dim is split (w13 rows,
 w2 columns; the shared expert and its slices too), the router is replicated, and the block's output is
@@ -36,10 +38,10 @@ from ..config import ModelConfig
 from ..distributed import comm
 from ..distributed.parallel import SINGLE, Parallel, Split, require_divisible
 from ..ops import Kernels
-from ..ops.quant.fp8 import FP8_DTYPE, BlockFp8Weight, load_packed_rows
-from .linear import Fp8Layout, Linear, fp8_layout, fp8_scale_shape
+from ..ops.quant.fp8 import BLOCK, FP8_DTYPE, BlockFp8Weight
+from .linear import Fp8Layout, Linear, fp8_layout, fp8_scale_shape, load_fp8_rows
 from .mlp import MLP
-from .weights import Target, WeightMap, prefixed, read_ranges, rows, whole
+from .weights import Slices, Target, WeightMap, prefixed, read_ranges, rows, whole
 
 _NOT_THIS_RANK = (lambda t: None, lambda sl: None)   # (load, read) of an expert another rank holds
 
@@ -78,8 +80,6 @@ class SparseMoeBlock(nn.Module):
         self.w13_fp8 = fp8_layout(quant, expert_names, rows=(i,))
         self.w2_fp8 = None if self.w13_fp8 is None else Fp8Layout(col_group=fp8_layout(quant, expert_names,
                                                                                           cols=(i,)).col_group)
-        if parallel.sharded and self.w13_fp8 is not None:   # the engine refuses this first, by name
-            raise NotImplementedError("tensor_parallel_size > 1 with FP8 experts is not supported")
         self._expert_param("w13", (stored, 2 * i, h), self.w13_fp8, dtype, device)
         self._expert_param("w2", (stored, h, i), self.w2_fp8, dtype, device)
         self.shared_expert = MLP(h, s, kernels, dtype=dtype, device=device, quantization=quant,
@@ -166,12 +166,12 @@ class SparseMoeBlock(nn.Module):
             ranges = [(j * i_full + a, j * i_full + b) for j in range(self.shared_slices)]
             read_rows, read_cols = (None, None) if not par.sharded else (read_ranges(ranges), read_ranges(ranges, 1))
             mapping["shared_expert_gate.weight"] = rows(self.gate, e, 1)
-            mapping["shared_expert.gate_proj.weight"] = Target(
-                (s, h), lambda t: self._load_shared(t, 0, rows=True), read_rows, fp8=fp8)
-            mapping["shared_expert.up_proj.weight"] = Target(
-                (s, h), lambda t: self._load_shared(t, i, rows=True), read_rows, fp8=fp8)
-            mapping["shared_expert.down_proj.weight"] = Target(
-                (h, s), lambda t: self._load_shared(t, 0, rows=False), read_cols, fp8=fp8)
+            mapping["shared_expert.gate_proj.weight"] = self._target(
+                (s, h), lambda t: self._load_shared(t, 0, rows=True), read_rows)
+            mapping["shared_expert.up_proj.weight"] = self._target(
+                (s, h), lambda t: self._load_shared(t, i, rows=True), read_rows)
+            mapping["shared_expert.down_proj.weight"] = self._target(
+                (h, s), lambda t: self._load_shared(t, 0, rows=False), read_cols, w2=par.sharded)
         n, start = self.local_experts, self.expert_start
         if not par.sharded:
             if fused_experts:
@@ -188,18 +188,22 @@ class SparseMoeBlock(nn.Module):
                 mapping[f"experts.{j}.down_proj.weight"] = Target((h, i), lambda t, j=j: self._load("w2", j, 0, t),
                                                                   fp8=fp8)
             return mapping
-        # tensor / expert parallel (dense experts only: FP8 is refused in __init__)
+        # tensor parallel: rows a..b of w13's gate and up halves, columns a..b of w2; expert parallel: experts
+        # start..start+n whole (Slices reads, so FP8 shards carry their block multipliers)
         if self.expert_parallel:
-            reads = {"gate": None, "up": None, "down": None, "fused13": lambda sl: sl[start:start + n],
-                     "fused2": lambda sl: sl[start:start + n]}
+            reads = {"gate": None, "up": None, "down": None, "fused13": Slices(0, ((start, start + n),)),
+                     "fused2": Slices(0, ((start, start + n),))}
         else:
             a, b = par.piece(i_full)
-            reads = {"gate": lambda sl: sl[a:b], "up": lambda sl: sl[a:b], "down": lambda sl: sl[:, a:b],
-                     "fused13": lambda sl: torch.cat([sl[:, a:b], sl[:, i_full + a:i_full + b]], dim=1),
-                     "fused2": lambda sl: sl[:, :, a:b]}
+            reads = {"gate": Slices(0, ((a, b),)), "up": Slices(0, ((a, b),)), "down": Slices(1, ((a, b),)),
+                     "fused13": Slices(1, ((a, b), (i_full + a, i_full + b))), "fused2": Slices(2, ((a, b),))}
+        w2_cols = not self.expert_parallel     # w2's shard is a column range
         if fused_experts:
-            mapping["experts.gate_up_proj"] = Target((e, 2 * i_full, h), self.w13.data[:n].copy_, reads["fused13"])
-            mapping["experts.down_proj"] = Target((e, h, i_full), self.w2.data[:n].copy_, reads["fused2"])
+            mapping["experts.gate_up_proj"] = self._target(
+                (e, 2 * i_full, h), lambda t: self._load("w13", slice(0, n), 0, t), reads["fused13"])
+            mapping["experts.down_proj"] = self._target(
+                (e, h, i_full), lambda t: self._load("w2", slice(0, n), 0, t, block_k=self._w2_block(w2_cols)),
+                reads["fused2"], w2=w2_cols)
             return mapping
         for j in range(e):
             if not start <= j < start + n:
@@ -207,20 +211,34 @@ class SparseMoeBlock(nn.Module):
                     mapping[f"experts.{j}.{name}.weight"] = Target(shape, *_NOT_THIS_RANK)
                 continue
             k = j - start
-            mapping[f"experts.{j}.gate_proj.weight"] = Target((i_full, h), self.w13.data[k, :i].copy_, reads["gate"])
-            mapping[f"experts.{j}.up_proj.weight"] = Target((i_full, h), self.w13.data[k, i:].copy_, reads["up"])
-            mapping[f"experts.{j}.down_proj.weight"] = Target((h, i_full), self.w2.data[k].copy_, reads["down"])
+            mapping[f"experts.{j}.gate_proj.weight"] = self._target(
+                (i_full, h), lambda t, k=k: self._load("w13", k, 0, t), reads["gate"])
+            mapping[f"experts.{j}.up_proj.weight"] = self._target(
+                (i_full, h), lambda t, k=k: self._load("w13", k, i, t), reads["up"])
+            mapping[f"experts.{j}.down_proj.weight"] = self._target(
+                (h, i_full), lambda t, k=k: self._load("w2", k, 0, t, block_k=self._w2_block(w2_cols)),
+                reads["down"], w2=w2_cols)
         return mapping
 
+    def _w2_block(self, column_shard: bool) -> int:
+        """Columns per multiplier of the packed rows a w2 target takes: its column group for a column shard."""
+        return self.w2_fp8.col_group if column_shard and self.w2_fp8 is not None else BLOCK
+
+    def _target(self, shape: tuple[int, ...], load, read, *, w2: bool = False) -> Target:
+        """An expert tensor's target (w2: a column shard of w2)."""
+        layout = self.w2_fp8 if w2 else self.w13_fp8
+        return Target(shape, load, read, fp8=self.experts_fp8, block_k=self._w2_block(w2),
+                      row_group=layout.row_group if layout is not None else 1)
+
     def _load(self, name: str, experts: int | slice, row_offset: int, t: torch.Tensor,
-              columns: tuple[int, int] | None = None) -> None:
-        """Checkpoint rows (packed FP8 rows when the experts are FP8, else dense) -> rows row_offset.. of
-        expert(s) `experts` of w13 / w2; columns (start, stop): only those checkpoint columns (the shared
-        expert's down projection slices)."""
+              columns: tuple[int, int] | None = None, block_k: int = BLOCK) -> None:
+        """Checkpoint rows (packed FP8 rows when the experts are FP8, with a multiplier per block_k columns,
+        else dense) -> rows row_offset.. of expert(s) `experts` of w13 / w2; columns (start, stop): only those
+        checkpoint columns (the shared expert's down projection slices)."""
         if self.__dict__[f"{name}_fp8"] is not None:
             full = getattr(self, name)
             dst = BlockFp8Weight(full.qweight[experts], full.scale[experts], full.row_group, full.col_group)
-            load_packed_rows(dst, row_offset, t, columns=columns)
+            load_fp8_rows(dst, row_offset, t, columns=columns, block_k=block_k)
             return
         param = self._parameters[name]  # dense: the loader dequantised an FP8 checkpoint tensor already
         if columns is not None:
@@ -235,4 +253,4 @@ class SparseMoeBlock(nn.Module):
             if rows:
                 self._load("w13", n + j, row_offset, t[j * i : (j + 1) * i])
             else:
-                self._load("w2", n + j, 0, t, columns=(j * i, (j + 1) * i))
+                self._load("w2", n + j, 0, t, columns=(j * i, (j + 1) * i), block_k=self._w2_block(self.parallel.sharded))

@@ -16,7 +16,9 @@ dequantised in fp32 (exact at fp32; rounded once in bf16). Online FP8 (quantizat
 dense tensor that lands in an FP8 target in 128 x 128 blocks first, into the same format.
 
 Under tensor parallelism each rank builds its shard of the model and reads only its slices of each tensor
-(a target's `read`, over the memory-mapped safetensors slice).
+(a target's `read`, over the memory-mapped safetensors slice). An FP8 tensor's shard carries its checkpoint
+blocks' multipliers (layers/weights.py fp8_shard_rows; the scale tensor is read whole); online FP8 quantises
+each rank's shard in its own blocks.
 
 `load_format="dummy"` builds the model from its config alone with random weights drawn on the device
 (dummy_weights.py), for benchmarks at published shapes without a checkpoint.
@@ -34,9 +36,10 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from ..config import ModelConfig
-from ..distributed.parallel import SINGLE, Parallel
+from ..distributed.parallel import SINGLE, Parallel, ShardingError
+from ..layers.weights import Slices, Target, fp8_shard_dense, fp8_shard_rows
 from ..ops import Kernels
-from ..ops.quant.fp8 import FP8_DTYPE, dequantize_blocks, pack_rows, quantize_blocks
+from ..ops.quant.fp8 import BLOCK, FP8_DTYPE, dequantize_blocks, pack_rows, quantize_blocks
 from .dummy_weights import init_dummy_weights
 from .qwen3_next import HybridForCausalLM
 
@@ -138,13 +141,16 @@ def load_model(path: str | Path, *, device: torch.device | str, dtype: torch.dty
             with safe_open(str(file), framework="pt", device=read_device) as st:
                 for name in names:
                     target, source = expected[name], by_name[name][0]
-                    if target.read is not None and (name in scale_of or target.fp8):
-                        raise NotImplementedError(f"{name}: tensor-parallel shards of FP8 weights are not supported")
                     tensor = st.get_tensor(source) if target.read is None else target.read(st.get_slice(source))
                     if tensor is not None:      # None: a tensor this rank does not hold (another's experts)
+                        if target.read is not None and name in scale_of and not isinstance(target.read, Slices):
+                            raise NotImplementedError(f"{name}: an FP8 shard needs a Slices read (layers/weights.py)")
                         scale = _read(files, by_name, scale_of[name], read_device) if name in scale_of else None
-                        tensor = _prepare(source, tensor, scale, target.fp8, config)
-                    target.load(tensor)
+                        tensor = _prepare(source, tensor, scale, target, config)
+                    try:
+                        target.load(tensor)
+                    except ShardingError as e:
+                        raise ShardingError(f"{source}: {e}") from None
                     bar.update(1)
     logger.debug("loaded %s: %s, %d layers (%d GDN, %d attention), %d MTP layer(s), %s on %s",
                  path.name, config.family, config.num_hidden_layers, len(config.gdn_layer_ids),
@@ -216,17 +222,24 @@ def _read(files, by_name, name: str, device: str) -> torch.Tensor:
         return st.get_tensor(by_name[name][0])
 
 
-def _prepare(name: str, tensor: torch.Tensor, scale: torch.Tensor | None, fp8_target: bool,
+def _prepare(name: str, tensor: torch.Tensor, scale: torch.Tensor | None, target: Target,
              config: ModelConfig) -> torch.Tensor:
-    """The tensor a target takes: packed FP8 rows for an FP8 target, a dense tensor otherwise."""
-    quant = config.quantization
+    """The tensor a target takes: packed FP8 rows for an FP8 target, a dense tensor otherwise. `tensor` is
+    this rank's part (target.read's) of the checkpoint tensor, `scale` its whole weight_scale_inv."""
+    quant, fp8_target = config.quantization, target.fp8
     if scale is None and tensor.dtype == FP8_DTYPE:
         raise CheckpointError(f"tensor {name} is float8_e4m3fn but has no weight_scale_inv")
     if scale is not None:
+        if target.read is not None:     # a shard: its rows' / columns' block multipliers
+            if fp8_target:
+                return fp8_shard_rows(name, tensor, scale, target.read, block_k=target.block_k,
+                                      row_group=target.row_group)
+            return fp8_shard_dense(name, tensor, scale, target.read)
         return pack_rows(tensor, scale) if fp8_target else dequantize_blocks(tensor, scale.float())
     if fp8_target:
-        if quant is not None and quant.online:
-            return pack_rows(*quantize_blocks(tensor))
+        if quant is not None and quant.online:      # a shard is quantised in its own blocks
+            block = (BLOCK, target.block_k)
+            return pack_rows(*quantize_blocks(tensor, block), block)
         raise CheckpointError(f"tensor {name} is {tensor.dtype} without a weight_scale_inv, but the "
                               "quantization_config converts it (not in modules_to_not_convert)")
     return tensor

@@ -67,8 +67,37 @@ class DecoderLayer(nn.Module):
             projection = self.linear_attn.project_input(x, residual, self.input_layernorm, batch, state[1])
             residual = projection.total
             h = self.linear_attn.forward_projected(projection, batch, state[0], state[1])
+        return self.ffn(h, residual)
+
+    # ---- the same forward in pieces (runner/prefill_graphs.py): token-wise steps around the mixer's core ----
+    def mixer_input(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input projection of norm(x + residual), x + residual), token-wise. A GDN layer's conv is never folded
+        in here: forward does that for decode-only batches only."""
+        proj = self.self_attn.qkv_proj if self.layer_type == FULL_ATTENTION else self.linear_attn.in_proj
+        projected, _, total = self.input_layernorm.project(x, residual, proj)
+        return projected, total
+
+    def mixer_core(self, projected: torch.Tensor, batch: ForwardBatch, state: tuple, cos_sin: tuple,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """The mixer's steps that read the batch's sequence structure: projection -> o (into `out`)."""
+        if self.layer_type == FULL_ATTENTION:
+            return self.self_attn.core(projected, batch, state[0], cos_sin, out)
+        return self.linear_attn.core(projected, batch, state[0], state[1], out)
+
+    def mixer_output(self, o: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
+        """The mixer's output projection of core's o (token-wise)."""
+        if self.layer_type == FULL_ATTENTION:
+            return self.self_attn.output(o, projected)
+        return self.linear_attn.output(o)
+
+    def ffn(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(FFN output, residual) from the mixer's output h (token-wise; the MoE routes each token alone)."""
         projected, h, residual = self.post_attention_layernorm.project(h, residual, self.mlp.input_proj)
         return self.mlp.forward_projected(h, projected), residual
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.self_attn if self.layer_type == FULL_ATTENTION else self.linear_attn
 
     def checkpoint_weights(self, fused_experts: bool) -> WeightMap:
         mixer = (("self_attn", self.self_attn) if self.layer_type == FULL_ATTENTION
@@ -160,43 +189,38 @@ class HybridForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, cache: CacheBuffers) -> torch.Tensor:
         """Final normed hidden states [T, H] for every token of the batch."""
         pending = {} if batch.last_tokens is None else {"last_tokens": batch.last_tokens, "slots": batch.state_slots}
-        if self.parallel.sharded:
-            x, cos, sin = self._embed_vocab_parallel(batch, pending)
-        else:
-            x, cos, sin = self.kernels.embed_rope(batch.input_ids, self.embed_tokens, batch.positions,
-                                                  self.rope.inv_freq, **pending)
+        x, cos, sin = self.embed(batch.input_ids, batch.positions, pending)
         cos_sin = (cos, sin)
         residual = None
         for i, layer in enumerate(self.layers):
-            j = self._state_index[i]
-            state = (cache.kv[j],) if layer.layer_type == FULL_ATTENTION else (cache.ssm[j], cache.conv[j])
-            x, residual = layer(x, residual, batch, state, cos_sin)
+            x, residual = layer(x, residual, batch, self.layer_state(i, cache), cos_sin)
         x, _ = self.norm(x, residual)
         return x
 
-    def _embed_vocab_parallel(self, batch: ForwardBatch, pending: dict) -> tuple:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, pending: dict | None = None) -> tuple:
+        """(token embeddings, RoPE cos, sin) of the ids at these positions (token-wise); pending: forward's
+        last_tokens / slots for ids still being sampled."""
+        pending = pending or {}
+        if self.parallel.sharded:
+            return self._embed_vocab_parallel(input_ids, positions, pending)
+        return self.kernels.embed_rope(input_ids, self.embed_tokens, positions, self.rope.inv_freq, **pending)
+
+    def layer_state(self, i: int, cache: CacheBuffers) -> tuple:
+        """Layer i's pools: (kv,) for full attention, (ssm, conv) for GDN."""
+        j = self._state_index[i]
+        return (cache.kv[j],) if self.layers[i].layer_type == FULL_ATTENTION else (cache.ssm[j], cache.conv[j])
+
+    def _embed_vocab_parallel(self, ids: torch.Tensor, positions: torch.Tensor, pending: dict) -> tuple:
         """The rank's vocabulary rows embed their ids, other ids give zeros; the sum over the ranks is the
         embedding (ids still being sampled are resolved from last_tokens first)."""
-        ids = batch.input_ids
         if pending:
             ids = torch.where(ids < 0, pending["last_tokens"][pending["slots"].long().clamp_min(0)], ids)
         local = ids.long() - self.vocab_start
         mine = (local >= 0) & (local < self.embed_tokens.shape[0])
-        x, cos, sin = self.kernels.embed_rope(torch.where(mine, local, 0), self.embed_tokens, batch.positions,
+        x, cos, sin = self.kernels.embed_rope(torch.where(mine, local, 0), self.embed_tokens, positions,
                                               self.rope.inv_freq)
         x = x * mine[:, None].to(x.dtype)
         return comm.all_reduce(x), cos, sin
-
-    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(embeddings [T, H], cos, sin [T, rd]) of token ids at positions, as forward embeds its input (summed
-        over the vocabulary shards under tensor parallelism). Every id must be a token (no pending ids)."""
-        if not self.parallel.sharded:
-            return self.kernels.embed_rope(ids, self.embed_tokens, positions, self.rope.inv_freq)
-        local = ids.long() - self.vocab_start
-        mine = (local >= 0) & (local < self.embed_tokens.shape[0])
-        x, cos, sin = self.kernels.embed_rope(torch.where(mine, local, 0), self.embed_tokens, positions,
-                                              self.rope.inv_freq)
-        return comm.all_reduce(x * mine[:, None].to(x.dtype)), cos, sin
 
     def mtp_forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, cache: CacheBuffers,
                     step: int = 0) -> torch.Tensor:

@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .chunks import PREFILL_CHUNK, chunk_offsets  # the ops import them from here
+
 L2NORM_EPS: float = 1e-6
 # Head sizes the kernels are built for (tile dimensions must be powers of two, tensor-core dots >= 16).
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -121,13 +123,17 @@ def silu_fast(x):
         return x / (1.0 + tl.exp(-x))
 
 
-def chunk_offsets(cu_seqlens: torch.Tensor, chunk: int) -> torch.Tensor:
-    """[N + 1] int32 cumulative chunk counts (chunks of `chunk` tokens aligned to sequence starts), on the
-    device of cu_seqlens, without a host sync (CUDA-graph capturable)."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    out = torch.zeros(cu_seqlens.shape[0], dtype=torch.int32, device=cu_seqlens.device)
-    torch.cumsum((lens + chunk - 1) // chunk, 0, dtype=torch.int32, out=out[1:])
-    return out
+def given_chunk_offsets(op: str, offsets: torch.Tensor | None, cu_seqlens: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The caller's chunk_offsets(cu_seqlens, PREFILL_CHUNK) (computed once per step), checked against what this
+    kernel needs, or computed here (None)."""
+    if offsets is None:
+        return chunk_offsets(cu_seqlens, chunk)
+    check(chunk == PREFILL_CHUNK, op, f"precomputed chunk offsets are for {PREFILL_CHUNK}-token chunks, the kernel's "
+          f"are {chunk}")
+    check(offsets.shape == cu_seqlens.shape and offsets.dtype == torch.int32 and offsets.device == cu_seqlens.device,
+          op, f"chunk_offsets must be int32 like cu_seqlens {tuple(cu_seqlens.shape)}, got {offsets.dtype} "
+          f"{tuple(offsets.shape)} on {offsets.device}")
+    return offsets
 
 
 @triton.jit

@@ -1,16 +1,18 @@
 """Device memory, measured and allocated: the cache budget on a GPU (what a warm-up forward of the largest
 step the scheduler will ever issue leaves, and, with CUDA graphs, a decode forward of the largest graph
-bucket, whose activations the graphs' private pool keeps for good) and the pools themselves. The
+bucket, whose activations the graphs' private pool keeps for good; with piecewise prefill graphs, their static
+buffers and pool) and the pools themselves. The
 arithmetic on those byte counts (budget, slot and block counts) is cache/plan.py's."""
 
 from __future__ import annotations
 
 import torch
 
-from ..batch import CacheBuffers, ForwardBatch
+from ..batch import CacheBuffers
 from ..cache.plan import MiB, gpu_cache_budget, pool_shapes
 from ..models.qwen3_next import HybridForCausalLM
 from .cuda_graphs import capture_sizes, padded_decode_batch
+from .prefill_graphs import BUCKET_SLACK_BYTES, dummy_prefill_batch, static_buffer_bytes
 
 # Per captured graph, on top of the measured activations: the pool's segment rounding and each graph's
 # live output (~6 MiB a graph on an H200 for a tiny model: torch.cuda.memory_reserved() around the capture).
@@ -33,38 +35,31 @@ def allocate_cache(model: HybridForCausalLM, *, num_slots: int, num_blocks: int,
                         kv=make(shapes.kv, dtype=kv_dtype or dtype, device=device))
 
 
-def dummy_prefill_batch(num_tokens: int, block_size: int, device: torch.device) -> ForwardBatch:
-    """One fresh sequence of num_tokens tokens in slot 0, blocks 0, 1, 2, ..."""
-    nblocks = -(-num_tokens // block_size)
-    t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
-    return ForwardBatch(
-        input_ids=torch.zeros(num_tokens, dtype=torch.long, device=device),
-        positions=torch.arange(num_tokens, device=device), cu_seqlens=t([0, num_tokens], torch.int32),
-        seq_lens=t([num_tokens], torch.int32), state_slots=t([0], torch.int32),
-        has_initial_state=t([False], torch.bool),
-        slot_mapping=torch.arange(num_tokens, device=device),
-        block_tables=torch.arange(nblocks, device=device, dtype=torch.int32)[None],
-        num_prefills=1, num_prefill_tokens=num_tokens)
-
-
 @torch.inference_mode()
 def profile_gpu_cache_budget(model: HybridForCausalLM, *, device: torch.device, dtype: torch.dtype,
                              max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
-                             utilization: float, graph_batch_size: int = 0, mtp_kv_layers: int = 0) -> int:
+                             utilization: float, graph_batch_size: int = 0,
+                             prefill_graph_sizes: list[int] | tuple[int, ...] = (), mtp_kv_layers: int = 0) -> int:
     """total x utilization, minus what the process needs besides the pools: weights, the activation peak of
     a max_num_batched_tokens forward plus max_num_seqs rows of logits, memory not owned by torch, and
     (graph_batch_size > 0) the CUDA graphs' pool, estimated as the activation peak of a decode forward of
     graph_batch_size rows plus GRAPH_SLACK_BYTES per graph (the graphs are captured after the cache exists,
-    so their memory is set aside here; the capture logs what they really took). mtp_kv_layers > 0 (speculation
-    with mtp): the MTP head's first pass over that forward's rows runs inside the measured peak."""
+    so their memory is set aside here; the capture logs what they really took), and (prefill_graph_sizes)
+    the piecewise prefill graphs': their static buffers, their pool estimated as the activation peak of an
+    eager forward of the largest bucket (a piece holds at most a layer's scratch), BUCKET_SLACK_BYTES a bucket.
+    mtp_kv_layers > 0 (speculation with mtp): the scratch has the MTP KV layer and the head's first pass over
+    the largest forward's rows runs inside the measured peak."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     n = max_num_batched_tokens
     scratch = allocate_cache(model, num_slots=1, num_blocks=-(-n // block_size), block_size=block_size,
                              device=device, dtype=dtype, mtp_kv_layers=mtp_kv_layers)
+    base = torch.cuda.memory_allocated(device)
     batch = dummy_prefill_batch(n, block_size, device)
     hidden = model(batch, scratch)
+    torch.cuda.synchronize(device)
+    forward_peak = torch.cuda.max_memory_allocated(device) - base
     if mtp_kv_layers:
         model.mtp_forward(batch.input_ids, hidden, batch, scratch)
     rows = hidden[-1:].expand(min(max_num_seqs, n), -1)
@@ -73,12 +68,22 @@ def profile_gpu_cache_budget(model: HybridForCausalLM, *, device: torch.device, 
     peak = torch.cuda.max_memory_allocated(device)
     del hidden, rows
     graphs = 0
+    if prefill_graph_sizes:
+        top = max(prefill_graph_sizes)
+        if top != n:
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            out = model(dummy_prefill_batch(top, block_size, device), scratch)
+            torch.cuda.synchronize(device)
+            forward_peak = torch.cuda.max_memory_allocated(device) - base
+            del out
+        graphs += forward_peak + static_buffer_bytes(model, top) + len(prefill_graph_sizes) * BUCKET_SLACK_BYTES
     if graph_batch_size > 0:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         out = model(padded_decode_batch(graph_batch_size, device), scratch)
         torch.cuda.synchronize(device)
-        graphs = torch.cuda.max_memory_allocated(device) - base
+        graphs += torch.cuda.max_memory_allocated(device) - base
         graphs += len(capture_sizes(graph_batch_size)) * GRAPH_SLACK_BYTES
         del out
     del scratch

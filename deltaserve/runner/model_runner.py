@@ -31,6 +31,7 @@ from ..env import settings
 from ..models.qwen3_next import HybridForCausalLM
 from ..step_io import NewSequence, RunnerOutput, ScheduledChunk, SchedulerOutput
 from .cuda_graphs import DecodeGraphs, capture_sizes
+from .prefill_graphs import PrefillGraphs
 from .sampler import PendingLogprobs, PendingSample, Sampler, SamplingRow, log_softmax, to_device, top_logprobs
 
 
@@ -114,6 +115,9 @@ class ModelRunner:
         # has not reached the host yet (async scheduling).
         self.last_tokens = torch.zeros(cache.num_slots, dtype=torch.long, device=self.device)
         self.graphs: DecodeGraphs | None = None
+        # Runs the steps the decode graphs do not take (prefills, mixed steps, larger decode batches) of up to
+        # its largest bucket as piecewise graphs (runner/prefill_graphs.py) when set.
+        self.prefill_graphs: PrefillGraphs | None = None
         # Runs decode-only batches in place of self.model when set (the compiled CPU step, cpu_compile.py);
         # called like the model: (batch, cache) -> hidden, and .compute_logits(hidden).
         self.compiled_decode = None
@@ -127,6 +131,19 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.cache, sizes, max_blocks_per_seq=self._block_table.shape[1],
                                    device=self.device, last_tokens=self.last_tokens)
         self.graphs.capture()
+
+    def capture_prefill_graphs(self, sizes: list[int], *, warm_up: bool = True) -> None:
+        """Capture piecewise graphs for steps of up to max(sizes) tokens (the caller has checked that the
+        token-wise ops are capturable: prefill_graphs.plan_prefill_graphs), then (warm_up) run each bucket
+        once as a lone prompt so the cores build their kernels now: before any sequence holds slot 0."""
+        if not sizes:
+            return
+        graphs = PrefillGraphs(self.model, sizes, device=self.device)
+        graphs.capture()
+        if warm_up:
+            assert not self._seqs, "the cores' warm-up writes slot 0: capture before serving"
+            graphs.warm_up_cores(self.cache, self.block_size)
+        self.prefill_graphs = graphs
 
     @property
     def num_live_seqs(self) -> int:
@@ -271,7 +288,12 @@ class ModelRunner:
         else:
             if self.compiled_decode is not None and self.is_decode(chunks[0]):  # prefills sort first
                 model = self.compiled_decode
-            hidden = model(self.build_batch(chunks), self.cache)
+            batch = self.build_batch(chunks)
+            pieces = self.prefill_graphs if model is self.model else None
+            if pieces is not None and pieces.handles(batch.num_tokens):
+                hidden = pieces.run(batch, self.cache)
+            else:
+                hidden = model(batch, self.cache)
         handle = StepHandle(plan.samples)
         if not plan.rows:                                    # only mid-prompt chunks: nothing to read out
             return handle

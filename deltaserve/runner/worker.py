@@ -8,8 +8,9 @@ the model it holds; kernel selection sees the rank's head counts and the pools h
 model's shapes, build the model from the checkpoint or from dummy weights, decide whether decode steps
 will be CUDA graphs), `cache_budget` (GPU: measured after a warm-up forward of the largest step, the
 graphs' pool set aside; CPU: the configured bytes), `plan_cache` on that budget (cache/plan.py), and
-`initialize_cache` (allocate the pools, build the ModelRunner over them, capture the decode graphs, set
-up the compiled CPU decode step). They are separate methods so that a driver over several workers can
+`initialize_cache` (allocate the pools, build the ModelRunner over them, capture the decode graphs and the
+piecewise prefill graphs, run a lone prompt per prefill bucket so its kernels are built, set up the compiled
+CPU decode step). They are separate methods so that a driver over several workers can
 take the smallest budget of all before any of them allocates. The engine's half (tokenizer, cache
 manager, scheduler, warm-up requests) stays in engine/llm_engine.py.
 """
@@ -33,6 +34,7 @@ from .cuda_graphs import plan_decode_graphs
 from .kv_calibration import calibrate_kv_scales
 from .memory import allocate_cache, profile_gpu_cache_budget
 from .model_runner import ModelRunner
+from .prefill_graphs import plan_prefill_graphs, prefill_capture_sizes, warm_up_lone_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class WorkerConfig:
     seed: int | None = 0             # dummy weights and the sampler's shared generator
     force_reference_ops: bool = False
     enforce_eager: bool = False      # no CUDA graphs, no compiled CPU decode step
+    prefill_cuda_graphs: bool = True  # prefill / mixed steps as piecewise CUDA graphs (runner/prefill_graphs.py)
     compile: str = "off"             # the compiled CPU decode step: "auto" | "on" | "off" (cpu_compile.py)
     kv_cache_dtype: str = "auto"     # "auto" (the activation dtype) | "fp8" (e4m3 with per-layer multipliers)
     prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION  # snapshots' budget share (0: none)
@@ -75,6 +78,7 @@ class Worker:
         self.kernels: Kernels | None = None
         self.model: HybridForCausalLM | None = None
         self.graph_sizes: list[int] = []             # decode batch buckets to capture ([]: eager decodes)
+        self.prefill_sizes: list[int] = []           # prefill token-count buckets ([]: eager prefills)
         self.plan: CachePlan | None = None
         self.runner: ModelRunner | None = None
 
@@ -110,10 +114,14 @@ class Worker:
                 raise ValueError(f"kv_cache_dtype='fp8' on {c.device}: the Triton attention kernels "
                                  f"({', '.join(triton_attention)}) do not read an FP8 cache yet; use "
                                  "kv_cache_dtype='auto' (or enforce_reference_ops=True: the slow reference path)")
-        # collectives inside captured graphs / a compiled step are not validated yet: sharded decodes run eagerly
+        # under tensor parallelism every rank plans the same buckets (engine/executor.py checks they agree)
         self.graph_sizes = plan_decode_graphs(c.device, self.kernels,
                                               max_batch=min(c.max_num_seqs, c.max_num_batched_tokens),
-                                              enforce_eager=c.enforce_eager or c.parallel.sharded)
+                                              enforce_eager=c.enforce_eager)
+        self.prefill_sizes = plan_prefill_graphs(c.device, self.kernels,
+                                                 max_num_batched_tokens=c.max_num_batched_tokens,
+                                                 enforce_eager=c.enforce_eager or c.parallel.sharded,
+                                                 enabled=c.prefill_cuda_graphs)
         return self.model
 
     def kernel_shapes(self) -> dict[str, int]:
@@ -141,11 +149,12 @@ class Worker:
                                         max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
                                         block_size=c.block_size, utilization=c.gpu_memory_utilization,
                                         graph_batch_size=max(self.graph_sizes, default=0),
-                                        mtp_kv_layers=c.mtp_kv_layers)
+                                        prefill_graph_sizes=self.prefill_sizes, mtp_kv_layers=c.mtp_kv_layers)
 
     def initialize_cache(self, plan: CachePlan) -> ModelRunner:
-        """Allocate the pools of `plan`, build the runner over them, capture the decode graphs (they bake in
-        the pools' addresses, so they come after) and set up the compiled CPU decode step."""
+        """Allocate the pools of `plan`, build the runner over them, capture the decode and prefill graphs (they
+        bake in the pools' addresses, so they come after; on CUDA each prefill bucket then runs once, graphs or
+        not, so the first prompts of those lengths build no kernels) and set up the compiled CPU decode step."""
         c = self.config
         fp8_kv = c.kv_cache_dtype == "fp8"
         if fp8_kv:
@@ -157,6 +166,15 @@ class Worker:
         runner = ModelRunner(self.model, buffers, device=c.device, max_model_len=plan.max_model_len, seed=c.seed)
         if self.graph_sizes:
             runner.capture_decode_graphs(min(plan.max_num_seqs, c.max_num_batched_tokens))
+        if self.prefill_sizes:
+            runner.capture_prefill_graphs(self.prefill_sizes)
+            g = runner.prefill_graphs
+            logger.info("captured %d piecewise prefill CUDA graphs (%d layers + 1 pieces x token buckets %s) in "
+                        "%.1f s; graph memory %s (pool) + %s (static buffers)", g.num_graphs, len(self.model.layers),
+                        ", ".join(map(str, g.sizes)), g.capture_seconds, _size(g.pool_bytes), _size(g.buffer_bytes))
+        elif c.device.type == "cuda" and not c.parallel.sharded:   # eager prefills: their kernels now
+            warm_up_lone_prompts(self.model, buffers, c.block_size, prefill_capture_sizes(c.max_num_batched_tokens),
+                                 c.device)
         compiled = self.compile_mode != "off" and not c.enforce_eager and not c.parallel.sharded
         if compiled and (c.model.quantization is not None or fp8_kv):
             logger.warning("compiled CPU decode is not implemented for FP8 weights or an FP8 KV cache; decoding "
@@ -187,6 +205,12 @@ class Worker:
                 f"{self._decode_summary()}")
 
     def _decode_summary(self) -> str:
+        pg = self.runner.prefill_graphs
+        prefill = (f"; prefill: piecewise CUDA graphs for steps up to {pg.max_size} tokens "
+                   f"({_size(pg.pool_bytes + pg.buffer_bytes)})" if pg is not None else "")
+        return self._decode_only_summary() + prefill
+
+    def _decode_only_summary(self) -> str:
         graphs = self.runner.graphs
         if graphs is not None:
             return (f"decode: {len(graphs.sizes)} CUDA graphs for batches up to {graphs.max_size} "

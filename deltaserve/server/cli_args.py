@@ -263,6 +263,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 num_gpu_blocks=args.num_gpu_blocks, cpu_cache_bytes=args.cpu_cache_bytes, seed=args.seed,
                 enforce_reference_ops=args.enforce_reference_ops, load_format=args.load_format,
                 enforce_eager=args.enforce_eager, compile=args.compile, async_scheduling=args.async_scheduling,
+                prefill_cuda_graphs=args.prefill_cuda_graphs,
                 warm_up=args.warm_up, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                 enable_prefix_caching=args.enable_prefix_caching,
                 prefix_cache_state_fraction=args.prefix_cache_state_fraction,
@@ -315,9 +316,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)   # a port in use fails now, not after the model has loaded
     client = None
     with answering_while_loading(sock, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile):
-        # the engine core is a daemon process, which cannot start tensor-parallel rank processes: with -tp > 1
-        # the engine runs in the server process
-        if args.engine_process and args.tensor_parallel_size == 1:   # 503 until every engine core can serve
+        if args.engine_process:   # 503 until every engine core can serve (a TP core starts its ranks)
             from .engine_client import EngineCoreClient, EngineCoreSpec
 
             factory = functools.partial(build_replica, args.model, engine_kwargs(args), args.data_parallel_size)

@@ -10,10 +10,16 @@ Adds are acknowledged by the core after its engine validated them: `add_request`
 
 A core that exits, closes its pipe or reports its engine dead makes `step()` raise and `dead_reason()` say
 why; AsyncEngine then fails every request and the server exits 1 (lifecycle.py).
+
+The cores are not daemonic processes: a core may start children of its own (the tensor-parallel ranks,
+engine/executor.py), which a daemonic process cannot. What the daemon flag gave is kept otherwise: a core
+exits when the server goes (its pipe closes, or its parent changes: core_process.py), and the server's exit
+stops and joins them (`close`, also registered with atexit, before multiprocessing's join of its children).
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import logging
@@ -123,10 +129,11 @@ class EngineCoreClient:
     def start(self, timeout: float = START_TIMEOUT_S) -> EngineCoreClient:
         """Start every core and wait until each has built its engine; raises EngineCoreError if one fails."""
         ctx = multiprocessing.get_context("spawn")   # no fork of a process holding threads and torch state
+        atexit.register(self.close)
         for i in range(self.spec.data_parallel_size):
             ours, theirs = ctx.Pipe(duplex=True)
             process = ctx.Process(target=run_engine_core, args=(self.spec.factory, theirs, os.getpid(), i, _root_log_level()),
-                                  name=f"deltaserve-engine-core-{i}", daemon=True)
+                                  name=f"deltaserve-engine-core-{i}", daemon=False)
             process.start()
             theirs.close()
             self._cores.append(_Core(i, process, ours))
@@ -165,7 +172,9 @@ class EngineCoreClient:
         raise EngineCoreError(f"engine core {core.index} exited during start-up (status {core.process.exitcode})")
 
     def close(self) -> None:
-        """Ask every core to stop, wait a little, kill what is left."""
+        """Ask every core to stop, wait a little, kill what is left (a second call does nothing)."""
+        if self._closing:
+            return
         self._closing = True
         for core in self._cores:   # through the sender thread: one writer per pipe
             if core._sender.is_alive():

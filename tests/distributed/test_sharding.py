@@ -102,10 +102,10 @@ def test_kv_heads_that_do_not_divide_refused():
         check_model_divides(ModelConfig.from_dict(cfg), Parallel(0, 2))
 
 
-def test_block_quantised_shards_must_be_whole_blocks():
-    refuse_split_blocks("moe_intermediate_size", 512, Parallel(0, 4))       # 128 a rank
-    with pytest.raises(ShardingError, match="moe_intermediate_size = 512"):
-        refuse_split_blocks("moe_intermediate_size", 512, Parallel(0, 8))   # 64 a rank: splits a block
+def test_block_quantised_shards_start_and_end_on_the_scale_groups():
+    refuse_split_blocks("experts.w2", [(448, 512)], 64, what="columns")    # TP8 of I = 512: 64-column groups
+    with pytest.raises(ShardingError, match="experts.w2: this rank's columns 448..512 .* 128-column"):
+        refuse_split_blocks("experts.w2", [(448, 512)], 128, what="columns")
 
 
 def test_distributed_package_imports_only_torch():

@@ -1,6 +1,7 @@
 """Tensor parallelism beside the other engine features: prefix caching (on by default; the scheduler's snapshot
 and tail-block copies travel in the broadcast SchedulerOutput, so every rank copies its own heads), and the
-refusal, by name, of FP8 weights / an FP8 KV cache with tensor_parallel_size > 1 (not sharded yet)."""
+refusal, by name, of an FP8 KV cache with tensor_parallel_size > 1 (not sharded yet; FP8 weights:
+test_tp_fp8.py)."""
 
 from __future__ import annotations
 
@@ -39,17 +40,6 @@ def test_tp2_prefix_hit_equals_a_miss(tiny_model):
             assert max(abs(a[t].logprob - b[t].logprob) for t in a) < 1e-4
 
 
-@pytest.mark.parametrize("kw,words", [
-    ({"quantization": "fp8"}, "FP8 weights"),
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
-], ids=["fp8-weights", "fp8-kv-cache"])
-def test_tp_with_fp8_is_refused_by_name(tiny_model, kw, words):
-    with pytest.raises(ValueError, match=f"tensor_parallel_size > 1 with.*{words}"):
-        LLM(tiny_model(TinySpec(family="qwen3_5")), tensor_parallel_size=2, **kw, **ENGINE)
-
-
-def test_tp_with_an_fp8_checkpoint_is_refused_by_name(tiny_model, tmp_path):
-    from tests.models.fp8_checkpoints import write_fp8_checkpoint
-    path = write_fp8_checkpoint(tiny_model(TinySpec(family="qwen3_5")), tmp_path / "fp8", twin=tmp_path / "twin")
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 with FP8 weights"):
-        LLM(path, tensor_parallel_size=2, **ENGINE)
+def test_tp_with_an_fp8_kv_cache_is_refused_by_name(tiny_model):
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 with kv_cache_dtype"):
+        LLM(tiny_model(TinySpec(family="qwen3_5")), tensor_parallel_size=2, kv_cache_dtype="fp8", **ENGINE)

@@ -6,6 +6,7 @@ snapshot must be accounted for after every step (`check_integrity`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -246,6 +247,68 @@ def test_hits_and_misses_are_admitted_in_one_step():
     assert_idle(engine)
 
 
+def share_from(engine, least: int) -> None:
+    engine.scheduler.config = dataclasses.replace(engine.scheduler.config, min_shared_prefix=least)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_burst_over_a_new_shared_prefix_prefills_it_once(async_scheduling):
+    engine = prefix_engine(async_scheduling=async_scheduling)
+    share_from(engine, 32)
+    shared = ids(100, 21)
+    prompts = [shared + [i] + ids(10 + 7 * i, 30 + i) for i in range(4)]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}", p, greedy(5))
+    step_no = len(engine.runner.steps)
+    finals = run_all(engine)
+    first, second = engine.runner.steps[step_no : step_no + 2]
+    # the first prompt's chunk stops where the others diverge from it; they wait for that state, then hit it
+    assert [(c.num_computed, c.num_new) for c in first.chunks] == [(0, 100)]
+    assert sorted(c.num_computed for c in second.chunks) == [100, 100, 100, 100]
+    for i, p in enumerate(prompts):
+        assert finals[f"b{i}"].outputs[0].token_ids == reference_tokens(p, 5)
+    assert [finals[f"b{i}"].num_cached_tokens for i in range(4)] == [0, 100, 100, 100]
+    assert_idle(engine)
+
+
+def test_a_short_shared_prefix_or_a_prefix_already_passed_is_not_waited_for():
+    engine = prefix_engine(budget=64)
+    share_from(engine, 32)
+    a = ids(100, 22)
+    engine.add_request("a", a, greedy(3))
+    engine.step()                                        # a has computed 64 tokens; 35 to go, the rest admits
+    engine.add_request("ahead", a[:90] + [0] + ids(30, 25), greedy(3))   # shares 90: waits for a at 90
+    engine.add_request("short", a[:20] + ids(30, 23), greedy(3))   # shares 20 < 32
+    engine.add_request("passed", a[:50] + ids(30, 24), greedy(3))  # shares 50, already computed by a
+    finals = run_all(engine)
+    assert finals["short"].num_cached_tokens == 0 and finals["passed"].num_cached_tokens == 0
+    assert finals["ahead"].num_cached_tokens == 90
+    for rid in ("a", "short", "passed", "ahead"):
+        assert finals[rid].outputs[0].token_ids == reference_tokens(finals[rid].prompt_token_ids, 3)
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("leaves", ["abort", "preempt"])
+def test_a_held_sequence_is_requeued_when_the_one_it_waits_for_leaves(leaves):
+    engine = prefix_engine(budget=64, num_blocks=40 if leaves == "preempt" else 512)
+    share_from(engine, 32)
+    a = ids(300, 26)
+    engine.add_request("a", a, greedy(3))
+    engine.add_request("b", a[:250] + [1] + ids(20, 27), greedy(3))
+    engine.step()
+    assert engine.get_stats().num_waiting == 1          # b is held for a's state at 250
+    if leaves == "abort":
+        engine.abort_request("a")
+        finals = run_all(engine)
+        assert finals["b"].outputs[0].token_ids == reference_tokens(finals["b"].prompt_token_ids, 3)
+    else:
+        engine.add_request("c", ids(300, 28), greedy(3))
+        finals = run_all(engine)
+        for rid in ("a", "b", "c"):
+            assert finals[rid].outputs[0].token_ids == reference_tokens(finals[rid].prompt_token_ids, 3)
+    assert_idle(engine)
+
+
 def test_prompt_logprob_requests_start_at_zero():
     engine = prefix_engine()
     prompt = ids(40, 14)
@@ -276,6 +339,7 @@ def test_random_interleavings_over_shared_prefixes_equal_cache_off(data):
                            snapshots=data.draw(st.integers(1, 6)), num_slots=rng.randint(1, 5),
                            budget=rng.choice([7, 32, 200]), eos=rng.choice([None, 5]),
                            async_scheduling=data.draw(st.booleans()), max_model_len=512)
+    share_from(engine, rng.choice([0, 4, 256]))
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randint(5, 70))] for _ in range(3)]
     pending = []
     for i in range(rng.randint(3, 10)):

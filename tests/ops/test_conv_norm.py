@@ -87,3 +87,25 @@ def test_rms_norm_matches_reference(zero_centered, device):
     y_tri, s_tri = norm_tri.rms_norm(x, w, 1e-6, zero_centered=zero_centered, residual=r)
     assert_close(y_tri, y_ref, 0.0, "with residual")
     assert_close(s_tri, s_ref, 0.0, "residual sum")
+
+
+def test_conv_prefill_takes_the_steps_chunk_offsets(device):
+    """The step's precomputed chunk offsets (ForwardBatch.prefill_chunk_offsets) give what the op builds itself;
+    offsets of the wrong shape are refused."""
+    from deltaserve.ops.chunks import PREFILL_CHUNK, chunk_offsets
+
+    g = gen(3)
+    D, W = 24, 4
+    lengths = [5, 70, 1]
+    x = randn(sum(lengths), D, g=g, device=device)
+    w = randn(D, W, g=g, device=device)
+    pool = randn(4, W - 1, D, g=g, device=device)
+    cu = cu_seqlens(lengths, device)
+    kw = dict(cu_seqlens=cu, state_indices=torch.tensor([2, 0, 3], dtype=torch.int32, device=device),
+              has_initial_state=torch.tensor([True, False, True], device=device))
+    p_own, p_given = pool.clone(), pool.clone()
+    y_own = conv_tri.causal_conv1d_fn(x, w, conv_state=p_own, **kw)
+    y_given = conv_tri.causal_conv1d_fn(x, w, conv_state=p_given, chunk_offsets=chunk_offsets(cu, PREFILL_CHUNK), **kw)
+    assert torch.equal(y_given, y_own) and torch.equal(p_given, p_own)
+    with pytest.raises(ValueError, match="chunk_offsets must be int32"):
+        conv_tri.causal_conv1d_fn(x, w, conv_state=p_given, chunk_offsets=chunk_offsets(cu[:-1], PREFILL_CHUNK), **kw)

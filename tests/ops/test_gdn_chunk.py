@@ -536,3 +536,17 @@ def test_chunk_configs_8k_not_less_accurate_than_fla_gpu(names):
     if not gluon_chain.supported(torch.device("cuda")):
         configs = {n: c for n, c in configs.items() if c is None or not c.gluon}
     check_8k_not_less_accurate_than_fla(configs, "chunk_8k_configs")
+
+
+def test_chunk_takes_the_steps_chunk_offsets(device):
+    """The step's precomputed chunk offsets give what the op builds itself (the reference ignores them)."""
+    from deltaserve.ops.chunks import PREFILL_CHUNK, chunk_offsets
+
+    d = _batch([3, 65, 1], 2, torch.float32, device, seed=9)
+    offsets = chunk_offsets(d["cu"], PREFILL_CHUNK)
+    p_own, p_given, p_ref = d["pool"].clone(), d["pool"].clone(), d["pool"].clone()
+    o_own = _run(tc.chunk_gated_delta_rule, d, p_own)
+    o_given = _run(tc.chunk_gated_delta_rule, d, p_given, chunk_offsets=offsets)
+    o_ref = _run(ref.chunk_gated_delta_rule, d, p_ref, chunk_offsets=offsets)
+    assert torch.equal(o_given, o_own) and torch.equal(p_given, p_own)
+    assert_close(o_given, o_ref, TOL[torch.float32], "output")

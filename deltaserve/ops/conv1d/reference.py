@@ -29,8 +29,10 @@ def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
 def causal_conv1d_fn(
     x: torch.Tensor, weight: torch.Tensor, *, conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
     state_indices: torch.Tensor, has_initial_state: torch.Tensor, activation: str | None = "silu",
+    chunk_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Prefill: convolve each packed sequence, continuing from / writing back its pooled window."""
+    """Prefill: convolve each packed sequence, continuing from / writing back its pooled window. chunk_offsets:
+    the Triton op's per-step chunk metadata (ops/chunks.py), not needed here."""
     W = weight.shape[1]
     out = torch.zeros_like(x)
     w = weight.float()

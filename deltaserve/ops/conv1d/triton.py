@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..triton_common import (
-    check, check_index, check_last_contiguous, check_same_device, chunk_offsets, locate_chunk, next_pow2, silu,
+    check, check_index, check_last_contiguous, check_same_device, given_chunk_offsets, locate_chunk, next_pow2, silu,
 )
 
 BT = 64
@@ -112,7 +112,10 @@ def _check(op, x, weight, conv_state):
 def causal_conv1d_fn(
     x: torch.Tensor, weight: torch.Tensor, *, conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
     state_indices: torch.Tensor, has_initial_state: torch.Tensor, activation: str | None = "silu",
+    chunk_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """chunk_offsets: chunk_offsets(cu_seqlens, PREFILL_CHUNK) when the caller has it (once per step), else
+    computed here."""
     op = "causal_conv1d_fn"
     D, W = _check(op, x, weight, conv_state)
     act = _activation(op, activation)
@@ -127,8 +130,9 @@ def causal_conv1d_fn(
         return y
     has_init = has_initial_state if has_initial_state.dtype != torch.bool else has_initial_state.view(torch.uint8)
     BD = 128
+    coff = given_chunk_offsets(op, chunk_offsets, cu_seqlens, BT)
     _conv_fwd_kernel[(triton.cdiv(T, BT) + N, triton.cdiv(D, BD))](
-        x, x.stride(0), weight, y, conv_state, chunk_offsets(cu_seqlens, BT), cu_seqlens, state_indices, has_init, N, D,
+        x, x.stride(0), weight, y, conv_state, coff, cu_seqlens, state_indices, has_init, N, D,
         W=W, WP=next_pow2(W - 1), BT=BT, BD=BD, BLOCK_N=max(16, next_pow2(N)), SILU=act, num_warps=4)
     return y
 

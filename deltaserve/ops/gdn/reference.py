@@ -114,8 +114,10 @@ def chunk_gated_delta_rule(
     *, scale: float, cu_seqlens: torch.Tensor, ssm_state: torch.Tensor,
     state_indices: torch.Tensor, has_initial_state: torch.Tensor,
     use_qk_l2norm_in_kernel: bool = True, chunk_size: int = 64, max_seqlen: int | None = None,
+    chunk_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Prefill over packed sequences. Sequence n starts from ssm_state[state_indices[n]] when
+    """Prefill over packed sequences. chunk_offsets: the Triton op's per-step chunk metadata (ops/chunks.py),
+    not needed here. Sequence n starts from ssm_state[state_indices[n]] when
     has_initial_state[n] is true (else from zero) and writes its final state back to that slot.
     max_seqlen: the longest sequence's length if the caller knows it (host int): a hint the GPU op's kernel
     choice uses (it cannot read cu_seqlens without a sync); here it is checked against cu_seqlens."""

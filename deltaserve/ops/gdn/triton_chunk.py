@@ -35,7 +35,8 @@ from .triton_prep import launch_prep, operand_dtype  # noqa: F401
 
 
 def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, cu_seqlens, ssm_state,
-                   state_indices, has_initial_state, use_qk_l2norm_in_kernel, config, op, max_seqlen=None):
+                   state_indices, has_initial_state, use_qk_l2norm_in_kernel, config, op, max_seqlen=None,
+                   chunk_offsets=None):
     check(q.dim() == 3 and k.shape == q.shape and v.dim() == 3 and v.shape[0] == q.shape[0], op,
           f"q, k must be [T, HK, K] and v [T, HV, V], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     T, HK, K = q.shape
@@ -69,7 +70,7 @@ def _chunk_forward(q, k, v, g, beta, *, gates_in_kernel, A_log, dt_bias, scale, 
     if T == 0 or N == 0:
         return o
     bufs = launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_seqlens, N,
-                       use_qk_l2norm_in_kernel, cfg)
+                       use_qk_l2norm_in_kernel, cfg, chunk_offsets)
     launch_chain(q, k, v, o, bufs, cu_seqlens, ssm_state, state_indices, has_initial_state, cfg)
     return o
 
@@ -79,17 +80,19 @@ def chunk_gated_delta_rule(
     *, scale: float, cu_seqlens: torch.Tensor, ssm_state: torch.Tensor,
     state_indices: torch.Tensor, has_initial_state: torch.Tensor,
     use_qk_l2norm_in_kernel: bool = True, chunk_size: int = CHUNK, config: ChunkConfig | None = None,
-    max_seqlen: int | None = None,
+    max_seqlen: int | None = None, chunk_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """reference.chunk_gated_delta_rule on the GPU. Domain of the wide prep's fp16 inverse (bf16 at head dims
     128): g <= 0 and 0 <= beta <= 2 with the in-kernel q/k norms, where every entry of the UT inverse is bounded
     by max(1, beta) (triton_ut); the layer's gates (g = -exp(A_log) softplus(.), beta = sigmoid(.)) always are.
-    Outside it the recurrence itself grows geometrically."""
+    Outside it the recurrence itself grows geometrically. chunk_offsets: chunk_offsets(cu_seqlens, 64) when the
+    caller has it (once per step)."""
     check(chunk_size == CHUNK, "chunk_gated_delta_rule", f"only chunk_size={CHUNK} is implemented, got {chunk_size}")
     return _chunk_forward(q, k, v, g, beta, gates_in_kernel=False, A_log=None, dt_bias=None, scale=scale,
                           cu_seqlens=cu_seqlens, ssm_state=ssm_state, state_indices=state_indices,
                           has_initial_state=has_initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                          config=config, op="chunk_gated_delta_rule", max_seqlen=max_seqlen)
+                          config=config, op="chunk_gated_delta_rule", max_seqlen=max_seqlen,
+                          chunk_offsets=chunk_offsets)
 
 
 def gdn_prefill(

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..triton_common import chunk_offsets, locate_chunk, next_pow2, sigmoid, softplus
+from ..triton_common import given_chunk_offsets, locate_chunk, next_pow2, sigmoid, softplus
 from . import gluon_prep
 from .dispatch import CHUNK, ChunkConfig
 from .triton_ut import LOG2E, decay_tile, load_chunk_rows, rstd_from_gram, ut_inverse_blocks, ut_inverse_wide
@@ -316,9 +316,10 @@ def _wide_descriptors(q, k, v, bufs, cfg: ChunkConfig, dummy) -> tuple:
 
 
 def launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_seqlens, N, l2norm,
-                cfg: ChunkConfig) -> dict:
+                cfg: ChunkConfig, chunk_offsets: torch.Tensor | None = None) -> dict:
     """Allocate the prep's buffers for cfg.layout and fill them (module docstring); returns them by name (plus
-    coff, the chunk offsets; with a Gluon chain "v" and, where whole chunks' K rows come from k, "k")."""
+    coff, the chunk offsets: the caller's chunk_offsets, computed once per step, or computed here; with a Gluon
+    chain "v" and, where whole chunks' K rows come from k, "k")."""
     T, HK, K = q.shape
     HV, V = v.shape[1:]
     dev = q.device
@@ -354,7 +355,7 @@ def launch_prep(q, k, v, g, beta, gates_in_kernel, A_log, dt_bias, scale, cu_seq
     exact = q.dtype == torch.float32
     wu_prec = "bf16x2" if q.dtype == torch.bfloat16 else "ieee" if exact else "tf32"
     qk_prec = "ieee" if exact else "native"
-    coff = chunk_offsets(cu_seqlens, CHUNK)
+    coff = given_chunk_offsets("chunk_gated_delta_rule", chunk_offsets, cu_seqlens, CHUNK)
     bufs["coff"] = coff
     grid = (triton.cdiv(T, CHUNK) + N, HV)
     block_n = max(16, next_pow2(N))
