@@ -107,6 +107,9 @@ class MTPDrafter:
         with block_tables [N, >= ceil(capacity / block_size)] (optional) listing them; default: the batch's
         context rounded up to whole blocks, the batch's tables. Returns the drafts [N, k] int64."""
         model = self.model
+        rows = (hidden.shape[0], next_tokens.shape[0], batch.positions.shape[0])
+        if len(set(rows)) != 1:
+            raise ValueError(f"MTP drafter: hidden states, next tokens and the batch's rows differ in count: {rows}")
         # first pass, every row (a padded row's token, if negative, is any valid id: it stores nothing)
         out = model.mtp_forward(next_tokens.clamp_min(0), hidden, batch, self.cache)
         n = last_rows.shape[0]
@@ -116,9 +119,9 @@ class MTPDrafter:
         token = model.compute_logits(h).argmax(dim=-1)
         drafts = [token]
         if k > 1:
-            rows = _DraftRows(batch, last_rows, seq_index, self.cache.block_size, kv_capacity, block_tables)
+            draft_rows = _DraftRows(batch, last_rows, seq_index, self.cache.block_size, kv_capacity, block_tables)
             for j in range(1, k):
-                h = model.mtp_forward(token, h, rows.step(j), self.cache, step=j)
+                h = model.mtp_forward(token, h, draft_rows.step(j), self.cache, step=j)
                 token = model.compute_logits(h).argmax(dim=-1)
                 drafts.append(token)
         return torch.stack(drafts, dim=1)
