@@ -17,6 +17,10 @@ the first pass of the step that verifies it (the target recomputes every positio
 prefix, and the first pass covers all of the target's rows) before any query at or after that position
 attends to it; queries attend to positions <= their own only.
 
+What the runner must give: the token after every row, including the last row of a prompt chunk that is not
+the prompt's last (the prompt token at the chunk's end, not the next packed row's token): a wrong one there
+leaves that position's K/V wrong for good (worse drafts, never wrong output).
+
 Where draft steps write: only into blocks the sequence holds. Without `kv_capacity` (the tokens its blocks
 hold, e.g. when the scheduler allocates lookahead slots), that is what this step's rows guarantee: its
 context rounded up to whole blocks. A draft row past it stores nothing (slot -1) and attends to the
