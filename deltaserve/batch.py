@@ -128,7 +128,8 @@ class CacheBuffers:
 
       ssm  [L_gdn, S, HV, K, V]   fp32 recurrent state of every GDN layer (state slot S)
       conv [L_gdn, S, W-1, D]     conv window (last W-1 pre-conv inputs) of every GDN layer
-      kv   [L_attn, 2, B, BS, NKV, HD]  paged K/V of every full-attention layer
+      kv   [L_attn + L_mtp, 2, B, BS, NKV, HD]  paged K/V of every full-attention layer, then (speculation
+                                  with mtp) of each MTP layer: the same block ids and slots address both
     """
 
     ssm: torch.Tensor
@@ -139,11 +140,11 @@ class CacheBuffers:
     def allocate(
         cls, config: ModelConfig, *, num_slots: int, num_blocks: int, block_size: int,
         device: torch.device | str, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32,
-        num_attention_layers: int | None = None,
+        num_attention_layers: int | None = None, mtp_kv_layers: int = 0,
     ) -> "CacheBuffers":
         """Zeroed pools of the layout cache/plan.py sizes."""
         shapes = pool_shapes(config, num_slots=num_slots, num_blocks=num_blocks, block_size=block_size,
-                             num_attention_layers=num_attention_layers)
+                             num_attention_layers=num_attention_layers, mtp_kv_layers=mtp_kv_layers)
         return cls(ssm=torch.zeros(shapes.ssm, dtype=state_dtype, device=device),
                    conv=torch.zeros(shapes.conv, dtype=dtype, device=device),
                    kv=torch.zeros(shapes.kv, dtype=dtype, device=device))
@@ -159,6 +160,14 @@ class CacheBuffers:
     @property
     def block_size(self) -> int:
         return int(self.kv.shape[3])
+
+    def mtp_kv(self, config: ModelConfig, layer: int) -> torch.Tensor:
+        """The paged K/V [2, B, BS, NKV, HD] of MTP layer `layer` (appended after the model's attention layers)."""
+        index = len(config.attention_layer_ids) + layer
+        if not 0 <= layer < self.kv.shape[0] - len(config.attention_layer_ids):
+            raise ValueError(f"the KV pool has {self.kv.shape[0]} layers: no MTP layer {layer} after the model's "
+                             f"{len(config.attention_layer_ids)} (allocate the pools with mtp_kv_layers)")
+        return self.kv[index]
 
     def slot_bytes(self) -> int:
         return (self.ssm[:, 0].numel() * self.ssm.element_size()

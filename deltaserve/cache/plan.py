@@ -31,7 +31,8 @@ class PoolShapes:
     """The three pools' shapes (see batch.CacheBuffers):
       ssm  [L_gdn, S, HV, K, V]            recurrent state (fp32)
       conv [L_gdn, S, W-1, D]              conv window (activation dtype)
-      kv   [L_attn, 2, B, BS, NKV, HD]     paged K/V (activation dtype)"""
+      kv   [L_attn + L_mtp, 2, B, BS, NKV, HD]  paged K/V (activation dtype); the last L_mtp layers are the MTP
+                                             head's, addressed by the same block ids (speculation with mtp only)"""
 
     ssm: tuple[int, ...]
     conv: tuple[int, ...]
@@ -39,11 +40,15 @@ class PoolShapes:
 
 
 def pool_shapes(config: ModelConfig, *, num_slots: int, num_blocks: int, block_size: int,
-                num_attention_layers: int | None = None, tp_size: int = 1) -> PoolShapes:
-    """num_attention_layers: the KV pool's layer count when it is not the model's (the MTP head's cache).
+                num_attention_layers: int | None = None, mtp_kv_layers: int = 0, tp_size: int = 1) -> PoolShapes:
+    """num_attention_layers: the KV pool's layer count when it is not the model's (a separate cache).
+    mtp_kv_layers: KV layers appended for the MTP head (one per MTP layer when speculating with mtp, else 0).
     tp_size: one tensor-parallel rank's pools (its GDN heads; its KV heads, one when the ranks outnumber them)."""
+    if mtp_kv_layers < 0:
+        raise ValueError(f"mtp_kv_layers must be >= 0, got {mtp_kv_layers}")
     n_gdn = len(config.gdn_layer_ids)
     n_attn = len(config.attention_layer_ids) if num_attention_layers is None else num_attention_layers
+    n_attn += mtp_kv_layers
     kv_heads = max(1, config.num_key_value_heads // tp_size)
     return PoolShapes(
         ssm=(n_gdn, num_slots, config.linear_num_value_heads // tp_size, config.linear_key_head_dim,
@@ -55,17 +60,18 @@ def pool_shapes(config: ModelConfig, *, num_slots: int, num_blocks: int, block_s
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
     block_size: int           # tokens per KV block
-    kv_block_bytes: int       # one block across every full-attention layer, K and V
+    kv_block_bytes: int       # one block across every full-attention layer (the MTP head's included), K and V
     state_slot_bytes: int     # one slot across every GDN layer: recurrent state + conv window
 
     @classmethod
     def from_model(cls, config: ModelConfig, *, block_size: int, kv_dtype_bytes: int, conv_dtype_bytes: int,
                    state_dtype_bytes: int = STATE_DTYPE_BYTES,
-                   num_attention_layers: int | None = None, tp_size: int = 1) -> "CacheSpec":
+                   num_attention_layers: int | None = None, mtp_kv_layers: int = 0,
+                   tp_size: int = 1) -> "CacheSpec":
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         one = pool_shapes(config, num_slots=1, num_blocks=1, block_size=block_size,
-                          num_attention_layers=num_attention_layers, tp_size=tp_size)
+                          num_attention_layers=num_attention_layers, mtp_kv_layers=mtp_kv_layers, tp_size=tp_size)
         return cls(block_size=block_size, kv_block_bytes=math.prod(one.kv) * kv_dtype_bytes,
                    state_slot_bytes=math.prod(one.ssm) * state_dtype_bytes + math.prod(one.conv) * conv_dtype_bytes)
 

@@ -21,13 +21,14 @@ GRAPH_SLACK_BYTES = 8 * MiB
 
 def allocate_cache(model: HybridForCausalLM, *, num_slots: int, num_blocks: int, block_size: int,
                    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
-                   tp_size: int = 1) -> CacheBuffers:
+                   tp_size: int = 1, mtp_kv_layers: int = 0) -> CacheBuffers:
     """The pools (cache/plan.py's layout; fp32 state, `dtype` conv windows, K/V in kv_dtype, default `dtype`:
     float8_e4m3fn for an FP8 KV cache). On CPU they are left
     uninitialised (pages are only touched once used; nothing reads a slot or block position before
-    writing it). tp_size: a tensor-parallel rank's pools (its heads)."""
+    writing it). tp_size: a tensor-parallel rank's pools (its heads). mtp_kv_layers: KV layers for the MTP
+    head after the model's (speculation with mtp)."""
     shapes = pool_shapes(model.config, num_slots=num_slots, num_blocks=num_blocks, block_size=block_size,
-                         tp_size=tp_size)
+                         tp_size=tp_size, mtp_kv_layers=mtp_kv_layers)
     make = torch.zeros if device.type == "cuda" else torch.empty
     return CacheBuffers(ssm=make(shapes.ssm, dtype=torch.float32, device=device),
                         conv=make(shapes.conv, dtype=dtype, device=device),
@@ -38,24 +39,29 @@ def allocate_cache(model: HybridForCausalLM, *, num_slots: int, num_blocks: int,
 def profile_gpu_cache_budget(model: HybridForCausalLM, *, device: torch.device, dtype: torch.dtype,
                              max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
                              utilization: float, graph_batch_size: int = 0,
-                             prefill_graph_sizes: list[int] | tuple[int, ...] = ()) -> int:
+                             prefill_graph_sizes: list[int] | tuple[int, ...] = (), mtp_kv_layers: int = 0) -> int:
     """total x utilization, minus what the process needs besides the pools: weights, the activation peak of
     a max_num_batched_tokens forward plus max_num_seqs rows of logits, memory not owned by torch, and
     (graph_batch_size > 0) the CUDA graphs' pool, estimated as the activation peak of a decode forward of
     graph_batch_size rows plus GRAPH_SLACK_BYTES per graph (the graphs are captured after the cache exists,
     so their memory is set aside here; the capture logs what they really took), and (prefill_graph_sizes)
     the piecewise prefill graphs': their static buffers, their pool estimated as the activation peak of an
-    eager forward of the largest bucket (a piece holds at most a layer's scratch), BUCKET_SLACK_BYTES a bucket."""
+    eager forward of the largest bucket (a piece holds at most a layer's scratch), BUCKET_SLACK_BYTES a bucket.
+    mtp_kv_layers > 0 (speculation with mtp): the scratch has the MTP KV layer and the head's first pass over
+    the largest forward's rows runs inside the measured peak."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     n = max_num_batched_tokens
     scratch = allocate_cache(model, num_slots=1, num_blocks=-(-n // block_size), block_size=block_size,
-                             device=device, dtype=dtype)
+                             device=device, dtype=dtype, mtp_kv_layers=mtp_kv_layers)
     base = torch.cuda.memory_allocated(device)
-    hidden = model(dummy_prefill_batch(n, block_size, device), scratch)
+    batch = dummy_prefill_batch(n, block_size, device)
+    hidden = model(batch, scratch)
     torch.cuda.synchronize(device)
     forward_peak = torch.cuda.max_memory_allocated(device) - base
+    if mtp_kv_layers:
+        model.mtp_forward(batch.input_ids, hidden, batch, scratch)
     rows = hidden[-1:].expand(min(max_num_seqs, n), -1)
     torch.softmax(model.compute_logits(rows).float(), dim=-1)
     torch.cuda.synchronize(device)

@@ -67,6 +67,7 @@ class WorkerConfig:
     kv_cache_dtype: str = "auto"     # "auto" (the activation dtype) | "fp8" (e4m3 with per-layer multipliers)
     prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION  # snapshots' budget share (0: none)
     parallel: Parallel = SINGLE      # this worker's tensor-parallel rank (its shard of the model)
+    mtp_kv_layers: int = 0           # speculation with mtp: a KV layer per MTP layer in the pools (0: none)
 
 
 class Worker:
@@ -100,6 +101,13 @@ class Worker:
         else:
             self.model = load_model(c.model_path, device=c.device, dtype=c.dtype, kernels=self.kernels, config=c.model,
                                     parallel=c.parallel, show_progress=c.parallel.rank == 0)
+        n_mtp = len(self.model.mtp.layers) if self.model.mtp is not None else 0
+        if c.mtp_kv_layers and c.mtp_kv_layers != n_mtp:
+            raise ValueError(f"speculative_config: method 'mtp' needs the checkpoint's MTP head, and it has {n_mtp} "
+                             f"MTP layers, not {c.mtp_kv_layers}")
+        if c.mtp_kv_layers and c.kv_cache_dtype == "fp8":
+            raise ValueError("speculative_config: method 'mtp' with kv_cache_dtype='fp8' is not implemented (the "
+                             "MTP head's KV multipliers are not calibrated); use kv_cache_dtype='auto'")
         if c.kv_cache_dtype == "fp8":
             # the references and the Triton attention kernels read and write an FP8 pool (ops.quant Fp8KvCache)
             other = [f"{op} ({self.kernels.backend[op]})" for op in FP8_KV_OPS
@@ -132,7 +140,7 @@ class Worker:
         elem = torch.empty((), dtype=c.dtype).element_size()
         kv = 1 if c.kv_cache_dtype == "fp8" else elem
         return CacheSpec.from_model(c.model, block_size=c.block_size, kv_dtype_bytes=kv, conv_dtype_bytes=elem,
-                                    tp_size=c.parallel.size)
+                                    mtp_kv_layers=c.mtp_kv_layers, tp_size=c.parallel.size)
 
     def cache_budget(self) -> int:
         """Bytes the pools may take on this device (after load_model: a GPU budget is measured on the model)."""
@@ -143,7 +151,7 @@ class Worker:
                                         max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
                                         block_size=c.block_size, utilization=c.gpu_memory_utilization,
                                         graph_batch_size=max(self.graph_sizes, default=0),
-                                        prefill_graph_sizes=self.prefill_sizes)
+                                        prefill_graph_sizes=self.prefill_sizes, mtp_kv_layers=c.mtp_kv_layers)
 
     def initialize_cache(self, plan: CachePlan) -> ModelRunner:
         """Allocate the pools of `plan`, build the runner over them, capture the decode and prefill graphs (they
@@ -155,7 +163,8 @@ class Worker:
             calibrate_kv_scales(self.model, device=c.device, dtype=c.dtype, block_size=c.block_size, seed=c.seed or 0)
         buffers = allocate_cache(self.model, num_slots=plan.num_slots, num_blocks=plan.num_blocks,
                                  block_size=c.block_size, device=c.device, dtype=c.dtype,
-                                 kv_dtype=torch.float8_e4m3fn if fp8_kv else None, tp_size=c.parallel.size)
+                                 kv_dtype=torch.float8_e4m3fn if fp8_kv else None, tp_size=c.parallel.size,
+                                 mtp_kv_layers=c.mtp_kv_layers)
         runner = ModelRunner(self.model, buffers, device=c.device, max_model_len=plan.max_model_len, seed=c.seed)
         if self.graph_sizes:
             runner.capture_decode_graphs(min(plan.max_num_seqs, c.max_num_batched_tokens))
@@ -192,7 +201,8 @@ class Worker:
                 f"{len(m.attention_layer_ids)} attention{mtp}; {weights}{tp}) on {c.device}, "
                 f"{str(c.dtype).removeprefix('torch.')}; kernels: {self.kernels.summary()}; "
                 f"cache: {plan.num_slots} state slots, {plan.num_blocks} KV blocks x {c.block_size} tokens"
-                f"{' (fp8 e4m3)' if c.kv_cache_dtype == 'fp8' else ''} "
+                f"{' (fp8 e4m3)' if c.kv_cache_dtype == 'fp8' else ''}"
+                f"{f' (+{c.mtp_kv_layers} MTP KV layer)' if c.mtp_kv_layers else ''} "
                 f"({_size(plan.used_bytes)}); max_model_len {plan.max_model_len}, max_num_seqs {plan.max_num_seqs}; "
                 f"{self._decode_summary()}")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "deltaserve"
 SPEC = ROOT / "spec"
-RUNNER_SIDE = {"rejection.py", "drafter.py", "verify.py", "oracle.py"}
+RUNNER_SIDE = {"rejection.py", "drafter.py", "verify.py", "oracle.py", "mtp.py"}
 
 
 def _imports(path: Path) -> set[str]:
