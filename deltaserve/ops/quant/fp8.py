@@ -112,7 +112,10 @@ def quantize_activations(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Ten
     padded = torch.zeros(M, kb * group, dtype=torch.float32, device=x.device)
     padded[:, :K] = x.float()
     groups = padded.view(M, kb, group)
-    scale = groups.abs().amax(dim=-1).clamp(min=ACT_SCALE_FLOOR) / FP8_MAX                # [M, kb]
+    amax = groups.abs().amax(dim=-1).clamp(min=ACT_SCALE_FLOOR)                           # [M, kb]
+    # a tensor divisor: CUDA torch divides by a Python scalar as a product with its reciprocal (not correctly
+    # rounded), the Triton kernel divides with div_rn
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(M, kb * group)[:, :K].contiguous(), scale
 
