@@ -61,6 +61,7 @@ class Speculation:
         handle.chunk_index = [plan.chunk_index[seq_id] for seq_id in handle.seq_ids]
         if self.uses_hidden:
             handle.batch, handle.hidden = batch, hidden
+            handle.chunk_next = plan.chunk_next
 
     def launch_verify(self, handle, logits: torch.Tensor, verifies: list, record: VerifyRecord,
                       index) -> None:
@@ -119,13 +120,19 @@ class Speculation:
         return rows
 
     def _next_tokens(self, handle) -> torch.Tensor | None:
-        """Per packed row the token that follows it: the next input, the sampled token at a sampling row,
-        the accepted draft or emitted token at a verify row (rows past the emitted one: -1)."""
+        """Per packed row the token that follows it: the next input within a chunk, the sequence's next known
+        token at the last row of a chunk that ends inside them (a prompt chunk before the prompt's end: host
+        values from packing), the sampled token at a sampling row, the accepted draft or emitted token at a
+        verify row (rows past the emitted one: -1)."""
         batch = handle.batch
         if batch is None:
             return None
         ids = batch.input_ids
         nxt = torch.cat([ids[1:], ids.new_zeros(1)])
+        if handle.chunk_next:
+            rows, toks = zip(*handle.chunk_next)
+            both = torch.tensor([rows, toks], dtype=torch.long).to(self.device)
+            nxt.index_copy_(0, both[0], both[1])
         if handle.sample is not None and handle.sample_rows:
             rows = torch.tensor(handle.sample_rows, dtype=torch.long).to(self.device)
             nxt.index_copy_(0, rows, handle.sample.tokens.long())

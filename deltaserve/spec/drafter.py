@@ -21,6 +21,7 @@ import torch
 from ..batch import CacheBuffers, ForwardBatch
 from ..config import ConfigError
 from .config import SpeculativeConfig
+from .mtp import MTPDrafter
 from .ngram import NgramIndex
 
 
@@ -109,8 +110,8 @@ class NgramDrafter:
             self._index.pop(seq_id, None)
 
 
-# methods of spec/config.py METHODS that have a drafter in this build (the MTP drafter joins here)
-AVAILABLE_METHODS = ("ngram",)
+# methods of spec/config.py METHODS that have a drafter in this build
+AVAILABLE_METHODS = ("mtp", "ngram")
 
 
 def check_available(config: SpeculativeConfig) -> None:
@@ -125,5 +126,6 @@ def make_drafter(config: SpeculativeConfig, model, cache: CacheBuffers, device: 
     check_available(config)
     if config.method == "ngram":
         return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
-    # the MTP drafter (spec/mtp*.py) is wired in here, with "mtp" added to AVAILABLE_METHODS
+    if config.method == "mtp":
+        return MTPDrafter(model, cache, device)
     raise ConfigError(f"speculative_config: method {config.method!r} has no drafter")
