@@ -115,9 +115,12 @@ class LLMEngine:
         self.model_path = model_path
         self.max_model_len = plan.max_model_len
         self.max_num_seqs = plan.max_num_seqs
+        spec = config.speculative_config
+        # MTP drafts: blocks for the head's draft rows (steps 2..K write K/V at the K - 1 positions after a chunk)
+        lookahead = spec.num_speculative_tokens - 1 if spec is not None and spec.method == "mtp" else 0
         self.scheduler = Scheduler(SchedulerConfig(plan.max_num_seqs, config.token_budget,
                                                    config.prefix_cache_checkpoint_interval,
-                                                   config.scheduling_policy), cache)
+                                                   config.scheduling_policy, draft_lookahead=lookahead), cache)
         device = getattr(runner, "device", None)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else device is not None and torch.device(device).type == "cuda")

@@ -81,8 +81,10 @@ class StepHandle:
     @property
     def collect_first(self) -> bool:
         """The next step cannot be scheduled before this one's tokens are read: it verifies drafts (the
-        accepted count moves the sequences) or proposes drafts for the next step."""
-        return bool(self.verifies) or self.draft_k > 0
+        accepted count moves the sequences), proposes drafts for the next step, or has a drafter read its
+        rows (MTP: its hidden states may be a graph's output buffer, and its K/V go into blocks the next
+        schedule could hand to another sequence once this one is aborted)."""
+        return bool(self.verifies) or self.draft_k > 0 or self.batch is not None
 
 
 @dataclasses.dataclass

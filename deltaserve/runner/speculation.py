@@ -23,7 +23,7 @@ from ..spec.adaptive import AdaptiveK
 from ..spec.config import SpeculativeConfig
 from ..spec.drafter import DraftContext, Drafter, make_drafter
 from ..step_io import RunnerOutput
-from .sampler import Sampler
+from .sampler import Sampler, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,8 @@ class Speculation:
             last_rows=self._last_rows(handle) if self.uses_hidden else None,
             next_tokens=self._next_tokens(handle) if self.uses_hidden else None,
             num_accepted=self._num_accepted(handle) if self.uses_hidden else None, cache=self.cache)
+        if self.uses_hidden and handle.draft_k > 1 and states:
+            ctx.kv_capacity, ctx.block_tables = self._draft_blocks([st for _, st in states])
         handle.batch = handle.hidden = None
         proposed = self.drafter.propose(ctx)
         if handle.draft_k <= 0 or not states:
@@ -106,6 +108,17 @@ class Speculation:
             n = next((i for i, t in enumerate(row) if t < 0), len(row))
             if n:
                 result.draft_token_ids[seq_id] = row[:n]
+
+    def _draft_blocks(self, states) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per drafting sequence the positions its blocks hold (the scheduler's lookahead blocks included) and
+        its block table: where the draft rows may write."""
+        bs = self.cache.block_size
+        width = max(len(st.block_ids) for st in states)
+        table = torch.zeros((len(states), width), dtype=torch.int32)
+        for i, st in enumerate(states):
+            table[i, : len(st.block_ids)] = torch.tensor(st.block_ids, dtype=torch.int32)
+        capacity = torch.tensor([len(st.block_ids) * bs for st in states], dtype=torch.long)
+        return to_device(capacity, self.device), to_device(table, self.device)
 
     def _num_accepted(self, handle) -> torch.Tensor:
         plain = torch.zeros(len(handle.samples), dtype=torch.long, device=self.device)

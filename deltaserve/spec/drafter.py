@@ -47,6 +47,9 @@ class DraftContext:
       num_accepted device int64 [N]: drafts accepted this step per sequence (0 for a plain decode or the
                    first token after a prefill); None when `uses_hidden` is False
       cache        the target's CacheBuffers
+      kv_capacity  device int64 [N] (or None): per sequence the token positions its blocks hold, lookahead
+                   blocks for the draft rows included (set for a drafter whose `uses_hidden` is True)
+      block_tables device int32 [N, >= max blocks] (or None): those blocks, per sequence
     """
 
     seq_ids: list[int]
@@ -59,6 +62,8 @@ class DraftContext:
     next_tokens: torch.Tensor | None
     num_accepted: torch.Tensor | None
     cache: CacheBuffers
+    kv_capacity: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
 
 
 class Drafter(Protocol):
