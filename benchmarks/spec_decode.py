@@ -208,8 +208,8 @@ def cpu_mtp(args, log) -> dict:
                 r = Run(mtp_llm, prompts, new)
                 assert r.outputs == plain.outputs, "MTP speculative greedy output differs from plain"
                 name = "adaptive" if k is None else f"k{k}"
-                row[f"mtp_{name}"] = dict(tok_s=r.tok_s, speedup=r.tok_s / plain.tok_s,
-                                          acceptance_length=r.acceptance_length, step_ms=r.median_step_ms)
+                row[f"mtp_{name}"] = {"tok_s": r.tok_s, "speedup": r.tok_s / plain.tok_s,
+                                      "acceptance_length": r.acceptance_length, "step_ms": r.median_step_ms}
                 log(f"  mtp {'adaptive K' if k is None else f'K={k}'}: {r.tok_s:.1f} tok/s "
                     f"({r.tok_s / plain.tok_s:.2f}x), acceptance length {_fmt(r.acceptance_length)}, "
                     f"median step {r.median_step_ms:.1f} ms")

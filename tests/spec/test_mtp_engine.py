@@ -41,13 +41,13 @@ class Recorder:
         if ctx.k <= 0:
             return out
         pool = ctx.cache.mtp_kv(self.inner.model.config, 0)            # [2, B, BS, NKV, HD]
-        for i, (tokens, row) in enumerate(zip(ctx.token_ids, out.tolist(), strict=True)):
-            self.log.append((list(tokens), row))
-            t = len(tokens) - 1                                         # the emitted token's position
+        for i, (known, row) in enumerate(zip(ctx.token_ids, out.tolist(), strict=True)):
+            self.log.append((list(known), row))
+            t = len(known) - 1                                          # the emitted token's position
             table = ctx.batch.block_tables[ctx.batch_index[i]].long()
             bs = pool.shape[2]
             slots = torch.arange(t)
-            self.kv.append((list(tokens), pool[:, table[slots // bs], slots % bs].clone()))
+            self.kv.append((list(known), pool[:, table[slots // bs], slots % bs].clone()))
             if ctx.kv_capacity is not None:
                 self.capacity.append((t, int(ctx.kv_capacity[i])))
         return out
