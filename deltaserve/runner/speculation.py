@@ -89,9 +89,9 @@ class Speculation:
                 result.accepted_logprobs[seq_id] = [None] * accepted[i] if lp is None else lp[:-1]
                 result.num_drafts_verified[seq_id] = handle.verify.num_drafts[i]
             self.adaptive.observe(handle.verify.num_drafts, accepted)
-        if handle.draft_k <= 0 and not self.uses_hidden:
-            return
         states = handle.samples + handle.verifies
+        if handle.draft_k <= 0 and (not self.uses_hidden or (handle.batch is None and not states)):
+            return      # nothing to propose, and no rows for the drafter to read (a step without chunks)
         ctx = DraftContext(
             seq_ids=[seq_id for seq_id, _ in states], k=handle.draft_k, token_ids=[st.token_ids for _, st in states],
             batch=handle.batch, hidden=handle.hidden, batch_index=handle.chunk_index,

@@ -152,8 +152,9 @@ def test_greedy_matches_plain_for_k_1_to_4(plain, spec):
     pin_k(spec, 4)
 
 
-def test_chunked_prefill_preemption_and_n2(plain):
-    """Prompts in chunks beside speculating sequences, a pool small enough to preempt, n = 2."""
+def test_chunked_prefill_preemption_and_n2(plain, caplog):
+    """Prompts in chunks beside speculating sequences, a pool small enough to preempt, n = 2; every step with
+    rows showed them to the drafter."""
     prompts = english(plain) + mixed_prompts(2, seed=13, lo=30, hi=60)
     params = greedy(24, n=2)
     want = tokens(generate(plain, prompts, params))
@@ -161,6 +162,7 @@ def test_chunked_prefill_preemption_and_n2(plain):
     assert tokens(generate(llm, prompts, params)) == want
     stats = llm.engine.get_stats()
     assert stats.num_preempted_total > 0 and stats.spec_num_accepted_tokens_total > 0
+    assert "without exposing its hidden states" not in caplog.text
 
 
 def test_stop_strings_and_max_tokens_inside_an_accepted_run(plain, spec):
