@@ -232,3 +232,13 @@ def test_every_draft_is_the_heads_over_the_committed_sequence(prefix_caching):
         assert torch.allclose(kv, want, atol=1e-4, rtol=1e-4), len(toks)
     stats = llm.engine.get_stats()
     assert stats.spec_num_accepted_tokens_total > stats.spec_num_drafts_total / 2
+
+
+def test_the_context_limit_cuts_inside_an_accepted_run(plain):
+    """Lookahead blocks stop at the tokens a sequence may hold; the last steps' draft rows store nothing."""
+    prompt = english(plain, 2)[1]
+    ref = generate(plain, [prompt], greedy(64 - len(prompt)))
+    llm = mtp_llm(4, max_model_len=64, block_size=4)
+    out = generate(llm, [prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=None))[0].outputs[0]
+    assert out.token_ids == ref[0].outputs[0].token_ids and len(out.token_ids) == 64 - len(prompt)
+    assert out.finish_reason == "length" and llm.engine.get_stats().spec_num_accepted_tokens_total > 0
