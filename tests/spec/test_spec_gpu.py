@@ -45,7 +45,7 @@ def test_mtp_drafts_match_plain_on_cuda(tiny_model, tmp_path, k):
     blocks): greedy and seeded output == plain."""
     path = with_mtp_declared(tiny_model(TinySpec(family="qwen3_next", ratio=3, decoder_sparse_step=2, mtp=True,
                                                  seed=2)), tmp_path)
-    kw = dict(device="cuda", dtype="float32", enable_prefix_caching=True, max_num_seqs=16)
+    kw = {"device": "cuda", "dtype": "float32", "enable_prefix_caching": True, "max_num_seqs": 16}
     plain = LLM(path, **kw)
     spec = LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kw)
     pin_k(spec, k)
