@@ -6,6 +6,11 @@ n-gram acceptance (mean accepted length = tokens per verify step); and the same 
 (the tokens the target will produce, recorded from a plain run, each replaced by a wrong one with a set
 probability) at acceptance lengths 2.0, 2.5, 3.39: what a drafter of that quality buys on this path.
 
+--method mtp (CPU): the embedded model's MTP head drafts; plain decoding is an engine without speculation
+(the MTP engine runs the head's first pass every step, even at K = 0), on the same decode path: eager, or
+compiled (--compile on; verify steps run eagerly there, plain decode steps compiled; --compile both runs
+each). Batch 1 and 8: tok/s, K = 1..4 pinned and adaptive K, the measured acceptance length.
+
 --gpu: a published shape with random weights (load_format="dummy"; default Qwen3.5-35B-A3B), the oracle
 drafter only (random weights accept nothing from a real one). The decode step time of K = 1..4 (every
 draft accepted, so each step verifies K + 1 positions) against the plain decode step at batch 1, 8, 64;
@@ -14,6 +19,7 @@ plain at batch 64. Drafting is free here (a host lookup), so the step time is ve
 drafter adds its K head forwards.
 
   PYTHONPATH=. python benchmarks/spec_decode.py [--out DIR]
+  PYTHONPATH=. python benchmarks/spec_decode.py --method mtp [--compile off|on|both] [--out DIR]
   PYTHONPATH=. python benchmarks/spec_decode.py --gpu [--model benchmarks/configs/Qwen3.5-35B-A3B] --out DIR
   --quick: small workloads (a smoke run; with --gpu --device cpu --model DIR it runs a tiny config on CPU).
 """
@@ -175,6 +181,43 @@ def cpu(args, log) -> dict:
     return results
 
 
+def cpu_mtp(args, log) -> dict:
+    """MTP drafts against an engine without speculation, per decode path (eager, compiled)."""
+    torch.set_num_threads(args.threads)
+    new = 24 if args.quick else 96
+    modes = ("off", "on") if args.compile == "both" else (args.compile,)
+    results: dict = {"device": "cpu", "method": "mtp", "new_tokens": new, "threads": args.threads, "rows": []}
+    for mode in modes:
+        plain_llm = LLM(device="cpu", enable_prefix_caching=False, compile=mode, seed=0)
+        mtp_llm = LLM(device="cpu", enable_prefix_caching=False, compile=mode, seed=0,
+                      speculative_config={"method": "mtp", "num_speculative_tokens": 4})
+        prompts_all = [plain_llm.tokenizer.encode(t) for t in ENGLISH]
+        path = "compiled" if mode == "on" else "eager"
+        for batch in (1, 8):
+            prompts = (prompts_all * 8)[:batch]
+            Run(plain_llm, prompts, 4)                          # warm
+            plain = Run(plain_llm, prompts, new)
+            log(f"{path} batch {batch}: plain {plain.tok_s:.1f} tok/s (median step {plain.median_step_ms:.1f} ms)")
+            row = {"path": path, "batch": batch, "plain_tok_s": plain.tok_s, "plain_step_ms": plain.median_step_ms}
+            for k in (1, 2, 3, 4, None):
+                if k is None:
+                    adaptive(mtp_llm)
+                else:
+                    pin(mtp_llm, k)
+                Run(mtp_llm, prompts, 4)                        # warm this K's shapes
+                r = Run(mtp_llm, prompts, new)
+                assert r.outputs == plain.outputs, "MTP speculative greedy output differs from plain"
+                name = "adaptive" if k is None else f"k{k}"
+                row[f"mtp_{name}"] = {"tok_s": r.tok_s, "speedup": r.tok_s / plain.tok_s,
+                                      "acceptance_length": r.acceptance_length, "step_ms": r.median_step_ms}
+                log(f"  mtp {'adaptive K' if k is None else f'K={k}'}: {r.tok_s:.1f} tok/s "
+                    f"({r.tok_s / plain.tok_s:.2f}x), acceptance length {_fmt(r.acceptance_length)}, "
+                    f"median step {r.median_step_ms:.1f} ms")
+            results["rows"].append(row)
+        del plain_llm, mtp_llm
+    return results
+
+
 def gpu(args, log) -> dict:
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -230,7 +273,10 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="--gpu only (cpu: a smoke run with a tiny --model)")
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--compile", default="off", choices=("off", "on"), help="CPU: the compiled decode step")
+    ap.add_argument("--compile", default="off", choices=("off", "on", "both"),
+                    help="CPU: the compiled decode step (both: --method mtp only, each path)")
+    ap.add_argument("--method", default="ngram", choices=("ngram", "mtp"),
+                    help="CPU: n-gram and oracle drafts, or the MTP head against plain decoding")
     ap.add_argument("--threads", type=int, default=1, help="CPU intra-op threads")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None, help="directory for spec_decode.json and the log")
@@ -241,7 +287,9 @@ def main() -> int:
         print(msg, flush=True)
         lines.append(msg)
 
-    results = gpu(args, log) if args.gpu else cpu(args, log)
+    if args.compile == "both" and (args.gpu or args.method != "mtp"):
+        ap.error("--compile both: with --method mtp on CPU only")
+    results = gpu(args, log) if args.gpu else cpu_mtp(args, log) if args.method == "mtp" else cpu(args, log)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

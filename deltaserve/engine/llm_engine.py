@@ -80,7 +80,8 @@ class EngineStats:
     spec_num_accepted_tokens_per_pos: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
-def check_speculation(spec: SpeculativeConfig, model_config: ModelConfig, tensor_parallel_size: int) -> None:
+def check_speculation(spec: SpeculativeConfig, model_config: ModelConfig, tensor_parallel_size: int,
+                      kv_cache_dtype: str = "auto") -> None:
     """Refuse, by name, a speculative_config this build or checkpoint cannot run (before loading weights)."""
     try:
         check_model(spec, model_config)
@@ -90,6 +91,9 @@ def check_speculation(spec: SpeculativeConfig, model_config: ModelConfig, tensor
     if tensor_parallel_size > 1:
         raise ConfigError("speculative_config with tensor_parallel_size > 1 is not supported yet: use "
                           "tensor_parallel_size=1 or no speculative_config")
+    if spec.method == "mtp" and kv_cache_dtype != "auto":
+        raise ConfigError(f"speculative_config: method 'mtp' with kv_cache_dtype={kv_cache_dtype!r} is not "
+                          "implemented (the MTP head's KV multipliers are not calibrated); use kv_cache_dtype='auto'")
 
 
 def check_parallel_features(model_config: ModelConfig, kv_cache_dtype: str) -> None:
@@ -111,9 +115,12 @@ class LLMEngine:
         self.model_path = model_path
         self.max_model_len = plan.max_model_len
         self.max_num_seqs = plan.max_num_seqs
+        spec = config.speculative_config
+        # MTP drafts: blocks for the head's draft rows (steps 2..K write K/V at the K - 1 positions after a chunk)
+        lookahead = spec.num_speculative_tokens - 1 if spec is not None and spec.method == "mtp" else 0
         self.scheduler = Scheduler(SchedulerConfig(plan.max_num_seqs, config.token_budget,
                                                    config.prefix_cache_checkpoint_interval,
-                                                   config.scheduling_policy), cache)
+                                                   config.scheduling_policy, draft_lookahead=lookahead), cache)
         device = getattr(runner, "device", None)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else device is not None and torch.device(device).type == "cuda")
@@ -192,8 +199,9 @@ class LLMEngine:
         speculative_config: speculative decoding (vLLM's keys, a dict or its JSON string; spec/config.py):
         {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": .., "prompt_lookup_max": ..};
         K is the most drafts per step, adaptive K (spec/adaptive.py) picks fewer or none per step. Output
-        is unchanged: greedy and seeded requests give the tokens they give without it. "mtp" is refused
-        until the MTP drafter is wired in (spec/drafter.py)."""
+        is unchanged: greedy and seeded requests give the tokens they give without it.
+        {"method": "mtp", "num_speculative_tokens": K}: the checkpoint's MTP head drafts (spec/mtp.py); refused
+        by name on a checkpoint without one, with tensor_parallel_size > 1 and with an FP8 KV cache."""
         t0 = time.perf_counter()
         config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
@@ -219,7 +227,10 @@ class LLMEngine:
             model_config = ModelConfig.from_hf(path)
         model_config = model_config.with_quantization(quantization)
         if config.speculative_config is not None:
-            check_speculation(config.speculative_config, model_config, tensor_parallel_size)
+            check_speculation(config.speculative_config, model_config, tensor_parallel_size, kv_cache_dtype)
+        spec = config.speculative_config
+        # method mtp: the head's attention layer(s) get a KV layer each in the pools, after the model's
+        mtp_kv_layers = model_config.mtp_num_layers if spec is not None and spec.method == "mtp" else 0
         dev = resolve_device(device)
         limit = model_config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
@@ -234,7 +245,8 @@ class LLMEngine:
             enforce_eager=enforce_eager, compile=compile or settings().compile,
             prefill_cuda_graphs=prefill_cuda_graphs,
             kv_cache_dtype="fp8" if kv_cache_dtype.startswith("fp8") else kv_cache_dtype,
-            prefix_cache_state_fraction=prefix_cache_state_fraction if enable_prefix_caching else 0.0)
+            prefix_cache_state_fraction=prefix_cache_state_fraction if enable_prefix_caching else 0.0,
+            mtp_kv_layers=mtp_kv_layers)
         tokenizer = Tokenizer.from_dir(path) if path is not None else None
         if tensor_parallel_size > 1:
             check_parallel_features(model_config, kv_cache_dtype)

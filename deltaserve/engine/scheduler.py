@@ -74,6 +74,9 @@ class SchedulerConfig:
     policy: str = "fcfs"             # waiting-queue order (`queue_key`): "fcfs" or "priority"
     # prefix caching: wait for a running sequence's prefill of at least this many shared tokens (0: never)
     min_shared_prefix: int = 256
+    # MTP drafts: a chunk that samples also takes blocks for this many positions past it when they are free
+    # (the draft rows of the head's steps 2..K write their K/V there; 0: none)
+    draft_lookahead: int = 0
 
 
 _KEY = 16   # prompts are matched for shared prefills by their first this many tokens
@@ -271,6 +274,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        wants_lookahead: list[int] = []          # chunks that sample (draft_lookahead)
         scheduled: list[Sequence] = []
         preempted = 0
         i = 0
@@ -280,6 +284,7 @@ class Scheduler:
                 i += 1
                 continue
             n = seq.cut_at_commit(min(seq.num_scheduled_tokens - seq.num_computed, budget))
+            samples = seq.num_computed + n == seq.num_scheduled_tokens
             drafts = self._drafts(seq, n, budget)
             n += len(drafts)
             new_blocks = self.cache.grow(seq.seq_id, seq.num_computed + n)
@@ -293,6 +298,8 @@ class Scheduler:
                 new_blocks = self.cache.grow(seq.seq_id, seq.num_computed + n)
             if new_blocks is None:
                 break
+            if samples:
+                wants_lookahead.append(len(chunks))
             chunks.append(ScheduledChunk(seq.seq_id, seq.num_computed, n, new_blocks, drafts))
             scheduled.append(seq)
             budget -= n
@@ -333,6 +340,8 @@ class Scheduler:
                     self.prefix_queries_total += seq.num_tokens
                     self.prefix_hits_total += hit.length
             slot, blocks = held
+            if hit.length + n == seq.num_tokens:
+                wants_lookahead.append(len(chunks))
             new_seqs.append(seq.runner_data(slot, blocks))
             planned[seq.seq_id] = len(chunks)
             chunks.append(ScheduledChunk(seq.seq_id, hit.length, n, []))
@@ -341,10 +350,29 @@ class Scheduler:
             scheduled.append(seq)
             budget -= n
 
+        if self.config.draft_lookahead > 0:
+            self._add_lookahead(chunks, wants_lookahead, scheduled)
         freed, self._freed = self._freed, []
         self._scheduled = scheduled
         state_copies, block_copies = self.cache.take_copies()
         return SchedulerOutput(new_seqs, chunks, freed, preempted, state_copies, block_copies)
+
+    def _add_lookahead(self, chunks: list[ScheduledChunk], which: list[int], scheduled: list[Sequence]) -> None:
+        """Blocks for the `draft_lookahead` positions after each sampling chunk (never past the tokens its
+        sequence may hold), once every chunk has its own: only blocks the pool has free beyond one per running
+        sequence (next step's growth), so they never cost an eviction, an admission or a preemption. Without
+        them a draft row past the sequence's blocks stores nothing (spec/mtp.py): a slightly worse draft."""
+        for k in which:
+            c, seq = chunks[k], scheduled[k]
+            want = min(c.num_computed + c.num_new + self.config.draft_lookahead, seq.max_num_tokens)
+            missing = self.cache.blocks_for(want) - len(self.cache.block_ids(seq.seq_id))
+            if missing <= 0:
+                continue
+            if missing > self.cache.num_free_blocks - len(self.running):
+                return
+            extra = self.cache.grow(seq.seq_id, want)
+            if extra:
+                chunks[k] = dataclasses.replace(c, new_block_ids=[*c.new_block_ids, *extra])
 
     @staticmethod
     def _drafts(seq: Sequence, n: int, budget: int) -> list[int]:

@@ -71,6 +71,7 @@ class StepHandle:
     sample_rows: list[int] = dataclasses.field(default_factory=list)   # packed row of each sample's logits
     verify_rows: list[int] = dataclasses.field(default_factory=list)   # packed row of each verify chunk's first
     chunk_index: list[int] = dataclasses.field(default_factory=list)   # per seq_ids entry: its chunk's index
+    chunk_next: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # _LogitRows.chunk_next
 
     @property
     def seq_ids(self) -> list[int]:
@@ -80,8 +81,10 @@ class StepHandle:
     @property
     def collect_first(self) -> bool:
         """The next step cannot be scheduled before this one's tokens are read: it verifies drafts (the
-        accepted count moves the sequences) or proposes drafts for the next step."""
-        return bool(self.verifies) or self.draft_k > 0
+        accepted count moves the sequences), proposes drafts for the next step, or has a drafter read its
+        rows (MTP: its hidden states may be a graph's output buffer, and its K/V go into blocks the next
+        schedule could hand to another sequence once this one is aborted)."""
+        return bool(self.verifies) or self.draft_k > 0 or self.batch is not None
 
 
 @dataclasses.dataclass
@@ -94,6 +97,8 @@ class _LogitRows:
     verifies: list[tuple[int, _SeqState, int, list[int]]] = dataclasses.field(default_factory=list)
     chunk_index: dict[int, int] = dataclasses.field(default_factory=dict)   # seq id -> its chunk's index
     chunk_start: dict[int, int] = dataclasses.field(default_factory=dict)   # seq id -> its chunk's first row
+    # (packed row, token) of each chunk that ends before its sequence's known tokens: the token after its last row
+    chunk_next: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 def _temperature_sample_op(device: torch.device):
@@ -423,6 +428,8 @@ class ModelRunner:
                 if count > 0:
                     plan.prompt_parts.append((c.seq_id, st, len(plan.rows), count, c.num_computed))
                     plan.rows.extend(range(offset, offset + count))
+            if end < len(st.token_ids):
+                plan.chunk_next.append((offset + c.num_new - 1, st.token_ids[end]))
             if end == st.num_tokens:
                 plan.sample_rows.append(len(plan.rows))
                 plan.samples.append((c.seq_id, st))

@@ -23,7 +23,7 @@ from ..spec.adaptive import AdaptiveK
 from ..spec.config import SpeculativeConfig
 from ..spec.drafter import DraftContext, Drafter, make_drafter
 from ..step_io import RunnerOutput
-from .sampler import Sampler
+from .sampler import Sampler, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class Speculation:
         handle.chunk_index = [plan.chunk_index[seq_id] for seq_id in handle.seq_ids]
         if self.uses_hidden:
             handle.batch, handle.hidden = batch, hidden
+            handle.chunk_next = plan.chunk_next
 
     def launch_verify(self, handle, logits: torch.Tensor, verifies: list, record: VerifyRecord,
                       index) -> None:
@@ -88,15 +89,17 @@ class Speculation:
                 result.accepted_logprobs[seq_id] = [None] * accepted[i] if lp is None else lp[:-1]
                 result.num_drafts_verified[seq_id] = handle.verify.num_drafts[i]
             self.adaptive.observe(handle.verify.num_drafts, accepted)
-        if handle.draft_k <= 0 and not self.uses_hidden:
-            return
         states = handle.samples + handle.verifies
+        if handle.draft_k <= 0 and (not self.uses_hidden or (handle.batch is None and not states)):
+            return      # nothing to propose, and no rows for the drafter to read (a step without chunks)
         ctx = DraftContext(
             seq_ids=[seq_id for seq_id, _ in states], k=handle.draft_k, token_ids=[st.token_ids for _, st in states],
             batch=handle.batch, hidden=handle.hidden, batch_index=handle.chunk_index,
             last_rows=self._last_rows(handle) if self.uses_hidden else None,
             next_tokens=self._next_tokens(handle) if self.uses_hidden else None,
             num_accepted=self._num_accepted(handle) if self.uses_hidden else None, cache=self.cache)
+        if self.uses_hidden and handle.draft_k > 1 and states:
+            ctx.kv_capacity, ctx.block_tables = self._draft_blocks([st for _, st in states])
         handle.batch = handle.hidden = None
         proposed = self.drafter.propose(ctx)
         if handle.draft_k <= 0 or not states:
@@ -105,6 +108,17 @@ class Speculation:
             n = next((i for i, t in enumerate(row) if t < 0), len(row))
             if n:
                 result.draft_token_ids[seq_id] = row[:n]
+
+    def _draft_blocks(self, states) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per drafting sequence the positions its blocks hold (the scheduler's lookahead blocks included) and
+        its block table: where the draft rows may write."""
+        bs = self.cache.block_size
+        width = max(len(st.block_ids) for st in states)
+        table = torch.zeros((len(states), width), dtype=torch.int32)
+        for i, st in enumerate(states):
+            table[i, : len(st.block_ids)] = torch.tensor(st.block_ids, dtype=torch.int32)
+        capacity = torch.tensor([len(st.block_ids) * bs for st in states], dtype=torch.long)
+        return to_device(capacity, self.device), to_device(table, self.device)
 
     def _num_accepted(self, handle) -> torch.Tensor:
         plain = torch.zeros(len(handle.samples), dtype=torch.long, device=self.device)
@@ -119,13 +133,19 @@ class Speculation:
         return rows
 
     def _next_tokens(self, handle) -> torch.Tensor | None:
-        """Per packed row the token that follows it: the next input, the sampled token at a sampling row,
-        the accepted draft or emitted token at a verify row (rows past the emitted one: -1)."""
+        """Per packed row the token that follows it: the next input within a chunk, the sequence's next known
+        token at the last row of a chunk that ends inside them (a prompt chunk before the prompt's end: host
+        values from packing), the sampled token at a sampling row, the accepted draft or emitted token at a
+        verify row (rows past the emitted one: -1)."""
         batch = handle.batch
         if batch is None:
             return None
         ids = batch.input_ids
         nxt = torch.cat([ids[1:], ids.new_zeros(1)])
+        if handle.chunk_next:
+            rows, toks = zip(*handle.chunk_next)
+            both = torch.tensor([rows, toks], dtype=torch.long).to(self.device)
+            nxt.index_copy_(0, both[0], both[1])
         if handle.sample is not None and handle.sample_rows:
             rows = torch.tensor(handle.sample_rows, dtype=torch.long).to(self.device)
             nxt.index_copy_(0, rows, handle.sample.tokens.long())

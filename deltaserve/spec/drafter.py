@@ -21,6 +21,7 @@ import torch
 from ..batch import CacheBuffers, ForwardBatch
 from ..config import ConfigError
 from .config import SpeculativeConfig
+from .mtp import MTPDrafter
 from .ngram import NgramIndex
 
 
@@ -46,6 +47,9 @@ class DraftContext:
       num_accepted device int64 [N]: drafts accepted this step per sequence (0 for a plain decode or the
                    first token after a prefill); None when `uses_hidden` is False
       cache        the target's CacheBuffers
+      kv_capacity  device int64 [N] (or None): per sequence the token positions its blocks hold, lookahead
+                   blocks for the draft rows included (set for a drafter whose `uses_hidden` is True)
+      block_tables device int32 [N, >= max blocks] (or None): those blocks, per sequence
     """
 
     seq_ids: list[int]
@@ -58,6 +62,8 @@ class DraftContext:
     next_tokens: torch.Tensor | None
     num_accepted: torch.Tensor | None
     cache: CacheBuffers
+    kv_capacity: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
 
 
 class Drafter(Protocol):
@@ -109,8 +115,8 @@ class NgramDrafter:
             self._index.pop(seq_id, None)
 
 
-# methods of spec/config.py METHODS that have a drafter in this build (the MTP drafter joins here)
-AVAILABLE_METHODS = ("ngram",)
+# methods of spec/config.py METHODS that have a drafter in this build
+AVAILABLE_METHODS = ("mtp", "ngram")
 
 
 def check_available(config: SpeculativeConfig) -> None:
@@ -125,5 +131,6 @@ def make_drafter(config: SpeculativeConfig, model, cache: CacheBuffers, device: 
     check_available(config)
     if config.method == "ngram":
         return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
-    # the MTP drafter (spec/mtp*.py) is wired in here, with "mtp" added to AVAILABLE_METHODS
+    if config.method == "mtp":
+        return MTPDrafter(model, cache, device)
     raise ConfigError(f"speculative_config: method {config.method!r} has no drafter")

@@ -17,14 +17,20 @@ the first pass of the step that verifies it (the target recomputes every positio
 prefix, and the first pass covers all of the target's rows) before any query at or after that position
 attends to it; queries attend to positions <= their own only.
 
-What the runner must give: the token after every row, including the last row of a prompt chunk that is not
-the prompt's last (the prompt token at the chunk's end, not the next packed row's token): a wrong one there
-leaves that position's K/V wrong for good (worse drafts, never wrong output).
+What the runner gives (runner/speculation.py): the token after every row, including the last row of a prompt
+chunk that is not the prompt's last (the prompt token at the chunk's end, from the host at packing; a wrong
+one there would leave that position's K/V wrong for good: worse drafts, never wrong output).
 
-Where draft steps write: only into blocks the sequence holds. Without `kv_capacity` (the tokens its blocks
-hold, e.g. when the scheduler allocates lookahead slots), that is what this step's rows guarantee: its
-context rounded up to whole blocks. A draft row past it stores nothing (slot -1) and attends to the
-positions below it only: a slightly worse draft, never another sequence's block.
+Where draft steps write: only into blocks the sequence holds. The runner passes `kv_capacity` / `block_tables`
+(the sequence's blocks, the scheduler's lookahead blocks for the K - 1 positions after a sampling chunk
+included, when the pool had them free); without them, what this step's rows guarantee: its context rounded
+up to whole blocks. A draft row past the capacity stores nothing (slot -1) and attends to the positions below
+it only: a slightly worse draft, never another sequence's block.
+
+After a prefix-cache hit of length L, the K/V at L - 1 is what the writer of that block stored: exact when its
+token at L is this sequence's (a resent prompt, the next turn of a conversation, n > 1, a readmitted preempted
+sequence), another branch's when the hit ends where two prompts diverge. Rewriting it would need the target's
+hidden state at L - 1, which a hit does not compute; the drafts that attend to it may be slightly worse.
 
 Nothing here reads the device on the host: positions, slots and lengths of the draft rows are computed
 on the device from the step's batch.

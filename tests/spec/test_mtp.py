@@ -299,8 +299,8 @@ def test_propose_reads_the_draft_context(model):
     fields = {name: getattr(ctx, name) for name in vars(ctx)}
     # a context that says the sequence holds a block more (lookahead): every draft row fits
     m = batch.block_tables.shape[1] + 1
-    wide = types.SimpleNamespace(**fields, kv_capacity=torch.tensor([m * BS]),
-                                 block_tables=torch.arange(1, m + 1, dtype=torch.int32)[None])
+    wide = types.SimpleNamespace(**{**fields, "kv_capacity": torch.tensor([m * BS]),
+                                    "block_tables": torch.arange(1, m + 1, dtype=torch.int32)[None]})
     assert sim.drafter.propose(wide)[0].tolist() == oracle_drafts(model, s.prompt + [emitted], 3)
     # nothing drafting: the first pass still runs (k = 0), and a step without hidden states gives no drafts
     assert sim.drafter.propose(types.SimpleNamespace(**{**fields, "k": 0})).shape == (1, 0)

@@ -1,5 +1,5 @@
 """The user-facing side of speculative decoding: speculative_config from the LLM API and the CLI's JSON,
-refusals by name (mtp until its drafter is wired in, tensor parallelism, bad keys), the engine's stats and
+refusals by name (tensor parallelism, bad keys, mtp without a head), the MTP drafter's wiring, the engine's stats and
 the Prometheus counters."""
 
 from __future__ import annotations
@@ -14,9 +14,17 @@ from deltaserve.spec.config import SpeculativeConfig
 from tests.spec.helpers import generate, greedy, mixed_prompts
 
 
-def test_mtp_is_refused_by_name_until_its_drafter_is_wired_in():
-    with pytest.raises(ConfigError, match="method 'mtp' is not implemented yet"):
-        LLM(device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+def test_mtp_builds_its_drafter_and_the_pools_mtp_kv_layer():
+    from deltaserve.spec.mtp import MTPDrafter
+
+    llm = LLM(device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    eng = llm.engine
+    assert isinstance(eng.runner.speculation.drafter, MTPDrafter)
+    assert eng.runner.cache.kv.shape[0] == len(llm.config.attention_layer_ids) + 1
+    assert eng.scheduler.config.draft_lookahead == 2
+    plain = LLM(device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert plain.engine.runner.cache.kv.shape[0] == len(llm.config.attention_layer_ids)
+    assert plain.engine.scheduler.config.draft_lookahead == 0
 
 
 def test_mtp_on_a_checkpoint_without_a_head_is_refused():

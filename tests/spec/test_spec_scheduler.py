@@ -103,3 +103,57 @@ def test_preemption_drops_the_drafts():
     sched.running.remove(seq)
     sched._preempt(seq)
     assert seq.draft_token_ids == [] and seq.num_computed == 0
+
+
+def _lookahead_scheduler(num_blocks: int, lookahead: int = 3) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, draft_lookahead=lookahead),
+                     HybridCacheManager(num_blocks=num_blocks, block_size=4, num_slots=8))
+
+
+def test_sampling_chunks_get_lookahead_blocks_for_the_draft_rows():
+    """MTP drafts (draft_lookahead = K - 1): a chunk that samples also holds the blocks of the K - 1 positions
+    after it (capped at the tokens the sequence may hold), in the chunk's new blocks; mid-prompt chunks do not."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=5, draft_lookahead=3),
+                      HybridCacheManager(num_blocks=64, block_size=4, num_slots=8))
+    seq = _seq(0, 8, 20)
+    sched.add(seq)
+    out = sched.schedule()                                              # positions 0..4: mid-prompt
+    assert len(sched.cache.block_ids(0)) == 2 and out.new_seqs[0].block_ids == sched.cache.block_ids(0)
+    sched.update(out)
+    out = sched.schedule()                                              # 5..7 ends the prompt: + 3 positions
+    assert len(sched.cache.block_ids(0)) == sched.cache.blocks_for(8 + 3) == 3
+    assert out.chunks[0].new_block_ids == sched.cache.block_ids(0)[2:]
+    sched.update(out)
+    seq.append_token(7, None)
+    seq.draft_token_ids = [3, 4, 5]
+    sched.schedule()                                                    # verify 8..11, draft rows up to 14
+    assert len(sched.cache.block_ids(0)) == sched.cache.blocks_for(12 + 3)
+    sched = _lookahead_scheduler(num_blocks=64)
+    sched.add(_seq(1, 6, 2))                                            # may hold 8 tokens: no block past them
+    sched.schedule()
+    assert len(sched.cache.block_ids(1)) == sched.cache.blocks_for(8) == 2
+
+
+def test_lookahead_blocks_never_cost_an_admission_or_a_preemption():
+    """A pool barely bigger than the sequences' own blocks (one spare per running sequence is kept free): the
+    same sequences run in each step with or without lookahead, and some lookahead blocks were handed out."""
+    runs, most = [], []
+    for lookahead in (0, 3):
+        sched = _lookahead_scheduler(num_blocks=14, lookahead=lookahead)
+        seqs = [_seq(i, 8, 4) for i in range(4)]
+        for s in seqs:
+            sched.add(s)
+        admitted = []
+        for _ in range(8):
+            out = sched.schedule()
+            admitted.append(sorted(c.seq_id for c in out.chunks))
+            most.append((lookahead, sched.cache.num_free_blocks))
+            sched.update(out)
+            for c in out.chunks:
+                s = seqs[c.seq_id]
+                if c.num_computed + c.num_new == s.num_tokens and not s.generation_done:
+                    s.append_token(5, None)
+        runs.append((admitted, sched.num_preempted_total))
+    assert runs[0] == runs[1] and runs[0][1] == 0, runs
+    first = dict(most[:: len(most) // 2])                              # free blocks after each run's first step
+    assert first[3] < first[0], most
