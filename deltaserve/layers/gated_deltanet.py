@@ -113,16 +113,20 @@ class GatedDeltaNet(nn.Module):
              out: torch.Tensor | None = None) -> torch.Tensor:
         """The part that reads the batch's sequence structure (cu_seqlens, state slots), from a projection
         without the conv applied (project_input of a batch with prefills, or in_proj(x)): the prefill rows'
-        conv, gates, chunked delta rule and gated norm, then the decode rows' recurrence (gdn_decode) ->
+        conv, gates, chunked delta rule and gated norm, the verify chunks' gdn_verify (pools untouched), then the
+        decode rows' recurrence (gdn_decode) ->
         o [T, HV * V] before the output projection (into `out` when given). forward_projected computes the
         same rows for such a batch (gdn_out_proj, without a fold)."""
         T = projected.shape[0]
         mixed, z2, b, a = projected.split(self.split_sizes, dim=-1)
         z = z2.view(T, self.nv, self.dv)
         P = batch.num_prefill_tokens
+        Pp = P - batch.num_verify_tokens          # the plain prefill tokens; verify chunks follow them
         parts = []
-        if P:
-            parts.append(self._prefill(mixed[:P], z[:P], a[:P], b[:P], batch, ssm_state, conv_state))
+        if Pp:
+            parts.append(self._prefill(mixed[:Pp], z[:Pp], a[:Pp], b[:Pp], batch, ssm_state, conv_state))
+        if P > Pp:
+            parts.append(self._verify(mixed[Pp:P], z[Pp:P], a[Pp:P], b[Pp:P], batch, ssm_state, conv_state))
         if T > P:
             parts.append(self.kernels.gdn_decode(
                 mixed[P:], z[P:], a[P:], b[P:], conv_weight=self.conv_weight, A_log=self.A_log,

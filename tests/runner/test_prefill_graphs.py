@@ -297,3 +297,27 @@ def test_start_up_prompts_leave_the_pools_as_allocated(model):
     for pool in (runner.cache.ssm, runner.cache.conv, runner.cache.kv):
         assert not pool.any()
     assert graphs.num_runs == len(SIZES)
+
+
+def test_speculative_verify_steps_through_the_pieces_equal_eager(tiny_model):
+    """Verify chunks (oracle drafts with rejections, K = 3 every step) in steps that run as piecewise graphs:
+    the GDN cores verify and commit as the eager forward does, so the greedy tokens are plain greedy's."""
+    from tests.spec.helpers import pin_k, use_oracle
+
+    path = tiny_model(TinySpec(family="qwen3_next", ratio=2, seed=5))
+    prompts, _ = _workload(6, seed=4)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
+    plain = LLM(path, device="cpu", max_num_seqs=6, max_num_batched_tokens=48)
+    ref = plain.generate(prompts, params, use_tqdm=False)
+    want = [o.outputs[0].token_ids for o in ref]
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    for graphs in (False, True):
+        llm = LLM(path, device="cpu", max_num_seqs=6, max_num_batched_tokens=48, speculative_config=spec)
+        pin_k(llm, 3)
+        use_oracle(llm, [p["prompt_token_ids"] for p in prompts], ref, reject_prob=0.3)
+        if graphs:
+            llm.engine.runner.capture_prefill_graphs(prefill_capture_sizes(48))
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want, f"piecewise graphs {graphs}"
+        assert llm.engine.get_stats().spec_num_accepted_tokens_total > 0
+    assert llm.engine.runner.prefill_graphs.num_runs > 0
