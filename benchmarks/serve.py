@@ -395,9 +395,9 @@ def benchmark(args) -> dict[str, Any]:
                   offline=extra or None)
     if args.save_result:
         # per request, in completion order: enough to see where a cache miss falls (e.g. a conversation's first turn)
-        result["requests"] = [{"ok": r.ok, "prompt_tokens": r.prompt_tokens, "reusable": r.reusable,
-                               "cached_tokens": r.cached_tokens, "ttft": round(r.ttft, 5)} for r in results]
-        Path(args.save_result).write_text(json.dumps(result, indent=1, default=str))
+        requests = [{"ok": r.ok, "prompt_tokens": r.prompt_tokens, "reusable": r.reusable,
+                     "cached_tokens": r.cached_tokens, "ttft": round(r.ttft, 5)} for r in results]
+        Path(args.save_result).write_text(json.dumps({**result, "requests": requests}, indent=1, default=str))
     return result
 
 

@@ -148,7 +148,9 @@ def _run(tmp_path, dataset, *extra):
     result = serve.benchmark(serve.parse_args(["--dataset", dataset, *SMALL[dataset], "--num-prompts", "4",
                                                "--max-concurrency", "3", "--ignore-eos", "--disable-tqdm",
                                                "--seed", "5", "--save-result", str(out), *extra]))
-    assert json.loads(out.read_text()).keys() == result.keys() == KEYS
+    saved = json.loads(out.read_text())
+    assert saved.keys() == KEYS | {"requests"} and result.keys() == KEYS
+    assert len(saved["requests"]) == result["completed"] + result["failed"]
     assert result["failed"] == 0, result["errors"]
     return result
 
