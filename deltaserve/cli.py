@@ -84,11 +84,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "an FP8 checkpoint is read as FP8 without it")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
                    help="fp8: e4m3 K/V cache with per-layer scales (checkpoint k_scale / v_scale, else calibrated "
-                        "at start-up); reference attention only for now (refused with the Triton kernels)")
+                        "at start-up), read by the reference and the Triton attention kernels")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly (no CUDA graphs for decode steps, no compiled CPU decode step)")
-    p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
-                   help="run prefill and mixed steps eagerly (decode steps keep their CUDA graphs)")
+    p.add_argument("--prefill-cuda-graphs", default=True, action=argparse.BooleanOptionalAction,
+                   help="prefill and mixed steps as piecewise CUDA graphs per token bucket (CUDA only; "
+                        "--no-prefill-cuda-graphs runs them eagerly, decode steps keep their graphs)")
     p.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
                    help="launch each step before reading the previous step's tokens, so host work overlaps the "
                         "GPU (default: on for CUDA devices, off on CPU)")
