@@ -450,37 +450,25 @@ def gdn_commit(
 ) -> None:
     """Write the state and conv window after the first num_accepted[n] (0..T_n) verified tokens of each
     sequence into its slot (see the contract above). 0 leaves the slot as it was; padded rows skipped.
-    The committing sequences step together, as in gdn_verify: step i applies token i of those that
-    accepted more than i tokens (the others take g = 0, delta = 0: their state unchanged)."""
-    HV, K, V = ssm_state.shape[1:]
+    Sequence by sequence (a few ops per accepted token: stepping the sequences together, as gdn_verify does,
+    costs more in gathers and masks than it saves at the few tokens a commit has)."""
+    HV = ssm_state.shape[1]
     Wm1 = conv_state.shape[1]
     bounds = cu_seqlens.tolist()
-    slot_list = state_indices.tolist()
-    seqs, counts = [], []
-    for n, (slot, acc) in enumerate(zip(slot_list, num_accepted.tolist())):
+    for n, (slot, acc) in enumerate(zip(state_indices.tolist(), num_accepted.tolist())):
+        s, e = bounds[n], bounds[n + 1]
         if slot < 0:
             continue
-        if not 0 <= acc <= bounds[n + 1] - bounds[n]:
-            raise ValueError(f"gdn_commit: num_accepted[{n}] = {acc} outside 0..{bounds[n + 1] - bounds[n]}")
-        if acc:
-            seqs.append(n)
-            counts.append(acc)
-    if not seqs:
-        return
-    device = ssm_state.device
-    rows, live = _step_major([bounds[n] for n in seqs], counts, device)   # [A, N]: the accepted rows
-    A, N = rows.shape
-    slots = torch.tensor([slot_list[n] for n in seqs], dtype=torch.long, device=device)
-    k = _expand_heads(stash.k[rows.flatten()], HV).view(A, N * HV, K, 1)
-    g, delta = stash.g[rows], stash.delta[rows]                      # [A, N, HV], [A, N, HV, V]
-    if live is not None:
-        g, delta = g.masked_fill(~live[..., None], 0.0), delta.masked_fill(~live[..., None, None], 0.0)
-    decay, delta = g.exp().view(A, N * HV, 1, 1), delta.view(A, N * HV, 1, V)
-    S = ssm_state.index_select(0, slots).float().view(N * HV, K, V)
-    for i in range(A):                                               # S_t = exp(g_t) S_{t-1} + k_t delta_t^T
-        S = torch.baddbmm(S * decay[i], k[i], delta[i])
-    ssm_state.index_copy_(0, slots, S.view(N, HV, K, V).to(ssm_state.dtype))
-    # the new window: the last W-1 rows of [old window, x_0 .. x_{a-1}], i.e. rows a .. a+W-2 of it
-    window = torch.cat([conv_state.index_select(0, slots), stash.x[rows.t()].to(conv_state.dtype)], dim=1)
-    pick = torch.tensor([[acc + j for j in range(Wm1)] for acc in counts], dtype=torch.long, device=device)
-    conv_state.index_copy_(0, slots, window.gather(1, pick[..., None].expand(-1, -1, window.shape[-1])))
+        if not 0 <= acc <= e - s:
+            raise ValueError(f"gdn_commit: num_accepted[{n}] = {acc} outside 0..{e - s}")
+        if acc == 0:
+            continue
+        k = _expand_heads(stash.k[s : s + acc], HV).unsqueeze(-1)            # [acc, HV, K, 1]
+        decay = stash.g[s : s + acc].exp()[..., None, None]                   # [acc, HV, 1, 1]
+        delta = stash.delta[s : s + acc].unsqueeze(2)                         # [acc, HV, 1, V]
+        S = ssm_state[slot].float()
+        for i in range(acc):                                 # S_t = exp(g_t) S_{t-1} + k_t delta_t^T
+            S = torch.baddbmm(S * decay[i], k[i], delta[i])
+        ssm_state[slot] = S.to(ssm_state.dtype)
+        window = torch.cat([conv_state[slot], stash.x[s : s + acc].to(conv_state.dtype)], dim=0)
+        conv_state[slot] = window[-Wm1:]
