@@ -423,10 +423,10 @@ def gdn_verify(
         decay, beta = g.exp().reshape(L, N * HV, 1, 1), beta.reshape(L, N * HV, 1, 1)
         S = ssm_state.index_select(0, slots).float().view(N * HV, K, V)   # a copy of the slot states
         o_steps, delta_steps = [], []
-        for i in range(L):                                             # the decode step's update, per token
-            S = S * decay[i]
+        for i in range(L):                                  # the decode step's update, per token, in place
+            S.mul_(decay[i])
             delta = (v[i] - torch.bmm(k[i], S)) * beta[i]              # beta * (v - S^T k)   [N*HV, 1, V]
-            S = torch.baddbmm(S, k[i].transpose(1, 2), delta)          # S += k delta^T
+            S.baddbmm_(k[i].transpose(1, 2), delta)                    # S += k delta^T
             o_steps.append(torch.bmm(q[i], S))                         # read after the update
             delta_steps.append(delta)
         o_all, delta_all = torch.stack(o_steps).view(L * N, HV, V), torch.stack(delta_steps).view(L * N, HV, V)
