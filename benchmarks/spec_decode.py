@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -289,7 +290,11 @@ def main() -> int:
 
     if args.compile == "both" and (args.gpu or args.method != "mtp"):
         ap.error("--compile both: with --method mtp on CPU only")
+    load_before = os.getloadavg()           # the CPU rows are only comparable at a similar machine load
     results = gpu(args, log) if args.gpu else cpu_mtp(args, log) if args.method == "mtp" else cpu(args, log)
+    results["load_average"] = {"before": load_before, "after": os.getloadavg()}
+    log("load average (1, 5, 15 min) before: {:.2f} {:.2f} {:.2f}; after: {:.2f} {:.2f} {:.2f}".format(
+        *load_before, *results["load_average"]["after"]))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

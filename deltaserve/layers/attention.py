@@ -95,6 +95,22 @@ class GatedAttention(nn.Module):
         o = o.view(T, self.o_size)
         return o if out is None else out.copy_(o)
 
+    def core_rows(self, projected: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
+                  cos_sin: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor, queries: ForwardBatch) -> torch.Tensor:
+        """core with every row's K/V stored but the attention of `rows` only -> o [len(rows), o_size]: `queries`
+        holds them as one-token sequences (cu_seqlens, seq_lens = position + 1, block_tables)."""
+        T = projected.shape[0]
+        if kv_cache.dtype == FP8_DTYPE:
+            kv_cache = Fp8KvCache(kv_cache, self.kv_scale)
+        q, _, k, v = projected.split([self.o_size, self.o_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.kernels.attention_prologue(
+            q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim),
+            v.view(T, self.num_kv_heads, self.head_dim), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+            *cos_sin, kv_cache, batch.slot_mapping)
+        o = self.kernels.paged_attention(q.index_select(0, rows), kv_cache, cu_seqlens=queries.cu_seqlens,
+                                         seq_lens=queries.seq_lens, block_tables=queries.block_tables, scale=self.scale)
+        return o.reshape(rows.shape[0], self.o_size)
+
     def output(self, o: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
         """The token-wise rest: the sigmoid output gate (read from the projection) and o_proj."""
         gate = projected[:, self.o_size : 2 * self.o_size]

@@ -136,13 +136,23 @@ class MTPHead(nn.Module):
         return self.forward_tables(embeds, hidden, batch, kv_cache, rope.cos_sin(batch.positions, embeds.dtype), step)
 
     def forward_tables(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
-                       cos_sin: tuple[torch.Tensor, torch.Tensor], step: int = 0) -> torch.Tensor:
+                       cos_sin: tuple[torch.Tensor, torch.Tensor], step: int = 0, out_rows: torch.Tensor | None = None,
+                       queries: ForwardBatch | None = None) -> torch.Tensor:
         """forward with the RoPE tables of batch.positions given (embed_rope computes them with the embedding).
         Row r: embeds[r] of token t+1, hidden[r] at t = batch.positions[r]; its K/V go to kv_cache at
-        batch.slot_mapping[r]. Returns the head's output after its final norm [T, H] (the next step's hidden)."""
+        batch.slot_mapping[r]. Returns the head's output after its final norm [T, H] (the next step's hidden);
+        with out_rows, every row's K/V is stored but only those rows go on past the KV store (attention as
+        `queries`: GatedAttention.core_rows): [len(out_rows), H]."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
         layer = self.layers[step % len(self.layers)]
-        out, residual = layer(x, None, batch, (kv_cache,), cos_sin)
+        if out_rows is None:
+            out, residual = layer(x, None, batch, (kv_cache,), cos_sin)
+        else:
+            attn = layer.self_attn
+            projected, _, residual = layer.input_layernorm.project(x, None, attn.input_proj)
+            o = attn.core_rows(projected, batch, kv_cache, cos_sin, out_rows, queries)
+            h = attn.output(o, projected.index_select(0, out_rows))
+            out, residual = layer.ffn(h, residual.index_select(0, out_rows))
         return self.norm(out, residual)[0]
 
     def checkpoint_weights(self, fused_experts: bool) -> WeightMap:
@@ -223,17 +233,19 @@ class HybridForCausalLM(nn.Module):
         return comm.all_reduce(x), cos, sin
 
     def mtp_forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, cache: CacheBuffers,
-                    step: int = 0) -> torch.Tensor:
+                    step: int = 0, out_rows: torch.Tensor | None = None,
+                    queries: ForwardBatch | None = None) -> torch.Tensor:
         """The MTP head over the rows of `batch` (model_spec.md §7): row r at position t = batch.positions[r]
         takes the embedding of next_ids[r] (token t+1) and hidden[r] (the target's final normed hidden state
         at t, or the head's own output when drafting further); MTP layer step % L writes its K/V into its
         appended KV layer (CacheBuffers.mtp_kv) through the batch's slots. Returns [T, H] after mtp.norm:
-        compute_logits of it predicts token t+2."""
+        compute_logits of it predicts token t+2. out_rows / queries: only those rows' outputs (MTPHead.forward_tables)."""
         if self.mtp is None:
             raise ValueError("this checkpoint has no MTP head (mtp_num_hidden_layers / num_nextn_predict_layers is 0)")
         embeds, cos, sin = self.embed(next_ids, batch.positions)
         layer = step % len(self.mtp.layers)
-        return self.mtp.forward_tables(embeds, hidden, batch, cache.mtp_kv(self.config, layer), (cos, sin), layer)
+        return self.mtp.forward_tables(embeds, hidden, batch, cache.mtp_kv(self.config, layer), (cos, sin), layer,
+                                       out_rows, queries)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head.weight

@@ -120,27 +120,31 @@ class MTPDrafter:
         rows = (hidden.shape[0], next_tokens.shape[0], batch.positions.shape[0])
         if len(set(rows)) != 1:
             raise ValueError(f"MTP drafter: hidden states, next tokens and the batch's rows differ in count: {rows}")
-        # first pass, every row (a padded row's token, if negative, is any valid id: it stores nothing)
-        out = model.mtp_forward(next_tokens.clamp_min(0), hidden, batch, self.cache)
+        # first pass: every row's K/V (a padded row's token, if negative, is any valid id: it stores nothing), the
+        # head's output at the drafting rows only (their attention as one-row queries: draft step 0's rows)
         n = last_rows.shape[0]
-        if k == 0 or n == 0:
-            return torch.empty((n, k), dtype=torch.long, device=hidden.device)
-        h = out.index_select(0, last_rows)
+        ids = next_tokens.clamp_min(0)
+        if n == 0:
+            model.mtp_forward(ids, hidden, batch, self.cache)
+            return torch.empty((0, k), dtype=torch.long, device=hidden.device)
+        draft_rows = _DraftRows(batch, last_rows, seq_index, self.cache.block_size, kv_capacity, block_tables)
+        h = model.mtp_forward(ids, hidden, batch, self.cache, out_rows=last_rows, queries=draft_rows.step(0))
+        if k == 0:
+            return torch.empty((n, 0), dtype=torch.long, device=hidden.device)
         token = model.compute_logits(h).argmax(dim=-1)
         drafts = [token]
-        if k > 1:
-            draft_rows = _DraftRows(batch, last_rows, seq_index, self.cache.block_size, kv_capacity, block_tables)
-            for j in range(1, k):
-                h = model.mtp_forward(token, h, draft_rows.step(j), self.cache, step=j)
-                token = model.compute_logits(h).argmax(dim=-1)
-                drafts.append(token)
+        for j in range(1, k):
+            h = model.mtp_forward(token, h, draft_rows.step(j), self.cache, step=j)
+            token = model.compute_logits(h).argmax(dim=-1)
+            drafts.append(token)
         return torch.stack(drafts, dim=1)
 
 
 class _DraftRows:
     """The one-row-per-sequence batches of the draft steps, on the device: step j's row of a sequence whose
     last accepted position is t sits at t + j, attends to positions <= t + j, and stores its K/V there
-    when the sequence's blocks hold that position (else nothing, and it attends to those below its capacity)."""
+    when the sequence's blocks hold that position (else nothing, and it attends to those below its capacity).
+    Step 0 is the first pass's drafting rows as queries (their K/V stored by the first pass itself)."""
 
     def __init__(self, batch: ForwardBatch, last_rows: torch.Tensor, seq_index: torch.Tensor, block_size: int,
                  kv_capacity: torch.Tensor | None, block_tables: torch.Tensor | None):

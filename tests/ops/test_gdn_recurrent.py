@@ -376,6 +376,37 @@ def test_verify_then_commit_equals_sequential_decode(impl, device):
     assert_close(c_v, want_c, 0.0, "committed conv windows")
 
 
+def test_reference_verify_of_a_batch_equals_each_sequence_alone():
+    """The reference steps every sequence together (shorter ones padded with g = 0, beta = 0): a ragged batch
+    with an empty and a padded sequence gives each sequence what verifying it alone gives, its stash included;
+    a batch with no live sequence gives zeros and leaves the pools as they were."""
+    layer = Layer("cpu", torch.float32, ratio=2, seed=41)
+    lengths, slots = [3, 0, 1, 5, 2], [5, 0, 2, -1, 7]
+    cu, idx, mixed, z, a, b = _verify_case(layer, lengths, slots)
+    T = sum(lengths)
+    c, s = layer.pools()
+    st = layer.stash(T)
+    out = ref.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=c, ssm_state=s, state_indices=idx, stash=st,
+                         **layer.kw())
+    bounds = cu.tolist()
+    for n, slot in enumerate(slots):
+        lo, hi = bounds[n], bounds[n + 1]
+        if slot < 0 or hi == lo:
+            assert (out[lo:hi] == 0).all(), f"sequence {n}: padded or empty, zero output"
+            continue
+        alone = layer.stash(hi - lo)
+        o = ref.gdn_verify(mixed[lo:hi], z[lo:hi], a[lo:hi], b[lo:hi], cu_seqlens=cu_seqlens([hi - lo], "cpu"),
+                           conv_state=c, ssm_state=s, state_indices=idx[n : n + 1], stash=alone, **layer.kw())
+        assert_close(out[lo:hi], o, 1e-6, f"sequence {n}: output")
+        for name in ("x", "k", "g", "delta"):
+            assert_close(getattr(st, name)[lo:hi], getattr(alone, name), 1e-6, f"sequence {n}: stash.{name}")
+    none = torch.full((len(slots),), -1, dtype=torch.int32)
+    out = ref.gdn_verify(mixed, z, a, b, cu_seqlens=cu, conv_state=c, ssm_state=s, state_indices=none,
+                         stash=layer.stash(T), **layer.kw())
+    assert (out == 0).all()
+    assert torch.equal(c, layer.conv_state) and torch.equal(s, layer.ssm_state), "verify must not touch pools"
+
+
 def test_verify_triton_matches_reference_bf16(device):
     layer = Layer(device, torch.bfloat16, ratio=4, seed=5)
     lengths, idx_list = [3, 1, 6], [0, 7, 4]

@@ -229,6 +229,30 @@ def test_incremental_paged_drafts_equal_the_head_over_the_whole_sequence(model):
     sim.untouched_outside_own_mtp_blocks()
 
 
+@torch.inference_mode()
+def test_first_pass_of_some_rows_stores_every_rows_kv_and_gives_those_rows_outputs(model):
+    """mtp_forward with out_rows (the drafter's first pass): the same K/V for every row as the whole pass, and
+    for the rows asked (attention as one-row queries) the whole pass's outputs at those rows."""
+    cfg, n, bs = model.config, 37, 16
+    rng = random.Random(5)
+    tokens = [rng.randrange(cfg.vocab_size) for _ in range(n + 1)]
+    hidden = target_hidden(model, tokens[:n])
+    batch = dataclasses.replace(_prefill(n, bs), input_ids=torch.tensor(tokens[:n]))
+    rows = torch.tensor([3, 20, n - 1])
+    queries = ForwardBatch(
+        input_ids=torch.zeros(3, dtype=torch.long), positions=rows, cu_seqlens=torch.arange(4, dtype=torch.int32),
+        seq_lens=(rows + 1).to(torch.int32), state_slots=torch.zeros(3, dtype=torch.int32),
+        has_initial_state=torch.ones(3, dtype=torch.bool), slot_mapping=torch.full((3,), -1),
+        block_tables=batch.block_tables.expand(3, -1), num_prefills=0, num_prefill_tokens=0)
+    caches = [CacheBuffers.allocate(cfg, num_slots=1, num_blocks=3, block_size=bs, device="cpu", dtype=torch.float32,
+                                    mtp_kv_layers=1) for _ in range(2)]
+    nxt = torch.tensor(tokens[1:])
+    whole = model.mtp_forward(nxt, hidden, batch, caches[0])
+    some = model.mtp_forward(nxt, hidden, batch, caches[1], out_rows=rows, queries=queries)
+    assert torch.equal(caches[0].kv, caches[1].kv), "every row's K/V, as the whole pass stores them"
+    torch.testing.assert_close(some, whole[rows], rtol=1e-5, atol=1e-5)
+
+
 def test_a_batch_drafts_as_each_sequence_alone(model):
     """Three sequences in one pool, prefill chunks beside verify steps: the same drafts as each run alone."""
     vocab, seeds = model.config.vocab_size, [3, 4, 5]

@@ -18,6 +18,7 @@ All arithmetic is fp32; o is returned in v's dtype.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -104,7 +105,7 @@ def check_max_seqlen(op: str, max_seqlen: int | None, bounds: list[int] | None =
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise ValueError(f"{op}: max_seqlen must be None or a non-negative int, got {max_seqlen!r}")
     if bounds is not None:
-        longest = max((e - s for s, e in zip(bounds, bounds[1:])), default=0)
+        longest = max((e - s for s, e in itertools.pairwise(bounds)), default=0)
         if max_seqlen < longest:
             raise ValueError(f"{op}: max_seqlen={max_seqlen} is less than the longest sequence ({longest} tokens)")
 
@@ -316,6 +317,17 @@ def gdn_decode_unpadded(
     return _norm.rms_norm_gated(o, z.reshape(N, HV, V), norm_weight, eps, activation=norm_activation)
 
 
+def _step_major(starts: list[int], lengths: list[int], device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Sequences of `lengths` packed rows from `starts`, laid out step-major [max length, N]: (rows, live) with
+    rows[i, n] = starts[n] + i (the sequence's last row repeated past its end) and live[i, n] = i < lengths[n];
+    live is None when every sequence has the same length."""
+    width = max(lengths)
+    rows = [[s + min(i, n - 1) for s, n in zip(starts, lengths)] for i in range(width)]
+    live = None if min(lengths) == width else torch.tensor([[i < n for n in lengths] for i in range(width)],
+                                                           device=device)
+    return torch.tensor(rows, dtype=torch.long, device=device), live
+
+
 # ---- speculative verification -------------------------------------------------------------------
 #
 # Contract. A verify step runs T_n = K_n + 1 tokens of each sequence n (ragged, packed with
@@ -346,7 +358,7 @@ class VerifyStash:
 
     @classmethod
     def empty(cls, num_tokens: int, *, conv_dim: int, num_k_heads: int, head_k_dim: int, num_v_heads: int,
-              head_v_dim: int, dtype: torch.dtype, device: torch.device | str) -> "VerifyStash":
+              head_v_dim: int, dtype: torch.dtype, device: torch.device | str) -> VerifyStash:
         f32 = torch.float32
         return cls(
             x=torch.empty(num_tokens, conv_dim, dtype=dtype, device=device),
@@ -377,37 +389,56 @@ def gdn_verify(
     """Speculative verify: gdn_decode over T_n tokens per sequence (packed, cu_seqlens), token by token,
     starting from the slot's conv window and state, leaving both pools unchanged and filling `stash`.
     Returns [T, HV, V] (the gated-norm outputs of every token); gated_norm=False returns o before the gated
-    RMSNorm, as gdn_decode (for an output projection that folds the norm: linear.gated_linear)."""
+    RMSNorm, as gdn_decode (for an output projection that folds the norm: linear.gated_linear).
+
+    The sequences step together, as the decode step does (N*HV [K, V] states): step i runs token i of every
+    sequence. A sequence shorter than the longest repeats its last token past its end with g = 0 and
+    beta = 0, which leaves its state exactly as it was; those steps' outputs are dropped."""
     T, D = mixed_qkv.shape
     HV, K, V = ssm_state.shape[1:]
     HK = num_key_heads(D, HV, K, V)
     stash.check(T, D, HK, K, HV, V)
     W = conv_weight.shape[1]
-    r = HV // HK
-    o = torch.zeros((T, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     g_all, beta_all = gdn_gating(A_log, a, dt_bias, b)
     bounds = cu_seqlens.tolist()
-    for n, slot in enumerate(state_indices.tolist()):
-        s, e = bounds[n], bounds[n + 1]
-        if slot < 0 or e == s:
-            continue
-        seq = torch.cat([conv_state[slot].float(), mixed_qkv[s:e].float()], dim=0)
-        conv = (seq.unfold(0, W, 1) * conv_weight.float()).sum(-1)
-        x = F.silu(conv).to(mixed_qkv.dtype)                          # as causal_conv1d_update rounds
-        q, k, v = _split_qkv(x, HK, HV, K, V)
-        q, k = l2norm(q), l2norm(k)
-        S = ssm_state[slot].float()
-        for i, t in enumerate(range(s, e)):
-            qt, kt = q[i].repeat_interleave(r, 0) * scale, k[i].repeat_interleave(r, 0)
-            S = S * g_all[t].exp()[:, None, None]
-            u = torch.einsum("hkv,hk->hv", S, kt)
-            delta = beta_all[t][:, None] * (v[i].float() - u)
-            S = S + kt[:, :, None] * delta[:, None, :]
-            o[t] = torch.einsum("hkv,hk->hv", S, qt).to(o.dtype)
-            stash.delta[t] = delta
-        stash.x[s:e] = mixed_qkv[s:e].to(stash.x.dtype)
-        stash.k[s:e] = k
-        stash.g[s:e] = g_all[s:e]
+    slot_list = state_indices.tolist()
+    seqs = [n for n, slot in enumerate(slot_list) if slot >= 0 and bounds[n + 1] > bounds[n]]
+    o = torch.zeros((T, HV, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+    if seqs:
+        device = mixed_qkv.device
+        rows, live = _step_major([bounds[n] for n in seqs], [bounds[n + 1] - bounds[n] for n in seqs], device)
+        L, N = rows.shape
+        slots = torch.tensor([slot_list[n] for n in seqs], dtype=torch.long, device=device)
+        # each sequence's conv over [old window, x_0 .. x_{L-1}], rounded as causal_conv1d_update rounds
+        seq = torch.cat([conv_state.index_select(0, slots).float(), mixed_qkv[rows.t()].float()], dim=1)
+        x = F.silu((seq.unfold(1, W, 1) * conv_weight.float()).sum(-1)).to(mixed_qkv.dtype)  # [N, L, D]
+        x = x.transpose(0, 1).reshape(L * N, D)                        # step-major rows, as `rows`
+        qk = l2norm(x[:, : 2 * HK * K].reshape(L * N, 2 * HK, K))      # q and k heads normalised together
+        q = _expand_heads(qk[:, :HK] * scale, HV).reshape(L, N * HV, 1, K)
+        k = _expand_heads(qk[:, HK:], HV).reshape(L, N * HV, 1, K)
+        v = x[:, 2 * HK * K :].float().reshape(L, N * HV, 1, V)
+        g, beta = g_all[rows], beta_all[rows]                           # [L, N, HV]
+        if live is not None:
+            g, beta = g.masked_fill(~live[..., None], 0.0), beta.masked_fill(~live[..., None], 0.0)
+        decay, beta = g.exp().reshape(L, N * HV, 1, 1), beta.reshape(L, N * HV, 1, 1)
+        S = ssm_state.index_select(0, slots).float().view(N * HV, K, V)   # a copy of the slot states
+        o_steps, delta_steps = [], []
+        for i in range(L):                                  # the decode step's update, per token, in place
+            S.mul_(decay[i])
+            delta = (v[i] - torch.bmm(k[i], S)) * beta[i]              # beta * (v - S^T k)   [N*HV, 1, V]
+            S.baddbmm_(k[i].transpose(1, 2), delta)                    # S += k delta^T
+            o_steps.append(torch.bmm(q[i], S))                         # read after the update
+            delta_steps.append(delta)
+        o_all, delta_all = torch.stack(o_steps).view(L * N, HV, V), torch.stack(delta_steps).view(L * N, HV, V)
+        rows, k_all = rows.flatten(), qk[:, HK:]
+        if live is not None:
+            keep = live.flatten()
+            rows, o_all, delta_all, k_all = rows[keep], o_all[keep], delta_all[keep], k_all[keep]
+        o[rows] = o_all.to(o.dtype)
+        stash.delta[rows] = delta_all
+        stash.k[rows] = k_all
+        stash.g[rows] = g_all[rows]
+        stash.x[rows] = mixed_qkv[rows].to(stash.x.dtype)
     if not gated_norm:
         return o
     return _norm.rms_norm_gated(o, z.reshape(T, HV, V), norm_weight, eps, activation=norm_activation)
@@ -418,10 +449,10 @@ def gdn_commit(
     conv_state: torch.Tensor, ssm_state: torch.Tensor, stash: VerifyStash,
 ) -> None:
     """Write the state and conv window after the first num_accepted[n] (0..T_n) verified tokens of each
-    sequence into its slot (see the contract above). 0 leaves the slot as it was; padded rows skipped."""
-    HV, K, V = ssm_state.shape[1:]
-    HK = stash.k.shape[1]
-    r = HV // HK
+    sequence into its slot (see the contract above). 0 leaves the slot as it was; padded rows skipped.
+    Sequence by sequence (a few ops per accepted token: stepping the sequences together, as gdn_verify does,
+    costs more in gathers and masks than it saves at the few tokens a commit has)."""
+    HV = ssm_state.shape[1]
     Wm1 = conv_state.shape[1]
     bounds = cu_seqlens.tolist()
     for n, (slot, acc) in enumerate(zip(state_indices.tolist(), num_accepted.tolist())):
@@ -432,10 +463,12 @@ def gdn_commit(
             raise ValueError(f"gdn_commit: num_accepted[{n}] = {acc} outside 0..{e - s}")
         if acc == 0:
             continue
+        k = _expand_heads(stash.k[s : s + acc], HV).unsqueeze(-1)            # [acc, HV, K, 1]
+        decay = stash.g[s : s + acc].exp()[..., None, None]                   # [acc, HV, 1, 1]
+        delta = stash.delta[s : s + acc].unsqueeze(2)                         # [acc, HV, 1, V]
         S = ssm_state[slot].float()
-        for t in range(s, s + acc):
-            kt = stash.k[t].repeat_interleave(r, 0)
-            S = S * stash.g[t].exp()[:, None, None] + kt[:, :, None] * stash.delta[t][:, None, :]
+        for i in range(acc):                                 # S_t = exp(g_t) S_{t-1} + k_t delta_t^T
+            S = torch.baddbmm(S * decay[i], k[i], delta[i])
         ssm_state[slot] = S.to(ssm_state.dtype)
         window = torch.cat([conv_state[slot], stash.x[s : s + acc].to(conv_state.dtype)], dim=0)
         conv_state[slot] = window[-Wm1:]

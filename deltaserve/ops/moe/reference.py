@@ -47,8 +47,8 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    if topk_ids.numel() <= _PAIR_LOOP_MAX:
-        return _fused_moe_pairs(x, w13, w2, topk_weights, topk_ids)
+    if topk_ids.numel() <= _FEW_PAIRS_MAX:
+        return _fused_moe_few_tokens(x, w13, w2, topk_weights, topk_ids)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     inter = w2.shape[-1]
     flat_ids = topk_ids.flatten()
@@ -80,21 +80,35 @@ def fused_moe_routed(
     return fused_moe(x, w13, w2, weights, ids)
 
 
-# Up to this many (token, expert) pairs, loop over the pairs (few ops each, no sort): the decode case.
-_PAIR_LOOP_MAX = 4
+# Up to this many (token, expert) pairs (decode and verify steps), group on the host (no sort, no bincount):
+# the per-op overhead, not the weight reads, is what those few rows would otherwise pay for.
+_FEW_PAIRS_MAX = 24
 
 
-def _fused_moe_pairs(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-    """Same result as the grouped path, pair by pair, in expert-index order within each token."""
+def _fused_moe_few_tokens(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """Same result as the grouped path: every expert any token picked runs once, on the tokens that picked it,
+    in expert-index order; a contiguous run of tokens (one token, or every token: the shared expert's slices)
+    is a slice, not a gather."""
     inter = w2.shape[-1]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     weights = topk_weights.float().tolist()
+    picked: dict[int, list[int]] = {}                 # expert -> the tokens that picked it, in token order
+    pick_weight: dict[int, list[float]] = {}
     for t, experts in enumerate(topk_ids.tolist()):
-        for j in sorted(range(len(experts)), key=experts.__getitem__):
-            e = experts[j]
-            w, xe = _expert(w13, e, x[t : t + 1])
-            h = F.linear(xe, w)
-            w, h = _expert(w2, e, F.silu(h[:, :inter]) * h[:, inter:])
-            y = F.linear(h, w)
-            out[t : t + 1] += y.float() * weights[t][j]
+        for j, e in enumerate(experts):
+            picked.setdefault(e, []).append(t)
+            pick_weight.setdefault(e, []).append(weights[t][j])
+    for e in sorted(picked):
+        tokens = picked[e]
+        run = tokens[-1] - tokens[0] + 1 == len(tokens)
+        index = None if run else torch.tensor(tokens, device=x.device)
+        xs = x[tokens[0] : tokens[-1] + 1] if run else x[index]
+        w, xe = _expert(w13, e, xs)
+        h = F.linear(xe, w)
+        w, h = _expert(w2, e, F.silu(h[:, :inter]) * h[:, inter:])
+        y = F.linear(h, w).float() * torch.tensor(pick_weight[e], device=x.device)[:, None]
+        if run:
+            out[tokens[0] : tokens[-1] + 1] += y
+        else:
+            out.index_add_(0, index, y)
     return out.to(x.dtype)
