@@ -96,6 +96,8 @@ def _fused_moe_few_tokens(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     pick_weight: dict[int, list[float]] = {}
     for t, experts in enumerate(topk_ids.tolist()):
         for j, e in enumerate(experts):
+            if weights[t][j] == 0.0:    # adds nothing (expert parallelism gives other ranks' pairs weight 0):
+                continue                # kept out, each expert's product has the same rows on every layout
             picked.setdefault(e, []).append(t)
             pick_weight.setdefault(e, []).append(weights[t][j])
     for e in sorted(picked):
