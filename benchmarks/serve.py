@@ -222,6 +222,12 @@ async def run_http(args, workload: list[BenchRequest] | list[Conversation]) -> l
     return results
 
 
+def warmup_workload(args) -> list[BenchRequest] | list[Conversation]:
+    """--num-warmups requests of the workload's shape from another seed (so they do not prime its cache)."""
+    return build_workload(argparse.Namespace(**{**vars(args), "num_prompts": args.num_warmups,
+                                                "seed": args.seed + 1_000_003}))
+
+
 def build_workload(args) -> list[BenchRequest] | list[Conversation]:
     if args.dataset == "random":
         return random_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
@@ -256,6 +262,12 @@ def scrape_counters(base_url: str, api_key: str | None = None) -> dict[str, floa
     return parse_counters(text)
 
 
+def reset_prefix_cache(base_url: str, api_key: str | None = None) -> None:
+    """POST /reset_prefix_cache; a server with prefix caching off answers 400, which is fine here."""
+    httpx.post(f"{base_url}/reset_prefix_cache", timeout=30,
+               headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+
+
 def parse_counters(text: str) -> dict[str, float] | None:
     """CACHE_COUNTERS from Prometheus text (each summed over its label sets; `deltaserve_` spelt for
     `deltaserve:` too), or None when one is missing."""
@@ -283,7 +295,6 @@ def run_offline(args, workload) -> tuple[list[RequestResult], float, dict[str, A
     llm = LLM(args.model, **kwargs)
     results: list[RequestResult] = []
     elapsed = 0.0
-    before = _engine_counters(llm)
 
     def generate(prompts: list[list[int]], output_lens: list[int], reusable: list[int]) -> list[list[int]]:
         params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=args.ignore_eos)
@@ -300,16 +311,25 @@ def run_offline(args, workload) -> tuple[list[RequestResult], float, dict[str, A
             answers.append(ids)
         return answers
 
-    if args.dataset != "multi-turn":
-        generate([r.prompt for r in workload], [r.output_len for r in workload], [r.reusable for r in workload])
-    else:
-        histories = [list(c.system) for c in workload]
-        reusable = [len(c.system) if c.system_shared else 0 for c in workload]
+    def drive(items) -> None:
+        if args.dataset != "multi-turn":
+            generate([r.prompt for r in items], [r.output_len for r in items], [r.reusable for r in items])
+            return
+        histories = [list(c.system) for c in items]
+        reusable = [len(c.system) if c.system_shared else 0 for c in items]
         for turn in range(args.multi_turn_turns):
-            prompts = [h + list(c.users[turn]) for h, c in zip(histories, workload)]
-            answers = generate(prompts, [c.output_len for c in workload], reusable)
+            prompts = [h + list(c.users[turn]) for h, c in zip(histories, items)]
+            answers = generate(prompts, [c.output_len for c in items], reusable)
             histories = [p + a for p, a in zip(prompts, answers)]
             reusable = [len(h) for h in histories]
+
+    if args.num_warmups:
+        drive(warmup_workload(args))
+        results.clear()
+        elapsed = 0.0
+        llm.reset_prefix_cache()
+    before = _engine_counters(llm)
+    drive(workload)
     after = _engine_counters(llm)
     counters = ({c: after[a] - before[a] for c, a in zip(CACHE_COUNTERS, STATS_ATTRS)}
                 if before is not None and after is not None else None)
@@ -339,6 +359,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dataset", choices=("random", "prefix-repetition", "multi-turn"), default="random")
     ap.add_argument("--num-prompts", type=int, default=1000, help="requests (multi-turn: conversations)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-warmups", type=int, default=0,
+                    help="first run this many untimed requests (conversations for multi-turn) of the same shape, "
+                         "seeded apart from the workload, then reset the prefix cache")
     ap.add_argument("--random-input-len", type=int, default=1024)
     ap.add_argument("--random-output-len", type=int, default=128)
     ap.add_argument("--random-range-ratio", type=float, default=0.0)
@@ -369,6 +392,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--launch needs --model and the http backend")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         ap.error("--max-concurrency must be >= 1")
+    if args.num_warmups < 0:
+        ap.error("--num-warmups must be >= 0")
     if args.request_rate <= 0:
         ap.error("--request-rate must be > 0 (inf: all at once)")
     return args
@@ -382,6 +407,9 @@ def benchmark(args) -> dict[str, Any]:
         results, duration, extra = run_offline(args, workload)
         counters = extra.pop("counters")
     else:
+        if args.num_warmups:
+            asyncio.run(run_http(args, warmup_workload(args)))
+            reset_prefix_cache(args.base_url, args.api_key)
         before = scrape_counters(args.base_url, args.api_key)
         start = time.perf_counter()
         results = asyncio.run(run_http(args, workload))

@@ -60,6 +60,10 @@ class LLM:
         """End every worker process (tensor_parallel_size > 1); the LLM cannot generate afterwards."""
         self.engine.shutdown()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached KV block and state snapshot (vLLM's name); False when prefix caching is off."""
+        return self.engine.reset_prefix_cache()
+
     def generate(self, prompts: PromptType | Iterable[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:

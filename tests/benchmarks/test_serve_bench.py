@@ -197,6 +197,18 @@ def test_http_multi_turn_over_completions_matches_offline(ids_server, no_tokeniz
     assert offline["output_throughput"] > 0 and offline["median_ttft_ms"] is None
 
 
+def test_warmups_are_untimed_and_leave_no_cache_behind(ids_server, no_tokenizer_model, tmp_path):
+    """--num-warmups: the warm-up requests are not counted, and the workload then starts from an empty prefix
+    cache (random prompts: no hits at all, and /metrics' queries are the workload's prompt tokens only)."""
+    for extra in (["--base-url", ids_server],
+                  ["--backend", "offline", "--model", no_tokenizer_model, "--llm-kwargs", LLM_KWARGS]):
+        r = _run(tmp_path, "random", "--num-warmups", "3", *extra)
+        assert r["completed"] == 4 and r["cached_tokens"] == 0
+        assert r["metrics_cache_queries"] == r["total_input_tokens"]
+    assert serve.warmup_workload(serve.parse_args(["--num-warmups", "2"]))[0] != serve.build_workload(
+        serve.parse_args([]))[0], "warm-ups are seeded apart from the workload"
+
+
 def test_http_multi_turn_chat(text_server, tmp_path):
     r = _run(tmp_path, "multi-turn", "--base-url", text_server, "--multi-turn-api", "chat")
     assert r["completed"] == 12 and r["total_output_tokens"] == 48

@@ -123,9 +123,11 @@ def test_hits_equal_misses_on_cuda_with_graphs_and_async_scheduling(model_path):
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    kw = {"device": "cuda", "dtype": "float32", "max_model_len": 2048, "max_num_batched_tokens": 512,
-          "gpu_memory_utilization": 0.3}
-    cached, plain = LLM(model_path, **kw), LLM(model_path, enable_prefix_caching=False, **kw)
+    kw = {"device": "cuda", "dtype": "float32", "max_model_len": 2048, "max_num_batched_tokens": 512}
+    # gpu_memory_utilization is the process's share of the GPU (vLLM's meaning): the second engine's budget
+    # counts the first one's memory as used, so it gets the first one's share on top of its own.
+    cached = LLM(model_path, gpu_memory_utilization=0.3, **kw)
+    plain = LLM(model_path, enable_prefix_caching=False, gpu_memory_utilization=0.6, **kw)
     assert cached.engine.async_scheduling
     prefix = random_ids(101, seed=1)
     prompts = [prefix + random_ids(n, seed=10 + n) for n in (40, 376, 1296, 40)] + [prefix + random_ids(40, seed=50)]

@@ -18,6 +18,10 @@ from tests.models.test_fp8 import prompt_logprobs
 
 pytestmark = gpu
 
+# Several engines live at once in these tests: each takes a fixed KV pool and a small share of the GPU (the share is
+# the process's, as in vLLM, so a first engine at the default 0.9 would leave the next one nothing).
+CUDA = {"device": "cuda", "num_gpu_blocks": 512, "gpu_memory_utilization": 0.2}
+
 
 @pytest.mark.parametrize("spec", [TinySpec(family="qwen3_5_moe", ratio=2, fused_experts=True, seed=5,
                                            gdn_head_dim=128, attn_head_dim=128),
@@ -25,12 +29,12 @@ pytestmark = gpu
 def test_cuda_fp8_kernels_match_the_reference(tiny_model, tmp_path, spec):
     path = write_fp8_checkpoint(tiny_model(spec), tmp_path / "fp8")
     ids = random_ids(150, seed=3)
-    ref = prompt_logprobs(LLM(path, device="cuda", dtype="float32", enforce_reference_ops=True), ids)
-    llm = LLM(path, device="cuda", dtype="float32")
+    ref = prompt_logprobs(LLM(path, **CUDA, dtype="float32", enforce_reference_ops=True), ids)
+    llm = LLM(path, **CUDA, dtype="float32")
     assert llm.engine.runner.model.kernels.fp8_path.startswith("triton FP8 kernels")
     ours = prompt_logprobs(llm, ids)
     assert (ours - ref).abs().max() < 2e-3
-    bf16 = prompt_logprobs(LLM(path, device="cuda", dtype="bfloat16"), ids)
+    bf16 = prompt_logprobs(LLM(path, **CUDA, dtype="bfloat16"), ids)
     assert torch.isfinite(bf16).all() and (bf16 - ref).abs().median() < 0.05
 
 
@@ -39,10 +43,10 @@ def test_cuda_fp8_kv_cache_with_triton_attention_matches_the_reference(tiny_mode
     calibrated at start-up with the same seed), so the fp32 prompt logprobs agree; greedy decoding runs."""
     path = tiny_model(TinySpec(family="qwen3_next", ratio=2, gdn_head_dim=128, attn_head_dim=128))
     ids = random_ids(150, seed=4)
-    llm = LLM(path, device="cuda", dtype="float32", kv_cache_dtype="fp8", seed=0)
+    llm = LLM(path, **CUDA, dtype="float32", kv_cache_dtype="fp8", seed=0)
     assert llm.engine.runner.cache.kv.dtype == torch.float8_e4m3fn
     assert llm.engine.runner.model.kernels.backend["fused_paged_attention"] == "triton"
-    ref = prompt_logprobs(LLM(path, device="cuda", dtype="float32", kv_cache_dtype="fp8", seed=0,
+    ref = prompt_logprobs(LLM(path, **CUDA, dtype="float32", kv_cache_dtype="fp8", seed=0,
                               enforce_reference_ops=True), ids)
     assert (prompt_logprobs(llm, ids) - ref).abs().max() < 2e-3
     out = llm.generate({"prompt_token_ids": ids[:20]}, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)

@@ -13,6 +13,10 @@ from deltaserve import LLM, SamplingParams
 from tests.conftest import TinySpec
 from tests.spec.helpers import generate, mixed_prompts, pin_k, tokens, use_oracle
 
+# Two engines live in one process: each takes a fixed KV pool, so the first does not take the whole
+# gpu_memory_utilization share (the process's, as in vLLM) and leave the second none.
+TWO_ENGINES = {"num_gpu_blocks": 2048, "gpu_memory_utilization": 0.3}
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
@@ -20,7 +24,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("k", [1, 3, 4])
 def test_greedy_and_seeded_with_drafts_match_plain_on_cuda(tiny_model, family, k):
     path = tiny_model(TinySpec(family=family, ratio=2, seed=41))
-    kw = dict(device="cuda", dtype="float32", enable_prefix_caching=True, max_num_seqs=16)
+    kw = dict(device="cuda", dtype="float32", enable_prefix_caching=True, max_num_seqs=16, **TWO_ENGINES)
     plain = LLM(path, **kw)
     spec = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": k}, **kw)
     assert spec.engine.runner.model.kernels.backend.get("gdn_verify") == "triton"
@@ -45,7 +49,7 @@ def test_mtp_drafts_match_plain_on_cuda(tiny_model, tmp_path, k):
     blocks): greedy and seeded output == plain."""
     path = with_mtp_declared(tiny_model(TinySpec(family="qwen3_next", ratio=3, decoder_sparse_step=2, mtp=True,
                                                  seed=2)), tmp_path)
-    kw = {"device": "cuda", "dtype": "float32", "enable_prefix_caching": True, "max_num_seqs": 16}
+    kw = {"device": "cuda", "dtype": "float32", "enable_prefix_caching": True, "max_num_seqs": 16, **TWO_ENGINES}
     plain = LLM(path, **kw)
     spec = LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kw)
     pin_k(spec, k)
