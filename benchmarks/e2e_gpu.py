@@ -411,7 +411,8 @@ def profile_prefill(engine, prompts: list[list[int]], device, decoding: list[lis
     kernel time per family, to compare one long prompt with many short ones of the same total, and, with
     `decoding`, a step of the same prompts admitted beside that many running decodes (a mixed step, as at
     high concurrency). The same step runs twice first without the profiler: the first builds whatever kernel
-    variants it needs (reported), the second is the step's wall time."""
+    variants it needs (reported), the second is the step's wall time. The prefix cache is emptied before each
+    round (the running decodes keep their blocks), so no round hits the previous round's prompts."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -428,6 +429,7 @@ def profile_prefill(engine, prompts: list[list[int]], device, decoding: list[lis
         sched = engine.scheduler
         while sched.waiting or any(q.num_computed < q.num_prompt_tokens for q in sched.running):
             engine.step()                               # until every decode is past its prompt
+        engine.reset_prefix_cache()                     # each round's prompts miss, as the first one's did
         for i, p in enumerate(prompts):
             engine.add_request(f"pp{round_}-{len(p)}-{i}", {"prompt_token_ids": p},
                                SamplingParams(max_tokens=1, ignore_eos=True), stream=False)

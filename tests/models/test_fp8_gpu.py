@@ -16,7 +16,7 @@ from tests.conftest import TinySpec, gpu, random_ids
 from tests.models.fp8_checkpoints import write_fp8_checkpoint
 from tests.models.test_fp8 import prompt_logprobs
 
-pytestmark = gpu
+pytestmark = [pytest.mark.gpu, gpu]   # -m gpu selects these; skipped without CUDA
 
 # Several engines live at once in these tests: each takes a fixed KV pool and a small share of the GPU (the share is
 # the process's, as in vLLM, so a first engine at the default 0.9 would leave the next one nothing).
