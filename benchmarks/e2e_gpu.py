@@ -143,6 +143,15 @@ def copy_bandwidth(device) -> float:
     return 2 * n / times[len(times) // 2]
 
 
+def _expert_bytes(w) -> int:
+    """Bytes of one expert of a stacked [E, N, K] weight (block-FP8: its values and its scales)."""
+    from deltaserve.ops.quant.fp8 import is_fp8
+
+    if is_fp8(w):
+        return w.qweight[0].numel() * w.qweight.element_size() + w.scale[0].numel() * w.scale.element_size()
+    return w[0].numel() * w.element_size()
+
+
 def model_bytes(net, cfg) -> dict:
     """Parameter bytes of the main model by what a decode step reads (the MTP head is not run)."""
     from deltaserve.layers.moe import SparseMoeBlock
@@ -155,7 +164,7 @@ def model_bytes(net, cfg) -> dict:
     expert = 0
     routed_total = 0
     for m in moe:
-        expert = (m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size()
+        expert = sum(_expert_bytes(w) for w in (m.w13, m.w2))
         routed_total += E * expert
     elem = net.embed_tokens.element_size()
     gdn, attn = len(cfg.gdn_layer_ids), len(cfg.attention_layer_ids)

@@ -11,12 +11,16 @@ probability) at acceptance lengths 2.0, 2.5, 3.39: what a drafter of that qualit
 compiled (--compile on; verify steps run eagerly there, plain decode steps compiled; --compile both runs
 each). Batch 1 and 8: tok/s, K = 1..4 pinned and adaptive K, the measured acceptance length.
 
---gpu: a published shape with random weights (load_format="dummy"; default Qwen3.5-35B-A3B), the oracle
-drafter only (random weights accept nothing from a real one). The decode step time of K = 1..4 (every
-draft accepted, so each step verifies K + 1 positions) against the plain decode step at batch 1, 8, 64;
-tok/s of K = 3 at acceptance lengths 2.0, 2.5, 3.39 against plain; adaptive K (the default policy) against
-plain at batch 64. Drafting is free here (a host lookup), so the step time is verify + commit: an MTP
-drafter adds its K head forwards.
+--gpu: a published shape with random weights (load_format="dummy"; default Qwen3.5-35B-A3B), made predictable
+(make_predictable: the embedding dominates the residual stream and the lm_head maps it to a fixed next token,
+so the argmax has a wide margin and the verify forward's multi-row kernels pick the same tokens as one-row
+decoding), with the oracle drafter (random weights accept nothing from a real drafter). The decode step time
+of K = 1..4 (every draft accepted, so each step verifies K + 1 positions) against the plain decode step at
+batch 1, 8, 64; tok/s of K = 3 at acceptance lengths 2.0, 2.5, 3.39 against plain; adaptive K (the default
+policy) against plain at the largest batch, at acceptance 2.5 and with every draft rejected. Drafting is free
+here (a host lookup), so the step time is verify + commit; then (not --no-mtp) an engine drafting with the
+checkpoint's MTP head: its step time at K = 1..4 against the same plain step (its drafts are random, so its
+acceptance says nothing; the cost is the point: spec/adaptive.py's "mtp" rows).
 
   PYTHONPATH=. python benchmarks/spec_decode.py [--out DIR]
   PYTHONPATH=. python benchmarks/spec_decode.py --method mtp [--compile off|on|both] [--out DIR]
@@ -74,12 +78,12 @@ def reach_for_length(length: float, k: int) -> float:
 def pin(llm: LLM, k: int) -> None:
     """k drafts every step (k = 0: plain decode steps, CUDA graphs included)."""
     spec = llm.engine.runner.speculation
-    spec.adaptive = AdaptiveK(spec.adaptive.max_k, AdaptivePolicy(batch_table=((1 << 20, k),), min_reach=0.0))
+    spec.adaptive = AdaptiveK(spec.adaptive.max_k, AdaptivePolicy.pinned(k))
 
 
 def adaptive(llm: LLM) -> None:
     spec = llm.engine.runner.speculation
-    spec.adaptive = AdaptiveK(spec.adaptive.max_k)
+    spec.adaptive = AdaptiveK(spec.adaptive.max_k, AdaptivePolicy.for_device(llm.device.type, spec.config.method))
 
 
 class Run:
@@ -219,27 +223,65 @@ def cpu_mtp(args, log) -> dict:
     return results
 
 
+@torch.no_grad()
+def make_predictable(llm: LLM) -> torch.Tensor:
+    """Give dummy weights a predictable greedy continuation: the embedding scaled so it dominates the residual
+    stream (every sublayer reads a normed input, so their outputs stay small), and the lm_head row of
+    next[t] set to token t's unscaled embedding, so token t is followed by next[t] with a logit margin of
+    ~sqrt(hidden) standard deviations. Flat random logits otherwise flip their argmax between the GEMM
+    tiles of a multi-row verify and the one-row decode GEMV, and an oracle recorded from one path is
+    rejected by the other. Same shapes, same kernels: the step times are those of the dummy model.
+    Returns next (a permutation; the identity for a tied lm_head)."""
+    model = llm.model
+    emb = model.embed_tokens
+    vocab = emb.shape[0]
+    if model.lm_head is None:
+        nxt = torch.arange(vocab, device=emb.device)
+    else:
+        nxt = torch.randperm(vocab, generator=torch.Generator().manual_seed(0)).to(emb.device)
+        model.lm_head.weight[nxt] = emb
+    emb.mul_(1000.0)
+    return nxt
+
+
+def chain(prompt: list[int], nxt: list[int], n: int) -> list[int]:
+    out, t = [], prompt[-1]
+    for _ in range(n):
+        t = nxt[t]
+        out.append(t)
+    return out
+
+
+def gpu_llm(args, device, batches, prompt_len, new, spec) -> LLM:
+    return LLM(args.model, device=str(device), load_format="dummy", enable_prefix_caching=False, seed=0,
+               dtype="bfloat16" if device.type == "cuda" else "float32",
+               max_num_seqs=max(batches), max_model_len=prompt_len + new + 16, speculative_config=spec)
+
+
 def gpu(args, log) -> dict:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    batches = (1, 2) if args.quick else (1, 8, 64)
+    batches = (1, 2) if args.quick else tuple(int(b) for b in args.batches.split(","))
     prompt_len, new = (16, 12) if args.quick else (args.prompt_len, args.new_tokens)
-    llm = LLM(args.model, device=str(device), load_format="dummy", enable_prefix_caching=False, seed=0,
-              dtype="bfloat16" if device.type == "cuda" else "float32",
-              max_num_seqs=max(batches), max_model_len=prompt_len + new + 16,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    llm = gpu_llm(args, device, batches, prompt_len, new, {"method": "ngram", "num_speculative_tokens": 4})
+    nxt = make_predictable(llm).tolist()
     vocab = llm.config.vocab_size
     g = torch.Generator().manual_seed(0)
     results: dict = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                      "model": str(args.model), "prompt_len": prompt_len, "new_tokens": new, "rows": []}
+    prompts_of: dict[int, list[list[int]]] = {}
     for batch in batches:
-        prompts = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+        prompts = prompts_of[batch] = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
+                                       for _ in range(batch)]
         pin(llm, 0)
         Run(llm, prompts, 8)                                    # warm: graphs, kernels of this batch shape
         plain = Run(llm, prompts, new)
-        row = {"batch": batch, "plain_step_ms": plain.median_step_ms, "plain_tok_s": plain.tok_s}
-        log(f"batch {batch}: plain step {plain.median_step_ms:.2f} ms, {plain.tok_s:.0f} tok/s")
+        follows = sum(o == chain(p, nxt, len(o)) for p, o in zip(prompts, plain.outputs)) / batch
+        row = {"batch": batch, "plain_step_ms": plain.median_step_ms, "plain_tok_s": plain.tok_s,
+               "plain_follows_chain": follows}
+        log(f"batch {batch}: plain step {plain.median_step_ms:.2f} ms, {plain.tok_s:.0f} tok/s "
+            f"({follows:.0%} of the sequences follow the predictable chain)")
         for k in (1, 2, 3, 4):
             install_oracle(llm, prompts, plain.outputs, 0.0)
             pin(llm, k)
@@ -248,22 +290,44 @@ def gpu(args, log) -> dict:
             r = Run(llm, prompts, new)
             ratio = r.median_step_ms / plain.median_step_ms
             row[f"k{k}_step_ms"], row[f"k{k}_step_ratio"] = r.median_step_ms, ratio
-            log(f"  K={k}: step {r.median_step_ms:.2f} ms = {ratio:.2f}x plain (all accepted: {r.tok_s:.0f} tok/s)")
+            row[f"k{k}_acceptance_length"] = r.acceptance_length
+            log(f"  K={k}: step {r.median_step_ms:.2f} ms = {ratio:.2f}x plain (acceptance length "
+                f"{_fmt(r.acceptance_length)} of {k + 1}: {r.tok_s:.0f} tok/s = {r.tok_s / plain.tok_s:.2f}x)")
         for length in ACCEPTANCE_LENGTHS:
             install_oracle(llm, prompts, plain.outputs, 1 - reach_for_length(length, 3))
             pin(llm, 3)
             r = Run(llm, prompts, new)
             row[f"len{length}_tok_s"] = r.tok_s
             row[f"len{length}_speedup"] = r.tok_s / plain.tok_s
+            row[f"len{length}_measured"] = r.acceptance_length
             log(f"  K=3 at acceptance length {length} (measured {_fmt(r.acceptance_length)}): {r.tok_s:.0f} tok/s "
                 f"= {r.tok_s / plain.tok_s:.2f}x plain")
-        if batch == max(batches):
-            install_oracle(llm, prompts, plain.outputs, 1 - reach_for_length(2.5, 3))
+        for label, reject in (("len2.5", 1 - reach_for_length(2.5, 3)), ("none_accepted", 1.0)):
+            install_oracle(llm, prompts, plain.outputs, reject)
             adaptive(llm)
             r = Run(llm, prompts, new)
-            row["adaptive_len2.5_tok_s"], row["adaptive_len2.5_speedup"] = r.tok_s, r.tok_s / plain.tok_s
-            log(f"  adaptive K at acceptance length 2.5: {r.tok_s:.0f} tok/s = {r.tok_s / plain.tok_s:.2f}x plain")
+            row[f"adaptive_{label}_tok_s"], row[f"adaptive_{label}_speedup"] = r.tok_s, r.tok_s / plain.tok_s
+            log(f"  adaptive K, oracle at {label}: {r.tok_s:.0f} tok/s = {r.tok_s / plain.tok_s:.2f}x plain "
+                f"(acceptance length {_fmt(r.acceptance_length)}, {r.draft_tokens} drafts)")
         results["rows"].append(row)
+    if args.no_mtp or not llm.config.mtp_num_layers:
+        return results
+    del llm
+    import gc
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    llm = gpu_llm(args, device, batches, prompt_len, new, {"method": "mtp", "num_speculative_tokens": 4})
+    for row in results["rows"]:
+        prompts = prompts_of[row["batch"]]
+        for k in (1, 2, 3, 4):
+            pin(llm, k)
+            Run(llm, prompts, 8)
+            r = Run(llm, prompts, new)
+            ratio = r.median_step_ms / row["plain_step_ms"]
+            row[f"mtp_k{k}_step_ms"], row[f"mtp_k{k}_step_ratio"] = r.median_step_ms, ratio
+            log(f"batch {row['batch']}: MTP K={k} step (drafts + verify + commit) {r.median_step_ms:.2f} ms = "
+                f"{ratio:.2f}x plain")
     return results
 
 
@@ -279,6 +343,8 @@ def main() -> int:
     ap.add_argument("--method", default="ngram", choices=("ngram", "mtp"),
                     help="CPU: n-gram and oracle drafts, or the MTP head against plain decoding")
     ap.add_argument("--threads", type=int, default=1, help="CPU intra-op threads")
+    ap.add_argument("--batches", default="1,8,64", help="--gpu: comma-separated batch sizes")
+    ap.add_argument("--no-mtp", action="store_true", help="--gpu: skip the MTP drafter's step times")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None, help="directory for spec_decode.json and the log")
     args = ap.parse_args()

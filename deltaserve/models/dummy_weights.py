@@ -37,6 +37,7 @@ from ..ops.quant.fp8 import FP8_MAX, BlockFp8Weight, is_fp8
 LINEAR_STD = 0.02
 A_RANGE = (1.0, 16.0)
 DT_RANGE = (1e-3, 1e-1)
+FP8_DRAW_ELEMENTS = 1 << 27        # transient fp32 draw of an FP8 weight: 512 MiB
 
 
 @torch.no_grad()
@@ -82,14 +83,17 @@ def init_dummy_weights(model: nn.Module, *, seed: int = 0) -> None:
         done.add(id(p))
 
     def fp8(w: BlockFp8Weight, std: float) -> None:
-        # one leading index (an expert) at a time: the fp32 draw is transient
+        # a few leading indices (experts) at a time: the fp32 draw stays transient and the launches few
         qs = w.qweight.view(-1, *w.qweight.shape[-2:])
         ss = w.scale.view(-1, *w.scale.shape[-2:])
-        for q, s in zip(qs, ss):
+        n, k = qs.shape[-2:]
+        step = max(1, FP8_DRAW_ELEMENTS // (n * k))
+        for i in range(0, qs.shape[0], step):
+            q, s = qs[i : i + step], ss[i : i + step]
             s.uniform_(0.5, 1.5, generator=gen).mul_(4 * std / FP8_MAX)
             dense = torch.empty(q.shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=gen)
-            expanded = s.repeat_interleave(w.row_group, 0)[: q.shape[0]].repeat_interleave(w.col_group, 1)
-            q.copy_((dense / expanded[:, : q.shape[1]]).clamp(-FP8_MAX, FP8_MAX))
+            expanded = s.repeat_interleave(w.row_group, -2)[..., :n, :].repeat_interleave(w.col_group, -1)
+            q.copy_(dense.div_(expanded[..., :k]).clamp_(-FP8_MAX, FP8_MAX))
         done.update({id(w.qweight), id(w.scale)})
 
     def normal_or_fp8(w, std: float) -> None:

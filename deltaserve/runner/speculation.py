@@ -19,7 +19,7 @@ import torch
 
 from ..batch import CacheBuffers, ForwardBatch, VerifyRecord
 from ..spec import verify as spec_verify
-from ..spec.adaptive import AdaptiveK
+from ..spec.adaptive import AdaptiveK, AdaptivePolicy
 from ..spec.config import SpeculativeConfig
 from ..spec.drafter import DraftContext, Drafter, make_drafter
 from ..step_io import RunnerOutput
@@ -40,7 +40,7 @@ class Speculation:
     def create(cls, config: SpeculativeConfig, model, cache: CacheBuffers, device: torch.device, *,
                sampler: Sampler, graphs: bool) -> Speculation:
         drafter = make_drafter(config, model, cache, device)
-        adaptive = AdaptiveK(config.num_speculative_tokens)
+        adaptive = AdaptiveK(config.num_speculative_tokens, AdaptivePolicy.for_device(device.type, config.method))
         logger.info("speculative decoding: method %s; %s", config.method, adaptive.describe())
         if graphs:
             logger.info("speculative decoding: verify steps run eagerly; plain decode steps replay CUDA graphs")

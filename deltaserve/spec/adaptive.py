@@ -1,18 +1,15 @@
-"""Adaptive K: how many drafts each sequence gets this step, from the batch size and the measured
-acceptance. Plain Python (the scheduler owns it).
+"""Adaptive K: how many drafts each sequence gets this step, from the batch size, the measured cost of a
+step with drafts and the measured acceptance. Plain Python (the scheduler owns it).
 
-Rule, in two caps on `num_speculative_tokens` (the user's maximum):
-1. batch table: the step's number of decoding sequences picks K from `batch_table`, rows (max_batch, K)
-   in increasing max_batch; above the last row K = 0 (large batches are compute-bound: verifying K+1
-   positions costs ~K+1 plain steps and drafts do not pay: vLLM lost to no-spec at 256 concurrent).
-2. acceptance: draft position j (0-based) is kept only while the measured probability that it is
-   reached, prod_{i<j} acceptance[i], is >= `min_reach`. acceptance[i] is an EWMA of the fraction of
-   verified drafts at position i that were accepted. Position 0 is always reached, so acceptance alone
-   never turns drafting off (K >= 1 whenever the table allows drafts): position 0 keeps being measured
-   and K grows back when acceptance recovers.
-
-The numbers below are placeholders TO BE MEASURED on the H200 (issue 27's benchmark: step time of
-K = 1..4 against the plain step at batch 1, 8, 64); only the rule's shape is tested.
+Rule: with a_j the acceptance of draft position j (an EWMA of the fraction of verified drafts at j that
+were accepted), a step with K drafts emits on average E(K) = 1 + a_0 + a_0 a_1 + ... + a_0 ... a_{K-1}
+tokens per sequence (a rejection ends the run) and costs c(B, K) plain decode steps at B decoding
+sequences (`step_cost`: drafting + verify + commit against the plain step, measured per device and
+drafter). K = argmax_K E(K) / c(B, K) over 0..num_speculative_tokens, with E(0) = c(B, 0) = 1: drafts are
+off wherever they do not pay (a large batch, a poor drafter). B above the table's last row: off (not
+measured; large batches are compute-bound and vLLM lost to no-spec at 256 concurrent).
+When acceptance alone turned drafts off (some K would pay at full acceptance), every `probe_interval`-th
+step drafts one token anyway, so a_0 keeps being measured and drafting comes back when it pays again.
 """
 
 from __future__ import annotations
@@ -20,37 +17,81 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-# TO BE MEASURED on the H200 (wave2.md §2.5's starting point: K=3 at <= 16, 1 at <= 64, 0 above)
-DEFAULT_BATCH_TABLE: tuple[tuple[int, int], ...] = ((4, 4), (16, 3), (64, 1))
-DEFAULT_MIN_REACH = 0.35          # TO BE MEASURED: the reach probability at which a draft stops paying
+CostTable = tuple[tuple[int, tuple[float, ...]], ...]     # rows (max_batch, (c(B, 1), c(B, 2), ...))
+
+# c(B, K) measured with benchmarks/spec_decode.py (docs/PERFORMANCE.md has the runs and their conditions).
+# "free" drafters (n-gram, a host lookup) pay verify + commit: on CUDA c = the plain tok/s x the acceptance
+# length / the tok/s with K drafts all accepted (the mean step: what throughput sees), on CPU the median step
+# over the median plain step. "mtp" adds its K head forwards and lm_heads: the median step with K drafts over
+# the median plain step (on CUDA at batch 1 and 8 the n-gram medians and means agree within 15 %). On CUDA the
+# verify step runs eagerly (its forward is host-bound, ~18-24 ms at batch 1) while the plain step replays a
+# CUDA graph (2.29 ms), so no K pays there yet and adaptive K keeps drafts off.
+STEP_COST: dict[tuple[str, str], CostTable] = {
+    # H200, Qwen3.5-35B-A3B shape, bf16, 1,024-token prompts, 48 new tokens
+    ("cuda", "free"): ((1, (8.53, 9.54, 9.53, 7.71)), (8, (4.88, 4.04, 3.99, 3.75)),
+                       (64, (3.72, 3.43, 4.94, 6.44))),
+    # (batch 64 left out: only K = 1's median was measured, 1.86, and at 64 the n-gram medians were half the
+    # means; above the table drafts are off)
+    ("cuda", "mtp"): ((1, (7.75, 9.76, 9.66, 11.27)), (8, (3.10, 6.24, 6.90, 7.43))),
+    # this project's 2-CPU machine, the embedded model's shape, eager decode path, 64 new tokens
+    ("cpu", "free"): ((1, (1.33, 1.49, 1.72, 1.98)), (8, (1.25, 1.39, 1.61, 1.86))),
+    ("cpu", "mtp"): ((1, (1.58, 1.93, 2.41, 2.74)), (8, (1.45, 1.84, 2.30, 2.68))),
+}
 DEFAULT_PRIOR = 0.8               # starting acceptance per position (published p1 acceptance: 0.83-0.87)
-DEFAULT_ALPHA = 0.1               # EWMA weight of one step's measurement
+DEFAULT_ALPHA = 0.2               # EWMA weight of one step's measurement
+DEFAULT_PROBE_INTERVAL = 32
 
 
 @dataclasses.dataclass(frozen=True)
 class AdaptivePolicy:
-    batch_table: tuple[tuple[int, int], ...] = DEFAULT_BATCH_TABLE
-    min_reach: float = DEFAULT_MIN_REACH
+    step_cost: CostTable = STEP_COST[("cuda", "free")]
     prior: float = DEFAULT_PRIOR
     alpha: float = DEFAULT_ALPHA
+    probe_interval: int = DEFAULT_PROBE_INTERVAL
+    fixed_k: int | None = None        # tests and benchmarks: this K every step, whatever the batch
 
     def __post_init__(self):
-        bounds = [b for b, _ in self.batch_table]
-        if any(b < 1 for b in bounds) or bounds != sorted(set(bounds)):
-            raise ValueError(f"adaptive K: batch_table bounds must be increasing and >= 1, got {bounds}")
-        if any(k < 0 for _, k in self.batch_table):
-            raise ValueError(f"adaptive K: batch_table K values must be >= 0, got {self.batch_table}")
-        for key in ("min_reach", "prior"):
+        bounds = [b for b, _ in self.step_cost]
+        if not bounds or any(b < 1 for b in bounds) or bounds != sorted(set(bounds)):
+            raise ValueError(f"adaptive K: step_cost bounds must be increasing and >= 1, got {bounds}")
+        for _, costs in self.step_cost:
+            if not costs or any(not c > 0 for c in costs):
+                raise ValueError(f"adaptive K: step_cost costs must be > 0, got {costs}")
+        for key in ("prior",):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ValueError(f"adaptive K: {key} must be in [0, 1], got {getattr(self, key)}")
         if not 0.0 < self.alpha <= 1.0:
             raise ValueError(f"adaptive K: alpha must be in (0, 1], got {self.alpha}")
+        if self.probe_interval < 1:
+            raise ValueError(f"adaptive K: probe_interval must be >= 1, got {self.probe_interval}")
+        if self.fixed_k is not None and self.fixed_k < 0:
+            raise ValueError(f"adaptive K: fixed_k must be >= 0, got {self.fixed_k}")
 
-    def table_k(self, batch_size: int) -> int:
-        for bound, k in self.batch_table:
+    @classmethod
+    def pinned(cls, k: int) -> AdaptivePolicy:
+        return cls(fixed_k=k)
+
+    @classmethod
+    def for_device(cls, device_type: str, method: str) -> AdaptivePolicy:
+        """The measured cost table of this device kind and drafter (unmeasured devices use the H200's)."""
+        kind = "mtp" if method == "mtp" else "free"
+        return cls(step_cost=STEP_COST.get((device_type, kind), STEP_COST[("cuda", kind)]))
+
+    def costs(self, batch_size: int) -> tuple[float, ...]:
+        """c(B, 1..) for a step of `batch_size` decoding sequences; () above the table: no drafts."""
+        for bound, costs in self.step_cost:
             if batch_size <= bound:
-                return k
-        return 0
+                return costs
+        return ()
+
+
+def expected_tokens(acceptance: Sequence[float], k: int) -> float:
+    """E(K): mean tokens a step with k drafts emits per sequence."""
+    total, reach = 1.0, 1.0
+    for j in range(k):
+        reach *= acceptance[j]
+        total += reach
+    return total
 
 
 class AdaptiveK:
@@ -60,16 +101,34 @@ class AdaptiveK:
         self.max_k = max_k
         self.policy = policy
         self.acceptance = [policy.prior] * max_k      # EWMA per draft position
+        self._steps_off = 0                           # steps since drafts were last turned off by acceptance
+
+    def best_k(self, batch_size: int) -> int:
+        """argmax_K E(K) / c(B, K) (no probing)."""
+        if self.policy.fixed_k is not None:
+            return min(self.max_k, self.policy.fixed_k)
+        costs = self.policy.costs(batch_size)
+        best, best_rate = 0, 1.0
+        for k in range(1, min(self.max_k, len(costs)) + 1):
+            rate = expected_tokens(self.acceptance, k) / costs[k - 1]
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
 
     def k_for_step(self, batch_size: int) -> int:
         """The drafts per speculating sequence for a step of `batch_size` decoding sequences."""
-        k = min(self.max_k, self.policy.table_k(batch_size))
-        reach = 1.0
-        for j in range(k):
-            if reach < self.policy.min_reach:
-                return j
-            reach *= self.acceptance[j]
+        k = self.best_k(batch_size)
+        if k == 0 and self.policy.fixed_k is None and self._could_pay(batch_size):
+            self._steps_off += 1
+            if self._steps_off >= self.policy.probe_interval:
+                self._steps_off = 0
+                return 1
         return k
+
+    def _could_pay(self, batch_size: int) -> bool:
+        """Whether some K would pay at full acceptance (K + 1 tokens for c(B, K)): else probing is waste."""
+        costs = self.policy.costs(batch_size)
+        return any(k + 1 > c for k, c in enumerate(costs[: self.max_k], start=1))
 
     def observe(self, num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
         """One verify step's results per row: drafts proposed and how many of them were accepted. Row
@@ -90,7 +149,11 @@ class AdaptiveK:
 
     def describe(self) -> str:
         """The start-up log line."""
-        rows = ", ".join(f"batch<={b}: K={min(k, self.max_k)}" for b, k in self.policy.batch_table)
-        return (f"adaptive speculative K (max {self.max_k}): {rows}, larger: K=0; a draft position is kept "
-                f"while its reach probability (EWMA of acceptance, prior {self.policy.prior}) is >= "
-                f"{self.policy.min_reach}")
+        if self.policy.fixed_k is not None:
+            return f"speculative K fixed at {min(self.max_k, self.policy.fixed_k)}"
+        rows = ", ".join(f"batch<={b}: " + "/".join(f"{c:.2f}" for c in costs[: self.max_k])
+                         for b, costs in self.policy.step_cost)
+        return (f"adaptive speculative K (max {self.max_k}): K maximises expected tokens / step cost, step cost "
+                f"of K = 1..{self.max_k} drafts in plain steps {rows}, larger batches: K=0; acceptance per "
+                f"position an EWMA (prior {self.policy.prior}); with drafts off one probe step every "
+                f"{self.policy.probe_interval}")

@@ -19,8 +19,8 @@ def spec_llm(k: int = 4, **kw) -> LLM:
 
 
 def pin_k(llm: LLM, k: int) -> None:
-    """Every step drafts k tokens (no batch table, no acceptance cut)."""
-    llm.engine.runner.speculation.adaptive = AdaptiveK(k, AdaptivePolicy(batch_table=((1 << 20, k),), min_reach=0.0))
+    """Every step drafts k tokens (no cost table, no acceptance)."""
+    llm.engine.runner.speculation.adaptive = AdaptiveK(k, AdaptivePolicy.pinned(k))
 
 
 def use_oracle(llm: LLM, prompts: list[list[int]], plain_outputs, reject_prob: float, seed: int = 0) -> OracleDrafter:

@@ -1,42 +1,72 @@
 import pytest
 
-from deltaserve.spec.adaptive import DEFAULT_BATCH_TABLE, AdaptiveK, AdaptivePolicy
+from deltaserve.spec.adaptive import STEP_COST, AdaptiveK, AdaptivePolicy, expected_tokens
+
+COSTS = ((1, (1.1, 1.2, 1.3, 1.4)), (64, (1.5, 1.8, 2.1, 2.4)))
 
 
-def test_large_batches_do_not_draft():
-    ak = AdaptiveK(4)
-    largest = DEFAULT_BATCH_TABLE[-1][0]
-    assert ak.k_for_step(largest + 1) == 0 and ak.k_for_step(4096) == 0
-    assert ak.k_for_step(largest) >= 1
+def test_expected_tokens_is_one_plus_the_reach_of_each_draft():
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens([1.0, 0.0, 1.0], 3) == 2.0
 
 
-def test_table_is_capped_by_the_maximum_and_never_grows_with_batch():
-    for max_k in (1, 2, 4):
-        ak = AdaptiveK(max_k)
-        ks = [ak.k_for_step(b) for b in range(1, 300)]
-        assert max(ks) <= max_k and ks == sorted(ks, reverse=True)
-    ak = AdaptiveK(2, AdaptivePolicy(batch_table=((8, 5),), min_reach=0.0))
-    assert ak.k_for_step(1) == 2 and ak.k_for_step(9) == 0
-
-
-def test_low_acceptance_shrinks_k_to_one_and_recovery_grows_it_back():
-    ak = AdaptiveK(4, AdaptivePolicy(batch_table=((16, 4),)))
-    assert ak.k_for_step(1) == 4
-    for _ in range(60):                                   # every first draft rejected
-        ak.observe([ak.k_for_step(1)] * 8, [0] * 8)
-    assert ak.k_for_step(1) == 1                          # position 0 still measured
-    for _ in range(60):                                   # everything accepted
-        k = ak.k_for_step(1)
-        ak.observe([k] * 8, [k] * 8)
-    assert ak.k_for_step(1) == 4
-
-
-def test_reach_threshold_is_the_product_of_earlier_acceptances():
-    ak = AdaptiveK(4, AdaptivePolicy(batch_table=((16, 4),), min_reach=0.5))
-    ak.acceptance = [0.9, 0.6, 0.9, 0.9]                  # reach: 1, 0.9, 0.54, 0.486
-    assert ak.k_for_step(1) == 3
-    ak.acceptance = [0.4, 1.0, 1.0, 1.0]                  # reach of position 1: 0.4
+def test_k_maximises_tokens_per_cost():
+    ak = AdaptiveK(4, AdaptivePolicy(step_cost=COSTS))
+    ak.acceptance = [1.0] * 4
+    assert ak.k_for_step(1) == 4                          # 5 / 1.4 beats 4 / 1.3 ...
+    ak.acceptance = [0.9, 0.1, 0.9, 0.9]                  # E: 1.9, 1.99, 2.07, 2.14: rates 1.73, 1.66, 1.59, 1.53
     assert ak.k_for_step(1) == 1
+    ak.acceptance = [0.3, 0.3, 0.3, 0.3]                  # batch 64: 1.3 / 1.5 < 1: drafts do not pay
+    assert ak.best_k(64) == 0 and ak.best_k(1) == 1       # 1.3 / 1.1 > 1 at batch 1
+
+
+def test_batches_above_the_table_do_not_draft_and_do_not_probe():
+    ak = AdaptiveK(4, AdaptivePolicy(step_cost=COSTS, probe_interval=1))
+    ak.acceptance = [1.0] * 4
+    assert [ak.k_for_step(65) for _ in range(5)] == [0] * 5
+    assert ak.k_for_step(64) == 4 and ak.k_for_step(2) == 4   # batch 2 reads the next row up (64)
+
+
+def test_k_is_capped_by_the_maximum_and_the_table_width():
+    ak = AdaptiveK(2, AdaptivePolicy(step_cost=COSTS, prior=1.0))
+    assert ak.k_for_step(1) == 2
+    ak = AdaptiveK(6, AdaptivePolicy(step_cost=COSTS, prior=1.0))
+    assert ak.k_for_step(1) == 4
+
+
+def test_zero_acceptance_turns_drafts_off_with_rare_probes_and_recovery_brings_them_back():
+    ak = AdaptiveK(4, AdaptivePolicy(step_cost=COSTS, probe_interval=8))
+    assert ak.k_for_step(1) == 4                          # the prior (0.8) pays
+    ks = []
+    for _ in range(80):                                   # every first draft rejected
+        k = ak.k_for_step(1)
+        ks.append(k)
+        if k:
+            ak.observe([k], [0])
+    tail = ks[40:]
+    assert tail.count(0) >= 34 and set(tail) == {0, 1}    # off, one probe step in 8
+    for _ in range(200):                                  # everything accepted again: probes measure it
+        k = ak.k_for_step(1)
+        if k:
+            ak.observe([k], [k])
+    assert ak.k_for_step(1) == 4
+
+
+def test_pinned_policy_ignores_batch_and_acceptance():
+    ak = AdaptiveK(3, AdaptivePolicy.pinned(3))
+    ak.acceptance = [0.0] * 3
+    assert ak.k_for_step(1) == 3 and ak.k_for_step(10_000) == 3
+    assert AdaptiveK(2, AdaptivePolicy.pinned(5)).k_for_step(1) == 2
+    assert AdaptiveK(2, AdaptivePolicy.pinned(0)).k_for_step(1) == 0
+
+
+def test_device_tables_exist_for_both_drafter_kinds():
+    for device in ("cuda", "cpu"):
+        for method in ("mtp", "ngram"):
+            policy = AdaptivePolicy.for_device(device, method)
+            assert policy.step_cost == STEP_COST[(device, "mtp" if method == "mtp" else "free")]
+    assert AdaptivePolicy.for_device("xpu", "mtp").step_cost == STEP_COST[("cuda", "mtp")]
 
 
 def test_observe_counts_only_verified_positions():
@@ -52,18 +82,37 @@ def test_observe_counts_only_verified_positions():
 
 
 @pytest.mark.parametrize("kw, key", [
-    ({"batch_table": ((16, 3), (8, 1))}, "bounds"),
-    ({"batch_table": ((0, 3),)}, "bounds"),
-    ({"batch_table": ((8, -1),)}, "K values"),
-    ({"min_reach": 1.5}, "min_reach"),
+    ({"step_cost": ((16, (1.1,)), (8, (1.2,)))}, "bounds"),
+    ({"step_cost": ((0, (1.1,)),)}, "bounds"),
+    ({"step_cost": ()}, "bounds"),
+    ({"step_cost": ((8, (1.1, 0.0)),)}, "costs"),
     ({"prior": -0.1}, "prior"),
     ({"alpha": 0.0}, "alpha"),
+    ({"probe_interval": 0}, "probe_interval"),
+    ({"fixed_k": -1}, "fixed_k"),
 ])
 def test_bad_policies_are_refused(kw, key):
     with pytest.raises(ValueError, match=key):
         AdaptivePolicy(**kw)
 
 
-def test_describe_names_the_table():
-    line = AdaptiveK(3).describe()
-    assert "batch<=16: K=3" in line and "K=0" in line
+def test_describe_names_the_costs():
+    line = AdaptiveK(3, AdaptivePolicy(step_cost=COSTS)).describe()
+    assert "batch<=64: 1.50/1.80/2.10" in line and "K=0" in line
+    assert "fixed at 2" in AdaptiveK(3, AdaptivePolicy.pinned(2)).describe()
+
+
+def test_no_probes_where_even_full_acceptance_cannot_pay():
+    ak = AdaptiveK(2, AdaptivePolicy(step_cost=((1, (2.5, 3.5)),), probe_interval=1))
+    assert [ak.k_for_step(1) for _ in range(10)] == [0] * 10      # 2 / 2.5 and 3 / 3.5 < 1
+    ak.acceptance = [1.0, 1.0]
+    assert ak.k_for_step(1) == 0
+
+
+def test_measured_cuda_costs_keep_drafts_off_while_verify_steps_run_eagerly():
+    for method in ("mtp", "ngram"):
+        ak = AdaptiveK(4, AdaptivePolicy.for_device("cuda", method))
+        assert [ak.k_for_step(b) for b in (1, 8, 64, 256)] == [0, 0, 0, 0]      # at the prior acceptance
+    ak = AdaptiveK(4, AdaptivePolicy.for_device("cuda", "ngram"))
+    ak.acceptance = [1.0] * 4                   # all accepted: only batch 8 at K = 4 paid (1.25x measured)
+    assert [ak.k_for_step(b) for b in (1, 8, 64)] == [0, 4, 0]
