@@ -8,9 +8,10 @@ quantisation: the activations stay in their dtype, as the reference, which multi
 * GEMV path (T * top_k <= config.GEMV_MAX_ASSIGNMENTS, the decode case), two launches: per (assignment, slice of
   I) SiLU(gate) * up into an fp32 intermediate; per (token, slice of H) its experts' w2 products, weighted and
   summed in fp32, rounded once (the reference keeps the intermediate and the expert outputs in fp32 too).
-* Grouped path (larger batches): triton_align.py's alignment by expert, a w13 and a w2 grouped GEMM on tensor
-  cores (the fp8 tile widened to the activation dtype, exact), the intermediate in the activation dtype (the
-  w2 dot's operand), the expert outputs in fp32, the grouped path's fixed-order combine.
+* Grouped path (larger batches): triton_grouped.grouped_moe, the dense path's kernels compiled for FP8
+  experts: a w13 and a w2 grouped GEMM on tensor cores (the fp8 tile widened to the activation dtype, exact),
+  the intermediate in the activation dtype (the w2 dot's operand), the expert outputs in fp32, the
+  fixed-order combine.
 
 Not yet here: the bf16 path's PDL overlaps and the shared slots set apart from the routing (fused_moe_routed
 routes first, then runs every slot), and W8A8 dots for prefill. Launch parameters come from the shapes only
@@ -30,8 +31,7 @@ from ..triton_common import ACTIVATION_DTYPES, check, check_last_contiguous, che
 from . import triton as dense
 from . import triton_routing as route_ops
 from .config import GEMV_MAX_ASSIGNMENTS, MoeConfig, default_moe_config
-from .triton_align import align_by_expert
-from .triton_grouped import _combine_kernel
+from .triton_grouped import grouped_moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,14 +47,6 @@ class Fp8GemvMoeConfig:
     k_groups2: int = 4
     warps: int = 4
     stages: int = 3
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit
@@ -124,64 +116,6 @@ def _fp8_gemv_w2_kernel(inter, q2, s2, ids, weights, out, H, I, KG, s_qe, s_qn, 
     tl.store(out + t * s_o + rows, total.to(out.dtype.element_ty), mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["A"])
-def _fp8_w13_kernel(x, q13, s13, inter, sorted_ids, block_expert, A, H, I, s_x, s_qe, s_qn, s_se, s_sn,
-                    TOP_K: tl.constexpr, RG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    IEEE: tl.constexpr):
-    blk = tl.program_id(0)
-    e = tl.load(block_expert + blk).to(tl.int64)
-    if e >= 0:
-        rows = blk * BM + tl.arange(0, BM)
-        a_idx = tl.load(sorted_ids + rows)
-        row_ok = a_idx < A
-        tok = (a_idx // TOP_K).to(tl.int64)
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
-        col_ok = cols < I
-        kk = tl.arange(0, BK)
-        xp = x + tok[:, None] * s_x + kk[None, :]
-        wg = q13 + e * s_qe + cols[None, :].to(tl.int64) * s_qn + kk[:, None]
-        wu = wg + I * s_qn
-        sg = s13 + e * s_se + (cols // RG).to(tl.int64) * s_sn
-        su = s13 + e * s_se + ((cols + I) // RG).to(tl.int64) * s_sn
-        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-        for j in range(tl.cdiv(H, BK)):
-            k_ok = kk + j * BK < H
-            xa = tl.load(xp + j * BK, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            m = k_ok[:, None] & col_ok[None, :]
-            bg = tl.load(wg + j * BK, mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(xa.dtype)
-            bu = tl.load(wu + j * BK, mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(xa.dtype)
-            acc_g += _dot(xa, bg, IEEE) * tl.load(sg + j, mask=col_ok, other=0.0)[None, :]
-            acc_u += _dot(xa, bu, IEEE) * tl.load(su + j, mask=col_ok, other=0.0)[None, :]
-        h = silu(acc_g) * acc_u
-        tl.store(inter + rows[:, None].to(tl.int64) * I + cols[None, :], h.to(inter.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["A"])
-def _fp8_w2_kernel(inter, q2, s2, y, sorted_ids, block_expert, A, H, I, s_qe, s_qn, s_se, s_sn,
-                   RG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
-    blk = tl.program_id(0)
-    e = tl.load(block_expert + blk).to(tl.int64)
-    if e >= 0:
-        rows = blk * BM + tl.arange(0, BM)
-        a_idx = tl.load(sorted_ids + rows)
-        row_ok = a_idx < A
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
-        col_ok = cols < H
-        kk = tl.arange(0, BK)
-        hp = inter + rows[:, None].to(tl.int64) * I + kk[None, :]
-        wp = q2 + e * s_qe + cols[None, :].to(tl.int64) * s_qn + kk[:, None]
-        sp = s2 + e * s_se + (cols // RG).to(tl.int64) * s_sn
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for j in range(tl.cdiv(I, BK)):
-            k_ok = kk + j * BK < I
-            ha = tl.load(hp + j * BK, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(wp + j * BK, mask=k_ok[:, None] & col_ok[None, :], other=0).to(tl.float8e4nv, bitcast=True)
-            acc += _dot(ha, b.to(ha.dtype), IEEE) * tl.load(sp + j, mask=col_ok, other=0.0)[None, :]
-        tl.store(y + a_idx[:, None].to(tl.int64) * H + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
-
-
 def check_fp8_experts(op: str, x: torch.Tensor, w13: BlockFp8Weight, w2: BlockFp8Weight) -> None:
     """Refuse (ValueError naming the op) what the FP8 expert kernels cannot take."""
     check(isinstance(w13, BlockFp8Weight) and isinstance(w2, BlockFp8Weight), op,
@@ -226,9 +160,9 @@ def fp8_fused_moe(x: torch.Tensor, w13: BlockFp8Weight, w2: BlockFp8Weight, topk
     A = T * top_k
     if A == 0:
         return torch.zeros((T, H), dtype=x.dtype, device=x.device)
-    (q13, s13), (q2, s2) = (w13.qweight.view(torch.uint8), w13.scale), (w2.qweight.view(torch.uint8), w2.scale)
-    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if A <= GEMV_MAX_ASSIGNMENTS:
+        (q13, s13), (q2, s2) = (w13.qweight.view(torch.uint8), w13.scale), (w2.qweight.view(torch.uint8), w2.scale)
+        out = torch.empty((T, H), dtype=x.dtype, device=x.device)
         cfg = Fp8GemvMoeConfig()
         h = torch.empty((A, inter), dtype=torch.float32, device=x.device)
         kg1, kg2 = triton.cdiv(H, w13.col_group), triton.cdiv(inter, w2.col_group)
@@ -247,23 +181,7 @@ def fp8_fused_moe(x: torch.Tensor, w13: BlockFp8Weight, w2: BlockFp8Weight, topk
         cfg = MoeConfig()
     if x.dtype == torch.float32:             # fp32 tiles: fewer rows and stages fit shared memory
         cfg = dataclasses.replace(cfg, block_m=min(cfg.block_m, 64), stages=min(cfg.stages, 2))
-    sorted_ids, block_expert = align_by_expert(topk_ids, E, cfg.block_m)
-    nb = block_expert.shape[0]
-    ieee = x.dtype == torch.float32
-    h = torch.empty((nb * cfg.block_m, inter), dtype=x.dtype, device=x.device)
-    _fp8_w13_kernel[(nb, triton.cdiv(inter, cfg.block_n1))](
-        x, q13, s13, h, sorted_ids, block_expert, A, H, inter, x.stride(0), q13.stride(0), q13.stride(1),
-        s13.stride(0), s13.stride(1), TOP_K=top_k, RG=w13.row_group, BM=cfg.block_m, BN=cfg.block_n1,
-        BK=w13.col_group, IEEE=ieee, num_warps=cfg.warps1, num_stages=cfg.stages)
-    y = torch.empty((A, H), dtype=torch.float32, device=x.device)
-    _fp8_w2_kernel[(nb, triton.cdiv(H, cfg.block_n2))](
-        h, q2, s2, y, sorted_ids, block_expert, A, H, inter, q2.stride(0), q2.stride(1), s2.stride(0),
-        s2.stride(1), RG=w2.row_group, BM=cfg.block_m, BN=cfg.block_n2, BK=w2.col_group, IEEE=ieee,
-        num_warps=cfg.warps2, num_stages=cfg.stages)
-    bh = min(1024, triton.next_power_of_2(H))
-    _combine_kernel[(T, triton.cdiv(H, bh))](y, topk_weights, out, H, topk_weights.stride(0), out.stride(0),
-                                              TOP_K=top_k, BH=bh, num_warps=4)
-    return out
+    return grouped_moe(x, w13, w2, topk_weights, topk_ids, cfg)
 
 
 def fused_moe(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
