@@ -281,8 +281,12 @@ class LLMEngine:
         engine = cls(model_config=model_config, tokenizer=tokenizer, runner=runner, cache=manager, plan=plan,
                      config=config, model_path=path)
         warm = engine.warm_up() if (warm_up if warm_up is not None else dev.type == "cuda") else None
-        logger.info("engine ready in %.1f s%s: %s; %s", time.perf_counter() - t0,
-                    "" if warm is None else f" (warm-up {warm:.1f} s)", worker.summary(), prefix)
+        phases = dict(getattr(worker, "phase_seconds", {}))
+        if warm is not None:
+            phases["warm-up"] = warm
+        detail = ", ".join(f"{name} {secs:.1f} s" for name, secs in phases.items())
+        logger.info("engine ready in %.1f s%s: %s; %s", time.perf_counter() - t0, f" ({detail})" if detail else "",
+                    worker.summary(), prefix)
         return engine
 
     def shutdown(self) -> None:

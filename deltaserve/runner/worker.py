@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -81,12 +82,22 @@ class Worker:
         self.prefill_sizes: list[int] = []           # prefill token-count buckets ([]: eager prefills)
         self.plan: CachePlan | None = None
         self.runner: ModelRunner | None = None
+        self.phase_seconds: dict[str, float] = {}    # start-up phases: the engine's ready line reports them
 
     def start(self) -> ModelRunner:
         """Every phase, for a single device."""
         c = self.config
+        t0 = time.perf_counter()
         self.load_model()
-        plan = plan_cache(self.cache_spec(), budget_bytes=self.cache_budget(), max_num_seqs=c.max_num_seqs,
+        t1 = time.perf_counter()
+        self.phase_seconds["load"] = t1 - t0
+        logger.debug("model %s in %.1f s", "built with dummy weights" if c.load_format == "dummy" else "loaded", t1 - t0)
+        budget = self.cache_budget()
+        if c.device.type == "cuda":      # a forward of the largest step: the first kernel builds happen here
+            self.phase_seconds["memory profile"] = time.perf_counter() - t1
+            logger.debug("memory profile (a %d-token forward, kernel builds included) in %.1f s",
+                         c.max_num_batched_tokens, self.phase_seconds["memory profile"])
+        plan = plan_cache(self.cache_spec(), budget_bytes=budget, max_num_seqs=c.max_num_seqs,
                           max_model_len=c.max_model_len, num_blocks=c.num_kv_blocks,
                           snapshot_fraction=c.prefix_cache_state_fraction)
         return self.initialize_cache(plan)

@@ -4,6 +4,7 @@ them), the one start-up summary line, and the short kernels summary."""
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 
@@ -61,5 +62,7 @@ def test_start_up_logs_one_summary_line_with_the_detail_at_debug(tiny_model, cap
                  f"{plan.num_slots} state slots", "40 KV blocks x 8 tokens", "max_model_len 320", "max_num_seqs 6",
                  "decode: eager"):
         assert part in line, (part, line)
+    assert re.search(r"engine ready in [0-9.]+ s \(load [0-9.]+ s\)", line), line   # the start-up phases
+
     debug = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG)
     assert "cache: 40 KV blocks x 8 tokens" in debug and "decode steps run eagerly" in debug
