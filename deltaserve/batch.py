@@ -120,6 +120,9 @@ class VerifyRecord:
     cu_seqlens: torch.Tensor
     state_slots: torch.Tensor
     layers: list = dataclasses.field(default_factory=list)
+    # a VerifyStash per GDN layer, in layer order, of at least the step's verify tokens (a verify graph's,
+    # shared by its buckets); None: each layer allocates its own
+    stashes: list | None = None
 
 
 @dataclasses.dataclass

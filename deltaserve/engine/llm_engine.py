@@ -246,7 +246,7 @@ class LLMEngine:
             prefill_cuda_graphs=prefill_cuda_graphs,
             kv_cache_dtype="fp8" if kv_cache_dtype.startswith("fp8") else kv_cache_dtype,
             prefix_cache_state_fraction=prefix_cache_state_fraction if enable_prefix_caching else 0.0,
-            mtp_kv_layers=mtp_kv_layers)
+            mtp_kv_layers=mtp_kv_layers, num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0)
         tokenizer = Tokenizer.from_dir(path) if path is not None else None
         if tensor_parallel_size > 1:
             check_parallel_features(model_config, kv_cache_dtype)
@@ -261,7 +261,7 @@ class LLMEngine:
             worker = Worker(worker_config)
             runner = worker.start()
             if config.speculative_config is not None:
-                runner.enable_speculation(config.speculative_config)
+                runner.enable_speculation(config.speculative_config, verify_graph_sizes=worker.verify_sizes)
         plan = worker.plan
         manager = HybridCacheManager(num_blocks=plan.num_blocks, block_size=block_size,
                                      num_slots=plan.num_slots - plan.num_snapshot_slots,

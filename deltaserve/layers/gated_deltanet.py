@@ -172,8 +172,8 @@ class GatedDeltaNet(nn.Module):
         """The verify chunks' output before the projection [Tv, HV, V]: gdn_verify from each slot's state,
         the pools untouched; the stash goes to batch.verify for the commit of the accepted prefix."""
         record = batch.verify
-        stash = VerifyStash.empty(mixed.shape[0], conv_dim=self.conv_dim, num_k_heads=self.nk, head_k_dim=self.dk,
-                                  num_v_heads=self.nv, head_v_dim=self.dv, dtype=mixed.dtype, device=mixed.device)
+        stash = (record.stashes[len(record.layers)] if record.stashes is not None
+                 else self.verify_stash(mixed.shape[0], mixed.dtype))
         o = self.kernels.gdn_verify(
             mixed, z, a, b, conv_weight=self.conv_weight,
             A_log=self.A_log, dt_bias=self.dt_bias, norm_weight=self.norm_weight, eps=self.eps, scale=self.scale,
@@ -181,6 +181,11 @@ class GatedDeltaNet(nn.Module):
             state_indices=record.state_slots, stash=stash, norm_activation=self.norm_activation)
         record.layers.append((stash, conv_state, ssm_state))
         return o
+
+    def verify_stash(self, num_tokens: int, dtype: torch.dtype) -> VerifyStash:
+        """An empty VerifyStash of this layer's dims for num_tokens verify tokens (activations of `dtype`)."""
+        return VerifyStash.empty(num_tokens, conv_dim=self.conv_dim, num_k_heads=self.nk, head_k_dim=self.dk,
+                                 num_v_heads=self.nv, head_v_dim=self.dv, dtype=dtype, device=self.A_log.device)
 
     # ---- checkpoint layout --------------------------------------------------------------------
     def checkpoint_weights(self) -> WeightMap:

@@ -106,6 +106,15 @@ def padded_decode_batch(num_rows: int, device: torch.device, max_blocks: int = 1
         num_prefills=0, num_prefill_tokens=0)
 
 
+def begin_capture(device: torch.device) -> tuple[float, int, object, torch.cuda.Stream]:
+    """Before capturing a set of graphs: the device idle and its cache emptied, then (start time, memory reserved,
+    one graph pool, a side stream for the warm-up runs): the capture's log line reports time and memory from them."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    start, reserved = time.perf_counter(), torch.cuda.memory_reserved(device)
+    return start, reserved, torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
+
+
 class _EagerGraph:
     """CPU stand-in for a captured graph: replay runs the forward and writes the static output."""
 
@@ -179,11 +188,7 @@ class DecodeGraphs:
                 out = forward()
                 self._graphs[b] = (_EagerGraph(forward, out), out)
             return
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
+        start, reserved, pool, side = begin_capture(self.device)
         for b in reversed(self.sizes):
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):            # compiles this shape's kernels outside the capture

@@ -13,6 +13,7 @@ from ..cache.plan import MiB, gpu_cache_budget, pool_shapes
 from ..models.qwen3_next import HybridForCausalLM
 from .cuda_graphs import capture_sizes, padded_decode_batch
 from .prefill_graphs import BUCKET_SLACK_BYTES, dummy_prefill_batch, static_buffer_bytes
+from .verify_graphs import padded_verify_batch
 
 # Per captured graph, on top of the measured activations: the pool's segment rounding and each graph's
 # live output (~6 MiB a graph on an H200 for a tiny model: torch.cuda.memory_reserved() around the capture).
@@ -39,7 +40,8 @@ def allocate_cache(model: HybridForCausalLM, *, num_slots: int, num_blocks: int,
 def profile_gpu_cache_budget(model: HybridForCausalLM, *, device: torch.device, dtype: torch.dtype,
                              max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
                              utilization: float, graph_batch_size: int = 0,
-                             prefill_graph_sizes: list[int] | tuple[int, ...] = (), mtp_kv_layers: int = 0) -> int:
+                             prefill_graph_sizes: list[int] | tuple[int, ...] = (), mtp_kv_layers: int = 0,
+                             verify_graphs: tuple[int, int, int] | None = None) -> int:
     """total x utilization, minus what the process needs besides the pools: weights, the activation peak of
     a max_num_batched_tokens forward plus max_num_seqs rows of logits, memory not owned by torch, and
     (graph_batch_size > 0) the CUDA graphs' pool, estimated as the activation peak of a decode forward of
@@ -48,7 +50,9 @@ def profile_gpu_cache_budget(model: HybridForCausalLM, *, device: torch.device, 
     the piecewise prefill graphs': their static buffers, their pool estimated as the activation peak of an
     eager forward of the largest bucket (a piece holds at most a layer's scratch), BUCKET_SLACK_BYTES a bucket.
     mtp_kv_layers > 0 (speculation with mtp): the scratch has the MTP KV layer and the head's first pass over
-    the largest forward's rows runs inside the measured peak."""
+    the largest forward's rows runs inside the measured peak. verify_graphs (largest bucket, width, number of
+    graphs): the speculative verify graphs' pool and stashes, the activation peak of a padded verify forward
+    of that shape (its stashes allocated inside it) plus GRAPH_SLACK_BYTES per graph."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -85,6 +89,14 @@ def profile_gpu_cache_budget(model: HybridForCausalLM, *, device: torch.device, 
         torch.cuda.synchronize(device)
         graphs += torch.cuda.max_memory_allocated(device) - base
         graphs += len(capture_sizes(graph_batch_size)) * GRAPH_SLACK_BYTES
+        del out
+    if verify_graphs is not None:
+        rows, width, count = verify_graphs
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        out = model(padded_verify_batch(rows, width, device, block_size), scratch)
+        torch.cuda.synchronize(device)
+        graphs += torch.cuda.max_memory_allocated(device) - base + count * GRAPH_SLACK_BYTES
         del out
     del scratch
     torch.cuda.empty_cache()

@@ -36,6 +36,7 @@ from .cuda_graphs import DecodeGraphs, capture_sizes
 from .prefill_graphs import PrefillGraphs
 from .sampler import PendingLogprobs, PendingSample, Sampler, SamplingRow, log_softmax, to_device, top_logprobs
 from .speculation import Speculation
+from .verify_graphs import VerifyGraphs
 
 
 @dataclasses.dataclass
@@ -149,11 +150,19 @@ class ModelRunner:
         # called like the model: (batch, cache) -> hidden, and .compute_logits(hidden).
         self.compiled_decode = None
         self.speculation: Speculation | None = None      # speculative decoding (enable_speculation)
+        self.verify_graphs: VerifyGraphs | None = None   # verify steps as graph replays (enable_speculation)
 
-    def enable_speculation(self, config: SpeculativeConfig) -> None:
-        """Propose drafts with config's method after every step and verify them when scheduled."""
-        self.speculation = Speculation.create(config, self.model, self.cache, self.device, sampler=self.sampler,
-                                              graphs=self.graphs is not None)
+    def enable_speculation(self, config: SpeculativeConfig, verify_graph_sizes: list[int] | tuple[int, ...] = ()
+                           ) -> None:
+        """Propose drafts with config's method after every step and verify them when scheduled; with
+        verify_graph_sizes (verify_graphs.plan_verify_graphs: the caller has checked the verify path is
+        capturable), capture verify graphs for steps of up to max(sizes) sequences."""
+        self.speculation = Speculation.create(config, self.model, self.cache, self.device, sampler=self.sampler)
+        if verify_graph_sizes:
+            self.verify_graphs = VerifyGraphs(self.model, self.cache, list(verify_graph_sizes),
+                                              config.num_speculative_tokens,
+                                              max_blocks_per_seq=self._block_table.shape[1], device=self.device)
+            self.verify_graphs.capture()
 
     def capture_decode_graphs(self, max_batch: int) -> None:
         """Capture decode CUDA graphs for batches of up to max_batch sequences (the caller has checked
@@ -238,6 +247,42 @@ class ModelRunner:
         ids, pos, slot_map, seq_lens, slots = self._pack_decodes(chunks)
         tables = self._block_table[slots, : -(-max(seq_lens) // self.block_size)]
         return self.graphs.replay(ids, pos, slot_map, seq_lens, slots, tables)
+
+    def verify_graph_key(self, chunks: list[ScheduledChunk]) -> tuple[int, int] | None:
+        """The verify graph of a step (None: not one for them): verify chunks and one-token decodes whose
+        input tokens are known, at least one verify chunk, within the graphs' buckets."""
+        if self.verify_graphs is None or not any(c.draft_token_ids for c in chunks):
+            return None
+        for c in chunks:
+            known = c.num_computed < len(self._seqs[c.seq_id].token_ids)     # its input token is on the host
+            if not c.draft_token_ids and not (self.is_decode(c) and known):
+                return None
+        return self.verify_graphs.key_for(len(chunks), max(c.num_new for c in chunks))
+
+    def _replay_verify(self, key: tuple[int, int], chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Run the chunks (packing order: verify chunks, then decodes) through the verify graph of key; returns
+        the hidden states of their tokens, packed as build_batch packs them."""
+        _, w = key
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_map: list[int] = []
+        seq_lens, slots, rows = [], [], []
+        for i, c in enumerate(chunks):
+            st = self._seqs[c.seq_id]
+            start, n = c.num_computed, c.num_new
+            ids.append(st.token_ids[start])
+            ids.extend(c.draft_token_ids)
+            ids.extend([0] * (w - n))
+            pos.extend(range(start, start + w))
+            slot_map.extend(st.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
+            slot_map.extend([-1] * (w - n))
+            seq_lens.append(start + w)               # w queries per row: the real ones see their causal prefix
+            slots.append(st.state_slot)
+            rows.extend(range(i * w, i * w + n))
+        cols = min(-(-max(seq_lens) // bs), self._block_table.shape[1])
+        hidden = self.verify_graphs.replay(key, ids, pos, slot_map, seq_lens, slots, self._block_table[slots, :cols])
+        return hidden if len(rows) == hidden.shape[0] else hidden[self._index(rows)]
 
     def uses_graph(self, chunks: list[ScheduledChunk]) -> bool:
         """Decode-only steps that fit a captured bucket replay a CUDA graph."""
@@ -336,9 +381,10 @@ class ModelRunner:
         plan = self._logit_rows(chunks)
         model = self.model
         graphed = self.uses_graph(chunks)
+        verify_key = None if graphed else self.verify_graph_key(chunks)
         batch = None
-        if graphed:
-            hidden = self._replay_decodes(chunks)
+        if graphed or verify_key is not None:
+            hidden = self._replay_decodes(chunks) if graphed else self._replay_verify(verify_key, chunks)
             if self.speculation is not None and self.speculation.uses_hidden:
                 batch = self.build_batch(chunks)             # the drafter reads the step's rows
         else:
@@ -359,7 +405,9 @@ class ModelRunner:
         picked = hidden if len(plan.rows) == hidden.shape[0] else hidden[self._index(plan.rows)]
         logits = model.compute_logits(picked)       # the activation dtype: the sampler widens where it must
         if plan.verifies:
-            self.speculation.launch_verify(handle, logits, plan.verifies, batch.verify, self._index)
+            commit = (batch.verify if verify_key is None
+                      else lambda accepted: self.verify_graphs.commit(verify_key, accepted))
+            self.speculation.launch_verify(handle, logits, plan.verifies, commit, self._index)
         if plan.samples:
             states = [st for _, st in plan.samples]
             assert not any(st.sampling.num_pending and st.sampling.needs_history() for st in states), \

@@ -38,6 +38,7 @@ import torch
 from ..batch import CacheBuffers, ForwardBatch
 from ..config import FULL_ATTENTION
 from ..ops import Kernels
+from .cuda_graphs import begin_capture
 
 logger = logging.getLogger(__name__)
 
@@ -218,11 +219,7 @@ class PrefillGraphs:
             for T in self.sizes:
                 self._graphs[T] = [_EagerPiece(lambda k=k, T=T: self._piece(k, T)) for k in range(self.num_layers + 1)]
             return
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
+        start, reserved, pool, side = begin_capture(self.device)
         current = torch.cuda.current_stream(self.device)
         for T in reversed(self.sizes):
             pieces = []

@@ -7,13 +7,15 @@ drafts proposed at the end of the previous step); the forward runs it like a pre
 (pools untouched, a stash per layer); `launch_verify` samples every position as plain decoding would,
 accepts against the drafts and commits accepted + 1 tokens into every GDN layer's pools; `collect`
 appends the emitted tokens, feeds the acceptance to adaptive K and has the drafter propose the next
-drafts (runner/model_runner.py calls these). Verify steps run eagerly (no CUDA graph); plain decode steps
-keep theirs.
+drafts (runner/model_runner.py calls these). Verify steps of up to 16 sequences replay a verify graph
+(runner/verify_graphs.py: the forward, then the commit of every GDN layer in one replay); larger ones and
+steps with prefills run piecewise / eagerly; plain decode steps keep their decode graphs.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -38,12 +40,10 @@ class Speculation:
 
     @classmethod
     def create(cls, config: SpeculativeConfig, model, cache: CacheBuffers, device: torch.device, *,
-               sampler: Sampler, graphs: bool) -> Speculation:
+               sampler: Sampler) -> Speculation:
         drafter = make_drafter(config, model, cache, device)
         adaptive = AdaptiveK(config.num_speculative_tokens, AdaptivePolicy.for_device(device.type, config.method))
         logger.info("speculative decoding: method %s; %s", config.method, adaptive.describe())
-        if graphs:
-            logger.info("speculative decoding: verify steps run eagerly; plain decode steps replay CUDA graphs")
         return cls(config, drafter, adaptive, sampler, model.kernels, cache, device)
 
     def reset(self) -> None:
@@ -63,15 +63,19 @@ class Speculation:
             handle.batch, handle.hidden = batch, hidden
             handle.chunk_next = plan.chunk_next
 
-    def launch_verify(self, handle, logits: torch.Tensor, verifies: list, record: VerifyRecord,
+    def launch_verify(self, handle, logits: torch.Tensor, verifies: list, commit: VerifyRecord | Callable,
                       index) -> None:
         """Sample and accept the verify chunks' positions (logits: the step's logit rows, verify chunk
-        positions among them), then commit every GDN layer's accepted prefix."""
+        positions among them), then commit every GDN layer's accepted prefix: the step's VerifyRecord
+        (eager forwards) or a callable taking the accepted counts (a verify graph's commit)."""
         rows = [i for _, _, first, drafts in verifies for i in range(first, first + len(drafts) + 1)]
         part = logits if len(rows) == logits.shape[0] else logits[index(rows)]
         samplings = [st.sampling for _, st, _, _ in verifies]
         handle.verify = spec_verify.launch_verify(self.sampler, part, samplings, [d for *_, d in verifies])
-        spec_verify.commit(self.kernels, record, handle.verify.num_accepted)
+        if isinstance(commit, VerifyRecord):
+            spec_verify.commit(self.kernels, commit, handle.verify.num_accepted)
+        else:
+            commit(handle.verify.num_accepted)
         for row in samplings:
             row.num_pending += 1
 

@@ -36,6 +36,7 @@ from .kv_calibration import calibrate_kv_scales
 from .memory import allocate_cache, profile_gpu_cache_budget
 from .model_runner import ModelRunner
 from .prefill_graphs import plan_prefill_graphs, prefill_capture_sizes, warm_up_lone_prompts
+from .verify_graphs import plan_verify_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class WorkerConfig:
     prefix_cache_state_fraction: float = DEFAULT_PREFIX_CACHE_STATE_FRACTION  # snapshots' budget share (0: none)
     parallel: Parallel = SINGLE      # this worker's tensor-parallel rank (its shard of the model)
     mtp_kv_layers: int = 0           # speculation with mtp: a KV layer per MTP layer in the pools (0: none)
+    num_speculative_tokens: int = 0  # speculation's most drafts per step: verify graphs are sized for it (0: off)
 
 
 class Worker:
@@ -80,6 +82,7 @@ class Worker:
         self.model: HybridForCausalLM | None = None
         self.graph_sizes: list[int] = []             # decode batch buckets to capture ([]: eager decodes)
         self.prefill_sizes: list[int] = []           # prefill token-count buckets ([]: eager prefills)
+        self.verify_sizes: list[int] = []            # verify-step batch buckets ([]: no verify graphs)
         self.plan: CachePlan | None = None
         self.runner: ModelRunner | None = None
         self.phase_seconds: dict[str, float] = {}    # start-up phases: the engine's ready line reports them
@@ -135,6 +138,10 @@ class Worker:
                                                  max_num_batched_tokens=c.max_num_batched_tokens,
                                                  enforce_eager=c.enforce_eager or c.parallel.sharded,
                                                  enabled=c.prefill_cuda_graphs)
+        if c.num_speculative_tokens and self.graph_sizes:
+            self.verify_sizes = plan_verify_graphs(c.device, self.kernels, max_batch=min(c.max_num_seqs,
+                                                   c.max_num_batched_tokens // (c.num_speculative_tokens + 1)),
+                                                   enforce_eager=c.enforce_eager)
         return self.model
 
     def kernel_shapes(self) -> dict[str, int]:
@@ -162,7 +169,10 @@ class Worker:
                                         max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
                                         block_size=c.block_size, utilization=c.gpu_memory_utilization,
                                         graph_batch_size=max(self.graph_sizes, default=0),
-                                        prefill_graph_sizes=self.prefill_sizes, mtp_kv_layers=c.mtp_kv_layers)
+                                        prefill_graph_sizes=self.prefill_sizes, mtp_kv_layers=c.mtp_kv_layers,
+                                        verify_graphs=(max(self.verify_sizes), c.num_speculative_tokens + 1,
+                                                       len(self.verify_sizes) * c.num_speculative_tokens)
+                                        if self.verify_sizes else None)
 
     def initialize_cache(self, plan: CachePlan) -> ModelRunner:
         """Allocate the pools of `plan`, build the runner over them, capture the decode and prefill graphs (they
@@ -224,10 +234,13 @@ class Worker:
         return self._decode_only_summary() + prefill
 
     def _decode_only_summary(self) -> str:
-        graphs = self.runner.graphs
+        graphs, vg = self.runner.graphs, self.runner.verify_graphs
+        verify = (f"; speculative verify: {len(vg.sizes) * len(vg.widths)} CUDA graphs for batches up to "
+                  f"{vg.max_size} x {vg.max_width} tokens ({_size(vg.pool_bytes + vg.stash_bytes)})"
+                  if vg is not None else "")
         if graphs is not None:
             return (f"decode: {len(graphs.sizes)} CUDA graphs for batches up to {graphs.max_size} "
-                    f"({_size(graphs.pool_bytes)})")
+                    f"({_size(graphs.pool_bytes)}){verify}")
         if self.runner.compiled_decode is not None:
             return "decode: compiled" + (" (in the background)" if self.compile_mode == "auto" else "")
         if self.config.device.type == "cuda" and not self.config.enforce_eager:

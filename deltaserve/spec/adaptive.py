@@ -20,19 +20,17 @@ from collections.abc import Sequence
 CostTable = tuple[tuple[int, tuple[float, ...]], ...]     # rows (max_batch, (c(B, 1), c(B, 2), ...))
 
 # c(B, K) measured with benchmarks/spec_decode.py (docs/PERFORMANCE.md has the runs and their conditions).
-# "free" drafters (n-gram, a host lookup) pay verify + commit: on CUDA c = the plain tok/s x the acceptance
-# length / the tok/s with K drafts all accepted (the mean step: what throughput sees), on CPU the median step
-# over the median plain step. "mtp" adds its K head forwards and lm_heads: the median step with K drafts over
-# the median plain step (on CUDA at batch 1 and 8 the n-gram medians and means agree within 15 %). On CUDA the
-# verify step runs eagerly (its forward is host-bound, ~18-24 ms at batch 1) while the plain step replays a
-# CUDA graph (2.29 ms), so no K pays there yet and adaptive K keeps drafts off.
+# On CUDA: the mean step with K drafts all accepted over the mean plain step (what throughput sees); the verify
+# step replays a CUDA graph per (batch bucket, K + 1) up to runner/verify_graphs.MAX_VERIFY_BATCH sequences.
+# "free" drafters (n-gram, a host lookup) pay verify + commit; "mtp" adds its K head forwards and lm_heads (run
+# eagerly: ~3-4 ms a draft position at batch 1, so no K pays with MTP drafts on CUDA yet). Batch 64 is left
+# out of the CUDA rows (above the table drafts are off): its verify steps run eagerly, its all-accepted means
+# (0.87-1.20) cannot be trusted as a cost (runs with rejections lost: 0.59-1.02x plain at acceptance 2.0-3.39).
+# On CPU: the median step over the median plain step.
 STEP_COST: dict[tuple[str, str], CostTable] = {
     # H200, Qwen3.5-35B-A3B shape, bf16, 1,024-token prompts, 48 new tokens
-    ("cuda", "free"): ((1, (8.53, 9.54, 9.53, 7.71)), (8, (4.88, 4.04, 3.99, 3.75)),
-                       (64, (3.72, 3.43, 4.94, 6.44))),
-    # (batch 64 left out: only K = 1's median was measured, 1.86, and at 64 the n-gram medians were half the
-    # means; above the table drafts are off)
-    ("cuda", "mtp"): ((1, (7.75, 9.76, 9.66, 11.27)), (8, (3.10, 6.24, 6.90, 7.43))),
+    ("cuda", "free"): ((1, (1.48, 1.68, 1.87, 2.02)), (8, (1.53, 1.78, 1.98, 2.06))),
+    ("cuda", "mtp"): ((1, (3.29, 3.66, 4.81, 5.57)), (8, (2.36, 3.13, 3.54, 4.04))),
     # this project's 2-CPU machine, the embedded model's shape, eager decode path, 64 new tokens
     ("cpu", "free"): ((1, (1.33, 1.49, 1.72, 1.98)), (8, (1.25, 1.39, 1.61, 1.86))),
     ("cpu", "mtp"): ((1, (1.58, 1.93, 2.41, 2.74)), (8, (1.45, 1.84, 2.30, 2.68))),

@@ -106,10 +106,11 @@ def _compare(runner: ModelRunner, graphs: PrefillGraphs, chunks: list[ScheduledC
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Equal to fp32 rounding: within 1e-6 of the tensor's largest magnitude (the GEMMs of a padded bucket
-    and of the step's own row count may block their sums differently: ~1e-7 relative differences)."""
+    """Equal to fp32 rounding: within 1e-5 of the tensor's largest magnitude (the GEMMs of a padded bucket
+    and of the step's own row count may block their sums differently, by up to a few 1e-6 relative after three
+    layers depending on the CPU's GEMM kernels; a padding row that leaked would differ by O(1))."""
     scale = max(want.abs().max().item(), 1e-30)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * scale)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * scale)
 
 
 def _graphs(model) -> PrefillGraphs:

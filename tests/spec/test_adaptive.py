@@ -109,10 +109,18 @@ def test_no_probes_where_even_full_acceptance_cannot_pay():
     assert ak.k_for_step(1) == 0
 
 
-def test_measured_cuda_costs_keep_drafts_off_while_verify_steps_run_eagerly():
-    for method in ("mtp", "ngram"):
-        ak = AdaptiveK(4, AdaptivePolicy.for_device("cuda", method))
-        assert [ak.k_for_step(b) for b in (1, 8, 64, 256)] == [0, 0, 0, 0]      # at the prior acceptance
+def test_measured_cuda_costs_turn_free_drafts_on_where_they_pay():
     ak = AdaptiveK(4, AdaptivePolicy.for_device("cuda", "ngram"))
-    ak.acceptance = [1.0] * 4                   # all accepted: only batch 8 at K = 4 paid (1.25x measured)
-    assert [ak.k_for_step(b) for b in (1, 8, 64)] == [0, 4, 0]
+    # the prior 0.8 per position: E(4) = 3.36 against c = 2.02 / 2.06 at batch 1 / 8; above the table, off
+    assert [ak.k_for_step(b) for b in (1, 8, 64, 256)] == [4, 4, 0, 0]
+    ak.acceptance = [0.3] * 4                   # E(1) = 1.3 < c(B, 1): drafts off (probes aside)
+    assert ak.best_k(1) == 0 and ak.best_k(8) == 0
+    ak.acceptance = [0.6, 0.2, 0.1, 0.1]        # E(1) = 1.6 / 1.48 beats E(2) = 1.72 / 1.68 at batch 1
+    assert ak.best_k(1) == 1
+
+
+def test_measured_cuda_costs_keep_mtp_drafts_off_short_of_full_acceptance():
+    ak = AdaptiveK(4, AdaptivePolicy.for_device("cuda", "mtp"))
+    assert [ak.k_for_step(b) for b in (1, 8, 64)] == [0, 0, 0]       # at the prior acceptance
+    ak.acceptance = [1.0] * 4                   # all accepted: batch 1 still off (5 / 5.57), batch 8 K = 4 (5 / 4.04)
+    assert ak.best_k(1) == 0 and ak.best_k(8) == 4

@@ -1,5 +1,6 @@
 """Speculative decoding on a GPU (skipped without CUDA): the Triton verify / commit kernels in the engine,
-verify steps eager beside graph-replayed plain decode steps, async scheduling on. Greedy with oracle drafts
+verify steps replayed from their CUDA graphs (eager when a prefill rides in the step) beside graph-replayed
+plain decode steps, async scheduling on. Greedy with oracle drafts
 (some wrong) == plain greedy; a seeded sampled request is the same with and without drafts. Run:
   PYTHONPATH=. python -m pytest -q -m gpu tests/spec/test_spec_gpu.py
 The MTP drafter likewise (greedy and seeded == plain)."""
@@ -35,6 +36,7 @@ def test_greedy_and_seeded_with_drafts_match_plain_on_cuda(tiny_model, family, k
     pin_k(spec, k)
     use_oracle(spec, prompts, ref, reject_prob=0.25, seed=k)
     assert tokens(generate(spec, prompts, params)) == tokens(ref)
+    assert spec.engine.runner.verify_graphs.num_replays > 0
     stats = spec.engine.get_stats()
     assert stats.spec_num_accepted_tokens_total > stats.spec_num_draft_tokens_total // 3
     seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=24, ignore_eos=True)
@@ -45,8 +47,8 @@ def test_greedy_and_seeded_with_drafts_match_plain_on_cuda(tiny_model, family, k
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_mtp_drafts_match_plain_on_cuda(tiny_model, tmp_path, k):
-    """The MTP drafter on CUDA (Triton ops, decode graphs beside eager verify steps, prefix caching, lookahead
-    blocks): greedy and seeded output == plain."""
+    """The MTP drafter on CUDA (Triton ops, decode and verify graphs, prefix caching, lookahead blocks): greedy
+    and seeded output == plain."""
     path = with_mtp_declared(tiny_model(TinySpec(family="qwen3_next", ratio=3, decoder_sparse_step=2, mtp=True,
                                                  seed=2)), tmp_path)
     kw = {"device": "cuda", "dtype": "float32", "enable_prefix_caching": True, "max_num_seqs": 16, **TWO_ENGINES}
@@ -58,6 +60,7 @@ def test_mtp_drafts_match_plain_on_cuda(tiny_model, tmp_path, k):
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 33, 7, 16, 25, 3)]
     assert tokens(generate(spec, prompts, params)) == tokens(generate(plain, prompts, params))
     assert spec.engine.get_stats().spec_num_draft_tokens_total > 0
+    assert spec.engine.runner.verify_graphs.num_replays > 0
     seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=24, ignore_eos=True)
     assert tokens(generate(spec, prompts[:2], seeded)) == tokens(generate(plain, prompts[:2], seeded))
 

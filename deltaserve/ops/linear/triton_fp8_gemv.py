@@ -26,7 +26,6 @@ from ..quant.fp8 import BlockFp8Weight
 from .triton_gemv import _split_sum_kernel
 
 MAX_ROWS = 16          # rows of x this kernel takes (decode batches); larger M belongs to the W8A8 GEMM
-NUM_SMS = 132          # H200; only sizes the default row blocks and split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,21 +43,22 @@ class Fp8GemvConfig:
 
 
 def default_fp8_gemv_config(M: int, N: int, K: int, dtype: torch.dtype) -> Fp8GemvConfig:
-    """M = 1: CUDA cores, 8 rows x 4 groups (512 columns at 128) per step where that gives >= 2 programs per
-    SM of an H200, else 4 rows x 16 groups (the bf16 GEMV's shapes, config.default_linear_config, at half
-    the bytes); fp32 x with M > 1: CUDA cores, 8 rows; M = 2..16 bf16 / fp16: tensor cores, 64 rows. Not
-    tuned on the device yet (`benchmarks/fp8_ops.py --gemv --sweep` measures the alternatives)."""
+    """From `benchmarks/fp8_ops.py --gemv --sweep` on an H200 at the decode projections (K = 2048 / 4096).
+    M = 1: CUDA cores, 4 column groups per step; 16 rows a program from N = 8192 (in_proj_qkvz 13.6 -> 12.4 us,
+    in_proj_qkv 10.2 -> 8.3), 4 rows between (in_proj_z 6.2 -> 6.0), 4 rows x 16 groups below (out_proj, the
+    shared expert: the bf16 GEMV's shape, config.default_linear_config). fp32 x with M > 1: CUDA cores, 8 rows.
+    M = 2..16 bf16 / fp16: tensor cores, 64 rows, K split so ~2 programs run per SM (half the time of 16-row
+    blocks at every decode shape: in_proj_qkvz 34 -> 16 us, out_proj 16 -> 10)."""
     if M == 1:
-        if N >= 8 * 264:
-            return Fp8GemvConfig(block_n=8, warps=4, stages=3, k_groups=4)
+        if N >= 8192:
+            return Fp8GemvConfig(block_n=16, warps=4, stages=3, k_groups=4)
+        if N > 2048:
+            return Fp8GemvConfig(block_n=4, warps=4, stages=3, k_groups=4)
         return Fp8GemvConfig(block_n=4, warps=8, stages=2, k_groups=16)
     if dtype == torch.float32:
         return Fp8GemvConfig(block_n=8, warps=4, stages=3)
-    if triton.cdiv(N, 64) >= 2 * NUM_SMS:
-        return Fp8GemvConfig(block_n=64, warps=4, stages=4, dot=True)
-    # few row blocks (the 2048-row out_proj / o_proj): 16-row blocks, K split to give ~2 programs per SM
-    split = max(1, min(8, triton.cdiv(2 * NUM_SMS, triton.cdiv(N, 16))))
-    return Fp8GemvConfig(block_n=16, warps=4, stages=4, dot=True, split_k=split)
+    split = max(1, min(8, triton.cdiv(256, triton.cdiv(N, 64))))      # ~256 programs: ~2 per SM
+    return Fp8GemvConfig(block_n=64, warps=4, stages=4, dot=True, split_k=split)
 
 
 @triton.jit

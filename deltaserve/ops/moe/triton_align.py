@@ -75,9 +75,11 @@ def _moe_offsets_kernel(topk_ids, chunk_counts, chunk_base, sorted_ids, block_ex
         for c in range(nchunk):
             tl.store(chunk_base + c * EB + bins, running)
             running += tl.load(chunk_counts + c * EB + bins)
-    # padding rows of each expert's last block
-    pad = start[:, None] + total[:, None] + tl.arange(0, BM)[None, :]
-    tl.store(sorted_ids + pad, A, mask=is_expert[:, None] & (pad < end[:, None]))
+    # padding rows of each expert's last block, one column at a time: an [EB, BM] tile would hold EB * BM
+    # values in registers, and its lowering takes minutes to compile at 512 experts x 128 rows
+    for j in range(BM):
+        pad = start + total + j
+        tl.store(sorted_ids + pad, A, mask=is_expert & (pad < end))
     # expert of every block: the number of experts whose padded range ends at or before the block start
     end_e = tl.where(is_expert, end, 2147483647)
     used = tl.sum(padded, 0)
